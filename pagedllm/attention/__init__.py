@@ -1,0 +1,1 @@
+"""Attention backends: `torch_backend` (the reference, runs anywhere)."""

@@ -1,0 +1,129 @@
+"""The reference attention backend in plain torch: writes new K/V to the paged cache, then attends over it.
+
+Decodes (one query token) of all requests run as one padded SDPA call; prefill chunks run one SDPA call each,
+directly on the chunk's K/V when there is no earlier context, else over K/V gathered from the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.common import BatchLayout, slots_of
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int
+    q_end: int
+    context_len: int  # tokens before this chunk, already in the cache
+    slots: torch.Tensor | None  # [seq_len] cache slots of all its tokens, when context_len > 0
+    positions: torch.Tensor | None  # [q_len] query positions, when a mask is needed
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    decode_token_idx: torch.Tensor | None  # [num_decodes] rows of the flat batch that are decodes
+    decode_slots: torch.Tensor | None  # [num_decodes, max_seq_len] cache slots, padded with a valid slot
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
+    decode_padded: bool  # whether some decode rows are padded (a mask is needed)
+    prefills: list[PrefillChunk]
+
+
+def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
+    qsl, seq_lens, bs = layout.query_start_loc, layout.seq_lens, layout.block_size
+    query_lens = np.diff(qsl)
+    dev = layout.device
+    decode_reqs = np.nonzero(query_lens == 1)[0]
+    decode_token_idx = decode_slots = decode_seq_lens = None
+    decode_padded = False
+    if len(decode_reqs):
+        lens = seq_lens[decode_reqs]
+        max_len = int(lens.max())
+        decode_padded = bool((lens != max_len).any())
+        pos = np.minimum(np.arange(max_len)[None, :], lens[:, None] - 1)  # pad with the last valid position
+        table = layout.block_table[decode_reqs]
+        slots = np.take_along_axis(table, pos // bs, axis=1) * bs + pos % bs  # [num_decodes, max_len]
+        decode_token_idx = torch.from_numpy(qsl[decode_reqs]).to(dev)
+        decode_slots = torch.from_numpy(slots).to(dev)
+        decode_seq_lens = torch.from_numpy(lens).to(dev)
+    prefills = []
+    for i in np.nonzero(query_lens > 1)[0]:
+        q_start, q_end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        context = seq_len - (q_end - q_start)
+        slots = positions = None
+        if context > 0:
+            slots = torch.from_numpy(slots_of(layout.block_table[i], np.arange(seq_len), bs)).to(dev)
+            positions = torch.arange(context, seq_len, device=dev)
+        prefills.append(PrefillChunk(q_start, q_end, context, slots, positions))
+    return TorchAttentionMetadata(
+        layout.slot_mapping, decode_token_idx, decode_slots, decode_seq_lens, decode_padded, prefills
+    )
+
+
+def _window_mask(q_pos: torch.Tensor, k_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[q_len, k_len] bool: causal, and inside the sliding window when there is one."""
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def forward(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: TorchAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
+    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    if meta.decode_token_idx is not None:
+        out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, sliding_window)
+    for chunk in meta.prefills:
+        qc = q[chunk.q_start : chunk.q_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        if chunk.context_len == 0 and sliding_window is None:
+            kc = k[chunk.q_start : chunk.q_end].transpose(0, 1)
+            vc = v[chunk.q_start : chunk.q_end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            if chunk.context_len == 0:
+                kc, vc = k[chunk.q_start : chunk.q_end], v[chunk.q_start : chunk.q_end]
+                q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
+            else:
+                kc, vc, q_pos = k_cache[chunk.slots], v_cache[chunk.slots], chunk.positions
+            mask = _window_mask(q_pos, kc.shape[0], sliding_window)
+            o = F.scaled_dot_product_attention(
+                qc, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[chunk.q_start : chunk.q_end] = o.transpose(0, 1)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta, scale, sliding_window):
+    """One query token per request, all requests in one SDPA call over their padded cached K/V."""
+    slots = meta.decode_slots  # [num_decodes, max_len]
+    kd = k_cache[slots].transpose(1, 2)  # [num_decodes, num_kv_heads, max_len, head_dim]
+    vd = v_cache[slots].transpose(1, 2)
+    mask = None
+    if meta.decode_padded or (sliding_window is not None and slots.shape[1] > sliding_window):
+        k_pos = torch.arange(slots.shape[1], device=q.device)
+        lens = meta.decode_seq_lens[:, None]
+        mask = k_pos[None, :] < lens  # [num_decodes, max_len]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] >= lens - sliding_window
+        mask = mask[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [num_decodes, num_heads, 1, head_dim]
+    return o.squeeze(2)

@@ -1,0 +1,185 @@
+"""The engine's configuration: a tree of validated dataclasses built once in `LLM.__init__`.
+
+Each component receives the sub-config it needs (model, cache, scheduler, parallel, device, compilation).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class CompilationLevel(enum.IntEnum):
+    """vLLM's compilation levels. pagedllm runs eagerly on CPU; CUDA graphs are governed by `enforce_eager`."""
+
+    NO_COMPILATION = 0
+    DYNAMO_AS_IS = 1
+    DYNAMO_ONCE = 2
+    PIECEWISE = 3
+
+
+@dataclass
+class CompilationConfig:
+    level: int = CompilationLevel.NO_COMPILATION
+    cudagraph_capture_sizes: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if int(self.level) not in {lvl.value for lvl in CompilationLevel}:
+            raise ValueError(f"compilation_config.level={self.level!r} is not one of 0, 1, 2, 3")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = list(self.cudagraph_capture_sizes)
+            if any(not isinstance(s, int) or s < 1 for s in sizes):
+                raise ValueError(
+                    f"compilation_config.cudagraph_capture_sizes={sizes!r} must hold positive integers"
+                )
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+
+    @classmethod
+    def from_user(cls, value: Any) -> CompilationConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, int):
+            return cls(level=value)
+        if isinstance(value, dict):
+            known = {"level", "mode", "cudagraph_capture_sizes"}
+            unknown = set(value) - known
+            if unknown:
+                raise TypeError(f"compilation_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            level = value.get("level", value.get("mode", CompilationLevel.NO_COMPILATION))
+            return cls(level=level, cudagraph_capture_sizes=value.get("cudagraph_capture_sizes"))
+        raise TypeError(f"compilation_config must be an int, a dict or a CompilationConfig, got {type(value).__name__}")
+
+
+@dataclass
+class ModelConfig:
+    """What the model is and how to run it. `hf_config` is the transformers config after `hf_overrides`."""
+
+    model: str  # what the user asked for
+    model_path: str  # resolved local directory or .gguf file
+    tokenizer: str | None  # resolved tokenizer location (None: from the model / GGUF)
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | pt | gguf | dummy
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model_path.endswith(".gguf")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    num_blocks: int = 0  # decided when the cache is allocated
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size={self.block_size!r} must be a power of two in [1, 256]")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override!r} must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported "
+                "(tensor parallelism is not implemented yet)"
+            )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: only 1 is supported")
+
+
+@dataclass
+class DeviceConfig:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    enforce_eager: bool = False
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    compilation: CompilationConfig
+
+
+def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """vLLM's `dtype` rule: "auto" takes the checkpoint's dtype; on CPU float16 runs as bfloat16 ..."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype!r} must be one of auto, float32, float16, bfloat16")
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+    if dtype == "auto":
+        resolved = config_dtype if config_dtype in _DTYPES.values() else torch.float32
+        if device.type == "cpu":
+            # CPU matmuls in float16 are slow; checkpoints stored in half precision run in bfloat16 there.
+            return torch.bfloat16 if resolved == torch.float16 else resolved
+        return torch.bfloat16 if resolved == torch.float32 else resolved
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of auto, float32, float16, bfloat16")
+    return _DTYPES[dtype]

@@ -1,0 +1,64 @@
+"""EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
+from pagedllm.worker.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+def default_cpu_kv_cache_bytes() -> int:
+    """On CPU with no setting: a quarter of the available memory, at most 4 GiB."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 8 * _GiB
+    return int(min(4 * _GiB, available // 4))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        num_blocks = self._num_blocks()
+        config.cache.num_blocks = num_blocks
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        memory = cache.kv_cache_memory_bytes or default_cpu_kv_cache_bytes()
+        per_block = self.executor.kv_bytes_per_block()
+        num_blocks = memory // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={memory} holds no KV-cache block; one block needs {per_block} bytes"
+            )
+        return int(num_blocks)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        so = self.scheduler.schedule()
+        out = self.executor.execute_model(so)
+        return self.scheduler.update_from_output(so, out)

@@ -1,0 +1,85 @@
+"""LLMEngine: validates and admits requests, steps the core, and turns its tokens into RequestOutputs."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.core = EngineCore(config)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.eos_token_id = _eos_token_id(tokenizer, config.model.hf_config)
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> tuple[Request, RequestState]:
+        """Checks a request against the model and the cache without admitting it (raises ValueError)."""
+        model = self.config.model
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        vocab = model.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}: token ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n > model.max_model_len:
+            raise ValueError(
+                f"prompt length {n} is longer than max_model_len={model.max_model_len}: allowed range [1, "
+                f"{model.max_model_len}] tokens"
+            )
+        params.check_vocab(vocab)
+        limit = model.max_model_len - n
+        max_tokens = max(1, limit if params.max_tokens is None else min(params.max_tokens, limit))
+        self.core.scheduler.check_fits(n, max_tokens)
+        request_id = request_id if request_id is not None else self.next_request_id()
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
+        state = RequestState(request_id, prompt, prompt_token_ids, params,
+                             None if self.config.model.skip_tokenizer_init else self.tokenizer)
+        return req, state
+
+    def add(self, req: Request, state: RequestState) -> None:
+        self.core.add_request(req)
+        self.output_processor.add_request(state)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        self.add(*self.make_request(prompt, prompt_token_ids, params, request_id))
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(list(request_ids))
+        self.output_processor.abort(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that finished in it."""
+        finished, stop_ids = self.output_processor.process(self.core.step())
+        if stop_ids:
+            self.core.abort_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
+        return finished
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.scheduler.kv.reset_prefix_cache()
+
+
+def _eos_token_id(tokenizer, hf_config) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos

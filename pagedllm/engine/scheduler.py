@@ -1,0 +1,153 @@
+"""The scheduler: one rule, no phases (see DESIGN.md).
+
+Running requests are served first, then waiting ones, each getting min(tokens left to compute, budget left) tokens.
+When blocks run out, the newest running request is preempted (its blocks freed, recomputed later)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.worker.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first: the last one is preempted first
+        self.removed_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- admission ----------------------------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """A request whose tokens could never all be cached at once is refused before it enters."""
+        needed = cdiv(num_prompt_tokens + max_tokens - 1, self.block_size)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV-cache blocks "
+                f"but the whole cache has {self.kv.pool.num_blocks} blocks of {self.block_size} tokens; "
+                "shorten the request or give the cache more memory (kv_cache_memory_bytes)"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break
+            cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks],
+                                                 req.num_computed_tokens))
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                                           req.sampling_params, self.kv.block_ids(req.request_id), num_hit))
+            num_scheduled[req.request_id] = n
+            budget -= n
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
+                              self.removed_req_ids)
+        self.removed_req_ids = set()
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.removed_req_ids.add(req.request_id)
+
+    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id, token in out.sampled_token_ids.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.append_output_token(token)
+            finished = req.check_stop()
+            if finished:
+                self._remove(req)
+            outputs.append(EngineCoreOutput(req_id, [token], req.status.finish_reason, req.stop_reason,
+                                            max(req.num_cached_tokens, 0)))
+        return outputs
+
+    # -- leaving ------------------------------------------------------------------------------------------------
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.removed_req_ids.add(req.request_id)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        """Ends requests from outside the step (abort, or a stop string found by the output processor)."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.status.finished:
+                continue
+            req.status = status
+            self._remove(req)

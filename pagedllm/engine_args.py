@@ -1,0 +1,106 @@
+"""EngineArgs: the user-facing engine options (vLLM's names), turned into the validated EngineConfig tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from pagedllm.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_dtype,
+)
+from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
+from pagedllm.model_loader.resolve import resolve_model
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+    hf_overrides: Any = None
+    load_format: str = "auto"
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    compilation_config: Any = None
+    device: str | None = None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def _device(self) -> torch.device:
+        if self.device in (None, "auto"):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def create_model_config(self, device: torch.device) -> ModelConfig:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
+        path = resolve_model(self.model, self.revision)
+        hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"model {path!r}: config.json names no `architectures`")
+        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(config_dtype, str):
+            config_dtype = getattr(torch, config_dtype, None)
+        derived_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_len = self.max_model_len or derived_len
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
+        return ModelConfig(
+            model=self.model or path,
+            model_path=path,
+            tokenizer=self.tokenizer,
+            hf_config=hf_config,
+            architecture=archs[0],
+            dtype=parse_dtype(self.dtype, config_dtype, device),
+            max_model_len=max_len,
+            seed=self.seed,
+            load_format=self.load_format,
+            trust_remote_code=self.trust_remote_code,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+
+    def create_engine_config(self) -> EngineConfig:
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        compilation = CompilationConfig.from_user(self.compilation_config)
+        device = self._device()
+        model = self.create_model_config(device)
+        cache = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len=model.max_model_len,
+        )
+        return EngineConfig(model, cache, scheduler, parallel, DeviceConfig(device, self.enforce_eager), compilation)

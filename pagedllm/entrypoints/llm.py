@@ -1,0 +1,177 @@
+"""The offline API: `LLM(...)` and `LLM.generate(...)`, with vLLM's names and behaviour."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine_args import EngineArgs
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import get_tokenizer
+
+
+class LLM:
+    """An offline engine for one model. `LLM()` with no model runs the bundled SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        trust_remote_code: bool = False,
+        skip_tokenizer_init: bool = False,
+        hf_overrides: Any = None,
+        load_format: str = "auto",
+        num_gpu_blocks_override: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        compilation_config: Any = None,
+        device: str | None = None,
+    ) -> None:
+        args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
+        self.engine_args = EngineArgs(**args)
+        config = self.engine_args.create_engine_config()
+        tok = None
+        if not skip_tokenizer_init:
+            tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code, revision)
+        self.llm_engine = LLMEngine(config, tok)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    # -- generate -----------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in input order."""
+        unknown = set(kwargs) - {"lora_request", "priority"}
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
+        if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
+            raise ValueError("prompts: a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
+        if not parsed:
+            raise ValueError("prompts is empty: give at least one prompt")
+        params_list = _params_list(sampling_params, len(parsed))
+        engine = self.llm_engine
+        # Validate every request before any enters the engine.
+        pending = [engine.make_request(text, ids, params) for (text, ids), params in zip(parsed, params_list)]
+        return self._run(pending, use_tqdm)
+
+    def _parse_prompt(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError(f"prompts[{index}].prompt_token_ids must be a list of ints")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"])
+            raise ValueError(f"prompts[{index}] must have a str 'prompt' or a list 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(
+            f"prompts[{index}] has type {type(prompt).__name__}; expected str, TextPrompt, TokensPrompt or list[int]"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass prompt_token_ids")
+        return tok.encode(text)
+
+    def _run(self, pending: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order = {}
+        for i, (req, state) in enumerate(pending):
+            engine.add(req, state)
+            order[req.request_id] = i
+        results: list[RequestOutput | None] = [None] * len(pending)
+        bar = _ProgressBar(len(pending)) if use_tqdm else None
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar:
+                            bar.update(out)
+        except BaseException:
+            engine.abort_request([rid for rid, i in order.items() if results[i] is None])
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+    raise TypeError(f"prompts has type {type(prompts).__name__}; expected a str, a prompt dict or a list of them")
+
+
+def _params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, (list, tuple)):
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries but there are {n} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must hold SamplingParams objects")
+        return list(params)
+    raise TypeError(f"sampling_params has type {type(params).__name__}; expected SamplingParams or a list of them")
+
+
+class _ProgressBar:
+    """Requests done, with input and output tokens per second."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.start = time.perf_counter()
+        self.in_tokens = self.out_tokens = 0
+
+    def update(self, out: RequestOutput) -> None:
+        self.in_tokens += len(out.prompt_token_ids)
+        self.out_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.postfix = (
+            f"est. speed input: {self.in_tokens / elapsed:.2f} toks/s, output: {self.out_tokens / elapsed:.2f} toks/s"
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,1 @@
+"""Building blocks shared by the model files: linear layers, norms, activations, rotary, embeddings, attention."""

@@ -1,0 +1,75 @@
+"""Linear layers named for tensor parallelism (column / row split). With one rank they are plain matmuls.
+
+Each weight carries a `weight_loader(param, loaded, shard_id=None)` that copies a checkpoint tensor into its slice."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)  # dtype/device from the loading context
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _param(output_size, input_size)  # [out_features, in_features]
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _param(output_size)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks."""
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks (outputs summed)."""
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+
+    def _shard_range(self, shard_id: object) -> tuple[int, int]:
+        index = int(shard_id)
+        start = sum(self.output_sizes[:index])
+        return start, self.output_sizes[index]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            return default_weight_loader(param, loaded)
+        start, size = self._shard_range(shard_id)
+        default_weight_loader(param.data.narrow(0, start, size), loaded)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Q, K and V projections in one matmul; shards named "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+
+    def _shard_range(self, shard_id: object) -> tuple[int, int]:
+        return super()._shard_range({"q": 0, "k": 1, "v": 2}[shard_id])

@@ -1,0 +1,1 @@
+"""Finding a model and loading its weights: safetensors, PyTorch .bin, GGUF, or dummy random weights."""

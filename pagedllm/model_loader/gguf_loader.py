@@ -1,0 +1,287 @@
+"""Load a .gguf checkpoint: its transformers config, its weights under HF names, and its tokenizer."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+from pagedllm.model_loader.gguf_dequant import dequantize
+
+logger = logging.getLogger(__name__)
+
+# GGUF architecture name -> (config class, HF architecture). Mistral GGUFs use the "llama" name.
+_ARCHITECTURES: dict[str, tuple[type[transformers.PretrainedConfig], str]] = {
+    "llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+    "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM"),
+}
+# Architectures whose converter interleaved the rotary halves of the Q/K rows.
+_PERMUTED_QK = frozenset({"llama"})
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Tensors with no HF parameter (llama3 rope frequency factors are not representable here).
+_SKIPPED = frozenset({"rope_freqs.weight"})
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that parses the header through a plain ndarray view of its memmap.
+
+    Slicing a numpy.memmap is several times slower than slicing an ndarray; the header of a
+    file with a large vocabulary has ~10^5 strings, so this makes opening a file ~3x faster.
+    The returned arrays still view the read-only memory map.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dt, count = np.dtype(dtype), int(count)
+        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def _file_key(path: str | os.PathLike[str]) -> tuple[str, int, int]:
+    """(absolute path, size, mtime in ns): identifies one version of a file."""
+    abspath = os.path.abspath(os.fspath(path))
+    st = os.stat(abspath)
+    return abspath, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(key: tuple[str, int, int]) -> gguf.GGUFReader:
+    try:
+        return _Reader(key[0], "r")
+    except (AttributeError, TypeError):  # a gguf version whose reader internals differ
+        return gguf.GGUFReader(key[0], "r")
+
+
+def _reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    return _open_reader(_file_key(path))
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: gguf.GGUFReader) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+    return arch
+
+
+def _rope_parameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """transformers-5 `rope_parameters` from the {arch}.rope.* metadata."""
+    theta = _field(reader, f"{arch}.rope.freq_base", 10000.0)
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(theta)}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return params
+    if scaling not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported")
+    params["rope_type"] = scaling
+    params["factor"] = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    optional = {
+        "original_context_length": "original_max_position_embeddings",
+        "yarn_beta_fast": "beta_fast",
+        "yarn_beta_slow": "beta_slow",
+    }
+    for gguf_key, hf_key in optional.items():
+        value = _field(reader, f"{arch}.rope.scaling.{gguf_key}")
+        if value is not None and scaling == "yarn":
+            params[hf_key] = value
+    return params
+
+
+def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
+    return {t.name for t in reader.tensors}
+
+
+def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])  # GGUF order: (hidden, vocab)
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    return int(_field(reader, f"{arch}.vocab_size"))
+
+
+def _token_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
+    keys = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
+    return {hf: _field(reader, f"tokenizer.ggml.{name}_token_id") for hf, name in keys.items()}
+
+
+def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
+    """The transformers config of a .gguf file's model, built from its metadata."""
+    reader = _reader(path)
+    arch = _architecture(reader)
+    config_cls, hf_arch = _ARCHITECTURES[arch]
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    names = _tensor_names(reader)
+    kwargs: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": _rope_parameters(reader, arch),
+        "vocab_size": _vocab_size(reader, arch),
+        "tie_word_embeddings": "output.weight" not in names,
+        "dtype": torch.float32,
+        **_token_ids(reader),
+    }
+    context = _field(reader, f"{arch}.context_length")
+    if context is not None:
+        kwargs["max_position_embeddings"] = int(context)
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    if "rope_freqs.weight" in names:
+        logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
+    return config_cls(**kwargs)
+
+
+def _hf_name(name: str) -> str:
+    """GGUF tensor name -> HF parameter name."""
+    base, _, suffix = name.rpartition(".")
+    if base in _GLOBAL_NAMES and suffix == "weight":
+        return f"{_GLOBAL_NAMES[base]}.weight"
+    match = _LAYER_RE.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} has no known HF counterpart")
+    layer, part, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+
+
+def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary interleave of Q/K rows (weights or biases).
+
+    Within each head the converter moved row ``j * (head_dim // 2) + i`` (half j, index i) to row
+    ``2 * i + j``; this maps the rows back to HF's [first half, second half] layout.
+    """
+    rows = weight.shape[0]
+    half = rows // n_heads // 2
+    w = weight.reshape(n_heads, half, 2, *weight.shape[1:])  # (heads, head_dim/2, 2, ...) interleaved pairs
+    return w.transpose(1, 2).reshape(weight.shape)  # (heads, 2, head_dim/2, ...) -> rows
+
+
+def _qk_heads(reader: gguf.GGUFReader, arch: str, part: str) -> int:
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    if part == "attn_k":
+        return int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    return heads
+
+
+def gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file."""
+    reader = _reader(path)
+    arch = _architecture(reader)
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED:
+            continue
+        name = _hf_name(tensor.name)
+        shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost first
+        weight = dequantize(tensor.data, tensor.tensor_type, shape)
+        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if arch in _PERMUTED_QK and part in ("attn_q", "attn_k"):
+            weight = unpermute_qk(weight, _qk_heads(reader, arch, part))
+        yield name, weight
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+
+
+def _tokenizer_key(path: str | os.PathLike[str]) -> str:
+    abspath, size, mtime_ns = _file_key(path)
+    return hashlib.sha256(f"{abspath}\0{size}\0{mtime_ns}".encode()).hexdigest()
+
+
+def _convert_tokenizer(path: str | os.PathLike[str]) -> transformers.PreTrainedTokenizerFast:
+    """Have transformers convert the GGUF vocabulary (slow: seconds)."""
+    abspath = os.path.abspath(os.fspath(path))
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(abspath), gguf_file=os.path.basename(abspath))
+    template = _field(_reader(abspath), "tokenizer.chat_template")
+    if template is not None and not tok.chat_template:
+        tok.chat_template = template
+    return tok
+
+
+def _save_atomically(tok: transformers.PreTrainedTokenizerFast, target: str) -> None:
+    """save_pretrained into a temp dir next to `target`, then rename it into place (first writer wins)."""
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(target) + ".tmp-", dir=parent)
+    try:
+        tok.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not os.path.isfile(os.path.join(target, "tokenizer.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_cached(target: str) -> transformers.PreTrainedTokenizerFast | None:
+    if not os.path.isfile(os.path.join(target, "tokenizer.json")):
+        return None
+    try:
+        return transformers.PreTrainedTokenizerFast.from_pretrained(target)
+    except Exception as exc:  # a damaged cache entry: rebuild it
+        logger.warning("ignoring unreadable tokenizer cache %s: %s", target, exc)
+        shutil.rmtree(target, ignore_errors=True)
+        return None
+
+
+def gguf_tokenizer(path: str | os.PathLike[str], cache_dir: str | None = None) -> transformers.PreTrainedTokenizerFast:
+    """The .gguf file's tokenizer (special tokens, bos/eos, chat template).
+
+    The first call converts it with transformers and saves it under
+    ``<cache_dir>/tokenizers/<sha256 of path, size, mtime>``; later calls load that copy.
+    """
+    root = cache_dir if cache_dir is not None else _default_cache_dir()
+    target = os.path.join(root, "tokenizers", _tokenizer_key(path))
+    tok = _load_cached(target)
+    if tok is not None:
+        return tok
+    tok = _convert_tokenizer(path)
+    try:
+        _save_atomically(tok, target)
+    except OSError as exc:  # a read-only cache must not prevent loading
+        logger.warning("could not cache the tokenizer in %s: %s", target, exc)
+    return tok

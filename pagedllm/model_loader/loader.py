@@ -1,0 +1,70 @@
+"""Builds the HF config for a resolved model and the pagedllm model with its weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.model_loader import weights as W
+from pagedllm.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+
+
+def load_hf_config(model_path: str, trust_remote_code: bool, hf_overrides: dict | Callable | None) -> Any:
+    if model_path.endswith(".gguf"):
+        from pagedllm.model_loader.gguf_loader import gguf_config
+
+        config = gguf_config(model_path)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if hf_overrides is None:
+        return config
+    if callable(hf_overrides):
+        return hf_overrides(config)
+    if not isinstance(hf_overrides, dict):
+        raise TypeError(f"hf_overrides must be a dict or a callable, got {type(hf_overrides).__name__}")
+    for key, value in hf_overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _weights(model_config: ModelConfig):
+    fmt = model_config.load_format
+    if fmt == "auto":
+        fmt = W.detect_format(model_config.model_path)
+    if fmt == "gguf":
+        from pagedllm.model_loader.gguf_loader import gguf_weights
+
+        return gguf_weights(model_config.model_path)
+    if fmt == "safetensors":
+        return W.safetensors_weights(model_config.model_path)
+    if fmt == "pt":
+        return W.pt_weights(model_config.model_path)
+    raise ValueError(f"load_format={fmt!r} must be one of {LOAD_FORMATS}")
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    cls = get_model_class(model_config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(model_config.hf_config, max_position=model_config.max_model_len)
+    finally:
+        torch.set_default_dtype(previous)
+    if model_config.load_format == "dummy":
+        W.dummy_init(model, model_config.seed)
+    else:
+        loaded = model.load_weights(_weights(model_config))
+        expected = {n for n, _ in model.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint {model_config.model_path!r} lacks weights for {sorted(missing)[:8]}")
+    return model.eval()

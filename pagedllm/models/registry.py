@@ -1,0 +1,23 @@
+"""HF architecture name -> pagedllm model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {supported_architectures()}")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)

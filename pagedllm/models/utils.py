@@ -1,0 +1,56 @@
+"""Weight loading shared by the model files: HF names -> parameters, with stacked (merged) projections."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import default_weight_loader
+
+# (our parameter fragment, HF fragment, shard id) for projections merged into one matmul
+STACKED_PARAMS = [
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+]
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> set[str]:
+    """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters that were loaded."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        if any(s in hf_name for s in skip) or "rotary_emb.inv_freq" in hf_name:
+            continue
+        for ours, theirs, shard_id in STACKED_PARAMS:
+            if theirs in hf_name:
+                name = hf_name.replace(theirs, ours)
+                params[name].weight_loader(params[name], tensor, shard_id)
+                break
+        else:
+            name = hf_name
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+            param = params[name]
+            getattr(param, "weight_loader", lambda p, t: default_weight_loader(p, t))(param, tensor)
+        loaded.add(name)
+    return loaded
+
+
+def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:
+    """The sliding-window size of one layer, or None for full attention (HF's layer_types / use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    if layer_idx < getattr(config, "max_window_layers", 0):
+        return None
+    return window

@@ -1,0 +1,1 @@
+"""Token sampling: one vectorized pass over the batch with per-request parameters."""

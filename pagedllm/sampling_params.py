@@ -1,0 +1,85 @@
+"""SamplingParams: how to pick each next token and when to stop, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+_SAMPLING_EPS = 1e-5
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range: {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: str = field(default="final", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.n == 1, "n", self.n, "only n=1 is supported")
+        t = self.temperature
+        _check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0, "temperature", t, "a finite number >= 0")
+        p = self.top_p
+        _check(isinstance(p, (int, float)) and 0.0 < p <= 1.0, "top_p", p, "(0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k, "-1 (off), 0 (off) or >= 1")
+        m = self.min_p
+        _check(isinstance(m, (int, float)) and 0.0 <= m <= 1.0, "min_p", m, "[0, 1]")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        if self.max_tokens is not None:
+            _check(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1"
+            )
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
+        for tid in self.stop_token_ids:
+            _check(isinstance(tid, int) and tid >= 0, "stop_token_ids", tid, "non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def top_k_enabled(self) -> int:
+        """top_k as an integer where 0 means off."""
+        return max(self.top_k, 0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Checks the token ids named in the params against the model's vocabulary (at submission)."""
+        for tid in self.stop_token_ids:
+            _check(tid < vocab_size, "stop_token_ids", tid, f"[0, {vocab_size})")
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)

@@ -1,0 +1,1 @@
+"""The worker side: executor, model runner and its persistent batch."""

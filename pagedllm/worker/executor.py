@@ -1,0 +1,21 @@
+"""Executor: runs the model runner. One process today; tensor-parallel executors plug in here."""
+
+from __future__ import annotations
+
+from pagedllm.config import EngineConfig
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

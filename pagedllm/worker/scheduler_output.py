@@ -1,0 +1,42 @@
+"""What the scheduler tells the model runner each step (a delta), and what the runner answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the batch: new, or resumed after preemption (then all its tokens are listed again)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + tokens generated so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in the batch: the blocks it got this step and where its computation stands."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # in batch order
+    total_num_scheduled_tokens: int
+    removed_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since last step
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
