@@ -64,6 +64,11 @@ def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
     )
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[..., len, heads, dim] -> contiguous [..., heads, len, dim] (SDPA on CPU is much faster on contiguous input)."""
+    return x.transpose(-3, -2).contiguous()
+
+
 def _window_mask(q_pos: torch.Tensor, k_len: int, sliding_window: int | None) -> torch.Tensor:
     """[q_len, k_len] bool: causal, and inside the sliding window when there is one."""
     k_pos = torch.arange(k_len, device=q_pos.device)
@@ -91,20 +96,21 @@ def forward(
     if meta.decode_token_idx is not None:
         out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
-        qc = q[chunk.q_start : chunk.q_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        qc = _heads_first(q[chunk.q_start : chunk.q_end])  # [num_heads, q_len, head_dim]
         if chunk.context_len == 0 and sliding_window is None:
-            kc = k[chunk.q_start : chunk.q_end].transpose(0, 1)
-            vc = v[chunk.q_start : chunk.q_end].transpose(0, 1)
+            kc = _heads_first(k[chunk.q_start : chunk.q_end])
+            vc = _heads_first(v[chunk.q_start : chunk.q_end])
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             if chunk.context_len == 0:
                 kc, vc = k[chunk.q_start : chunk.q_end], v[chunk.q_start : chunk.q_end]
                 q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
             else:
-                kc, vc, q_pos = k_cache[chunk.slots], v_cache[chunk.slots], chunk.positions
+                kc, vc = k_cache.index_select(0, chunk.slots), v_cache.index_select(0, chunk.slots)
+                q_pos = chunk.positions
             mask = _window_mask(q_pos, kc.shape[0], sliding_window)
             o = F.scaled_dot_product_attention(
-                qc, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+                qc, _heads_first(kc), _heads_first(vc), attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[chunk.q_start : chunk.q_end] = o.transpose(0, 1)
     return out
@@ -113,8 +119,9 @@ def forward(
 def _decode(q, k_cache, v_cache, meta, scale, sliding_window):
     """One query token per request, all requests in one SDPA call over their padded cached K/V."""
     slots = meta.decode_slots  # [num_decodes, max_len]
-    kd = k_cache[slots].transpose(1, 2)  # [num_decodes, num_kv_heads, max_len, head_dim]
-    vd = v_cache[slots].transpose(1, 2)
+    shape = (*slots.shape, k_cache.shape[1], k_cache.shape[2])
+    kd = _heads_first(k_cache.index_select(0, slots.view(-1)).view(shape))  # [num_decodes, kv_heads, max_len, dim]
+    vd = _heads_first(v_cache.index_select(0, slots.view(-1)).view(shape))
     mask = None
     if meta.decode_padded or (sliding_window is not None and slots.shape[1] > sliding_window):
         k_pos = torch.arange(slots.shape[1], device=q.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -167,6 +167,7 @@ _KERNELS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
 }
 
 TORCH_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_KERNELS)
+
 
 def _numpy_fallback(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]

@@ -50,6 +50,7 @@ _LAYER_NAMES = {
 }
 # Tensors with no HF parameter (llama3 rope frequency factors are not representable here).
 _SKIPPED = frozenset({"rope_freqs.weight"})
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -124,6 +125,15 @@ def _rope_parameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     return params
 
 
+def _rope_and_dtype_kwargs(rope: dict[str, Any]) -> dict[str, Any]:
+    """Config kwargs for the rope and dtype: `rope_parameters`/`dtype` in transformers 5, the older names before."""
+    if _TRANSFORMERS_MAJOR >= 5:
+        return {"rope_parameters": rope, "dtype": torch.float32}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = {**scaling, "type": scaling["rope_type"]} if scaling["rope_type"] != "default" else None
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling, "torch_dtype": torch.float32}
+
+
 def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
     return {t.name for t in reader.tensors}
 
@@ -160,10 +170,9 @@ def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_parameters": _rope_parameters(reader, arch),
         "vocab_size": _vocab_size(reader, arch),
         "tie_word_embeddings": "output.weight" not in names,
-        "dtype": torch.float32,
+        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
         **_token_ids(reader),
     }
     context = _field(reader, f"{arch}.context_length")
