@@ -1,6 +1,6 @@
 """pagedllm: an LLM inference engine with vLLM's offline API.
 
-    from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams
 """
 
 from pagedllm.entrypoints.llm import LLM

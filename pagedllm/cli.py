@@ -35,12 +35,18 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         prompts = ["Hello, my name is"]
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
     outputs = llm.generate(prompts, params, use_tqdm=args.output is not None)
     records = [
-        {"prompt": o.prompt, "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason,
-         "num_prompt_tokens": len(o.prompt_token_ids), "num_output_tokens": len(o.outputs[0].token_ids)}
+        {
+            "prompt": o.prompt,
+            "text": o.outputs[0].text,
+            "finish_reason": o.outputs[0].finish_reason,
+            "num_prompt_tokens": len(o.prompt_token_ids),
+            "num_output_tokens": len(o.outputs[0].token_ids),
+        }
         for o in outputs
     ]
     if args.output:

@@ -40,9 +40,7 @@ class CompilationConfig:
         if self.cudagraph_capture_sizes is not None:
             sizes = list(self.cudagraph_capture_sizes)
             if any(not isinstance(s, int) or s < 1 for s in sizes):
-                raise ValueError(
-                    f"compilation_config.cudagraph_capture_sizes={sizes!r} must hold positive integers"
-                )
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes={sizes!r} must hold positive integers")
             self.cudagraph_capture_sizes = sorted(set(sizes))
 
     @classmethod
@@ -78,6 +76,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | pt | gguf | dummy
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    keep_q4: bool = False  # GGUF Q4_0/Q4_1 weights stay 4-bit for the int4 kernel (CPU, half-precision compute)
 
     @property
     def is_gguf(self) -> bool:
@@ -166,8 +165,22 @@ class EngineConfig:
     compilation: CompilationConfig
 
 
-def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
-    """vLLM's `dtype` rule: "auto" takes the checkpoint's dtype; on CPU float16 runs as bfloat16 ..."""
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def parse_dtype(
+    dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device, quantized: bool = False
+) -> torch.dtype:
+    """vLLM's `dtype` rule. "auto" on GPU: the checkpoint's half-precision dtype, float32 checkpoints in bfloat16.
+    "auto" on CPU: bfloat16 where the CPU computes it natively and the checkpoint is half precision or quantized
+    (GGUF), else float32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype={dtype!r} must be one of auto, float32, float16, bfloat16")
@@ -177,8 +190,8 @@ def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, devi
     if dtype == "auto":
         resolved = config_dtype if config_dtype in _DTYPES.values() else torch.float32
         if device.type == "cpu":
-            # CPU matmuls in float16 are slow; checkpoints stored in half precision run in bfloat16 there.
-            return torch.bfloat16 if resolved == torch.float16 else resolved
+            half = quantized or resolved in (torch.float16, torch.bfloat16)
+            return torch.bfloat16 if half and cpu_has_bf16() else torch.float32
         return torch.bfloat16 if resolved == torch.float32 else resolved
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of auto, float32, float16, bfloat16")

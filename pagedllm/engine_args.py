@@ -17,6 +17,7 @@ from pagedllm.config import (
     SchedulerConfig,
     parse_dtype,
 )
+from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 
@@ -72,18 +73,28 @@ class EngineArgs:
         max_len = self.max_model_len or derived_len
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
+        is_gguf = path.endswith(".gguf")
+        dtype = parse_dtype(self.dtype, config_dtype, device, quantized=is_gguf)
+        keep_q4 = (
+            is_gguf
+            and device.type == "cpu"
+            and dtype != torch.float32
+            and self.load_format != "dummy"
+            and q4_kernel_available()
+        )
         return ModelConfig(
             model=self.model or path,
             model_path=path,
             tokenizer=self.tokenizer,
             hf_config=hf_config,
             architecture=archs[0],
-            dtype=parse_dtype(self.dtype, config_dtype, device),
+            dtype=dtype,
             max_model_len=max_len,
             seed=self.seed,
             load_format=self.load_format,
             trust_remote_code=self.trust_remote_code,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            keep_q4=keep_q4,
         )
 
     def create_engine_config(self) -> EngineConfig:

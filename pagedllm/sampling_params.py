@@ -57,11 +57,16 @@ class SamplingParams:
             _check(isinstance(self.seed, int), "seed", self.seed, "an integer or None")
         if self.max_tokens is not None:
             _check(
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1"
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                self.max_tokens,
+                "an integer >= 1",
             )
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}"
+            )
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
         for tid in self.stop_token_ids:

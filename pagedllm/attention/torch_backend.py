@@ -5,7 +5,7 @@ directly on the chunk's K/V when there is no earlier context, else over K/V gath
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ class TorchAttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     decode_padded: bool  # whether some decode rows are padded (a mask is needed)
     prefills: list[PrefillChunk]
+    decode_bias: dict = field(default_factory=dict)  # sliding window (0: none) -> additive mask, built on first use
 
 
 def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
@@ -117,20 +118,40 @@ def forward(
 
 
 def _decode(q, k_cache, v_cache, meta, scale, sliding_window):
-    """One query token per request, all requests in one SDPA call over their padded cached K/V."""
+    """One query token per request, all requests at once over their padded cached K/V.
+
+    Grouped-query math with two batched matmuls: much faster on CPU than SDPA's kernel for one query token."""
     slots = meta.decode_slots  # [num_decodes, max_len]
-    shape = (*slots.shape, k_cache.shape[1], k_cache.shape[2])
+    num_decodes, max_len = slots.shape
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    shape = (num_decodes, max_len, num_kv_heads, head_dim)
     kd = _heads_first(k_cache.index_select(0, slots.view(-1)).view(shape))  # [num_decodes, kv_heads, max_len, dim]
     vd = _heads_first(v_cache.index_select(0, slots.view(-1)).view(shape))
-    mask = None
-    if meta.decode_padded or (sliding_window is not None and slots.shape[1] > sliding_window):
-        k_pos = torch.arange(slots.shape[1], device=q.device)
-        lens = meta.decode_seq_lens[:, None]
-        mask = k_pos[None, :] < lens  # [num_decodes, max_len]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] >= lens - sliding_window
-        mask = mask[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [num_decodes, num_heads, 1, head_dim]
-    return o.squeeze(2)
+    bias = _decode_bias(meta, sliding_window)
+    if num_decodes == 1 and bias is None:  # a single unmasked row: SDPA's kernel is as fast and simpler
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+    qg = q.view(num_decodes, num_kv_heads, -1, head_dim)  # [num_decodes, kv_heads, group, dim]
+    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale  # [num_decodes, kv_heads, group, max_len]
+    if bias is not None:
+        scores += bias
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, vd).view(num_decodes, -1, head_dim)  # [num_decodes, num_heads, dim]
+
+
+def _decode_bias(meta: TorchAttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
+    """Additive mask [num_decodes, 1, 1, max_len] hiding padding (and keys outside the window); cached per step."""
+    key = sliding_window or 0
+    if key not in meta.decode_bias:
+        max_len = meta.decode_slots.shape[1]
+        bias = None
+        if meta.decode_padded or (sliding_window is not None and max_len > sliding_window):
+            k_pos = torch.arange(max_len, device=meta.decode_slots.device)
+            lens = meta.decode_seq_lens[:, None]
+            visible = k_pos[None, :] < lens  # [num_decodes, max_len]
+            if sliding_window is not None:
+                visible &= k_pos[None, :] >= lens - sliding_window
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        meta.decode_bias[key] = bias
+    return meta.decode_bias[key]

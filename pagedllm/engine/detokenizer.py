@@ -6,8 +6,9 @@ _CONTEXT = 5  # tokens of earlier context decoded together with new ones (so mer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 spaces_between_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens

@@ -24,8 +24,9 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> tuple[Request, RequestState]:
+    def make_request(
+        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> tuple[Request, RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError)."""
         model = self.config.model
         if not prompt_token_ids:
@@ -46,16 +47,22 @@ class LLMEngine:
         self.core.scheduler.check_fits(n, max_tokens)
         request_id = request_id if request_id is not None else self.next_request_id()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
-        state = RequestState(request_id, prompt, prompt_token_ids, params,
-                             None if self.config.model.skip_tokenizer_init else self.tokenizer)
+        state = RequestState(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            None if self.config.model.skip_tokenizer_init else self.tokenizer,
+        )
         return req, state
 
     def add(self, req: Request, state: RequestState) -> None:
         self.core.add_request(req)
         self.output_processor.add_request(state)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
         self.add(*self.make_request(prompt, prompt_token_ids, params, request_id))
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -11,8 +11,9 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class RequestState:
-    def __init__(self, req_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer) -> None:
+    def __init__(
+        self, req_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer
+    ) -> None:
         self.req_id = req_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -20,8 +21,9 @@ class RequestState:
         self.token_ids: list[int] = []
         self.detok = None
         if tokenizer is not None and params.detokenize:
-            self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                                params.spaces_between_special_tokens)
+            self.detok = IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

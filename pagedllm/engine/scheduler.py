@@ -82,8 +82,9 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is None:
                 break
-            cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks],
-                                                 req.num_computed_tokens))
+            cached_reqs.append(
+                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+            )
             num_scheduled[req.request_id] = n
             budget -= n
             i += 1
@@ -99,14 +100,21 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            new_reqs.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                                           req.sampling_params, self.kv.block_ids(req.request_id), num_hit))
+            new_reqs.append(
+                NewRequestData(
+                    req.request_id,
+                    list(req.all_token_ids),
+                    req.num_prompt_tokens,
+                    req.sampling_params,
+                    self.kv.block_ids(req.request_id),
+                    num_hit,
+                )
+            )
             num_scheduled[req.request_id] = n
             budget -= n
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
-        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
-                              self.removed_req_ids)
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()), self.removed_req_ids)
         self.removed_req_ids = set()
         return out
 
@@ -129,8 +137,11 @@ class Scheduler:
             finished = req.check_stop()
             if finished:
                 self._remove(req)
-            outputs.append(EngineCoreOutput(req_id, [token], req.status.finish_reason, req.stop_reason,
-                                            max(req.num_cached_tokens, 0)))
+            outputs.append(
+                EngineCoreOutput(
+                    req_id, [token], req.status.finish_reason, req.stop_reason, max(req.num_cached_tokens, 0)
+                )
+            )
         return outputs
 
     # -- leaving ------------------------------------------------------------------------------------------------

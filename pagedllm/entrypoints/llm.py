@@ -159,8 +159,12 @@ class _ProgressBar:
     def __init__(self, total: int) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
-                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.bar = tqdm(
+            total=total,
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
+        )
         self.start = time.perf_counter()
         self.in_tokens = self.out_tokens = 0
 

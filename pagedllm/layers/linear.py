@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.q4_linear import MAX_ROWS, PackedQ4, Q4Accumulator, q4_matmul
+
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)  # dtype/device from the loading context
@@ -15,7 +17,9 @@ def _param(*shape: int) -> nn.Parameter:
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -29,11 +33,34 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _param(output_size)
             self.bias.weight_loader = self.weight_loader
+        self.q4: Q4Accumulator | None = None  # 4-bit shards while loading
+        self.q4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, scales_and_zeros) after
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        default_weight_loader(param, loaded)
+    def _shard_range(self, shard_id: object) -> tuple[int, int]:
+        return 0, self.output_size
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | PackedQ4, shard_id: object = None) -> None:
+        start, size = self._shard_range(shard_id) if shard_id is not None else (0, param.shape[0])
+        if isinstance(loaded, PackedQ4):
+            if self.q4 is None:
+                self.q4 = Q4Accumulator(self.output_size, self.input_size)
+            if loaded.shape != (size, self.input_size):
+                raise ValueError(f"4-bit tensor of shape {tuple(loaded.shape)} does not fit rows {start}+{size}")
+            self.q4.put(start, loaded)
+            return
+        default_weight_loader(param.data.narrow(0, start, size) if shard_id is not None else param, loaded)
+
+    def finish_loading(self) -> None:
+        """Packs 4-bit weights for the int4 kernel, and fills the dense copy used for larger batches."""
+        if self.q4 is None:
+            return
+        self.q4_weight = self.q4.finish(self.weight)
+        self.q4 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4_weight is not None and x.shape[0] <= MAX_ROWS:
+            out = q4_matmul(x, *self.q4_weight)
+            return out + self.bias if self.bias is not None else out
         return F.linear(x, self.weight, self.bias)
 
 
@@ -56,12 +83,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         index = int(shard_id)
         start = sum(self.output_sizes[:index])
         return start, self.output_sizes[index]
-
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if shard_id is None:
-            return default_weight_loader(param, loaded)
-        start, size = self._shard_range(shard_id)
-        default_weight_loader(param.data.narrow(0, start, size), loaded)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

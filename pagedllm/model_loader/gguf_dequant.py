@@ -197,3 +197,29 @@ def dequantize(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tu
     if kernel is None:
         return _numpy_fallback(raw, ggml_type, shape)
     return kernel(_as_torch_bytes(raw)).reshape(shape)
+
+
+PACKABLE_Q4 = (_T.Q4_0, _T.Q4_1)
+Q4_GROUP = 32
+
+
+def unpack_q4(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tuple[int, int]):
+    """Q4_0 / Q4_1 blocks of a 2-D tensor, kept 4-bit: (q, scale, zero) with w = (q - 8) * scale + zero.
+
+    q: uint8 [rows, cols] in 0..15; scale, zero: float32 [rows, cols / 32] (exact from the blocks' f16 values)."""
+    ggml_type = gguf.GGMLQuantizationType(ggml_type)
+    rows, cols = shape
+    raw = _as_torch_bytes(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if ggml_type == _T.Q4_0:
+        blocks = raw.reshape(-1, 18)  # (n, 2 + 16)
+        scale, zero = _f16(blocks[:, :2]), torch.zeros(blocks.shape[0], 1)
+        q = _nibbles(blocks[:, 2:], 16)
+    elif ggml_type == _T.Q4_1:
+        blocks = raw.reshape(-1, 20)  # (n, 2 + 2 + 16): w = d * q + m = (q - 8) * d + (m + 8 d)
+        scale, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        zero = m + 8 * scale
+        q = _nibbles(blocks[:, 4:], 16)
+    else:
+        raise ValueError(f"{ggml_type.name} cannot be kept packed as 4-bit groups")
+    groups = cols // Q4_GROUP
+    return q.reshape(rows, cols), scale.reshape(rows, groups), zero.reshape(rows, groups)

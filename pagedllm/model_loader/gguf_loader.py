@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import transformers
 
-from pagedllm.model_loader.gguf_dequant import dequantize
+from pagedllm.layers.q4_linear import PackedQ4
+from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q4
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,10 @@ def _qk_heads(reader: gguf.GGUFReader, arch: str, part: str) -> int:
     return heads
 
 
-def gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file."""
+def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file.
+
+    With keep_q4, Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values and per-32 scale/zero) instead."""
     reader = _reader(path)
     arch = _architecture(reader)
     for tensor in reader.tensors:
@@ -225,10 +228,17 @@ def gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
             continue
         name = _hf_name(tensor.name)
         shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost first
-        weight = dequantize(tensor.data, tensor.tensor_type, shape)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if keep_q4 and tensor.tensor_type in PACKABLE_Q4 and len(shape) == 2 and part:
+            weight = PackedQ4(*unpack_q4(tensor.data, tensor.tensor_type, shape))
+        else:
+            weight = dequantize(tensor.data, tensor.tensor_type, shape)
         if arch in _PERMUTED_QK and part in ("attn_q", "attn_k"):
-            weight = unpermute_qk(weight, _qk_heads(reader, arch, part))
+            heads = _qk_heads(reader, arch, part)
+            if isinstance(weight, PackedQ4):
+                weight = weight.map_rows(lambda t, heads=heads: unpermute_qk(t, heads))
+            else:
+                weight = unpermute_qk(weight, heads)
         yield name, weight
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.linear import LinearBase
 from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
 
@@ -42,7 +43,7 @@ def _weights(model_config: ModelConfig):
     if fmt == "gguf":
         from pagedllm.model_loader.gguf_loader import gguf_weights
 
-        return gguf_weights(model_config.model_path)
+        return gguf_weights(model_config.model_path, keep_q4=model_config.keep_q4)
     if fmt == "safetensors":
         return W.safetensors_weights(model_config.model_path)
     if fmt == "pt":
@@ -67,4 +68,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint {model_config.model_path!r} lacks weights for {sorted(missing)[:8]}")
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.finish_loading()
     return model.eval()

@@ -93,9 +93,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            self.layer_cls(config, i, max_position) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(self.layer_cls(config, i, max_position) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

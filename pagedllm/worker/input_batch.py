@@ -24,8 +24,15 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, req_id: str, token_ids: list[int], block_ids: list[int], num_computed: int,
-            params: SamplingParams, device: torch.device) -> None:
+    def add(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        block_ids: list[int],
+        num_computed: int,
+        params: SamplingParams,
+        device: torch.device,
+    ) -> None:
         row = self.free_rows.pop()
         self.row_of[req_id] = row
         n = len(token_ids)

@@ -52,8 +52,9 @@ class ModelRunner:
             self.batch.remove(req_id)
         for new in so.new_reqs:
             self.batch.remove(new.req_id)  # a resumed request re-enters with all its blocks
-            self.batch.add(new.req_id, new.token_ids, new.block_ids, new.num_computed_tokens,
-                           new.sampling_params, self.device)
+            self.batch.add(
+                new.req_id, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params, self.device
+            )
         for cached in so.cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
@@ -76,8 +77,9 @@ class ModelRunner:
         slots += positions % self.block_size
         seq_lens = computed + num_sched
         sample_mask = seq_lens == b.num_tokens[rows]  # reached the end of the known tokens: sample one
-        layout = BatchLayout(cu, seq_lens, b.block_table[rows], torch.from_numpy(slots).to(self.device),
-                             self.block_size, self.device)
+        layout = BatchLayout(
+            cu, seq_lens, b.block_table[rows], torch.from_numpy(slots).to(self.device), self.block_size, self.device
+        )
         return (
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),

@@ -36,8 +36,9 @@ def hf_reference(smollm2):
     """HF transformers' greedy continuation of each prompt, one prompt at a time (no padding), float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32
+    ).eval()
     model.generation_config.eos_token_id = None  # run all MAX_TOKENS, as pagedllm does with ignore_eos
     return model
 
@@ -54,9 +55,14 @@ def reference_tokens(llm, hf_reference):
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         with torch.no_grad():
-            out = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-        refs.append(out[0, len(ids):].tolist())
+            out = hf_reference.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        refs.append(out[0, len(ids) :].tolist())
     return refs
 
 
@@ -103,8 +109,11 @@ def test_greedy_equals_hf_with_chunked_prefill(smollm2, reference_tokens):
 
 
 def test_eos_stops_with_stop_reason(llm):
-    out = llm.generate(["<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"],
-                       SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"],
+        SamplingParams(temperature=0, max_tokens=200),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason is None
     assert out.token_ids[-1] == llm.get_tokenizer().eos_token_id
     assert len(out.token_ids) < 200

@@ -14,22 +14,42 @@ from pagedllm.attention import torch_backend
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+)
 
 CASES = {
     "llama": (transformers.LlamaConfig, dict(BASE)),
-    "llama3-rope-tied": (transformers.LlamaConfig, dict(
-        BASE, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32},
-    )),
+    "llama3-rope-tied": (
+        transformers.LlamaConfig,
+        dict(
+            BASE,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8, head_dim=32)),
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, num_key_value_heads=1)),
     "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=24)),
 }
-ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig: transformers.MistralForCausalLM,
-        transformers.Qwen2Config: transformers.Qwen2ForCausalLM, transformers.Qwen3Config: transformers.Qwen3ForCausalLM}
+ARCH = {
+    transformers.LlamaConfig: transformers.LlamaForCausalLM,
+    transformers.MistralConfig: transformers.MistralForCausalLM,
+    transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
+    transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -54,8 +74,9 @@ def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     num_blocks = -(-n // runner.block_size)
     table = np.arange(num_blocks, dtype=np.int64)[None, :]
-    layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n), runner.block_size,
-                         torch.device("cpu"))
+    layout = BatchLayout(
+        np.array([0, n]), np.array([n]), table, torch.arange(n), runner.block_size, torch.device("cpu")
+    )
     with torch.inference_mode(), forward_context(torch_backend.build_metadata(layout)):
         hidden = runner.model(torch.tensor(ids), torch.arange(n))
         return runner.model.compute_logits(hidden)
@@ -75,10 +96,18 @@ def test_greedy_equal_in_one_batch(tiny):
     name, hf, llm = tiny
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 5, 17, 30, 9, 2)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=24, do_sample=False, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(p):].tolist(), f"{name}: prompt {p}"
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"{name}: prompt {p}"
