@@ -15,6 +15,20 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)  # dtype/device from the loading context
 
 
+def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight reordered for oneDNN's CPU matmul (same results as F.linear, 1.2-2x faster); None off CPU."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the batch size it is tuned for
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
@@ -35,6 +49,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         self.q4: Q4Accumulator | None = None  # 4-bit shards while loading
         self.q4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, scales_and_zeros) after
+        self.cpu_weight: torch.Tensor | None = None  # the weight reordered for oneDNN, after loading
 
     def _shard_range(self, shard_id: object) -> tuple[int, int]:
         return 0, self.output_size
@@ -50,17 +65,22 @@ class LinearBase(nn.Module):
             return
         default_weight_loader(param.data.narrow(0, start, size) if shard_id is not None else param, loaded)
 
-    def finish_loading(self) -> None:
-        """Packs 4-bit weights for the int4 kernel, and fills the dense copy used for larger batches."""
-        if self.q4 is None:
-            return
-        self.q4_weight = self.q4.finish(self.weight)
-        self.q4 = None
+    def process_weights_after_loading(self) -> None:
+        """Packs 4-bit weights for the int4 kernel (filling the dense weight used for larger batches), then
+        reorders the dense weight for the CPU matmul, dropping the plain copy."""
+        if self.q4 is not None:
+            self.q4_weight = self.q4.finish(self.weight)
+            self.q4 = None
+        self.cpu_weight = pack_for_cpu(self.weight)
+        if self.cpu_weight is not None:
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q4_weight is not None and x.shape[0] <= MAX_ROWS:
             out = q4_matmul(x, *self.q4_weight)
             return out + self.bias if self.bias is not None else out
+        if self.cpu_weight is not None:
+            return packed_linear(x, self.cpu_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

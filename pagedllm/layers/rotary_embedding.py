@@ -48,6 +48,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
 
 
 class RotaryEmbedding(nn.Module):
+    """One per model: the cos/sin tables, looked up once per forward and shared by every layer."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
@@ -55,17 +57,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [num_tokens, 1, head_dim/2] in `dtype`, for the tokens at `positions`."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates [num_tokens, num_heads, head_dim] in HF's rotate-half layout."""
+    cos, sin = cos_sin
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

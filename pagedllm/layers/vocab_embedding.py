@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.linear import default_weight_loader, pack_for_cpu, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,8 +24,21 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.cpu_weight: torch.Tensor | None = None  # reordered for oneDNN (a copy when tied to the embedding)
+        self.tied = False
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def process_weights_after_loading(self) -> None:
+        self.cpu_weight = pack_for_cpu(self.weight)
+        if self.cpu_weight is not None and not self.tied:
+            self.weight = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        if self.cpu_weight is not None:
+            return packed_linear(hidden, self.cpu_weight, None).float()
         return F.linear(hidden, self.weight).float()

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.linear import LinearBase
 from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
 
@@ -68,7 +67,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint {model_config.model_path!r} lacks weights for {sorted(missing)[:8]}")
-        for module in model.modules():
-            if isinstance(module, LinearBase):
-                module.finish_loading()
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()

@@ -11,7 +11,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.utils import load_weights, sliding_window_for_layer
 
@@ -30,7 +30,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 normalizes q and k per head
 
-    def __init__(self, config, layer_idx: int, max_position: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -43,8 +43,6 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
         window = sliding_window_for_layer(config, layer_idx)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, window)
 
@@ -54,35 +52,35 @@ class LlamaAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
 
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, config, layer_idx: int, max_position: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_idx, max_position)
+        self.self_attn = self.attention_cls(config, layer_idx)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -93,13 +91,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(config, i, max_position) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, *rope_parameters(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
