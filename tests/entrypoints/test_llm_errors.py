@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(smollm2, max_model_len=128, num_gpu_blocks_override=8, block_size=16)
+    return LLM(smollm2, max_model_len=256, num_gpu_blocks_override=8, block_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,9 @@ def test_empty_prompt(llm, baseline):
 
 
 def test_prompt_longer_than_max_model_len(llm, baseline):
-    with pytest.raises(ValueError, match=r"max_model_len=128") as err:
-        llm.generate({"prompt_token_ids": [1] * 129}, GREEDY)
-    assert "129" in str(err.value)
+    with pytest.raises(ValueError, match=r"max_model_len=256") as err:
+        llm.generate({"prompt_token_ids": [1] * 257}, GREEDY)
+    assert "257" in str(err.value)
     _still_serves(llm, baseline)
 
 
@@ -105,10 +105,10 @@ def test_request_that_can_never_fit_the_cache_is_rejected(llm, baseline):
     _still_serves(llm, baseline)
 
 
-def test_max_tokens_is_capped_by_max_model_len(llm):
-    out = llm.generate({"prompt_token_ids": [7] * 120}, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[
-        0
-    ].outputs[0]
+def test_max_tokens_is_capped_by_max_model_len(smollm2):
+    short = LLM(smollm2, max_model_len=128, kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    out = short.generate({"prompt_token_ids": [7] * 120}, params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
 
 
