@@ -79,10 +79,6 @@ class ModelConfig:
     keep_q4: bool = False  # GGUF Q4_0/Q4_1 weights stay 4-bit for the int4 kernel (CPU, half-precision compute)
 
     @property
-    def is_gguf(self) -> bool:
-        return self.model_path.endswith(".gguf")
-
-    @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 

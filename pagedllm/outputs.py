@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -28,4 +28,3 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, object] | None] | None = None
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict, repr=False)

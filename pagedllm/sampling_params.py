@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _SAMPLING_EPS = 1e-5
 
@@ -31,7 +31,6 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    output_kind: str = field(default="final", repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.scheduler import EngineCoreOutput
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -28,8 +26,6 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
 
     def add_tokens(self, token_ids: list[int]) -> bool:
         """Appends tokens and their text; True when a stop string ended the request (text cut at it)."""
@@ -96,8 +92,6 @@ class OutputProcessor:
             if state is None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
-            if state.first_token_time is None:
-                state.first_token_time = time.monotonic()
             stopped = state.add_tokens(out.new_token_ids)
             if stopped and out.finish_reason is None:
                 to_abort.append(out.req_id)

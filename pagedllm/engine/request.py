@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,7 +36,6 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         max_tokens: int,
-        arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -45,7 +43,6 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens  # already capped by max_model_len - prompt length
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
