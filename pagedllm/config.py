@@ -20,6 +20,15 @@ _DTYPES = {
 }
 
 
+def _require_number(name: str, value: Any, kind: type, optional: bool = False) -> None:
+    """TypeError naming the option when it is not a number of the right kind (bool is not a number here)."""
+    if value is None and optional:
+        return
+    kinds = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{name}={value!r} must be {'a number' if kind is float else 'an integer'}")
+
+
 class CompilationLevel(enum.IntEnum):
     """vLLM's compilation levels. pagedllm runs eagerly on CPU; CUDA graphs are governed by `enforce_eager`."""
 
@@ -109,6 +118,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two in [1, 256]")
+        _require_number("gpu_memory_utilization", self.gpu_memory_utilization, float)
+        _require_number("num_gpu_blocks_override", self.num_gpu_blocks_override, int, optional=True)
+        _require_number("kv_cache_memory_bytes", self.kv_cache_memory_bytes, int, optional=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
@@ -124,6 +136,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
+        _require_number("max_num_seqs", self.max_num_seqs, int)
+        _require_number("max_num_batched_tokens", self.max_num_batched_tokens, int)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -70,8 +70,8 @@ class EngineArgs:
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
         derived_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-        max_len = self.max_model_len or derived_len
-        if not isinstance(max_len, int) or max_len < 1:
+        max_len = derived_len if self.max_model_len is None else self.max_model_len
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         is_gguf = path.endswith(".gguf")
         dtype = parse_dtype(self.dtype, config_dtype, device, quantized=is_gguf)

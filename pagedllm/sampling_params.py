@@ -38,8 +38,11 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
+            _check(isinstance(self.stop, (list, tuple)), "stop", self.stop, "a str or a list of str")
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        ids = self.stop_token_ids
+        _check(ids is None or isinstance(ids, (list, tuple)), "stop_token_ids", ids, "a list of token ids")
+        self.stop_token_ids = list(ids or [])
         self._validate()
 
     def _validate(self) -> None:
@@ -53,7 +56,8 @@ class SamplingParams:
         m = self.min_p
         _check(isinstance(m, (int, float)) and 0.0 <= m <= 1.0, "min_p", m, "[0, 1]")
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+            ok = isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64
+            _check(ok, "seed", self.seed, "None or an integer in [-2**63, 2**64)")
         if self.max_tokens is not None:
             _check(
                 isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -70,10 +74,8 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
         for tid in self.stop_token_ids:
             _check(isinstance(tid, int) and tid >= 0, "stop_token_ids", tid, "non-negative token ids")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (the text is what they are matched against)")
 
     @property
     def top_k_enabled(self) -> int:

@@ -53,12 +53,13 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             _, block = self.free_queue.popitem(last=False)
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drops the block from the prefix-cache map (lazy eviction, or contents that cannot be trusted)."""
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]

@@ -60,5 +60,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
-        out = self.executor.execute_model(so)
+        try:
+            out = self.executor.execute_model(so)
+        except BaseException:
+            # The step's KV was not written: its requests end, and their blocks must not be found as a prefix.
+            self.scheduler.discard_requests(list(so.num_scheduled_tokens))
+            raise
         return self.scheduler.update_from_output(so, out)

@@ -92,6 +92,12 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
+    def uncache(self, request: Request) -> None:
+        """Forgets the hashes of the request's blocks (their contents cannot be trusted)."""
+        for block in self.req_to_blocks.get(request.request_id, []):
+            self.pool.uncache(block)
+        self.num_cached_blocks.pop(request.request_id, None)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
@@ -19,6 +21,8 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id = _eos_token_id(tokenizer, config.model.hf_config)
+        # generation_config.json may list more end-of-sequence ids (e.g. Llama 3's <|eot_id|>): they stop too
+        self.extra_eos_ids = [t for t in _generation_eos_ids(config.model.model_path) if t != self.eos_token_id]
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -42,10 +46,17 @@ class LLMEngine:
                 f"{model.max_model_len}] tokens"
             )
         params.check_vocab(vocab)
+        if params.stop and (self.tokenizer is None or model.skip_tokenizer_init):
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True gives none)")
+        params = params.clone()  # later changes to the caller's object must not reach a running request
+        if self.extra_eos_ids and not params.ignore_eos:
+            params.stop_token_ids += [t for t in self.extra_eos_ids if t not in params.stop_token_ids]
         limit = model.max_model_len - n
         max_tokens = max(1, limit if params.max_tokens is None else min(params.max_tokens, limit))
         self.core.scheduler.check_fits(n, max_tokens)
         request_id = request_id if request_id is not None else self.next_request_id()
+        if request_id in self.core.scheduler.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
         state = RequestState(
             request_id,
@@ -81,6 +92,18 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.scheduler.kv.reset_prefix_cache()
+
+
+def _generation_eos_ids(model_path: str) -> list[int]:
+    """The eos_token_id list of a model directory's generation_config.json (empty when there is none)."""
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:

@@ -27,11 +27,15 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
 
-    def add_tokens(self, token_ids: list[int]) -> bool:
-        """Appends tokens and their text; True when a stop string ended the request (text cut at it)."""
-        for token_id in token_ids:
+    def add_tokens(self, token_ids: list[int], stopped_by_token: bool) -> bool:
+        """Appends tokens and their text; True when a stop string ended the request (text cut at it).
+
+        A final EOS or stop token (stopped_by_token) stays in token_ids but adds no text, as in vLLM, unless
+        include_stop_str_in_output asks for it."""
+        for i, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
-            if self.detok is None:
+            is_stop_token = stopped_by_token and i == len(token_ids) - 1
+            if self.detok is None or (is_stop_token and not self.params.include_stop_str_in_output):
                 continue
             delta = self.detok.add_token(token_id)
             self.text = self.detok.text
@@ -92,7 +96,8 @@ class OutputProcessor:
             if state is None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
-            stopped = state.add_tokens(out.new_token_ids)
+            by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            stopped = state.add_tokens(out.new_token_ids, by_token)
             if stopped and out.finish_reason is None:
                 to_abort.append(out.req_id)
             elif not stopped and out.finish_reason is not None:

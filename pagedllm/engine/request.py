@@ -72,6 +72,14 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
+    def min_tokens_stop_ids(self) -> list[int]:
+        """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""
+        params = self.sampling_params
+        if params.min_tokens == 0:
+            return []
+        eos = [] if params.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        return eos + [t for t in params.stop_token_ids if t != self.eos_token_id]
+
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 

@@ -37,7 +37,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first: the last one is preempted first
-        self.removed_req_ids: set[str] = set()
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the model runner
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
 
     # -- admission ----------------------------------------------------------------------------------------------
@@ -108,14 +109,22 @@ class Scheduler:
                     req.sampling_params,
                     self.kv.block_ids(req.request_id),
                     num_hit,
+                    req.min_tokens_stop_ids(),
                 )
             )
             num_scheduled[req.request_id] = n
             budget -= n
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
-        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()), self.removed_req_ids)
-        self.removed_req_ids = set()
+        out = SchedulerOutput(
+            new_reqs,
+            cached_reqs,
+            num_scheduled,
+            sum(num_scheduled.values()),
+            self.finished_req_ids,
+            self.preempted_req_ids,
+        )
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -125,7 +134,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        self.removed_req_ids.add(req.request_id)
+        self.preempted_req_ids.add(req.request_id)
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
@@ -152,7 +161,14 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        self.removed_req_ids.add(req.request_id)
+        self.finished_req_ids.add(req.request_id)
+
+    def discard_requests(self, req_ids: list[str]) -> None:
+        """Aborts requests whose last step failed, forgetting the prefix-cache hashes of their blocks."""
+        for req_id in req_ids:
+            if req_id in self.requests:
+                self.kv.uncache(self.requests[req_id])
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         """Ends requests from outside the step (abort, or a stop string found by the output processor)."""

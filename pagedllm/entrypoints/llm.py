@@ -70,6 +70,10 @@ class LLM:
         unknown = set(kwargs) - {"lora_request", "priority"}
         if unknown:
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
+        if kwargs.get("lora_request") is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        if any(kwargs.get("priority") or []):
+            raise ValueError("priority: only the default first-come-first-served order is supported")
         if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
             raise ValueError("prompts: a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
@@ -107,13 +111,13 @@ class LLM:
 
     def _run(self, pending: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        order = {}
-        for i, (req, state) in enumerate(pending):
-            engine.add(req, state)
-            order[req.request_id] = i
+        order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(pending)
         bar = _ProgressBar(len(pending)) if use_tqdm else None
         try:
+            for i, (req, state) in enumerate(pending):
+                engine.add(req, state)
+                order[req.request_id] = i
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id in order:

@@ -3,23 +3,48 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 
 import torch
 
 
+def _checkpoint_files(model_dir: str, index_name: str, patterns: tuple[str, ...]) -> list[str]:
+    """The shards named by the checkpoint's index file, else the files of the usual HF names.
+
+    (Repos may ship other files beside the HF shards, such as consolidated.safetensors or training_args.bin.)"""
+    index = os.path.join(model_dir, index_name)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    for pattern in patterns:
+        files = sorted(glob.glob(os.path.join(model_dir, pattern)))
+        if files:
+            return files
+    return []
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    return _checkpoint_files(model_dir, "model.safetensors.index.json", ("model*.safetensors", "*.safetensors"))
+
+
+def pt_files(model_dir: str) -> list[str]:
+    return _checkpoint_files(model_dir, "pytorch_model.bin.index.json", ("pytorch_model*.bin", "model*.pt"))
+
+
 def safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+    for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:  # memory mapped
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
 def pt_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt"))):
+    for path in pt_files(model_dir):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         yield from state.items()
 
@@ -27,9 +52,9 @@ def pt_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 def detect_format(model_path: str) -> str:
     if model_path.endswith(".gguf"):
         return "gguf"
-    if glob.glob(os.path.join(model_path, "*.safetensors")):
+    if safetensors_files(model_path):
         return "safetensors"
-    if glob.glob(os.path.join(model_path, "*.bin")) or glob.glob(os.path.join(model_path, "*.pt")):
+    if pt_files(model_path):
         return "pt"
     raise ValueError(f"no weights found in {model_path!r} (expected *.safetensors, *.bin or a .gguf file)")
 

@@ -20,24 +20,31 @@ STACKED_PARAMS = [
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> set[str]:
-    """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters that were loaded."""
+    """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters loaded completely
+    (a merged projection only once every one of its shards came)."""
     params = dict(model.named_parameters())
+    shards: dict[str, set] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:
         if any(s in hf_name for s in skip) or "rotary_emb.inv_freq" in hf_name:
             continue
-        for ours, theirs, shard_id in STACKED_PARAMS:
+        name, shard_id = hf_name, None
+        for ours, theirs, sid in STACKED_PARAMS:
             if theirs in hf_name:
-                name = hf_name.replace(theirs, ours)
-                params[name].weight_loader(params[name], tensor, shard_id)
+                name, shard_id = hf_name.replace(theirs, ours), sid
                 break
-        else:
-            name = hf_name
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-            param = params[name]
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+        param = params[name]
+        if shard_id is None:
             getattr(param, "weight_loader", lambda p, t: default_weight_loader(p, t))(param, tensor)
-        loaded.add(name)
+            loaded.add(name)
+            continue
+        param.weight_loader(param, tensor, shard_id)
+        shards.setdefault(name, set()).add(shard_id)
+        expected = {s for ours, _, s in STACKED_PARAMS if ours in name}
+        if shards[name] == expected:
+            loaded.add(name)
     return loaded
 
 

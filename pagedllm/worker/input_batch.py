@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.scheduler_output import NewRequestData
 
 
 class InputBatch:
@@ -20,39 +20,40 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
-        self.generators: dict[int, torch.Generator] = {}
+        self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_tokens_stop_ids: dict[int, list[int]] = {}  # row -> EOS and stop ids banned before min_tokens
+        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(
-        self,
-        req_id: str,
-        token_ids: list[int],
-        block_ids: list[int],
-        num_computed: int,
-        params: SamplingParams,
-        device: torch.device,
-    ) -> None:
+    def add(self, new: NewRequestData, device: torch.device) -> None:
+        req_id, params = new.req_id, new.sampling_params
         row = self.free_rows.pop()
         self.row_of[req_id] = row
-        n = len(token_ids)
-        self.token_ids[row, :n] = token_ids
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
-        self.num_computed[row] = num_computed
+        self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_blocks(row, block_ids)
+        self.append_blocks(row, new.block_ids)
         self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k_enabled
+        self.top_k[row] = min(params.top_k_enabled, 2**31 - 1)  # above the vocabulary size: no filtering
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        if params.seed is not None:
-            self.generators[row] = torch.Generator(device=device).manual_seed(params.seed)
+        self.num_prompt[row] = new.num_prompt_tokens
+        self.min_tokens[row] = params.min_tokens
+        self.min_tokens_stop_ids[row] = new.min_tokens_stop_ids
+        if params.seed is not None and req_id not in self.generators:  # a resumed request keeps its stream
+            self.generators[req_id] = torch.Generator(device=device).manual_seed(params.seed)
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str, finished: bool) -> None:
+        """Frees the request's row; a finished request also drops its generator (a preempted one comes back)."""
         row = self.row_of.pop(req_id, None)
         if row is not None:
-            self.generators.pop(row, None)
             self.free_rows.append(row)
+        if finished:
+            self.generators.pop(req_id, None)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]

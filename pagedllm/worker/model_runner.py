@@ -48,13 +48,13 @@ class ModelRunner:
 
     # -- applying the scheduler's delta -------------------------------------------------------------------------
     def _update_batch(self, so: SchedulerOutput) -> None:
-        for req_id in so.removed_req_ids:
-            self.batch.remove(req_id)
+        for req_id in so.finished_req_ids:
+            self.batch.remove(req_id, finished=True)
+        for req_id in so.preempted_req_ids:
+            self.batch.remove(req_id, finished=False)
         for new in so.new_reqs:
-            self.batch.remove(new.req_id)  # a resumed request re-enters with all its blocks
-            self.batch.add(
-                new.req_id, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params, self.device
-            )
+            self.batch.remove(new.req_id, finished=False)  # a resumed request re-enters with all its blocks
+            self.batch.add(new, self.device)
         for cached in so.cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
@@ -88,11 +88,11 @@ class ModelRunner:
             sample_mask,
         )
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
         b = self.batch
         temp = b.temperature[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        generators = {i: b.generators[r] for i, r in enumerate(rows.tolist()) if r in b.generators}
+        generators = {i: b.generators[r] for i, r in enumerate(req_ids) if r in b.generators}
 
         def maybe(values: np.ndarray, active: bool) -> torch.Tensor | None:
             return torch.from_numpy(values).to(self.device) if active else None
@@ -105,6 +105,15 @@ class ModelRunner:
             min_p=maybe(min_p, bool((min_p > 0).any())),
             generators=generators,
         )
+
+    def _ban_stop_tokens_before_min_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+        """EOS and stop tokens cannot be sampled while a request has fewer than min_tokens outputs."""
+        b = self.batch
+        short = np.nonzero(b.num_tokens[rows] - b.num_prompt[rows] < b.min_tokens[rows])[0]
+        pairs = [(i, t) for i in short.tolist() for t in b.min_tokens_stop_ids[int(rows[i])]]
+        if pairs:
+            index = torch.tensor(pairs, device=logits.device)
+            logits[index[:, 0], index[:, 1]] = float("-inf")
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -122,7 +131,9 @@ class ModelRunner:
         logits_rows = torch.from_numpy(layout.query_start_loc[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
         sample_rows = rows[sample_idx]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_rows)).tolist()
+        self._ban_stop_tokens_before_min_tokens(logits, sample_rows)
+        meta = self._sampling_metadata(sample_rows, [req_ids[i] for i in sample_idx.tolist()])
+        sampled = self.sampler(logits, meta).tolist()
         out = {}
         for i, token in zip(sample_idx.tolist(), sampled):
             self.batch.append_token(int(rows[i]), token)

@@ -17,6 +17,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    min_tokens_stop_ids: list[int]  # EOS and stop token ids, masked while fewer than min_tokens are out
 
 
 @dataclass
@@ -34,7 +35,8 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # in batch order
     total_num_scheduled_tokens: int
-    removed_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since last step
+    finished_req_ids: set[str] = field(default_factory=set)  # finished or aborted since the last step
+    preempted_req_ids: set[str] = field(default_factory=set)  # preempted since the last step (they come back)
 
 
 @dataclass

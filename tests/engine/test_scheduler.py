@@ -130,7 +130,7 @@ def test_max_num_seqs_is_respected():
     assert [r.request_id for r in sched.waiting] == ["c"]
     assert [r.request_id for r in sched.running] == []
     so = step(sched)  # a freed [2, 0], b freed [3, 1] at the tail; c gets the head of the queue
-    assert so.removed_req_ids == {"a", "b"}
+    assert so.finished_req_ids == {"a", "b"}
     assert so.num_scheduled_tokens == {"c": 4}
     assert new_ids(so) == {"c": [4]}
 
@@ -199,7 +199,7 @@ def test_finish_by_max_tokens_frees_the_blocks():
     assert not sched.has_unfinished_requests()
     assert "a" not in sched.requests
     so = sched.schedule()
-    assert so.removed_req_ids == {"a"}
+    assert so.finished_req_ids == {"a"}
     assert so.num_scheduled_tokens == {}
 
 
@@ -224,7 +224,7 @@ def test_finish_requests_aborts_running_and_waiting_requests():
     assert a.num_output_tokens == 1
 
     so = sched.schedule()  # b takes the freed seat
-    assert so.removed_req_ids == {"a"}
+    assert so.finished_req_ids == {"a"}
     assert new_ids(so) == {"b": [3, 4]}
 
     c = make_request("c", range(30, 34), max_tokens=5)
@@ -264,7 +264,7 @@ def run_until_preemption(
     assert sched.kv.pool.num_free_blocks == 0
 
     so = step(sched)
-    assert so.removed_req_ids == {"b"}
+    assert so.preempted_req_ids == {"b"}
     assert so.num_scheduled_tokens == {"a": 1}
     assert cached_ids(so) == {"a": [9]}
     assert so.cached_reqs[0].num_computed_tokens == 20
@@ -300,7 +300,7 @@ def test_preemption_takes_the_newest_request_and_resumes_it(caching):
 
     # step 11: b comes back as a new request with all 21 of its tokens
     so = step(sched)
-    assert so.removed_req_ids == {"a"}
+    assert so.finished_req_ids == {"a"}
     (nb,) = so.new_reqs
     assert nb.req_id == "b"
     assert nb.token_ids == list(range(200, 216)) + [7] * 5
@@ -342,7 +342,7 @@ def test_the_request_that_needs_a_block_preempts_itself_when_it_is_the_newest():
     # step 2: a's 15th token fits; b's 17th needs a 5th block; b is the newest, so b itself is preempted
     so = step(sched)
     assert so.num_scheduled_tokens == {"a": 1}
-    assert so.removed_req_ids == {"b"}
+    assert so.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED
     assert a.status == RequestStatus.RUNNING
     assert free_ids(sched) == [7, 6, 5, 4]

@@ -130,3 +130,63 @@ def test_cli_reports_bad_input_cleanly(smollm2):
     cmd = [sys.executable, "-m", "pagedllm", "generate", "Hi", "--model", smollm2, "--temperature", "-1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "temperature" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_seeded_sampling_survives_preemption(smollm2):
+    prompts = [f"Tell me about the number {i}." for i in range(8)]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(8)]
+    roomy = LLM(smollm2, dtype="float32", kv_cache_memory_bytes=64 << 20)
+    tight = LLM(smollm2, dtype="float32", num_gpu_blocks_override=10)  # 8 requests x 4 blocks do not fit
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.llm_engine.core.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def test_min_tokens_holds_back_eos(llm):
+    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    free = llm.generate([chat], SamplingParams(temperature=0, max_tokens=100), use_tqdm=False)[0].outputs[0]
+    eos = llm.get_tokenizer().eos_token_id
+    assert free.token_ids[-1] == eos and len(free.token_ids) < 90
+    n = len(free.token_ids) + 8
+    held = llm.generate([chat], SamplingParams(temperature=0, max_tokens=100, min_tokens=n),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= n and eos not in held.token_ids[:n]
+    assert held.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]  # the same text up to where EOS was
+
+
+def test_stop_token_text_is_not_in_the_output(llm):
+    tok = llm.get_tokenizer()
+    base = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    target = base.token_ids[4]
+    out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == target
+    assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_huge_top_k_and_bad_seed(llm):
+    out = llm.generate(["Hi"], SamplingParams(top_k=10**12, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(llm, monkeypatch):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = "A long shared prefix that fills a few blocks of the cache: " * 4
+    expected = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    llm.reset_prefix_cache()
+    runner = llm.llm_engine.core.executor.runner
+
+    def broken(so):
+        raise RuntimeError("simulated failure inside the model")
+
+    monkeypatch.setattr(runner, "execute_model", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate([prompt], greedy, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.core.scheduler.kv.pool.cached == {}  # nothing half-written is findable
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected

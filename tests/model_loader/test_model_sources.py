@@ -106,3 +106,30 @@ def test_errors_name_the_model(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="not a .gguf"):
         resolve_model(str(tmp_path / "notes.txt"))
+
+
+def test_missing_shard_of_a_merged_projection_is_an_error(hf_model, tmp_path):
+    from safetensors.torch import save_file
+
+    hf_model.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if "layers.1.self_attn.k_proj" not in k}
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="k_proj|qkv_proj"):
+        _generate(str(tmp_path))
+
+
+def test_other_files_beside_the_checkpoint_are_ignored(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    torch.save({"learning_rate": 1.0}, tmp_path / "training_args.bin")
+    torch.save({"unrelated": torch.zeros(2)}, tmp_path / "consolidated.pt")
+    assert _generate(str(tmp_path)) == _reference(hf_model)
+
+
+def test_generation_config_eos_ids_stop_generation(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    free = _generate(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [127, free[2]]}))
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    stop_at = free.index(free[2])
+    assert out.token_ids == free[: stop_at + 1] and out.finish_reason == "stop"
