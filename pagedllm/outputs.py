@@ -6,12 +6,21 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    """One token's log probability, its rank among all tokens (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, object]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS / length
 

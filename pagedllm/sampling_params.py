@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 _SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default max_logprobs)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
@@ -17,6 +18,9 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 @dataclass
 class SamplingParams:
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -31,6 +35,9 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -74,8 +81,34 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
         for tid in self.stop_token_ids:
             _check(isinstance(tid, int) and tid >= 0, "stop_token_ids", tid, "non-negative token ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and -2.0 <= v <= 2.0, name, v, "[-2, 2]")
+        r = self.repetition_penalty
+        _check(isinstance(r, (int, float)) and math.isfinite(r) and r > 0, "repetition_penalty", r, "> 0 and finite")
+        if self.logprobs is not None:
+            ok = isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+            _check(ok, "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        self._validate_token_maps()
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text is what they are matched against)")
+
+    def _validate_token_maps(self) -> None:
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
+            for tid, bias in self.logit_bias.items():
+                _check(isinstance(tid, int) and tid >= 0, "logit_bias", tid, "keys that are token ids (ints >= 0)")
+                ok = isinstance(bias, (int, float)) and -100.0 <= bias <= 100.0
+                _check(ok, "logit_bias", bias, "values in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, (list, tuple)) and len(ids) > 0, "allowed_token_ids", ids, "a non-empty list")
+            for tid in ids:
+                _check(isinstance(tid, int) and tid >= 0, "allowed_token_ids", tid, "token ids (ints >= 0)")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def top_k_enabled(self) -> int:
@@ -84,8 +117,13 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks the token ids named in the params against the model's vocabulary (at submission)."""
-        for tid in self.stop_token_ids:
-            _check(tid < vocab_size, "stop_token_ids", tid, f"[0, {vocab_size})")
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            for tid in ids:
+                _check(tid < vocab_size, name, tid, f"token ids in [0, {vocab_size})")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

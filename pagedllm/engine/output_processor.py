@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.scheduler import EngineCoreOutput
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -26,6 +26,20 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.tokenizer = tokenizer
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+
+    def add_logprobs(self, entries: list[tuple[list[int], list[float], list[int]]]) -> None:
+        """One dict per new token: the sampled token and the top-k, token id -> Logprob(logprob, rank, text)."""
+        for ids, lps, ranks in entries:
+            position = {}
+            for tid, lp, rank in zip(ids, lps, ranks):
+                if tid not in position:
+                    text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+                    position[tid] = Logprob(lp, rank, text)
+            self.logprobs.append(position)
+            self.cumulative_logprob += lps[0]
 
     def add_tokens(self, token_ids: list[int], stopped_by_token: bool) -> bool:
         """Appends tokens and their text; True when a stop string ended the request (text cut at it).
@@ -60,8 +74,8 @@ class RequestState:
             index=0,
             text=self.text,
             token_ids=list(self.token_ids),
-            cumulative_logprob=None,
-            logprobs=None,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -97,6 +111,8 @@ class OutputProcessor:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            if out.new_logprobs is not None and state.logprobs is not None:
+                state.add_logprobs(out.new_logprobs)
             stopped = state.add_tokens(out.new_token_ids, by_token)
             if stopped and out.finish_reason is None:
                 to_abort.append(out.req_id)

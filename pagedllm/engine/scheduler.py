@@ -26,6 +26,7 @@ class EngineCoreOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None  # per new token, when asked for
 
 
 class Scheduler:
@@ -146,9 +147,15 @@ class Scheduler:
             finished = req.check_stop()
             if finished:
                 self._remove(req)
+            logprobs = out.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
-                    req_id, [token], req.status.finish_reason, req.stop_reason, max(req.num_cached_tokens, 0)
+                    req_id,
+                    [token],
+                    req.status.finish_reason,
+                    req.stop_reason,
+                    max(req.num_cached_tokens, 0),
+                    [logprobs] if logprobs is not None else None,
                 )
             )
         return outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.scheduler_output import NewRequestData
 
 
@@ -24,6 +25,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_tokens_stop_ids: dict[int, list[int]] = {}  # row -> EOS and stop ids banned before min_tokens
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -37,6 +39,7 @@ class InputBatch:
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
+        self.params[row] = params
         self.temperature[row] = params.temperature
         self.top_k[row] = min(params.top_k_enabled, 2**31 - 1)  # above the vocabulary size: no filtering
         self.top_p[row] = params.top_p

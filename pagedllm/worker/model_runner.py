@@ -12,8 +12,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
-from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.sample_inputs import adjust_logits, sampled_logprobs, sampling_metadata
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -88,33 +89,6 @@ class ModelRunner:
             sample_mask,
         )
 
-    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
-        b = self.batch
-        temp = b.temperature[rows]
-        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        generators = {i: b.generators[r] for i, r in enumerate(req_ids) if r in b.generators}
-
-        def maybe(values: np.ndarray, active: bool) -> torch.Tensor | None:
-            return torch.from_numpy(values).to(self.device) if active else None
-
-        return SamplingMetadata(
-            temperature=torch.from_numpy(temp).to(self.device),
-            all_greedy=bool((temp < 1e-5).all()),
-            top_k=maybe(top_k, bool((top_k > 0).any())),
-            top_p=maybe(top_p, bool((top_p < 1.0).any())),
-            min_p=maybe(min_p, bool((min_p > 0).any())),
-            generators=generators,
-        )
-
-    def _ban_stop_tokens_before_min_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> None:
-        """EOS and stop tokens cannot be sampled while a request has fewer than min_tokens outputs."""
-        b = self.batch
-        short = np.nonzero(b.num_tokens[rows] - b.num_prompt[rows] < b.min_tokens[rows])[0]
-        pairs = [(i, t) for i in short.tolist() for t in b.min_tokens_stop_ids[int(rows[i])]]
-        if pairs:
-            index = torch.tensor(pairs, device=logits.device)
-            logits[index[:, 0], index[:, 1]] = float("-inf")
-
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_batch(so)
@@ -129,13 +103,20 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return ModelRunnerOutput({})
         logits_rows = torch.from_numpy(layout.query_start_loc[1:][sample_idx] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
+        raw_logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
         sample_rows = rows[sample_idx]
-        self._ban_stop_tokens_before_min_tokens(logits, sample_rows)
-        meta = self._sampling_metadata(sample_rows, [req_ids[i] for i in sample_idx.tolist()])
-        sampled = self.sampler(logits, meta).tolist()
-        out = {}
-        for i, token in zip(sample_idx.tolist(), sampled):
-            self.batch.append_token(int(rows[i]), token)
-            out[req_ids[i]] = token
-        return ModelRunnerOutput(out)
+        sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
+        num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
+        logits = adjust_logits(
+            self.batch, sample_rows, raw_logits.clone() if any(k is not None for k in num_top) else raw_logits
+        )
+        sampled_t = self.sampler(logits, sampling_metadata(self.batch, sample_rows, sample_req_ids, self.device))
+        logprobs = sampled_logprobs(raw_logits, sampled_t, num_top)
+        sampled = sampled_t.tolist()
+        out, out_logprobs = {}, {}
+        for j, (req_id, token) in enumerate(zip(sample_req_ids, sampled)):
+            self.batch.append_token(int(sample_rows[j]), token)
+            out[req_id] = token
+            if logprobs[j] is not None:
+                out_logprobs[req_id] = logprobs[j]
+        return ModelRunnerOutput(out, out_logprobs)

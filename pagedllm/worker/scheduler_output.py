@@ -42,3 +42,5 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
+    # request -> (token ids, logprobs, ranks): the sampled token first, then its top-k; only where asked for
+    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)

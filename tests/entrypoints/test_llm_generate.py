@@ -149,19 +149,22 @@ def test_min_tokens_holds_back_eos(llm):
     eos = llm.get_tokenizer().eos_token_id
     assert free.token_ids[-1] == eos and len(free.token_ids) < 90
     n = len(free.token_ids) + 8
-    held = llm.generate([chat], SamplingParams(temperature=0, max_tokens=100, min_tokens=n),
-                        use_tqdm=False)[0].outputs[0]
+    held = llm.generate([chat], SamplingParams(temperature=0, max_tokens=100, min_tokens=n), use_tqdm=False)[0].outputs[
+        0
+    ]
     assert len(held.token_ids) >= n and eos not in held.token_ids[:n]
     assert held.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]  # the same text up to where EOS was
 
 
 def test_stop_token_text_is_not_in_the_output(llm):
     tok = llm.get_tokenizer()
-    base = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     target = base.token_ids[4]
-    out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[target]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[target]), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids[-1] == target
     assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=True)
 

@@ -1,0 +1,81 @@
+"""From the persistent batch to the sampler's inputs: per-request logit adjustments, sampling metadata, and the
+logprobs of the sampled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints, token_counts
+from pagedllm.sample.sampler import SamplingMetadata
+from pagedllm.worker.input_batch import InputBatch
+
+
+def adjust_logits(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+    """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can."""
+    params = [batch.params[int(r)] for r in rows]
+    allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
+    bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
+    short = batch.num_tokens[rows] - batch.num_prompt[rows] < batch.min_tokens[rows]
+    banned = {i: batch.min_tokens_stop_ids[int(rows[i])] for i in np.nonzero(short)[0].tolist()}
+    logits = apply_token_constraints(logits, allowed, bias, banned)
+    penalized = [i for i, p in enumerate(params) if p.has_penalties]
+    if not penalized:
+        return logits
+    vocab = logits.shape[1]
+    sel = rows[penalized]
+    prompts = [batch.token_ids[r, : batch.num_prompt[r]].tolist() for r in sel]
+    outputs = [batch.token_ids[r, batch.num_prompt[r] : batch.num_tokens[r]].tolist() for r in sel]
+    value = lambda name: torch.tensor([getattr(params[i], name) for i in penalized], device=logits.device)  # noqa: E731
+    index = torch.tensor(penalized, device=logits.device)
+    logits[index] = apply_penalties(
+        logits[index],
+        token_counts(prompts, vocab, logits.device),
+        token_counts(outputs, vocab, logits.device),
+        value("repetition_penalty").float(),
+        value("presence_penalty").float(),
+        value("frequency_penalty").float(),
+    )
+    return logits
+
+
+def sampling_metadata(batch: InputBatch, rows: np.ndarray, req_ids: list[str], device) -> SamplingMetadata:
+    temp = batch.temperature[rows]
+    top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+
+    def maybe(values: np.ndarray, active: bool) -> torch.Tensor | None:
+        return torch.from_numpy(values).to(device) if active else None
+
+    return SamplingMetadata(
+        temperature=torch.from_numpy(temp).to(device),
+        all_greedy=bool((temp < 1e-5).all()),
+        top_k=maybe(top_k, bool((top_k > 0).any())),
+        top_p=maybe(top_p, bool((top_p < 1.0).any())),
+        min_p=maybe(min_p, bool((min_p > 0).any())),
+        generators={i: batch.generators[r] for i, r in enumerate(req_ids) if r in batch.generators},
+    )
+
+
+def sampled_logprobs(
+    raw_logits: torch.Tensor,  # [rows, vocab] float32, before any adjustment
+    sampled: torch.Tensor,  # [rows]
+    num_top: list[int | None],  # per row: how many top logprobs (None: none wanted)
+) -> list[tuple[list[int], list[float], list[int]] | None]:
+    """Per row (token ids, logprobs, ranks): the sampled token first, then the row's top-k; None if not wanted."""
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    if not wanted:
+        return [None] * len(num_top)
+    index = torch.tensor(wanted, device=raw_logits.device)
+    lp = torch.log_softmax(raw_logits[index], dim=-1)  # [wanted, vocab]
+    chosen = sampled[index]
+    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
+    ranks = (lp > chosen_lp[:, None]).sum(dim=1) + 1  # 1 = the most likely token
+    k_max = max(num_top[i] for i in wanted)
+    top_lp, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], chosen[:, None][:, :0])
+    out: list = [None] * len(num_top)
+    for j, i in enumerate(wanted):
+        k = num_top[i]
+        ids = [int(chosen[j])] + top_ids[j, :k].tolist()
+        lps = [float(chosen_lp[j])] + top_lp[j, :k].tolist()
+        out[i] = (ids, lps, [int(ranks[j])] + list(range(1, k + 1)))
+    return out

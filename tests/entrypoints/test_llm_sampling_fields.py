@@ -1,0 +1,115 @@
+"""SamplingParams fields end to end on the bundled model: logprobs and penalties against HF transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2, dtype="float32", kv_cache_memory_bytes=128 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_logprobs_match_hf_log_softmax(llm, hf):
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True), use_tqdm=False
+    )
+    tok = llm.get_tokenizer()
+    for out in outs:
+        c = out.outputs[0]
+        ids = out.prompt_token_ids + c.token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        assert len(c.logprobs) == len(c.token_ids)
+        total = 0.0
+        for pos, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = ref[len(out.prompt_token_ids) - 1 + pos]
+            top = row.topk(5)
+            assert set(entry) == set(top.indices.tolist()) | {token}
+            for tid, lp in entry.items():
+                assert abs(lp.logprob - row[tid].item()) < 2e-3
+                assert lp.rank == int((row > row[tid]).sum()) + 1
+                assert lp.decoded_token == tok.decode([tid])
+            assert entry[token].rank == 1  # greedy
+            total += entry[token].logprob
+        assert abs(c.cumulative_logprob - total) < 1e-4
+
+
+def test_no_logprobs_unless_asked(llm):
+    c = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert c.logprobs is None and c.cumulative_logprob is None
+    c = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert [list(d) for d in c.logprobs] == [[t] for t in c.token_ids]
+
+
+def test_repetition_penalty_greedy_matches_hf(llm, hf):
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                repetition_penalty=1.3,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
+
+
+def test_allowed_token_ids_and_logit_bias(llm):
+    allowed = [11, 12, 13, 14]
+    out = llm.generate(
+        PROMPTS,
+        SamplingParams(temperature=1.0, max_tokens=10, allowed_token_ids=allowed, ignore_eos=True, seed=3),
+        use_tqdm=False,
+    )
+    assert all(t in allowed for o in out for t in o.outputs[0].token_ids)
+    forced = llm.generate(
+        PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, logit_bias={42: 100.0}), use_tqdm=False
+    )[0].outputs[0]
+    assert forced.token_ids == [42] * 5
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logit_bias", {"7": 1.0}),
+        ("logit_bias", {7: 101.0}),
+        ("allowed_token_ids", []),
+    ],
+)
+def test_new_fields_out_of_range(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+def test_token_ids_outside_the_vocabulary(llm, field):
+    value = {10**6: 1.0} if field == "logit_bias" else [10**6]
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["hi"], SamplingParams(**{field: value}))
