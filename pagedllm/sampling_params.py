@@ -18,6 +18,7 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -54,7 +55,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.n == 1, "n", self.n, "only n=1 is supported")
+        if self.best_of is not None:
+            ok = isinstance(self.best_of, int) and self.best_of >= self.n
+            _check(ok, "best_of", self.best_of, f"None or an integer >= n={self.n}")
         t = self.temperature
         _check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0, "temperature", t, "a finite number >= 0")
         p = self.top_p

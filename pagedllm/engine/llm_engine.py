@@ -8,7 +8,7 @@ import os
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -30,8 +30,10 @@ class LLMEngine:
 
     def make_request(
         self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> tuple[Request, RequestState]:
-        """Checks a request against the model and the cache without admitting it (raises ValueError)."""
+    ) -> tuple[list[Request], RequestState]:
+        """Checks a request against the model and the cache without admitting it (raises ValueError).
+
+        Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
         if not prompt_token_ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
@@ -55,20 +57,30 @@ class LLMEngine:
         max_tokens = max(1, limit if params.max_tokens is None else min(params.max_tokens, limit))
         self.core.scheduler.check_fits(n, max_tokens)
         request_id = request_id if request_id is not None else self.next_request_id()
-        if request_id in self.core.scheduler.requests:
+        if request_id in self.core.scheduler.requests or request_id in self.output_processor.states:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
-        state = RequestState(
-            request_id,
-            prompt,
-            prompt_token_ids,
-            params,
-            None if self.config.model.skip_tokenizer_init else self.tokenizer,
-        )
-        return req, state
+        return self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens)
 
-    def add(self, req: Request, state: RequestState) -> None:
-        self.core.add_request(req)
+    def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens):
+        """n (or best_of) sequences of one request; with a seed, sequence i draws from seed + i."""
+        count = params.best_of or params.n
+        tokenizer = None if self.config.model.skip_tokenizer_init else self.tokenizer
+        requests, seqs = [], {}
+        for i in range(count):
+            seq_id = request_id if count == 1 else f"{request_id}_{i}"
+            seq_params = params.clone() if count > 1 else params
+            if count > 1 and params.seed is not None:
+                seq_params.seed = params.seed + i
+            report = seq_params.logprobs is not None
+            if count > params.n and seq_params.logprobs is None:
+                seq_params.logprobs = 0  # best_of ranks sequences by cumulative logprob
+            requests.append(Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens))
+            seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
+        return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
+
+    def add(self, requests: list[Request], state: RequestState) -> None:
+        for req in requests:
+            self.core.add_request(req)
         self.output_processor.add_request(state)
 
     def add_request(
@@ -77,7 +89,7 @@ class LLMEngine:
         self.add(*self.make_request(prompt, prompt_token_ids, params, request_id))
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(list(request_ids))
+        self.core.abort_requests(self.output_processor.sequence_ids(list(request_ids)))
         self.output_processor.abort(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:

@@ -1,4 +1,7 @@
-"""OutputProcessor: turns the core's new tokens into RequestOutputs: text, stop strings, finish reasons."""
+"""OutputProcessor: turns the core's new tokens into RequestOutputs: text, stop strings, logprobs, finish reasons.
+
+A user request with n > 1 (or best_of > n) runs as several sequences in the core; its RequestState gathers them
+and reports once all are finished."""
 
 from __future__ import annotations
 
@@ -8,14 +11,16 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
-class RequestState:
+class SequenceState:
+    """One generated sequence: its tokens, text, logprobs and why it ended."""
+
     def __init__(
-        self, req_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer
+        self, index: int, prompt_token_ids: list[int], params: SamplingParams, tokenizer, report_logprobs: bool
     ) -> None:
-        self.req_id = req_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+        self.index = index
         self.params = params
+        self.tokenizer = tokenizer
+        self.report_logprobs = report_logprobs
         self.token_ids: list[int] = []
         self.detok = None
         if tokenizer is not None and params.detokenize:
@@ -25,8 +30,6 @@ class RequestState:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.num_cached_tokens = 0
-        self.tokenizer = tokenizer
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
 
@@ -42,7 +45,7 @@ class RequestState:
             self.cumulative_logprob += lps[0]
 
     def add_tokens(self, token_ids: list[int], stopped_by_token: bool) -> bool:
-        """Appends tokens and their text; True when a stop string ended the request (text cut at it).
+        """Appends tokens and their text; True when a stop string ended the sequence (text cut at it).
 
         A final EOS or stop token (stopped_by_token) stays in token_ids but adds no text, as in vLLM, unless
         include_stop_str_in_output asks for it."""
@@ -69,22 +72,45 @@ class RequestState:
                 return True
         return False
 
-    def to_output(self) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
+    def to_output(self, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
             text=self.text,
             token_ids=list(self.token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.report_logprobs else None,
+            logprobs=self.logprobs if self.report_logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
+
+
+class RequestState:
+    """A user request: its prompt and the sequences generated for it (n, or best_of to pick n from)."""
+
+    def __init__(
+        self, req_id: str, prompt: str | None, prompt_token_ids: list[int], n: int, sequences: dict[str, SequenceState]
+    ) -> None:
+        self.req_id = req_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.n = n
+        self.sequences = sequences  # core request id -> sequence
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences.values())
+
+    def to_output(self) -> RequestOutput:
+        seqs = sorted(self.sequences.values(), key=lambda s: s.index)
+        if len(seqs) > self.n:  # best_of: the n sequences with the highest cumulative logprob
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: self.n]
         return RequestOutput(
             request_id=self.req_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[completion],
-            finished=self.finish_reason is not None,
+            outputs=[s.to_output(i) for i, s in enumerate(seqs)],
+            finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
         )
 
@@ -92,33 +118,43 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}  # user request id -> state
+        self.parent_of: dict[str, str] = {}  # core request id -> user request id
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.req_id] = state
+        for seq_id in state.sequences:
+            self.parent_of[seq_id] = state.req_id
+
+    def sequence_ids(self, req_ids: list[str]) -> list[str]:
+        """The core request ids behind user request ids (unknown ids pass through)."""
+        return [s for r in req_ids for s in (self.states[r].sequences if r in self.states else [r])]
 
     def abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
-            self.states.pop(req_id, None)
+            state = self.states.pop(req_id, None)
+            for seq_id in state.sequences if state else []:
+                self.parent_of.pop(seq_id, None)
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """(finished request outputs, ids the core must stop because a stop string matched)."""
+        """(finished request outputs, sequence ids the core must stop because a stop string matched)."""
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
         for out in outputs:
-            state = self.states.get(out.req_id)
+            state = self.states.get(self.parent_of.get(out.req_id, ""))
             if state is None:
                 continue
-            state.num_cached_tokens = out.num_cached_tokens
+            seq = state.sequences[out.req_id]
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                seq.add_logprobs(out.new_logprobs)
             by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-            if out.new_logprobs is not None and state.logprobs is not None:
-                state.add_logprobs(out.new_logprobs)
-            stopped = state.add_tokens(out.new_token_ids, by_token)
+            stopped = seq.add_tokens(out.new_token_ids, by_token)
             if stopped and out.finish_reason is None:
                 to_abort.append(out.req_id)
             elif not stopped and out.finish_reason is not None:
-                state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
-            if state.finish_reason is not None:
+                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            if state.finished:
                 finished.append(state.to_output())
-                del self.states[out.req_id]
+                self.abort([state.req_id])
         return finished, to_abort

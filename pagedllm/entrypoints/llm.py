@@ -115,9 +115,9 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(pending)
         bar = _ProgressBar(len(pending)) if use_tqdm else None
         try:
-            for i, (req, state) in enumerate(pending):
-                engine.add(req, state)
-                order[req.request_id] = i
+            for i, (requests, state) in enumerate(pending):
+                engine.add(requests, state)
+                order[state.req_id] = i
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id in order:

@@ -113,3 +113,38 @@ def test_token_ids_outside_the_vocabulary(llm, field):
     value = {10**6: 1.0} if field == "logit_bias" else [10**6]
     with pytest.raises(ValueError, match=field):
         llm.generate(["hi"], SamplingParams(**{field: value}))
+
+
+def test_n_samples_differ_and_reproduce(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    again = llm.generate(["Hello", PROMPTS[0]], [SamplingParams(max_tokens=3), params], use_tqdm=False)[1]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    seqs = [c.token_ids for c in first.outputs]
+    assert len({tuple(s) for s in seqs}) == 3
+    assert [c.token_ids for c in again.outputs] == seqs
+
+
+def test_n_greedy_sequences_are_identical_and_share_the_prompt_blocks(llm):
+    prompt = "A long prompt that covers several KV-cache blocks of sixteen tokens each, " * 3
+    out = llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+    assert out.num_cached_tokens >= 16  # the second sequence found the first one's prompt blocks
+
+
+def test_best_of_returns_the_most_likely_n(llm):
+    base = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    all4 = llm.generate(PROMPTS[:1], SamplingParams(**{**_fields(base), "n": 4, "logprobs": 0}), use_tqdm=False)[0]
+    ranked = sorted(all4.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
+    best = llm.generate(PROMPTS[:1], SamplingParams(**{**_fields(base), "n": 2, "best_of": 4}), use_tqdm=False)[0]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+    assert all(c.logprobs is None and c.cumulative_logprob is None for c in best.outputs)
+
+
+def test_best_of_below_n_is_rejected():
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {k: getattr(params, k) for k in ("temperature", "seed", "max_tokens", "ignore_eos")}

@@ -1,0 +1,154 @@
+"""Per-step time of pagedllm's sampler on a mixed batch against plain greedy (argmax) on the same logits.
+
+Workload sampler-256x49152: fresh random float32 logits [--batch, --vocab] each step (made before timing). With a
+fixed --seed each request draws greedy or temperature in [0.5, 1.5], top_k in {0, 20, 50}, top_p in {1.0, 0.9,
+0.95}, min_p in {0, 0.05}; a quarter each get a seeded torch.Generator, repetition/presence/frequency penalties
+(200 prompt + 100 output tokens), logprobs=5. Timed per step, interleaved on the same logits:
+  greedy        logits.argmax(-1) alone
+  filters_only  SamplingMetadata + the Sampler call
+  full          all the model runner does after the LM head: clone for logprobs, apply_token_constraints (no-op
+                inputs), token_counts + apply_penalties on the penalized rows, SamplingMetadata, Sampler,
+                sampled_logprobs
+Medians after --warmup go out as one JSON line (appended to benchmarks/results.jsonl unless --no-append) with
+ratio = full / greedy (the issue's target: <= 3).   e.g. python benchmarks/sampler_bench.py --steps 5 --no-append
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints, token_counts
+from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.worker.sample_inputs import sampled_logprobs
+
+try:
+    from benchmarks.common import emit, git_commit, machine_description, make_record, rounded, usable_cores
+except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    from common import emit, git_commit, machine_description, make_record, rounded, usable_cores
+
+TARGET_RATIO = 3.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=50, help="timed steps; the medians are reported (default 50)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--batch", type=int, default=256, help="requests per step (default 256)")
+    p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch mix and the logits (default 0)")
+    p.add_argument("--threads", type=int, default=usable_cores(), help="torch threads (default: all cores)")
+    p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
+    return p.parse_args(argv)
+
+
+def build_batch(n: int, vocab: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    quarter = lambda: rng.random(n) < 0.25  # noqa: E731
+    greedy = rng.random(n) < 0.5
+    seeded, penalized, wants_lp = quarter(), quarter(), quarter()
+    pen = np.nonzero(penalized)[0]
+    floats = lambda lo, hi: torch.from_numpy(rng.uniform(lo, hi, len(pen)).astype(np.float32))  # noqa: E731
+    return {
+        "temperature": np.where(greedy, 0.0, rng.uniform(0.5, 1.5, n)).astype(np.float32),
+        "top_k": rng.choice([0, 20, 50], n).astype(np.int64),
+        "top_p": rng.choice([1.0, 0.9, 0.95], n).astype(np.float32),
+        "min_p": rng.choice([0.0, 0.05], n).astype(np.float32),
+        "generators": {int(i): torch.Generator().manual_seed(int(rng.integers(2**31))) for i in np.nonzero(seeded)[0]},
+        "pen_rows": torch.from_numpy(pen),
+        "prompts": [rng.integers(vocab, size=200).tolist() for _ in pen],
+        "outputs": [rng.integers(vocab, size=100).tolist() for _ in pen],
+        "repetition": floats(1.05, 1.3),
+        "presence": floats(0.0, 0.5),
+        "frequency": floats(0.0, 0.5),
+        "num_top": [5 if w else None for w in wants_lp],
+    }
+
+
+def metadata(b: dict) -> SamplingMetadata:
+    """As sample_inputs.sampling_metadata builds it each step, from the persistent batch's numpy arrays."""
+    temp, top_k, top_p, min_p = b["temperature"], b["top_k"], b["top_p"], b["min_p"]
+    return SamplingMetadata(
+        temperature=torch.from_numpy(temp),
+        all_greedy=bool((temp < 1e-5).all()),
+        top_k=torch.from_numpy(top_k) if (top_k > 0).any() else None,
+        top_p=torch.from_numpy(top_p) if (top_p < 1.0).any() else None,
+        min_p=torch.from_numpy(min_p) if (min_p > 0).any() else None,
+        generators=b["generators"],
+    )
+
+
+def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
+    """The model runner's path after compute_logits (adjust_logits inlined, on prebuilt token lists)."""
+    logits = raw.clone() if any(k is not None for k in b["num_top"]) else raw
+    logits = apply_token_constraints(logits, {}, {}, {})
+    index, vocab = b["pen_rows"], logits.shape[1]
+    if len(index):
+        prompt_counts, output_counts = (token_counts(b[k], vocab, logits.device) for k in ("prompts", "outputs"))
+        logits[index] = apply_penalties(
+            logits[index], prompt_counts, output_counts, b["repetition"], b["presence"], b["frequency"]
+        )
+    sampled = sampler(logits, metadata(b))
+    sampled_logprobs(raw, sampled, b["num_top"])
+    return sampled
+
+
+def timed_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace) -> dict[str, float]:
+    torch.set_num_threads(args.threads)
+    b = build_batch(args.batch, args.vocab, args.seed)
+    sampler = Sampler(torch.device("cpu"), args.seed)
+    logits_gen = torch.Generator().manual_seed(args.seed + 1)
+    times: dict[str, list[float]] = {"greedy": [], "filters_only": [], "full": []}
+    for step in range(args.warmup + args.steps):
+        raw = torch.randn(args.batch, args.vocab, generator=logits_gen).mul_(3.0)  # untimed
+        row = {
+            "greedy": timed_ms(lambda raw=raw: raw.argmax(-1)),
+            "filters_only": timed_ms(lambda raw=raw: sampler(raw, metadata(b))),
+            "full": timed_ms(lambda raw=raw: full_step(sampler, b, raw)),  # last: it may write into raw
+        }
+        if step >= args.warmup:
+            for name, ms in row.items():
+                times[name].append(ms)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    med = run(args)
+    ratio = med["full"] / med["greedy"]
+    record = make_record(
+        f"sampler-{args.batch}x{args.vocab}",
+        machine_description(),
+        git_commit(),
+        greedy_ms=rounded(med["greedy"], 3),
+        full_ms=rounded(med["full"], 3),
+        filters_only_ms=rounded(med["filters_only"], 3),
+        ratio=rounded(ratio, 3),
+        steps=args.steps,
+        threads=args.threads,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+    emit(record, append=not args.no_append)
+    print(f"\n{record['workload']}: median over {args.steps} steps, {args.threads} threads", file=sys.stderr)
+    print(f"{'step':<14}{'ms':>10}{'x greedy':>10}", file=sys.stderr)
+    for name in ("greedy", "filters_only", "full"):
+        print(f"{name:<14}{med[name]:>10.2f}{med[name] / med['greedy']:>10.2f}", file=sys.stderr)
+    verdict = "meets" if ratio <= TARGET_RATIO else "misses"
+    print(f"ratio full/greedy {ratio:.2f} {verdict} the target <= {TARGET_RATIO:g}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
