@@ -1,7 +1,9 @@
 """The sampler: greedy, temperature, min-p, top-k and top-p with per-request values, and per-request seeds.
 
-Random choice uses the exponential-race form of sampling: argmax(probs / q) with q ~ Exp(1) drawn per row,
-so a seeded request draws its q from its own generator and gets the same tokens whatever shares its batch."""
+Rows with top-k / top-p whose kept tokens lie among their CANDIDATES most likely ones are filtered and sampled
+over those candidates only (no sort of the vocabulary); the others over the whole vocabulary. Rows with a seed
+draw from their own generator, and every choice above depends on the row alone, so a seeded request gets the same
+tokens whatever shares its batch."""
 
 from __future__ import annotations
 
@@ -52,25 +54,72 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+CANDIDATES = 256  # top-k / top-p rows whose kept tokens lie among their 256 most likely sample from those alone
+
+
+def _candidate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """Which rows' top-k / top-p sets lie inside their CANDIDATES most likely tokens, decided from each row alone
+    (so a seeded row samples the same way whatever shares its batch). Returns (mask, top values, top ids)."""
+    k0 = min(CANDIDATES, logits.shape[1])
+    vals, ids = logits.topk(k0, dim=-1)  # [rows, k0], descending
+    mass = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(dim=-1)  # probability of the top k0
+    by_k = (top_k > 0) & (top_k <= k0)
+    by_p = (top_p < 1.0) & (mass >= top_p)
+    return by_k | by_p, vals, ids
+
+
+def _filter_candidates(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, full_lse: torch.Tensor):
+    """top-k then top-p over each row's sorted candidates (exactly as over the whole vocabulary)."""
+    k0 = vals.shape[1]
+    position = torch.arange(k0, device=vals.device)[None, :]
+    k = torch.where(top_k > 0, top_k, k0)
+    vals = vals.masked_fill(position >= k[:, None], float("-inf"))
+    # probabilities: over the top-k set when top-k is on, else over the whole vocabulary
+    lse = torch.where(top_k > 0, vals.logsumexp(dim=-1), full_lse)
+    probs = (vals - lse[:, None]).exp()
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    return vals.masked_fill((before >= top_p[:, None]) & (position > 0), float("-inf"))
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits [batch, vocab] float32 -> sampled token ids [batch] int64."""
-        greedy = logits.argmax(dim=-1)
+        out = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy
-        is_greedy = meta.temperature < _EPS
-        temp = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
-        logits = logits / temp[:, None]
+            return out
+        rows = torch.nonzero(meta.temperature >= _EPS).squeeze(1)  # the rows that sample
+        x = logits[rows] / meta.temperature[rows, None]
         if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, gen in meta.generators.items():
-            q[row].exponential_(generator=gen)
-        sampled = probs.div_(q).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+            x = apply_min_p(x, meta.min_p[rows])
+        top_k = meta.top_k[rows] if meta.top_k is not None else torch.zeros_like(rows)
+        top_p = meta.top_p[rows] if meta.top_p is not None else torch.ones(len(rows), device=x.device)
+        fast, vals, ids = _candidate_rows(x, top_k, top_p)
+        gens = {i: meta.generators[int(r)] for i, r in enumerate(rows.tolist()) if int(r) in meta.generators}
+        fast_rows = torch.nonzero(fast).squeeze(1)
+        if len(fast_rows):
+            kept = _filter_candidates(vals[fast_rows], top_k[fast_rows], top_p[fast_rows],
+                                      x[fast_rows].logsumexp(dim=-1))
+            picked = self._draw(kept.softmax(dim=-1), fast_rows, gens)
+            out[rows[fast_rows]] = ids[fast_rows].gather(1, picked[:, None]).squeeze(1)
+        slow_rows = torch.nonzero(~fast).squeeze(1)
+        if len(slow_rows):
+            xs = x[slow_rows]
+            if bool(((top_k[slow_rows] > 0) | (top_p[slow_rows] < 1.0)).any()):
+                xs = apply_top_k_top_p(xs, top_k[slow_rows], top_p[slow_rows])
+            out[rows[slow_rows]] = self._draw(xs.softmax(dim=-1), slow_rows, gens)
+        return out
+
+    def _draw(self, probs: torch.Tensor, rows: torch.Tensor, gens: dict[int, torch.Generator]) -> torch.Tensor:
+        """One token per row from probs [n, k]; rows with a seed draw from their own generator."""
+        picked = torch.empty(len(rows), dtype=torch.int64, device=probs.device)
+        seeded = [(j, gens[r]) for j, r in enumerate(rows.tolist()) if r in gens]
+        plain = [j for j, r in enumerate(rows.tolist()) if r not in gens]
+        if plain:
+            index = torch.tensor(plain, device=probs.device)
+            picked[index] = torch.multinomial(probs[index], 1, generator=self.generator).squeeze(1)
+        for j, gen in seeded:
+            picked[j] = torch.multinomial(probs[j : j + 1], 1, generator=gen)[0, 0]
+        return picked

@@ -13,7 +13,8 @@ from pagedllm import LLM, CompletionOutput, RequestOutput, SamplingParams, TextP
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(smollm2, kv_cache_memory_bytes=128 << 20)
+    # float32: seeded sampling reproduces exactly only where the arithmetic does not depend on the batch
+    return LLM(smollm2, dtype="float32", kv_cache_memory_bytes=128 << 20)
 
 
 def test_prompt_forms_agree(llm):

@@ -121,3 +121,31 @@ def test_seeded_row_is_independent_of_its_batch(position):
     mixed = logits.clone()
     mixed[position] = row
     assert draw(mixed, position) == alone
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (40, 1.0), (40, 0.8), (1, 0.3)])
+def test_candidate_filter_keeps_the_same_tokens_as_the_full_filter(top_k, top_p):
+    from pagedllm.sample.sampler import _candidate_rows, _filter_candidates
+
+    logits = _logits(6, seed=9)
+    logits[:, :3] += 8  # peaked rows: their nucleus lies among the top candidates
+    k, p = torch.full((6,), top_k), torch.full((6,), top_p)
+    fast, vals, ids = _candidate_rows(logits, k, p)
+    assert fast.all()
+    kept = _filter_candidates(vals, k, p, logits.logsumexp(dim=-1))
+    full = apply_top_k_top_p(logits, k if top_k else None, p if top_p < 1 else None)
+    for i in range(6):
+        assert set(ids[i][torch.isfinite(kept[i])].tolist()) == set(
+            torch.nonzero(torch.isfinite(full[i])).flatten().tolist()
+        )
+
+
+def test_top_k_sampling_frequencies_follow_the_renormalized_softmax():
+    base = torch.tensor([3.0, 2.0, 1.5, 1.0, 0.0, -1.0])
+    rows = 20000
+    tokens = Sampler(torch.device("cpu"), seed=5)(base.repeat(rows, 1), _meta([1.0] * rows, top_k=[3] * rows))
+    freq = torch.bincount(tokens, minlength=6).float() / rows
+    expected = torch.zeros(6)
+    expected[:3] = base[:3].softmax(-1)
+    tol = 4 * (expected * (1 - expected) / rows).sqrt() + 1e-6
+    assert ((freq - expected).abs() <= tol).all(), (freq, expected)
