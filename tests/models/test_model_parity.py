@@ -74,12 +74,11 @@ def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     num_blocks = -(-n // runner.block_size)
     table = np.arange(num_blocks, dtype=np.int64)[None, :]
-    layout = BatchLayout(
-        np.array([0, n]), np.array([n]), table, torch.arange(n), runner.block_size, torch.device("cpu")
-    )
+    dev = runner.device
+    layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n, device=dev), runner.block_size, dev)
     with torch.inference_mode(), forward_context(torch_backend.build_metadata(layout)):
-        hidden = runner.model(torch.tensor(ids), torch.arange(n))
-        return runner.model.compute_logits(hidden)
+        hidden = runner.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev))
+        return runner.model.compute_logits(hidden).cpu()
 
 
 def test_logits_close(tiny):
