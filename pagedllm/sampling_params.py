@@ -37,6 +37,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
 
@@ -89,9 +90,10 @@ class SamplingParams:
             _check(isinstance(v, (int, float)) and -2.0 <= v <= 2.0, name, v, "[-2, 2]")
         r = self.repetition_penalty
         _check(isinstance(r, (int, float)) and math.isfinite(r) and r > 0, "repetition_penalty", r, "> 0 and finite")
-        if self.logprobs is not None:
-            ok = isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
-            _check(ok, "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS)
+            _check(ok, name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_token_maps()
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text is what they are matched against)")

@@ -11,6 +11,15 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
+def _logprob_dict(ids: list[int], lps: list[float], ranks: list[int], tokenizer) -> dict[int, Logprob]:
+    """token id -> Logprob(logprob, rank, text), the first entry (the chosen token) winning duplicates."""
+    position: dict[int, Logprob] = {}
+    for tid, lp, rank in zip(ids, lps, ranks):
+        if tid not in position:
+            position[tid] = Logprob(lp, rank, tokenizer.decode([tid]) if tokenizer is not None else None)
+    return position
+
+
 class SequenceState:
     """One generated sequence: its tokens, text, logprobs and why it ended."""
 
@@ -36,12 +45,7 @@ class SequenceState:
     def add_logprobs(self, entries: list[tuple[list[int], list[float], list[int]]]) -> None:
         """One dict per new token: the sampled token and the top-k, token id -> Logprob(logprob, rank, text)."""
         for ids, lps, ranks in entries:
-            position = {}
-            for tid, lp, rank in zip(ids, lps, ranks):
-                if tid not in position:
-                    text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
-                    position[tid] = Logprob(lp, rank, text)
-            self.logprobs.append(position)
+            self.logprobs.append(_logprob_dict(ids, lps, ranks, self.tokenizer))
             self.cumulative_logprob += lps[0]
 
     def add_tokens(self, token_ids: list[int], stopped_by_token: bool) -> bool:
@@ -96,6 +100,15 @@ class RequestState:
         self.n = n
         self.sequences = sequences  # core request id -> sequence
         self.num_cached_tokens = 0
+        first = next(iter(sequences.values()))
+        self.tokenizer = first.tokenizer
+        wants_prompt_logprobs = first.params.prompt_logprobs is not None
+        self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if wants_prompt_logprobs else None
+
+    def add_prompt_logprobs(self, first_position: int, entries: list) -> None:
+        """Places each prompt token's logprobs at its position (a recomputed chunk writes the same places again)."""
+        for offset, (ids, lps, ranks) in enumerate(entries):
+            self.prompt_logprobs[first_position + offset] = _logprob_dict(ids, lps, ranks, self.tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -111,6 +124,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.to_output(i) for i, s in enumerate(seqs)],
             finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
         )
 
@@ -146,6 +160,8 @@ class OutputProcessor:
                 continue
             seq = state.sequences[out.req_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.add_prompt_logprobs(*out.prompt_logprobs)
             if out.new_logprobs is not None and seq.logprobs is not None:
                 seq.add_logprobs(out.new_logprobs)
             by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)

@@ -27,6 +27,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None
     num_cached_tokens: int
     new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None  # per new token, when asked for
+    prompt_logprobs: tuple[int, list] | None = None  # (first prompt position, entries) computed this step
 
 
 class Scheduler:
@@ -139,23 +140,25 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
-        for req_id, token in out.sampled_token_ids.items():
+        for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.append_output_token(token)
-            finished = req.check_stop()
-            if finished:
-                self._remove(req)
+            token = out.sampled_token_ids.get(req_id)
+            if token is not None:
+                req.append_output_token(token)
+                if req.check_stop():
+                    self._remove(req)
             logprobs = out.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token],
+                    [token] if token is not None else [],
                     req.status.finish_reason,
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
                     [logprobs] if logprobs is not None else None,
+                    out.prompt_logprobs.get(req_id),
                 )
             )
         return outputs

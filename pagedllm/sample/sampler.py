@@ -100,8 +100,9 @@ class Sampler:
         gens = {i: meta.generators[int(r)] for i, r in enumerate(rows.tolist()) if int(r) in meta.generators}
         fast_rows = torch.nonzero(fast).squeeze(1)
         if len(fast_rows):
-            kept = _filter_candidates(vals[fast_rows], top_k[fast_rows], top_p[fast_rows],
-                                      x[fast_rows].logsumexp(dim=-1))
+            kept = _filter_candidates(
+                vals[fast_rows], top_k[fast_rows], top_p[fast_rows], x[fast_rows].logsumexp(dim=-1)
+            )
             picked = self._draw(kept.softmax(dim=-1), fast_rows, gens)
             out[rows[fast_rows]] = ids[fast_rows].gather(1, picked[:, None]).squeeze(1)
         slow_rows = torch.nonzero(~fast).squeeze(1)

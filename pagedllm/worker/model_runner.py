@@ -99,9 +99,10 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         req_ids = list(so.num_scheduled_tokens)
+        prompt_lps = self._prompt_logprobs(hidden, layout, rows, req_ids)
         sample_idx = np.nonzero(sample_mask)[0]
         if len(sample_idx) == 0:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         logits_rows = torch.from_numpy(layout.query_start_loc[1:][sample_idx] - 1).to(self.device)
         raw_logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
         sample_rows = rows[sample_idx]
@@ -119,4 +120,34 @@ class ModelRunner:
             out[req_id] = token
             if logprobs[j] is not None:
                 out_logprobs[req_id] = logprobs[j]
-        return ModelRunnerOutput(out, out_logprobs)
+        return ModelRunnerOutput(out, out_logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, layout, rows: np.ndarray, req_ids: list[str]) -> dict:
+        """For requests asking prompt_logprobs: the logprob of each prompt token this step's chunk predicts,
+        as req_id -> (position of the first predicted token, [(ids, logprobs, ranks)] with the prompt token first)."""
+        b = self.batch
+        wanted = [i for i, r in enumerate(rows.tolist()) if b.params[r].prompt_logprobs is not None]
+        hidden_rows, targets, spans = [], [], {}
+        for i in wanted:
+            row = int(rows[i])
+            start = int(layout.seq_lens[i] - (layout.query_start_loc[i + 1] - layout.query_start_loc[i]))
+            end = min(int(layout.seq_lens[i]), int(b.num_prompt[row]) - 1)  # positions predicting a prompt token
+            if end <= start:
+                continue
+            first = int(layout.query_start_loc[i])
+            hidden_rows.extend(range(first, first + end - start))
+            targets.extend(b.token_ids[row, start + 1 : end + 1].tolist())
+            spans[req_ids[i]] = (start + 1, end - start, b.params[row].prompt_logprobs)
+        if not spans:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
+        entries = sampled_logprobs(
+            logits,
+            torch.tensor(targets, device=self.device),
+            [k for _, count, k in spans.values() for _ in range(count)],
+        )
+        out, offset = {}, 0
+        for req_id, (first_pos, count, _) in spans.items():
+            out[req_id] = (first_pos, entries[offset : offset + count])
+            offset += count
+        return out

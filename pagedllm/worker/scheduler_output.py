@@ -44,3 +44,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
     # request -> (token ids, logprobs, ranks): the sampled token first, then its top-k; only where asked for
     logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    # request -> (first prompt position, entries as above with the prompt token first) for prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)

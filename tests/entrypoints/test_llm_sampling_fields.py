@@ -148,3 +148,35 @@ def test_best_of_below_n_is_rejected():
 
 def _fields(params: SamplingParams) -> dict:
     return {k: getattr(params, k) for k in ("temperature", "seed", "max_tokens", "ignore_eos")}
+
+
+def _check_prompt_logprobs(out, hf, k: int):
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos in range(1, len(ids)):
+        row, token = ref[pos - 1], ids[pos]
+        assert set(plp[pos]) == set(row.topk(k).indices.tolist()) | {token}
+        for tid, lp in plp[pos].items():
+            assert abs(lp.logprob - row[tid].item()) < 2e-3
+            assert lp.rank == int((row > row[tid]).sum()) + 1
+
+
+def test_prompt_logprobs_match_hf(llm, hf):
+    prompts = ["The quick brown fox jumps over the lazy dog because it was", "x = [1, 2, 3]\nprint(sum(x))"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)
+    for out in outs:
+        _check_prompt_logprobs(out, hf, 3)
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_across_chunks_and_preemption(smollm2, hf):
+    prompt = "A sentence long enough to be cut into several chunks of sixteen tokens by the scheduler. " * 3
+    chunked = LLM(smollm2, dtype="float32", max_num_batched_tokens=16, num_gpu_blocks_override=9)
+    params = [SamplingParams(max_tokens=40, prompt_logprobs=2, ignore_eos=True) for _ in range(3)]
+    outs = chunked.generate([prompt, prompt + "Again.", prompt + "Once more."], params, use_tqdm=False)
+    assert chunked.llm_engine.core.scheduler.num_preemptions > 0
+    for out in outs:
+        _check_prompt_logprobs(out, hf, 2)
