@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default max_logprobs)
@@ -38,6 +39,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Callable] | None = None
+    truncate_prompt_tokens: int | None = None
+    # token-id sequences of bad_words, filled from the tokenizer when the request is made
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
 
@@ -95,6 +101,15 @@ class SamplingParams:
             ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS)
             _check(ok, name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_token_maps()
+        t = self.truncate_prompt_tokens
+        ok = t is None or (isinstance(t, int) and not isinstance(t, bool) and (t >= 1 or t == -1))
+        _check(ok, "truncate_prompt_tokens", t, "None, -1 (max_model_len) or an integer >= 1")
+        if self.bad_words is not None:
+            ok = isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w for w in self.bad_words)
+            _check(ok, "bad_words", self.bad_words, "a list of non-empty strings")
+        if self.logits_processors is not None:
+            ok = isinstance(self.logits_processors, (list, tuple)) and all(callable(f) for f in self.logits_processors)
+            _check(ok, "logits_processors", self.logits_processors, "a list of callables")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text is what they are matched against)")
 
@@ -131,4 +146,6 @@ class SamplingParams:
                 _check(tid < vocab_size, name, tid, f"token ids in [0, {vocab_size})")
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A deep copy; logits processors are shared, not copied (they may hold state or resources)."""
+        memo = {id(f): f for f in self.logits_processors or []}
+        return copy.deepcopy(self, memo)

@@ -35,6 +35,9 @@ class LLMEngine:
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
+        if params.truncate_prompt_tokens is not None:
+            keep = model.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = prompt_token_ids[-keep:]
         if not prompt_token_ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
         vocab = model.vocab_size
@@ -51,6 +54,10 @@ class LLMEngine:
         if params.stop and (self.tokenizer is None or model.skip_tokenizer_init):
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True gives none)")
         params = params.clone()  # later changes to the caller's object must not reach a running request
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True gives none)")
+            params.bad_words_token_ids = _bad_words_token_ids(self.tokenizer, params.bad_words)
         if self.extra_eos_ids and not params.ignore_eos:
             params.stop_token_ids += [t for t in self.extra_eos_ids if t not in params.stop_token_ids]
         limit = model.max_model_len - n
@@ -104,6 +111,17 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.scheduler.kv.reset_prefix_cache()
+
+
+def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (as it appears inside text), without special tokens."""
+    seqs = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
 
 
 def _generation_eos_ids(model_path: str) -> list[int]:

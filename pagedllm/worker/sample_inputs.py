@@ -3,6 +3,8 @@ logprobs of the sampled tokens."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -17,15 +19,21 @@ def adjust_logits(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor) -> 
     allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
     bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
     short = batch.num_tokens[rows] - batch.num_prompt[rows] < batch.min_tokens[rows]
-    banned = {i: batch.min_tokens_stop_ids[int(rows[i])] for i in np.nonzero(short)[0].tolist()}
+    banned = {i: list(batch.min_tokens_stop_ids[int(rows[i])]) for i in np.nonzero(short)[0].tolist()}
+    for i, p in enumerate(params):
+        if p.bad_words_token_ids:
+            banned.setdefault(i, []).extend(_bad_word_endings(p.bad_words_token_ids, _outputs(batch, int(rows[i]))))
     logits = apply_token_constraints(logits, allowed, bias, banned)
+    for i, p in enumerate(params):
+        for fn in p.logits_processors or []:
+            logits[i] = _call_processor(fn, batch, int(rows[i]), logits[i])
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
     if not penalized:
         return logits
     vocab = logits.shape[1]
     sel = rows[penalized]
     prompts = [batch.token_ids[r, : batch.num_prompt[r]].tolist() for r in sel]
-    outputs = [batch.token_ids[r, batch.num_prompt[r] : batch.num_tokens[r]].tolist() for r in sel]
+    outputs = [_outputs(batch, int(r)) for r in sel]
     value = lambda name: torch.tensor([getattr(params[i], name) for i in penalized], device=logits.device)  # noqa: E731
     index = torch.tensor(penalized, device=logits.device)
     logits[index] = apply_penalties(
@@ -37,6 +45,22 @@ def adjust_logits(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor) -> 
         value("frequency_penalty").float(),
     )
     return logits
+
+
+def _outputs(batch: InputBatch, row: int) -> list[int]:
+    return batch.token_ids[row, batch.num_prompt[row] : batch.num_tokens[row]].tolist()
+
+
+def _bad_word_endings(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far (one-token words always)."""
+    return [s[-1] for s in sequences if len(s) == 1 or output[len(output) - len(s) + 1 :] == s[:-1]]
+
+
+def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> torch.Tensor:
+    """A user logits processor: fn(output_ids, logits) or fn(prompt_ids, output_ids, logits) -> logits."""
+    if len(inspect.signature(fn).parameters) == 3:
+        return fn(batch.token_ids[row, : batch.num_prompt[row]].tolist(), _outputs(batch, row), logits)
+    return fn(_outputs(batch, row), logits)
 
 
 def sampling_metadata(batch: InputBatch, rows: np.ndarray, req_ids: list[str], device) -> SamplingMetadata:

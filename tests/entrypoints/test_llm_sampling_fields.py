@@ -180,3 +180,54 @@ def test_prompt_logprobs_across_chunks_and_preemption(smollm2, hf):
     assert chunked.llm_engine.core.scheduler.num_preemptions > 0
     for out in outs:
         _check_prompt_logprobs(out, hf, 2)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("One two three four five six seven eight nine ten eleven twelve")
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = llm.generate([ids], SamplingParams(truncate_prompt_tokens=5, **greedy), use_tqdm=False)[0]
+    direct = llm.generate([ids[-5:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_logits_processors_two_and_three_arguments(llm):
+    seen = []
+
+    def force_42(output_ids, logits):
+        seen.append(list(output_ids))
+        forced = torch.full_like(logits, float("-inf"))
+        forced[42] = 0.0
+        return forced
+
+    def ban_42_and_record_prompt(prompt_ids, output_ids, logits):
+        seen.append(("prompt", list(prompt_ids)))
+        logits[42] = float("-inf")
+        return logits
+
+    out = llm.generate(
+        PROMPTS[:1], SamplingParams(max_tokens=3, logits_processors=[force_42], ignore_eos=True), use_tqdm=False
+    )[0]
+    assert out.outputs[0].token_ids == [42, 42, 42] and seen == [[], [42], [42, 42]]
+    seen.clear()
+    out = llm.generate(
+        PROMPTS[:1],
+        SamplingParams(
+            temperature=0, max_tokens=2, ignore_eos=True, logits_processors=[force_42, ban_42_and_record_prompt]
+        ),
+        use_tqdm=False,
+    )[0]
+    assert 42 not in out.outputs[0].token_ids  # the second processor sees the first one's output
+    assert ("prompt", out.prompt_token_ids) in seen
+
+
+def test_bad_words_are_never_completed(llm):
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    base = llm.generate(PROMPTS[:1], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    word = base.text.split()[0]  # the first word the model wants to say
+    out = llm.generate(PROMPTS[:1], SamplingParams(bad_words=[word], **greedy), use_tqdm=False)[0].outputs[0]
+    assert word not in out.text.split()
+    assert out.token_ids != base.token_ids
