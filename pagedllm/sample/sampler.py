@@ -90,8 +90,12 @@ class Sampler:
         out = logits.argmax(dim=-1)
         if meta.all_greedy:
             return out
-        rows = torch.nonzero(meta.temperature >= _EPS).squeeze(1)  # the rows that sample
-        x = logits[rows] / meta.temperature[rows, None]
+        # rows that sample; a row left with no finite logit (every token banned) keeps its argmax
+        rows = torch.nonzero((meta.temperature >= _EPS) & torch.isfinite(logits).any(dim=-1)).squeeze(1)
+        # extreme penalties or temperatures can overflow: +inf becomes the largest float, NaN is dropped
+        x = torch.nan_to_num(
+            logits[rows] / meta.temperature[rows, None], nan=float("-inf"), posinf=torch.finfo(logits.dtype).max
+        )
         if meta.min_p is not None:
             x = apply_min_p(x, meta.min_p[rows])
         top_k = meta.top_k[rows] if meta.top_k is not None else torch.zeros_like(rows)
