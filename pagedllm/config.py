@@ -86,6 +86,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     keep_q4: bool = False  # GGUF Q4_0/Q4_1 weights stay 4-bit for the int4 kernel (CPU, half-precision compute)
+    generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a path
 
     @property
     def vocab_size(self) -> int:

@@ -48,6 +48,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     compilation_config: Any = None
     device: str | None = None
+    generation_config: str = "auto"
 
     @classmethod
     def names(cls) -> list[str]:
@@ -95,6 +96,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             skip_tokenizer_init=self.skip_tokenizer_init,
             keep_q4=keep_q4,
+            generation_config=self.generation_config,
         )
 
     def create_engine_config(self) -> EngineConfig:

@@ -22,7 +22,18 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id = _eos_token_id(tokenizer, config.model.hf_config)
         # generation_config.json may list more end-of-sequence ids (e.g. Llama 3's <|eot_id|>): they stop too
-        self.extra_eos_ids = [t for t in _generation_eos_ids(config.model.model_path) if t != self.eos_token_id]
+        model_generation = read_generation_config(config.model.model_path)
+        self.extra_eos_ids = [t for t in _eos_list(model_generation) if t != self.eos_token_id]
+        source = config.model.generation_config
+        generation = (
+            model_generation if source == "auto" else {} if source == "vllm" else read_generation_config(source)
+        )
+        # the sampling defaults the model's authors chose, used when a caller gives no SamplingParams (as vLLM)
+        self.default_sampling_fields = {
+            ours: generation[theirs]
+            for theirs, ours in _SAMPLING_DEFAULTS.items()
+            if generation.get(theirs) is not None
+        }
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -124,13 +135,27 @@ def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return seqs
 
 
-def _generation_eos_ids(model_path: str) -> list[int]:
-    """The eos_token_id list of a model directory's generation_config.json (empty when there is none)."""
-    path = os.path.join(model_path, "generation_config.json")
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token_id")
+_SAMPLING_DEFAULTS = {  # generation_config.json key -> SamplingParams field
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_generation_config(path: str) -> dict:
+    """A model directory's generation_config.json as a dict (empty when there is none, or for a .gguf file)."""
+    file = path if path.endswith(".json") else os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _eos_list(generation: dict) -> list[int]:
+    eos = generation.get("eos_token_id")
     if eos is None:
         return []
     return [int(t) for t in (eos if isinstance(eos, list) else [eos])]

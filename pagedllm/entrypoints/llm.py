@@ -43,6 +43,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         compilation_config: Any = None,
         device: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
@@ -54,6 +55,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (temperature, top_p, ...) applied."""
+        return SamplingParams(**self.llm_engine.default_sampling_fields)
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
@@ -79,6 +84,8 @@ class LLM:
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_list(sampling_params, len(parsed))
         engine = self.llm_engine
         # Validate every request before any enters the engine.
@@ -144,8 +151,6 @@ def _as_prompt_list(prompts: Any) -> list:
 
 
 def _params_list(params: Any, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     if isinstance(params, (list, tuple)):

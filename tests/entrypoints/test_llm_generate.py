@@ -194,3 +194,20 @@ def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(llm, monkeypa
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.core.scheduler.kv.pool.cached == {}  # nothing half-written is findable
     assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_stop_string_spanning_two_tokens_is_caught(llm):
+    tok = llm.get_tokenizer()
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    base = llm.generate(["Once upon a time, in a land far away,"], SamplingParams(**greedy), use_tqdm=False)[0]
+    ids = base.outputs[0].token_ids
+    ends = [len(tok.decode(ids[:j], skip_special_tokens=True)) for j in range(len(ids) + 1)]
+    # a boundary with at least two characters of text on each side
+    j = next(j for j in range(2, len(ids) - 1) if ends[j] - ends[j - 1] >= 2 and ends[j + 1] - ends[j] >= 2)
+    text = base.outputs[0].text
+    stop = text[ends[j] - 2 : ends[j] + 2]
+    out = llm.generate(
+        ["Once upon a time, in a land far away,"], SamplingParams(stop=[stop], **greedy), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)] and stop not in out.text

@@ -133,3 +133,18 @@ def test_generation_config_eos_ids_stop_generation(hf_model, tmp_path):
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
     stop_at = free.index(free[2])
     assert out.token_ids == free[: stop_at + 1] and out.finish_reason == "stop"
+
+
+def test_generation_config_sampling_defaults(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 3, "repetition_penalty": 1.5})
+    )
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.repetition_penalty) == (0.0, 3, 1.5)
+    implicit = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids
+    explicit = SamplingParams(temperature=0.0, max_tokens=3, repetition_penalty=1.5)
+    assert implicit == llm.generate(PROMPT, explicit, use_tqdm=False)[0].outputs[0].token_ids
+    plain = LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, generation_config="vllm")
+    assert plain.get_default_sampling_params().max_tokens == 16
