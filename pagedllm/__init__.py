@@ -3,6 +3,7 @@
 from pagedllm import LLM, SamplingParams
 """
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -10,4 +11,15 @@ from pagedllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "TextPrompt",
+    "TokensPrompt",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "__version__",
+]

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.outputs import RequestOutput
@@ -59,6 +60,15 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (temperature, top_p, ...) applied."""
         return SamplingParams(**self.llm_engine.default_sampling_fields)
+
+    def beam_search(self, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the beam_width best sequences of each prompt (str, TextPrompt or TokensPrompt)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
+        if not parsed:
+            raise ValueError("prompts is empty: give at least one prompt")
+        return run_beam_search(self, [ids for _, ids in parsed], params)
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()

@@ -231,3 +231,38 @@ def test_bad_words_are_never_completed(llm):
     out = llm.generate(PROMPTS[:1], SamplingParams(bad_words=[word], **greedy), use_tqdm=False)[0].outputs[0]
     assert word not in out.text.split()
     assert out.token_ids != base.token_ids
+
+
+def test_beam_search_top_beam_matches_hf(llm, hf):
+    from pagedllm import BeamSearchParams
+
+    prompts = ["The capital of France is", "My favourite food is"]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt)
+        assert len(out.sequences) == 3
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                num_beams=3,
+                do_sample=False,
+                max_new_tokens=8,
+                pad_token_id=0,
+                early_stopping=False,
+            )
+        top = out.sequences[0]
+        assert top.tokens == ref[0].tolist()
+        assert top.tokens[: len(ids)] == ids and len(top.tokens) == len(ids) + 8
+        assert abs(top.cum_logprob - sum(d[t].logprob for d, t in zip(top.logprobs, top.tokens[len(ids) :]))) < 1e-4
+        scores = [s.cum_logprob for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_beam_search_params_validation():
+    from pagedllm import BeamSearchParams
+
+    for kwargs in (dict(beam_width=0, max_tokens=4), dict(beam_width=2, max_tokens=0)):
+        with pytest.raises(ValueError, match="beam_width|max_tokens"):
+            BeamSearchParams(**kwargs)
