@@ -16,6 +16,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    early_stopping: bool = False  # stop a prompt's search once beam_width beams have ended with EOS
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -79,6 +80,8 @@ def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) 
             kept = cands[:width]
             done[i].extend(s for s in kept if eos is not None and s.tokens[-1] == eos)
             beams[i] = [s for s in kept if eos is None or s.tokens[-1] != eos]
+            if params.early_stopping and len(done[i]) >= width:
+                beams[i] = []
     tok = llm.get_tokenizer()
     results = []
     for i, ids in enumerate(prompt_ids):

@@ -42,6 +42,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logits_processors: list[Callable] | None = None
     truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False  # the seed docs' API: best_of beams, the n best returned
+    length_penalty: float = 1.0
+    early_stopping: bool = False
     # token-id sequences of bad_words, filled from the tokenizer when the request is made
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     logit_bias: dict[int, float] | None = None
@@ -101,6 +104,11 @@ class SamplingParams:
             ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS)
             _check(ok, name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_token_maps()
+        if self.use_beam_search:
+            _check((self.best_of or self.n) > 1, "best_of", self.best_of, "> 1 with use_beam_search (the beam width)")
+            _check(self.temperature < _SAMPLING_EPS, "temperature", self.temperature, "0 with use_beam_search")
+            lp = self.length_penalty
+            _check(isinstance(lp, (int, float)) and math.isfinite(lp), "length_penalty", lp, "a finite number")
         t = self.truncate_prompt_tokens
         ok = t is None or (isinstance(t, int) and not isinstance(t, bool) and (t >= 1 or t == -1))
         _check(ok, "truncate_prompt_tokens", t, "None, -1 (max_model_len) or an integer >= 1")

@@ -11,7 +11,7 @@ import torch
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
 
@@ -70,6 +70,32 @@ class LLM:
             raise ValueError("prompts is empty: give at least one prompt")
         return run_beam_search(self, [ids for _, ids in parsed], params)
 
+    def _beam_search_output(self, text: str | None, ids: list[int], params: SamplingParams) -> RequestOutput:
+        """SamplingParams(use_beam_search=True): best_of beams, the n best as completions."""
+        if not params.use_beam_search:
+            raise ValueError("use_beam_search: mix beam-search and sampling requests in separate generate calls")
+        self.llm_engine.make_request(text, ids, params)  # the same checks as any request
+        beam = BeamSearchParams(
+            beam_width=params.best_of or params.n,
+            max_tokens=params.max_tokens or 16,
+            ignore_eos=params.ignore_eos,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )
+        seqs = run_beam_search(self, [ids], beam)[0].sequences[: params.n]
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=s.text or "",
+                token_ids=s.tokens[len(ids) :],
+                cumulative_logprob=s.cum_logprob,
+                finish_reason=s.finish_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        rid = self.llm_engine.next_request_id()
+        return RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, outputs=outputs, finished=True)
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -97,6 +123,8 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_list(sampling_params, len(parsed))
+        if any(p.use_beam_search for p in params_list):
+            return [self._beam_search_output(text, ids, p) for (text, ids), p in zip(parsed, params_list)]
         engine = self.llm_engine
         # Validate every request before any enters the engine.
         pending = [engine.make_request(text, ids, params) for (text, ids), params in zip(parsed, params_list)]

@@ -266,3 +266,20 @@ def test_beam_search_params_validation():
     for kwargs in (dict(beam_width=0, max_tokens=4), dict(beam_width=2, max_tokens=0)):
         with pytest.raises(ValueError, match="beam_width|max_tokens"):
             BeamSearchParams(**kwargs)
+
+
+def test_use_beam_search_in_generate_equals_beam_search(llm):
+    from pagedllm import BeamSearchParams
+
+    prompt = "The capital of France is"
+    params = SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    ref = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    assert len(out.outputs) == 2
+    for completion, seq in zip(out.outputs, ref.sequences):
+        assert completion.token_ids == seq.tokens[len(out.prompt_token_ids) :]
+        assert completion.cumulative_logprob == pytest.approx(seq.cum_logprob)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(use_beam_search=True, best_of=2, temperature=0.5)
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(use_beam_search=True, temperature=0)
