@@ -103,8 +103,9 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
-        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        from pagedllm.models.utils import head_dim_of
+
+        return head_dim_of(self.hf_config)
 
 
 @dataclass

@@ -20,10 +20,6 @@ class BatchLayout:
     device: torch.device
 
     @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
 

@@ -36,7 +36,7 @@ class TorchAttentionMetadata:
 
 def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
     qsl, seq_lens, bs = layout.query_start_loc, layout.seq_lens, layout.block_size
-    query_lens = np.diff(qsl)
+    query_lens = layout.query_lens
     dev = layout.device
     decode_reqs = np.nonzero(query_lens == 1)[0]
     decode_token_idx = decode_slots = decode_seq_lens = None

@@ -20,13 +20,6 @@ class KVCacheManager:
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of which found
 
-    @property
-    def num_total_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
-
-    def usage(self) -> float:
-        return self.pool.usage()
-
     def update_block_hashes(self, request: Request) -> None:
         """Extends request.block_hashes to cover every full block of its tokens."""
         bs = self.block_size

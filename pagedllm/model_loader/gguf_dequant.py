@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 import torch
 
+from pagedllm.layers.q4_linear import GROUP
+
 QK_K = gguf.QK_K  # super-block size of the k-quants (256)
 _T = gguf.GGMLQuantizationType
 
@@ -200,7 +202,6 @@ def dequantize(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tu
 
 
 PACKABLE_Q4 = (_T.Q4_0, _T.Q4_1)
-Q4_GROUP = 32
 
 
 def unpack_q4(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tuple[int, int]):
@@ -221,5 +222,5 @@ def unpack_q4(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tup
         q = _nibbles(blocks[:, 4:], 16)
     else:
         raise ValueError(f"{ggml_type.name} cannot be kept packed as 4-bit groups")
-    groups = cols // Q4_GROUP
+    groups = cols // GROUP
     return q.reshape(rows, cols), scale.reshape(rows, groups), zero.reshape(rows, groups)

@@ -13,7 +13,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import load_weights, sliding_window_for_layer
+from pagedllm.models.utils import head_dim_of, load_weights, sliding_window_for_layer
 
 
 class LlamaMLP(nn.Module):
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
@@ -92,8 +92,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, *rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

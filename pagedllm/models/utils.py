@@ -48,6 +48,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     return loaded
 
 
+def head_dim_of(config: object) -> int:
+    """config.head_dim where the config sets it, else hidden_size / num_attention_heads."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
 def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:
     """The sliding-window size of one layer, or None for full attention (HF's layer_types / use_sliding_window)."""
     window = getattr(config, "sliding_window", None)

@@ -59,13 +59,15 @@ CANDIDATES = 256  # top-k / top-p rows whose kept tokens lie among their 256 mos
 
 def _candidate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     """Which rows' top-k / top-p sets lie inside their CANDIDATES most likely tokens, decided from each row alone
-    (so a seeded row samples the same way whatever shares its batch). Returns (mask, top values, top ids)."""
+    (so a seeded row samples the same way whatever shares its batch).
+    Returns (mask, top values, top ids, each row's logsumexp)."""
     k0 = min(CANDIDATES, logits.shape[1])
     vals, ids = logits.topk(k0, dim=-1)  # [rows, k0], descending
-    mass = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(dim=-1)  # probability of the top k0
+    lse = logits.logsumexp(dim=-1)  # [rows]
+    mass = (vals - lse[:, None]).exp().sum(dim=-1)  # probability of the top k0
     by_k = (top_k > 0) & (top_k <= k0)
     by_p = (top_p < 1.0) & (mass >= top_p)
-    return by_k | by_p, vals, ids
+    return by_k | by_p, vals, ids, lse
 
 
 def _filter_candidates(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, full_lse: torch.Tensor):
@@ -100,13 +102,11 @@ class Sampler:
             x = apply_min_p(x, meta.min_p[rows])
         top_k = meta.top_k[rows] if meta.top_k is not None else torch.zeros_like(rows)
         top_p = meta.top_p[rows] if meta.top_p is not None else torch.ones(len(rows), device=x.device)
-        fast, vals, ids = _candidate_rows(x, top_k, top_p)
+        fast, vals, ids, lse = _candidate_rows(x, top_k, top_p)
         gens = {i: meta.generators[int(r)] for i, r in enumerate(rows.tolist()) if int(r) in meta.generators}
         fast_rows = torch.nonzero(fast).squeeze(1)
         if len(fast_rows):
-            kept = _filter_candidates(
-                vals[fast_rows], top_k[fast_rows], top_p[fast_rows], x[fast_rows].logsumexp(dim=-1)
-            )
+            kept = _filter_candidates(vals[fast_rows], top_k[fast_rows], top_p[fast_rows], lse[fast_rows])
             picked = self._draw(kept.softmax(dim=-1), fast_rows, gens)
             out[rows[fast_rows]] = ids[fast_rows].gather(1, picked[:, None]).squeeze(1)
         slow_rows = torch.nonzero(~fast).squeeze(1)

@@ -11,7 +11,6 @@ from pagedllm.worker.scheduler_output import NewRequestData
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
-        self.max_num_reqs = max_num_reqs
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)  # [rows, max_len]
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)

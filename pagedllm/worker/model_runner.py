@@ -30,7 +30,6 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
-        self.kv_caches: list[torch.Tensor] = []
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -40,12 +39,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = []
         for layer in self.attn_layers:
             # Never read before written (the backends only read slots of computed tokens), so empty is enough.
             layer.kv_cache = torch.empty(shape, dtype=m.dtype, device=self.device)
             layer.backend = self.backend
-            self.kv_caches.append(layer.kv_cache)
 
     # -- applying the scheduler's delta -------------------------------------------------------------------------
     def _update_batch(self, so: SchedulerOutput) -> None:

@@ -130,7 +130,7 @@ def test_candidate_filter_keeps_the_same_tokens_as_the_full_filter(top_k, top_p)
     logits = _logits(6, seed=9)
     logits[:, :3] += 8  # peaked rows: their nucleus lies among the top candidates
     k, p = torch.full((6,), top_k), torch.full((6,), top_p)
-    fast, vals, ids = _candidate_rows(logits, k, p)
+    fast, vals, ids, _ = _candidate_rows(logits, k, p)
     assert fast.all()
     kept = _filter_candidates(vals, k, p, logits.logsumexp(dim=-1))
     full = apply_top_k_top_p(logits, k if top_k else None, p if top_p < 1 else None)
