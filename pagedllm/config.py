@@ -87,6 +87,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     keep_q4: bool = False  # GGUF Q4_0/Q4_1 weights stay 4-bit for the int4 kernel (CPU, half-precision compute)
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a path
+    runner: str = "generate"  # "generate" | "pooling" (embeddings, classifiers: no KV cache, no sampler)
+    pooler: Any = None  # pooling.config.PoolingSpec of a pooling model
 
     @property
     def vocab_size(self) -> int:

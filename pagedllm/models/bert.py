@@ -1,0 +1,211 @@
+"""BERT encoders: BertModel (embeddings, pooled by the pooling runner) and BertForSequenceClassification
+(cross-encoders). Bidirectional attention over a padding-free batch; no KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+
+# HF name fragment -> (our fragment, shard id of the fused projection)
+_RENAMES = [
+    (".attention.self.query.", ".attention.qkv_proj.", "q"),
+    (".attention.self.key.", ".attention.qkv_proj.", "k"),
+    (".attention.self.value.", ".attention.qkv_proj.", "v"),
+]
+_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GELU approximation
+
+
+def _layer_norm(config) -> nn.LayerNorm:
+    norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+    norm.requires_grad_(False)
+    return norm
+
+
+class LinearGelu(ColumnParallelLinear):
+    """gelu(x @ W.T + b); on CPU the GELU is fused into oneDNN's matmul."""
+
+    def __init__(self, input_size: int, output_size: int, approximate: str) -> None:
+        super().__init__(input_size, output_size, bias=True)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.cpu_weight, self.bias, "gelu", [], self.approximate)
+        return F.gelu(super().forward(x), approximate=self.approximate)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = VocabParallelEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = VocabParallelEmbedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = _layer_norm(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [num_tokens, hidden]
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x)
+
+
+class BertSelfOutput(nn.Module):
+    """LayerNorm(dense(x) + residual): the output block after attention and after the MLP."""
+
+    def __init__(self, config, input_size: int) -> None:
+        super().__init__()
+        self.dense = RowParallelLinear(input_size, config.hidden_size, bias=True)
+        self.LayerNorm = _layer_norm(config)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_heads, True)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
+        self.output = BertSelfOutput(config, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each [num_tokens, hidden]
+        return self.output(self.attn(q, k, v), x)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        act = config.hidden_act
+        if act not in _GELU:
+            raise ValueError(f"hidden_act={act!r} is not supported for BERT; supported: {sorted(_GELU)}")
+        self.attention = BertAttention(config)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = LinearGelu(config.hidden_size, config.intermediate_size, _GELU[act])
+        self.output = BertSelfOutput(config, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return self.output(self.intermediate.dense(x), x)
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(first token)): BERT's sentence head, used by the classifier."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(config.hidden_size, config.hidden_size, bias=True)
+
+    def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
+        return torch.tanh(self.dense(cls_hidden))
+
+
+class BertModel(nn.Module):
+    """The encoder; the pooling runner pools its token states (mean / CLS / last, from the model's
+    sentence-transformers config). BERT's own pooler weights are only read by the classifier."""
+
+    is_causal = False
+    uses_token_type_ids = True
+
+    def __init__(self, config, max_position: int = 512, add_pooler: bool = False) -> None:
+        super().__init__()
+        position_type = getattr(config, "position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ValueError(f"position_embedding_type={position_type!r} is not supported; supported: 'absolute'")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.pooler = BertPooler(config) if add_pooler else None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
+        for layer in self.encoder.layer:
+            x = layer(x)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_bert_weights(self, weights, prefix="")
+
+
+class BertForSequenceClassification(nn.Module):
+    """A cross-encoder: CLS state -> BERT pooler (dense + tanh) -> classifier [num_labels]."""
+
+    is_causal = False
+    uses_token_type_ids = True
+
+    def __init__(self, config, max_position: int = 512) -> None:
+        super().__init__()
+        self.config = config
+        self.num_labels = int(config.num_labels)
+        self.bert = BertModel(config, max_position, add_pooler=True)
+        self.classifier = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=True)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.bert(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
+
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, hidden] first-token states -> [num_seqs, num_labels] float32 logits."""
+        return self.classifier(self.bert.pooler(cls_hidden)).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_bert_weights(self, weights, prefix="bert.")
+
+
+def _our_name(hf_name: str, prefix: str) -> tuple[str, object]:
+    """HF checkpoint name -> (our parameter name, shard id or None)."""
+    name = hf_name.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
+    if prefix and not name.startswith(prefix) and not name.startswith("classifier."):
+        name = prefix + name  # an encoder saved without its "bert." prefix
+    if not prefix and name.startswith("bert."):
+        name = name[len("bert.") :]  # BertModel weights taken from a task model
+    for theirs, ours, shard in _RENAMES:
+        if theirs in name:
+            return name.replace(theirs, ours), shard
+    return name, None
+
+
+def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
+    """Copies HF BERT weights into `model` (q/k/v fused); heads the model does not have (MLM, NSP, an unused
+    pooler) are skipped. Returns the parameter names loaded completely."""
+    params = dict(model.named_parameters())
+    shards: dict[str, set] = {}
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name, shard = _our_name(hf_name, prefix)
+        if name not in params:
+            if name.endswith("position_ids") or name.startswith(("cls.", "pooler.", "bert.pooler.")):
+                continue
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+        param = params[name]
+        if shard is None:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+            continue
+        param.weight_loader(param, tensor, shard)
+        shards.setdefault(name, set()).add(shard)
+        if shards[name] == {"q", "k", "v"}:
+            loaded.add(name)
+    return loaded

@@ -1,0 +1,1 @@
+"""Pooling models (embeddings, classifiers, cross-encoders): their configuration and output types."""

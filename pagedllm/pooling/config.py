@@ -1,0 +1,214 @@
+"""Which runner a model gets (generate or pooling), its pooling tasks, and how it pools.
+
+The rules follow vLLM: `task` (older name) or `runner` + `convert` (newer names) pick the runner; an encoder
+architecture pools by itself, a decoder (`*ForCausalLM`) is turned into an embedder with `task="embed"` /
+`convert="embed"`. A sentence-transformers folder (modules.json, 1_Pooling/config.json, sentence_bert_config.json)
+sets the pooling method, normalization and the longest input; `pooler_config` overrides both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+POOLING_TYPES = ("MEAN", "CLS", "LAST", "MAX")
+
+# encoder architectures with their own pooling: architecture -> what it does
+_EMBEDDERS = ("BertModel",)
+_CLASSIFIERS = ("BertForSequenceClassification",)
+# sentence-transformers' pooling modes -> our pooling types
+_ST_MODES = {
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_max_tokens": "MAX",
+}
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's PoolerConfig: overrides the pooling method and the default normalization of a model."""
+
+    pooling_type: str | None = None  # MEAN | CLS | LAST | MAX
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            kind = str(self.pooling_type).upper()
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} must be one of {POOLING_TYPES}")
+            self.pooling_type = kind
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize={self.normalize!r} must be None, True or False")
+
+    @classmethod
+    def from_user(cls, value: Any) -> PoolerConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"pooling_type", "normalize"}
+            if unknown:
+                raise ValueError(f"pooler_config has unknown keys {sorted(unknown)}; known: pooling_type, normalize")
+            return cls(**value)
+        raise TypeError(f"pooler_config must be a dict or a PoolerConfig, got {type(value).__name__}")
+
+
+@dataclass
+class PoolingSpec:
+    """What a pooling model does: its tasks (the first is encode()'s default), pooling method and defaults."""
+
+    tasks: tuple[str, ...]
+    pooling_type: str
+    normalize: bool
+    matryoshka: list[int] | bool = False  # allowed `dimensions`: a list, True for any, False for none
+    st_modules: list[str] = field(default_factory=list)
+
+    @property
+    def default_task(self) -> str:
+        return self.tasks[0]
+
+
+def _choose(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value is None:
+        return "auto"
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    return value
+
+
+def resolve_runner(architecture: str, task: Any, runner: Any, convert: Any) -> tuple[str, str | None]:
+    """(runner, pooling kind) for an architecture: ("generate", None) or ("pooling", "embed" | "classify")."""
+    task = _choose("task", task, TASKS)
+    runner, convert = _choose("runner", runner, RUNNERS), _choose("convert", convert, CONVERTS)
+    task = "embed" if task == "embedding" else task
+    native = "embed" if architecture in _EMBEDDERS else "classify" if architecture in _CLASSIFIERS else None
+    if native is not None:
+        if task == "generate" or runner == "generate":
+            raise ValueError(
+                f"task/runner='generate': {architecture} is a pooling model (it cannot generate text); "
+                f"allowed: task in {_tasks_of(native)} or runner='pooling'"
+            )
+        wanted = convert if convert not in ("auto", "none") else task if task not in ("auto", "score") else native
+        if wanted != native:
+            raise ValueError(
+                f"task={wanted!r}: {architecture} is {'an embedding' if native == 'embed' else 'a classification'} "
+                f"model; allowed tasks: {_tasks_of(native)}"
+            )
+        return "pooling", native
+    pooling = runner == "pooling" or task in ("embed", "classify", "score") or convert in ("embed", "classify")
+    if not pooling:
+        return "generate", None
+    kind = convert if convert in ("embed", "classify") else task if task in ("embed", "classify") else "embed"
+    if kind == "classify":
+        raise ValueError(
+            f"task='classify': {architecture} has no classification head; allowed for it: 'generate' or 'embed' "
+            "(classifiers: BertForSequenceClassification)"
+        )
+    return "pooling", "embed"
+
+
+def _tasks_of(kind: str) -> tuple[str, ...]:
+    return ("embed", "score", "token_embed") if kind == "embed" else ("classify", "score")
+
+
+def read_sentence_transformers(model_path: str) -> dict | None:
+    """The sentence-transformers modules of a model folder: {'modules', 'pooling_type', 'normalize'}; None when
+    the folder has no modules.json."""
+    modules_file = os.path.join(model_path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return None
+    with open(modules_file, encoding="utf-8") as f:
+        modules = json.load(f)
+    kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    unsupported = [k for k in kinds if k not in _ST_MODULES]
+    if unsupported:
+        raise ValueError(
+            f"model {model_path!r}: sentence-transformers modules {unsupported} are not supported; "
+            f"supported: {list(_ST_MODULES)}"
+        )
+    info: dict[str, Any] = {"modules": kinds, "normalize": "Normalize" in kinds, "pooling_type": None}
+    pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
+    if pooling is not None:
+        with open(os.path.join(model_path, pooling.get("path", ""), "config.json"), encoding="utf-8") as f:
+            info["pooling_type"] = _st_pooling_type(model_path, json.load(f))
+    return info
+
+
+def _st_pooling_type(model_path: str, config: dict) -> str:
+    modes = [ours for key, ours in _ST_MODES.items() if config.get(key)]
+    others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
+    if len(modes) != 1 or others:
+        raise ValueError(
+            f"model {model_path!r}: sentence-transformers pooling {sorted(k for k, v in config.items() if v is True)} "
+            f"is not supported; supported: exactly one of {sorted(_ST_MODES)}"
+        )
+    return modes[0]
+
+
+def _matryoshka(hf_config: Any) -> list[int] | bool:
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    if dims:
+        return sorted(int(d) for d in dims)
+    return bool(getattr(hf_config, "is_matryoshka", False))
+
+
+def pooling_spec(kind: str, architecture: str, model_path: str, hf_config: Any, user: PoolerConfig) -> PoolingSpec:
+    """The pooling of a model: sentence-transformers files first, then the architecture's default (CLS for BERT
+    embedders, LAST for decoders, both normalized), then the user's pooler_config on top."""
+    st = read_sentence_transformers(model_path) if os.path.isdir(model_path) else None
+    is_encoder = architecture in _EMBEDDERS + _CLASSIFIERS
+    pooling_type = "CLS" if is_encoder else "LAST"
+    normalize = kind == "embed"
+    if st is not None and kind == "embed":
+        pooling_type = st["pooling_type"] or pooling_type
+        normalize = st["normalize"]
+    if user.pooling_type is not None:
+        if kind == "classify":
+            raise ValueError(
+                f"pooler_config.pooling_type={user.pooling_type!r}: {architecture} pools with its own head; "
+                "allowed: None"
+            )
+        pooling_type = user.pooling_type
+    if user.normalize is not None:
+        normalize = user.normalize
+    return PoolingSpec(
+        tasks=_tasks_of(kind),
+        pooling_type=pooling_type,
+        normalize=normalize,
+        matryoshka=_matryoshka(hf_config),
+        st_modules=st["modules"] if st else [],
+    )
+
+
+def st_max_seq_length(model_path: str) -> int | None:
+    """sentence_bert_config.json's max_seq_length (the longest input the model was trained for), if any."""
+    file = os.path.join(model_path, "sentence_bert_config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        value = json.load(f).get("max_seq_length")
+    return int(value) if value else None
+
+
+def wants_pooling(task: Any, runner: Any, convert: Any) -> bool:
+    """Whether the options ask for a pooling model before the model is known (the default model depends on it)."""
+    return task in ("embed", "embedding", "score") or runner == "pooling" or convert == "embed"
+
+
+def resolve_pooling(
+    model_path: str, hf_config: Any, architecture: str, task: Any, runner: Any, convert: Any, pooler_config: Any
+) -> tuple[str, PoolingSpec | None, int | None]:
+    """(runner, pooling spec or None, longest input the model was trained for or None) of a model."""
+    runner, kind = resolve_runner(architecture, task, runner, convert)
+    if kind is None:
+        return runner, None, None
+    spec = pooling_spec(kind, architecture, model_path, hf_config, PoolerConfig.from_user(pooler_config))
+    return runner, spec, st_max_seq_length(model_path) if os.path.isdir(model_path) else None

@@ -1,0 +1,85 @@
+"""PoolingRunner: one forward over a batch of whole sequences (no KV cache, no sampler), then pooling and the
+task's head. Encoders attend bidirectionally, decoders used as embedders causally."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention import encoder_backend
+from pagedllm.config import EngineConfig
+from pagedllm.forward_context import forward_context
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.pooler import classify_head, embed_head, pool
+from pagedllm.model_loader.loader import get_model
+from pagedllm.pooling_params import PoolingParams
+
+
+@dataclass
+class PoolingRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_type_ids: list[int] | None  # BERT's segment ids of a text pair; None: all 0
+    params: PoolingParams  # verified for the request's task (params.task is set)
+
+
+class PoolingRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = config.device.device
+        self.spec = config.model.pooler
+        self.model = get_model(config.model, self.device)
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):
+                layer.backend, layer.kv_cache = encoder_backend, None
+        self.causal = getattr(self.model, "is_causal", True)
+        self.uses_token_type_ids = getattr(self.model, "uses_token_type_ids", False)
+
+    def _inputs(self, reqs: list[PoolingRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        lens = np.array([len(r.prompt_token_ids) for r in reqs], dtype=np.int64)  # [num_seqs]
+        total = int(lens.sum())
+        ids = np.fromiter((t for r in reqs for t in r.prompt_token_ids), dtype=np.int64, count=total)
+        starts = np.repeat(np.cumsum(lens) - lens, lens)  # [num_tokens] first row of each token's sequence
+        positions = np.arange(total, dtype=np.int64) - starts  # [num_tokens]
+        types = None
+        if self.uses_token_type_ids and any(r.token_type_ids is not None for r in reqs):
+            flat = (t for r in reqs for t in (r.token_type_ids or [0] * len(r.prompt_token_ids)))
+            types = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=total)).to(self.device)
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), types
+
+    @torch.inference_mode()
+    def execute(self, reqs: list[PoolingRequest]) -> list[torch.Tensor]:
+        """Runs the sequences of `reqs` (one task) in one forward; returns one float32 CPU tensor per request."""
+        input_ids, positions, types = self._inputs(reqs)
+        seq_lens = [len(r.prompt_token_ids) for r in reqs]
+        meta = encoder_backend.build_metadata(seq_lens, self.causal, self.device)
+        kwargs = {"token_type_ids": types} if self.uses_token_type_ids else {}
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions, **kwargs)  # [num_tokens, hidden]
+        lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)  # [num_seqs]
+        task = reqs[0].params.task
+        if task in ("classify", "score"):
+            logits = self.model.classify(pool(hidden, lens_t, "CLS").to(hidden.dtype))  # [num_seqs, num_labels]
+            return [classify_head(logits[i], r.params.use_activation is not False).cpu() for i, r in enumerate(reqs)]
+        if task == "token_embed":
+            rows = torch.split(hidden.float(), seq_lens)  # each [seq_len, hidden]
+            return [embed_head(x, r.params.dimensions, self._normalize(r)).cpu() for x, r in zip(rows, reqs)]
+        return self._embed(pool(hidden, lens_t, self.spec.pooling_type), reqs)
+
+    def _normalize(self, req: PoolingRequest) -> bool:
+        return self.spec.normalize if req.params.normalize is None else req.params.normalize
+
+    def _embed(self, pooled: torch.Tensor, reqs: list[PoolingRequest]) -> list[torch.Tensor]:
+        """pooled [num_seqs, hidden] -> each request's embedding; requests with the same options share one op."""
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(reqs):
+            groups.setdefault((r.params.dimensions, self._normalize(r)), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(reqs)
+        for (dimensions, normalize), rows in groups.items():
+            part = pooled if len(rows) == len(reqs) else pooled[torch.tensor(rows, device=pooled.device)]
+            vectors = embed_head(part, dimensions, normalize).cpu()  # [len(rows), dimensions or hidden]
+            for j, i in enumerate(rows):
+                out[i] = vectors[j]
+        return out  # type: ignore[return-value]
