@@ -1,0 +1,193 @@
+"""The GPU attention backend: Triton kernels over the paged cache (pagedllm.kernels.paged_attention).
+
+Same interface as the torch backend: `build_metadata(layout)` once per step (every tensor on the device, built from
+the host arrays of the layout, so no host sync happens inside the forward), then `forward(q, k, v, kv_cache, meta,
+scale, sliding_window)` per layer: one launch writes the new K/V to the cache, one launch of the unified kernel
+attends for all prefill chunks and decodes of the batch, plus one reduce launch when split-K is on."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.common import BatchLayout
+from pagedllm.kernels.paged_attention import reduce_splits_kernel, unified_attention_kernel, write_kv_kernel
+
+MIN_TOKENS_PER_SPLIT = 256  # a split-K run covers at least this many keys
+MAX_SPLITS = 32
+DEFAULT_NUM_SMS = 132  # when no CUDA device can be asked (the interpreter on CPU)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token (-1: padding, not written)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32 context + query length
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    block_size: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_splits: int | None = None  # None: chosen by `choose_num_splits`; set to force (tests, benchmarks)
+    block_n: int | None = None  # None: the default key tile; set to force (tests)
+
+
+def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
+    dev = layout.device
+    qsl, seq_lens = layout.query_start_loc, layout.seq_lens
+    return TritonAttentionMetadata(
+        slot_mapping=layout.slot_mapping.to(dev),
+        query_start_loc=torch.from_numpy(qsl).to(device=dev, dtype=torch.int32),
+        seq_lens=torch.from_numpy(seq_lens).to(device=dev, dtype=torch.int32),
+        block_table=torch.from_numpy(layout.block_table).to(device=dev, dtype=torch.int32),
+        block_size=layout.block_size,
+        num_reqs=len(seq_lens),
+        max_query_len=int(layout.query_lens.max()) if len(seq_lens) else 0,
+        max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+    )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, max_query_len: int, sms: int) -> int:
+    """Split-K when the batch is decodes only and too few programs fill the GPU for long contexts:
+    enough splits for ~2 waves of programs, each split covering at least MIN_TOKENS_PER_SPLIT keys."""
+    if max_query_len != 1 or num_programs >= sms or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_occupancy = -(-2 * sms // num_programs)
+    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(MAX_SPLITS, by_occupancy, by_length))
+
+
+def _tiles(group: int, max_query_len: int, head_dim_pad: int) -> tuple[int, int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, num_warps). Decodes: one query token per program, 16+ rows for tl.dot.
+    Prefill: about 64 rows (query tokens x heads of one KV group)."""
+    block_q = 1 if max_query_len == 1 else max(1, 64 // group)
+    block_m = max(16, triton_next_pow2(block_q * group))
+    block_n = 64 if head_dim_pad <= 128 else 32
+    num_warps = 8 if block_m * head_dim_pad >= 128 * 128 else 4
+    return block_q, block_m, block_n, num_warps
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k/v [num_tokens, num_kv_heads, head_dim] into their slots of kv_cache; slot -1 is skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+    v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, "cache rows must be contiguous"
+    row = num_kv_heads * head_dim
+    write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        ROW=row,
+        ROW_PAD=triton_next_pow2(row),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
+
+
+def forward(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: TritonAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or meta.num_reqs == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton_next_pow2(head_dim))
+    block_q, block_m, block_n, num_warps = _tiles(group, meta.max_query_len, head_dim_pad)
+    block_n = meta.block_n or block_n
+    num_programs = num_tokens if block_q == 1 else num_tokens // block_q + meta.num_reqs
+    num_splits = meta.num_splits or choose_num_splits(
+        num_programs * num_kv_heads, meta.max_seq_len, meta.max_query_len, num_sms(q.device)
+    )
+    part_out = part_lse = out  # unused placeholders when there is no split
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
+        )  # [num_tokens, num_heads, num_splits, head_dim_pad]
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    unified_attention_kernel[(num_programs, num_kv_heads, num_splits)](
+        out,
+        part_out,
+        part_lse,
+        q,
+        kv_cache,
+        meta.block_table,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.num_reqs,
+        num_heads,
+        scale * math.log2(math.e),
+        sliding_window or 0,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        meta.block_table.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=kv_cache.shape[2],
+        SPLIT=num_splits > 1,
+        USE_WINDOW=sliding_window is not None,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        reduce_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_PAD=triton_next_pow2(num_splits),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
+    return out

@@ -1,0 +1,21 @@
+"""Triton kernels for the GPU path: paged attention (unified varlen prefill + decode, split-K), the KV-cache write,
+and the small fused ops (RMSNorm, residual-add + RMSNorm, SiLU-and-mul, rotary).
+
+Importing this package never imports triton; the kernel modules do, and only the CUDA path imports them."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the fused Triton op runs for `x`: on CUDA tensors when triton is installed (CPU keeps torch)."""
+    return x.is_cuda and triton_available()

@@ -1,0 +1,211 @@
+"""Paged attention in Triton: one kernel for varlen prefill chunks and decodes over the paged KV cache, its
+split-K (flash-decoding) reduce, and the KV-cache write.
+
+Tiling. A program owns BLOCK_Q query tokens of one request and all GROUP query heads that share one KV head, so its
+tile has BLOCK_M = next_pow2(BLOCK_Q * GROUP) rows (row r: token r // GROUP, head r % GROUP); each K/V tile of
+BLOCK_N keys is loaded once for all those heads. Keys are gathered through the block table, BLOCK_N // block_size
+cache blocks (or part of one) per iteration. Softmax is online in fp32 in the log2 domain.
+
+Which request a program serves is found on the device by a binary search over query_start_loc: request i owns
+program ids [start(i), start(i + 1)) with start(i) = qsl[i] // BLOCK_Q + i (an upper bound of its q blocks; the
+extra program exits at once), or start(i) = qsl[i] when BLOCK_Q == 1. No host data beyond the grid size is needed.
+
+Split-K: with SPLIT the third grid axis splits each request's key range into num_splits equal runs of
+tiles; each writes its normalized partial output and log2-sum-exp, and `_reduce_splits_kernel` combines them."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """The request i with start(i) <= pid < start(i + 1), by binary search; also returns start(i)."""
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 1:
+            start = start // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    start = tl.load(query_start_loc_ptr + lo)
+    if BLOCK_Q > 1:
+        start = start // BLOCK_Q + lo
+    return lo, start
+
+
+@triton.jit
+def unified_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim] (not SPLIT)
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32 (SPLIT)
+    part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (SPLIT)
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    num_reqs,
+    num_heads,
+    scale_log2,  # softmax scale * log2(e)
+    sliding_window,  # keys with q_pos - key_pos >= sliding_window are hidden (USE_WINDOW only)
+    num_splits,  # key-range splits (SPLIT only)
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_kv,
+    stride_blk,
+    stride_slot,
+    stride_kv_head,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req, req_start = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
+    q_first = (pid - req_start) * BLOCK_Q  # first query index of this tile within the request
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_first + rows // GROUP  # [BLOCK_M] query index within the request
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    tok = (q_start + q_idx).to(tl.int64)
+    q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    q_pos = context + q_idx  # [BLOCK_M] absolute position of each row's query
+
+    hi = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys [lo, hi) are visible to some row
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(context + q_first - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLIT:
+        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+        lo = lo + split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    bt_row = block_table_ptr + req * stride_bt
+    k_base = kv_cache_ptr + kv_head * stride_kv_head
+    for kv_start in range(lo, hi, BLOCK_N):
+        kv_pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        kv_ok = kv_pos < hi
+        blk = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
+        k = tl.load(
+            k_base + slot_off[None, :] + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
+        )  # [HEAD_DIM_PAD, BLOCK_N]
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay at zero
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            k_base + stride_kv + slot_off[:, None] + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [BLOCK_N, HEAD_DIM_PAD]
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if not SPLIT:
+        o_off = tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (tok * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    num_heads,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Combines the split partial outputs of one (token, head) by their log2-sum-exp."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = tok * num_heads + head
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
+    m = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # empty splits weigh nothing
+    parts = tl.load(
+        part_out_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM_PAD]
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    o_off = tok * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous within a token
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous within a token
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64, -1: padding, skipped
+    stride_k_tok,
+    stride_v_tok,
+    stride_kv,
+    stride_blk,
+    stride_slot,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    ROW_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    ok = (offs < ROW) & (slot >= 0)
+    dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_slot + offs
+    tl.store(kv_cache_ptr + dst, tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok), mask=ok)
+    tl.store(kv_cache_ptr + stride_kv + dst, tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok), mask=ok)
