@@ -141,6 +141,40 @@ class LLM(PoolingAPI):
         pending = [engine.make_request(text, ids, params) for (text, ids), params in zip(parsed, params_list)]
         return self._run(pending, use_tqdm)
 
+    def chat(
+        self,
+        messages: list,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, rendered with
+        the chat template; returns one RequestOutput per conversation, in input order."""
+        from pagedllm.entrypoints.chat_utils import apply_chat_template, as_conversations
+
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs: multimodal inputs are not supported")
+        options = dict(
+            chat_template=chat_template,
+            chat_template_content_format=chat_template_content_format,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            model_path=self.llm_engine.config.model.model_path,
+        )
+        tok = self.get_tokenizer()
+        rendered = [apply_chat_template(tok, conv, **options) for conv in as_conversations(messages)]
+        prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in rendered]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
     def _parse_prompt(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)

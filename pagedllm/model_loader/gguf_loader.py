@@ -304,3 +304,13 @@ def gguf_tokenizer(path: str | os.PathLike[str], cache_dir: str | None = None) -
     except OSError as exc:  # a read-only cache must not prevent loading
         logger.warning("could not cache the tokenizer in %s: %s", target, exc)
     return tok
+
+
+@functools.lru_cache(maxsize=8)
+def _chat_template(key: tuple[str, int, int]) -> str | None:
+    return _field(_open_reader(key), "tokenizer.chat_template")
+
+
+def gguf_chat_template(path: str | os.PathLike[str]) -> str | None:
+    """The chat template stored in a .gguf file (None when it has none)."""
+    return _chat_template(_file_key(path))
