@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -21,6 +23,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if use_triton(x):  # CUDA: one fused Triton kernel
+            from pagedllm.kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels import use_triton
+
 
 def rope_parameters(config: Any) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from a transformers config of either generation (4.x or 5.x)."""
@@ -65,5 +67,9 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotates [num_tokens, num_heads, head_dim] in HF's rotate-half layout."""
     cos, sin = cos_sin
+    if use_triton(x):  # CUDA: one fused Triton kernel
+        from pagedllm.kernels.fused_ops import rotary
+
+        return rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

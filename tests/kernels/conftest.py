@@ -40,3 +40,17 @@ if not torch.cuda.is_available():
             return _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
         _interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
+        # float32 -> bfloat16 casts truncate in the interpreter; compiled kernels round to nearest even, as torch does.
+        _cast_impl = _interpreter.InterpreterBuilder.cast_impl
+
+        def _cast_impl_rtne(self, src, dst_type):
+            import numpy as np
+            import triton.language as tl
+
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                data = np.ascontiguousarray(src.data, dtype=np.float32)
+                bits = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                return _interpreter.TensorHandle(bits, tl.bfloat16)
+            return _cast_impl(self, src, dst_type)
+
+        _interpreter.InterpreterBuilder.cast_impl = _cast_impl_rtne

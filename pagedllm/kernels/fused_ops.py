@@ -1,0 +1,176 @@
+"""The small fused ops of the decoder layers in Triton: RMSNorm (optionally fused with the residual add before it),
+SiLU-and-mul and neox-style rotary. Each rounds where the torch layer code rounds (the residual sum and the
+normalized activations in the model dtype), so the two paths agree to the last bit or two."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,  # [num_outer, num_inner, N] (any strides on the two outer dims: a [tokens, heads, dim] view works)
+    res_ptr,  # [num_rows, N] residual (HAS_RESIDUAL)
+    out_ptr,  # [num_rows, N]
+    res_out_ptr,  # [num_rows, N] x + residual (HAS_RESIDUAL)
+    w_ptr,  # [N]
+    eps,
+    num_inner,
+    stride_x_outer,
+    stride_x_inner,
+    stride_res,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x_off = (row // num_inner) * stride_x_outer + (row % num_inner) * stride_x_inner
+    x = tl.load(x_ptr + x_off + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the new residual, rounded to the model dtype
+        tl.store(res_out_ptr + row * N + offs, x, mask=ok)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    y = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
+    n = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x3 = x if x.dim() == 3 else x.reshape(-1, 1, n)  # [num_outer, num_inner, N], a view where the strides allow
+    num_outer, num_inner = x3.shape[0], x3.shape[1]
+    num_rows = num_outer * num_inner
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)  # [..., N]
+    res_out = res = out
+    if residual is not None:
+        res = residual.reshape(num_rows, n)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., N]
+    if num_rows:
+        block = triton.next_power_of_2(n)
+        rms_norm_kernel[(num_rows,)](
+            x3,
+            res,
+            out,
+            res_out,
+            weight,
+            eps,
+            num_inner,
+            x3.stride(0),
+            x3.stride(1),
+            res.stride(0) if residual is not None else 0,
+            N=n,
+            BLOCK=block,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=_warps(block),
+        )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    x_ptr,  # [num_rows, 2 * D]
+    out_ptr,  # [num_rows, D]
+    stride_x,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < D
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + D + offs, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded like F.silu in the model dtype
+    tl.store(out_ptr + row * D + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)  # [..., d]
+    if x2.shape[0]:
+        block = min(1024, triton.next_power_of_2(d))
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block)
+    return out
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,  # [num_tokens, num_heads, head_dim]
+    cos_ptr,  # [num_tokens, 1, head_dim // 2]
+    sin_ptr,  # [num_tokens, 1, head_dim // 2]
+    out_ptr,  # [num_tokens, num_heads, head_dim] contiguous
+    num_heads,
+    stride_x_tok,
+    stride_x_head,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, HALF_PAD)
+    d_ok = offs < HALF
+    ok = (heads < num_heads)[:, None] & d_ok[None, :]
+    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    x_off = tok * stride_x_tok + heads[:, None] * stride_x_head + offs[None, :]  # [BLOCK_H, HALF_PAD]
+    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
+    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    o_off = tok * num_heads * 2 * HALF + heads[:, None] * 2 * HALF + offs[None, :]
+    tl.store(out_ptr + o_off, (a * cos - b * sin).to(x1.dtype), mask=ok)
+    tl.store(out_ptr + o_off + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] rotated in the rotate-half layout by cos/sin [num_tokens, 1, head_dim/2];
+    a new contiguous tensor."""
+    num_tokens, num_heads, head_dim = x.shape
+    half = head_dim // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        block_h = min(16, triton.next_power_of_2(num_heads))
+        rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            x,
+            cos,
+            sin,
+            out,
+            num_heads,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            BLOCK_H=block_h,
+        )
+    return out
