@@ -163,10 +163,20 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: only 1 is supported")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass
 class DeviceConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto: triton on CUDA (when installed), torch elsewhere
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if self.attention_backend == "triton" and self.device.type != "cuda":
+            raise ValueError(f"attention_backend='triton' runs on CUDA devices only, not device={str(self.device)!r}")
 
 
 @dataclass

@@ -50,6 +50,7 @@ class EngineArgs:
     compilation_config: Any = None
     device: str | None = None
     generation_config: str = "auto"
+    attention_backend: str = "auto"
     task: str = "auto"  # auto | generate | embed | classify | score (vLLM's older name for runner + convert)
     runner: str = "auto"  # auto | generate | pooling
     convert: str = "auto"  # auto | none | embed | classify
@@ -129,4 +130,11 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=model.max_model_len,
         )
-        return EngineConfig(model, cache, scheduler, parallel, DeviceConfig(device, self.enforce_eager), compilation)
+        return EngineConfig(
+            model,
+            cache,
+            scheduler,
+            parallel,
+            DeviceConfig(device, self.enforce_eager, self.attention_backend),
+            compilation,
+        )

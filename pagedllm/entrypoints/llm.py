@@ -48,6 +48,7 @@ class LLM(PoolingAPI):
         compilation_config: Any = None,
         device: str | None = None,
         generation_config: str = "auto",
+        attention_backend: str = "auto",
         task: str = "auto",
         runner: str = "auto",
         convert: str = "auto",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention import torch_backend
+from pagedllm.attention import get_backend
 from pagedllm.attention.common import BatchLayout, kv_cache_shape
 from pagedllm.config import EngineConfig
 from pagedllm.forward_context import forward_context
@@ -25,7 +25,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
         self.model = get_model(config.model, self.device)
-        self.backend = torch_backend
+        self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(self.device, config.model.seed)
         max_blocks = -(-self.max_model_len // self.block_size)

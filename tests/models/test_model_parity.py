@@ -10,7 +10,6 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention import torch_backend
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
@@ -69,14 +68,14 @@ def tiny(request, tmp_path_factory):
 
 
 def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """All-position logits of one prompt through pagedllm's model and torch attention backend."""
+    """All-position logits of one prompt through pagedllm's model and the runner's attention backend."""
     runner = llm.llm_engine.core.executor.runner
     n = len(ids)
     num_blocks = -(-n // runner.block_size)
     table = np.arange(num_blocks, dtype=np.int64)[None, :]
     dev = runner.device
     layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n, device=dev), runner.block_size, dev)
-    with torch.inference_mode(), forward_context(torch_backend.build_metadata(layout)):
+    with torch.inference_mode(), forward_context(runner.backend.build_metadata(layout)):
         hidden = runner.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev))
         return runner.model.compute_logits(hidden).cpu()
 
