@@ -118,9 +118,16 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's sandbox, but an unsafe attribute fails at once instead of rendering as an empty string."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
