@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--input", help="prompts file: .txt (one per line) or .jsonl (strings or {'prompt': ...})")
     gen.add_argument("--output", help="write results as JSON lines to this file")
     gen.set_defaults(func=_generate)
+    from pagedllm.entrypoints.embed_cli import add_embed_parser
+
+    add_embed_parser(sub)
     return parser
 
 

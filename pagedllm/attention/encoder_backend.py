@@ -19,24 +19,32 @@ class EncoderMetadata:
     num_seqs: int
     max_len: int
     causal: bool
-    gather_idx: torch.Tensor | None  # [num_seqs, max_len] flat row of each padded slot; None when no padding
-    valid_rows: torch.Tensor | None  # [num_tokens] rows of the padded [num_seqs * max_len] that hold tokens
-    key_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len] bool, True for real keys; None when no padding
+    gather_idx: torch.Tensor | None  # [num_seqs * max_len] flat row of each padded slot; None when no padding
+    seq_of_token: torch.Tensor | None  # [num_tokens] sequence of each token
+    slot_of_token: torch.Tensor | None  # [num_tokens] its position inside the padded sequence
+    key_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len] bool, True for real keys; None when not needed
 
 
 def build_metadata(seq_lens: list[int], causal: bool, device: torch.device) -> EncoderMetadata:
     num_seqs, max_len = len(seq_lens), max(seq_lens)
     if all(n == max_len for n in seq_lens):
-        return EncoderMetadata(num_seqs, max_len, causal, None, None, None)
+        return EncoderMetadata(num_seqs, max_len, causal, None, None, None, None)
     lens = torch.tensor(seq_lens, dtype=torch.int64)  # [num_seqs]
     starts = torch.cumsum(lens, 0) - lens  # [num_seqs]
     slots = torch.arange(max_len, dtype=torch.int64)  # [max_len]
     valid = slots[None, :] < lens[:, None]  # [num_seqs, max_len]
-    gather_idx = torch.where(valid, starts[:, None] + slots[None, :], 0)
-    valid_rows = valid.reshape(-1).nonzero().squeeze(1)  # [num_tokens]
-    key_mask = valid[:, None, None, :]  # right padding: a causal query never reaches a padded key
+    gather_idx = torch.where(valid, starts[:, None] + slots[None, :], 0).reshape(-1)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens)  # [num_tokens]
+    slot_of_token = torch.arange(int(lens.sum())) - starts[seq_of_token]  # [num_tokens]
+    key_mask = None if causal else valid[:, None, None, :]  # right padding: causal queries never see a padded key
     return EncoderMetadata(
-        num_seqs, max_len, causal, gather_idx.to(device), valid_rows.to(device), None if causal else key_mask.to(device)
+        num_seqs,
+        max_len,
+        causal,
+        gather_idx.to(device),
+        seq_of_token.to(device),
+        slot_of_token.to(device),
+        None if key_mask is None else key_mask.to(device),
     )
 
 
@@ -47,11 +55,33 @@ def _window_mask(max_len: int, window: int, device: torch.device) -> torch.Tenso
     return (diff >= 0) & (diff < window)
 
 
-def _padded(x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
-    """[num_tokens, heads, head_dim] -> [num_seqs, heads, max_len, head_dim] (a view where there is no padding)."""
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The row-major [num_tokens, width] tensor whose adjacent column blocks q, k and v are (the fused QKV
+    projection's output), or None when they are separate tensors."""
+    width = q.shape[1] * q.shape[2] + 2 * k.shape[1] * k.shape[2]
+    item = q.element_size()
+    adjacent = (
+        q.stride() == (width, q.shape[2], 1)
+        and k.stride() == v.stride() == (width, k.shape[2], 1)
+        and k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * item
+        and v.data_ptr() == k.data_ptr() + k.shape[1] * k.shape[2] * item
+    )
+    return q.as_strided((q.shape[0], width), (width, 1)) if adjacent else None
+
+
+def _padded_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> list[torch.Tensor]:
+    """[num_tokens, heads, head_dim] each -> [num_seqs, heads, max_len, head_dim] each (views where possible;
+    one gather for a fused QKV output, which costs a third of three separate gathers)."""
+    shape = (meta.num_seqs, meta.max_len)
     if meta.gather_idx is None:
-        return x.unflatten(0, (meta.num_seqs, meta.max_len)).transpose(1, 2)
-    return x[meta.gather_idx].transpose(1, 2)
+        return [x.unflatten(0, shape).transpose(1, 2) for x in (q, k, v)]
+    packed = _packed(q, k, v)
+    if packed is None:
+        return [x.index_select(0, meta.gather_idx).unflatten(0, shape).transpose(1, 2) for x in (q, k, v)]
+    rows = packed.index_select(0, meta.gather_idx).unflatten(0, shape)  # [num_seqs, max_len, width]
+    sizes = [q.shape[1] * q.shape[2], k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]]
+    parts = rows.split(sizes, dim=-1)
+    return [p.unflatten(-1, x.shape[1:]).transpose(1, 2) for p, x in zip(parts, (q, k, v))]
 
 
 def forward(
@@ -65,14 +95,13 @@ def forward(
 ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads,
     head_dim]. kv_cache is ignored (there is none in a pooling run)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    qp, kp, vp = _padded(q, meta), _padded(k, meta), _padded(v, meta)
+    qp, kp, vp = _padded_qkv(q, k, v, meta)
     mask, is_causal = meta.key_mask, meta.causal
     if meta.causal and sliding_window is not None and sliding_window < meta.max_len:
         mask, is_causal = _window_mask(meta.max_len, sliding_window, q.device), False
-    gqa = k.shape[1] != num_heads
     out = F.scaled_dot_product_attention(
-        qp, kp, vp, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-    )  # [num_seqs, num_heads, max_len, head_dim]
-    out = out.transpose(1, 2).reshape(meta.num_seqs * meta.max_len, num_heads, head_dim)
-    return out if meta.valid_rows is None else out[meta.valid_rows]
+        qp, kp, vp, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    ).transpose(1, 2)  # [num_seqs, max_len, num_heads, head_dim]
+    if meta.gather_idx is None:
+        return out.flatten(0, 1)
+    return out[meta.seq_of_token, meta.slot_of_token]  # [num_tokens, num_heads, head_dim]

@@ -74,7 +74,11 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = _layer_norm(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        dense = self.dense
+        if dense.cpu_weight is not None:  # the residual add fused into oneDNN's matmul
+            out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, dense.cpu_weight, dense.bias, "add")
+            return self.LayerNorm(out)
+        return self.LayerNorm(dense(x) + residual)
 
 
 class BertAttention(nn.Module):
