@@ -120,6 +120,13 @@ class LLMEngine:
             self.core.abort_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
         return finished
 
+    def step_stream(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that finished in it and, with finished=False, the output so
+        far of the running requests that got tokens in it (for streaming: cumulative text, stop strings never shown
+        in part)."""
+        finished = self.step()
+        return finished + self.output_processor.unfinished_outputs()
+
     def reset_prefix_cache(self) -> bool:
         return self.core.scheduler.kv.reset_prefix_cache()
 

@@ -20,6 +20,17 @@ def _logprob_dict(ids: list[int], lps: list[float], ranks: list[int], tokenizer)
     return position
 
 
+def stop_prefix_length(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that is the start of a stop string (a stop string may yet complete
+    there): a stream holds those characters back, so it never shows part of a stop string."""
+    longest = min(len(text), max((len(s) for s in stops), default=1) - 1)
+    for size in range(longest, 0, -1):
+        tail = text[-size:]
+        if any(len(s) > size and s.startswith(tail) for s in stops):
+            return size
+    return 0
+
+
 class SequenceState:
     """One generated sequence: its tokens, text, logprobs and why it ended."""
 
@@ -76,10 +87,16 @@ class SequenceState:
                 return True
         return False
 
+    def visible_text(self) -> str:
+        """The text so far; while the sequence runs, without an end that could be the start of a stop string."""
+        if self.finish_reason is not None or not self.params.stop:
+            return self.text
+        return self.text[: len(self.text) - stop_prefix_length(self.text, self.params.stop)]
+
     def to_output(self, index: int) -> CompletionOutput:
         return CompletionOutput(
             index=index,
-            text=self.text,
+            text=self.visible_text(),
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob if self.report_logprobs else None,
             logprobs=self.logprobs if self.report_logprobs else None,
@@ -134,6 +151,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}  # user request id -> state
         self.parent_of: dict[str, str] = {}  # core request id -> user request id
+        self.updated: dict[str, None] = {}  # user request ids that got tokens in the last process(), in order
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.req_id] = state
@@ -150,15 +168,22 @@ class OutputProcessor:
             for seq_id in state.sequences if state else []:
                 self.parent_of.pop(seq_id, None)
 
+    def unfinished_outputs(self) -> list[RequestOutput]:
+        """The output so far (finished=False) of each running request that got tokens in the last process(), for
+        streaming; text that could be the start of a stop string is held back."""
+        return [self.states[r].to_output() for r in self.updated if r in self.states]
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """(finished request outputs, sequence ids the core must stop because a stop string matched)."""
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
+        self.updated = {}
         for out in outputs:
             state = self.states.get(self.parent_of.get(out.req_id, ""))
             if state is None:
                 continue
             seq = state.sequences[out.req_id]
+            self.updated[state.req_id] = None
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.add_prompt_logprobs(*out.prompt_logprobs)
