@@ -1,10 +1,12 @@
-"""The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`."""
+"""The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`, `pagedllm chat ...`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from pagedllm.entrypoints.chat_cli import add_chat_parser
 
 
 def _read_prompts(path: str) -> list:
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.embed_cli import add_embed_parser
 
     add_embed_parser(sub)
+    add_chat_parser(sub)
     return parser
 
 
