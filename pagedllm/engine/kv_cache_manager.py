@@ -17,8 +17,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are in the hash map
-        self.num_queries = 0  # prompt tokens looked up in the prefix cache
-        self.num_hits = 0  # of which found
+        self.num_queries = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_hits = 0  # of which found there
 
     def update_block_hashes(self, request: Request) -> None:
         """Extends request.block_hashes to cover every full block of its tokens."""
@@ -43,9 +43,13 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts an admitted request's lookup (a request retried at the head of the queue counts once)."""
+        if self.enable_caching and not request.needs_prompt_logprobs:
+            self.num_queries += request.num_tokens
+            self.num_hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

@@ -10,6 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.metrics import Counter, Gauge, Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -40,9 +41,17 @@ class LLMEngine:
         return str(next(self._ids))
 
     def make_request(
-        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[list[Request], RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError).
+
+        cache_salt (any non-empty str) enters the hash of the first prompt block: only requests with the same salt
+        share cached prefixes, so tenants cannot probe each other's prompts through timing.
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
@@ -62,6 +71,8 @@ class LLMEngine:
                 f"{model.max_model_len}] tokens"
             )
         params.check_vocab(vocab)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r}: must be a non-empty string")
         if params.stop and (self.tokenizer is None or model.skip_tokenizer_init):
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True gives none)")
         params = params.clone()  # later changes to the caller's object must not reach a running request
@@ -77,9 +88,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.core.scheduler.requests or request_id in self.output_processor.states:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        return self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens)
+        return self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
 
-    def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens):
+    def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt):
         """n (or best_of) sequences of one request; with a seed, sequence i draws from seed + i."""
         count = params.best_of or params.n
         tokenizer = None if self.config.model.skip_tokenizer_init else self.tokenizer
@@ -92,7 +103,7 @@ class LLMEngine:
             report = seq_params.logprobs is not None
             if count > params.n and seq_params.logprobs is None:
                 seq_params.logprobs = 0  # best_of ranks sequences by cumulative logprob
-            requests.append(Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens))
+            requests.append(Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens, cache_salt))
             seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
         return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
 
@@ -129,6 +140,28 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.scheduler.kv.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters, gauges and latency histograms now (vLLM's names, `pagedllm:` prefix)."""
+        sched = self.core.scheduler
+        stats = self.output_processor.stats
+        labels = {"model_name": self.config.model.model}
+        metrics: list[Metric] = [
+            Gauge("pagedllm:num_requests_running", labels, len(sched.running)),
+            Gauge("pagedllm:num_requests_waiting", labels, len(sched.waiting)),
+            Gauge("pagedllm:kv_cache_usage_perc", labels, sched.kv.pool.usage()),
+            Counter("pagedllm:prefix_cache_queries_total", labels, sched.kv.num_queries),
+            Counter("pagedllm:prefix_cache_hits_total", labels, sched.kv.num_hits),
+            Counter("pagedllm:num_preemptions_total", labels, sched.num_preemptions),
+            Counter("pagedllm:prompt_tokens_total", labels, stats.prompt_tokens),
+            Counter("pagedllm:generation_tokens_total", labels, stats.generation_tokens),
+        ]
+        for reason, count in stats.success_by_reason.items():
+            metrics.append(Counter("pagedllm:request_success_total", {**labels, "finished_reason": reason}, count))
+        metrics.append(stats.time_to_first_token.to_metric("pagedllm:time_to_first_token_seconds", labels))
+        metrics.append(stats.inter_token_latency.to_metric("pagedllm:inter_token_latency_seconds", labels))
+        metrics.append(stats.e2e_request_latency.to_metric("pagedllm:e2e_request_latency_seconds", labels))
+        return metrics
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

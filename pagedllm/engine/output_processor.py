@@ -5,8 +5,11 @@ and reports once all are finished."""
 
 from __future__ import annotations
 
+import time
+
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.scheduler import EngineCoreOutput
+from pagedllm.metrics import RequestStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -117,6 +120,8 @@ class RequestState:
         self.n = n
         self.sequences = sequences  # core request id -> sequence
         self.num_cached_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.last_token_time: float | None = None  # None until the first token
         first = next(iter(sequences.values()))
         self.tokenizer = first.tokenizer
         wants_prompt_logprobs = first.params.prompt_logprobs is not None
@@ -152,6 +157,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}  # user request id -> state
         self.parent_of: dict[str, str] = {}  # core request id -> user request id
         self.updated: dict[str, None] = {}  # user request ids that got tokens in the last process(), in order
+        self.stats = RequestStats()
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.req_id] = state
@@ -178,12 +184,14 @@ class OutputProcessor:
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
         self.updated = {}
+        now = time.monotonic()
         for out in outputs:
             state = self.states.get(self.parent_of.get(out.req_id, ""))
             if state is None:
                 continue
             seq = state.sequences[out.req_id]
             self.updated[state.req_id] = None
+            self._record_timing(state, len(out.new_token_ids), now)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.add_prompt_logprobs(*out.prompt_logprobs)
@@ -196,6 +204,26 @@ class OutputProcessor:
             elif not stopped and out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             if state.finished:
-                finished.append(state.to_output())
+                output = state.to_output()
+                self._record_finish(state, output)
+                finished.append(output)
                 self.abort([state.req_id])
         return finished, to_abort
+
+    def _record_timing(self, state: RequestState, num_new_tokens: int, now: float) -> None:
+        if num_new_tokens == 0:
+            return
+        stats = self.stats
+        stats.generation_tokens += num_new_tokens
+        if state.last_token_time is None:
+            stats.prompt_tokens += len(state.prompt_token_ids)
+            stats.time_to_first_token.observe(now - state.arrival_time)
+        elif now > state.last_token_time:  # sequences of one request share a step: one interval per step
+            stats.inter_token_latency.observe(now - state.last_token_time)
+        state.last_token_time = now
+
+    def _record_finish(self, state: RequestState, output: RequestOutput) -> None:
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if reason in self.stats.success_by_reason:
+            self.stats.success_by_reason[reason] += 1
+        self.stats.e2e_request_latency.observe(time.monotonic() - state.arrival_time)

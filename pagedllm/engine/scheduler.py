@@ -98,6 +98,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, computed_blocks) is None:
                 break
             self.waiting.popleft()
+            self.kv.record_lookup(req, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit

@@ -13,6 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.pooling_api import PoolingAPI
+from pagedllm.metrics import Metric
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -110,6 +111,10 @@ class LLM(PoolingAPI):
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. pagedllm:prefix_cache_hits_total)."""
+        return self.llm_engine.get_metrics()
+
     # -- generate -----------------------------------------------------------------------------------------------
     def generate(
         self,
@@ -138,8 +143,12 @@ class LLM(PoolingAPI):
         if any(p.use_beam_search for p in params_list):
             return [self._beam_search_output(text, ids, p) for (text, ids), p in zip(parsed, params_list)]
         engine = self.llm_engine
+        salts = [_cache_salt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
         # Validate every request before any enters the engine.
-        pending = [engine.make_request(text, ids, params) for (text, ids), params in zip(parsed, params_list)]
+        pending = [
+            engine.make_request(text, ids, params, cache_salt=salt)
+            for (text, ids), params, salt in zip(parsed, params_list, salts)
+        ]
         return self._run(pending, use_tqdm)
 
     def chat(
@@ -232,6 +241,14 @@ def _as_prompt_list(prompts: Any) -> list:
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
     raise TypeError(f"prompts has type {type(prompts).__name__}; expected a str, a prompt dict or a list of them")
+
+
+def _cache_salt(prompt: Any, index: int) -> str | None:
+    """A prompt dict's optional "cache_salt" (vLLM's name): prefix-cache isolation between tenants."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompts[{index}].cache_salt={salt!r}: must be a non-empty string")
+    return salt
 
 
 def _params_list(params: Any, n: int) -> list[SamplingParams]:

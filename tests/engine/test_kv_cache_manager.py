@@ -270,9 +270,15 @@ def test_hit_on_free_cached_blocks_counts_them_as_not_free():
     assert refs(kv) == [1] * 5
 
 
-def test_hit_statistics():
+def test_hit_statistics_count_recorded_lookups_only():
     kv = cached_manager()
-    kv.get_computed_blocks(make_request("b", PROMPT12 + [5]))  # 13 tokens asked, 12 found
-    kv.get_computed_blocks(make_request("c", [1, 2, 3, 4, 5]))  # 5 asked, 0 found
-    assert kv.num_queries - 12 == 13 + 5  # "a" asked 12 in cached_manager()
-    assert kv.num_hits == 12
+    queries, hits = kv.num_queries, kv.num_hits
+    b = make_request("b", PROMPT12 + [5])
+    _, num = kv.get_computed_blocks(b)
+    _, num = kv.get_computed_blocks(b)  # a retried lookup of a request that did not fit yet counts nothing
+    assert (kv.num_queries, kv.num_hits) == (queries, hits)
+    kv.record_lookup(b, num)  # admitted: 13 tokens asked, 12 found
+    kv.record_lookup(make_request("c", [1, 2, 3, 4, 5]), 0)
+    assert (kv.num_queries - queries, kv.num_hits - hits) == (13 + 5, 12)
+    kv.record_lookup(make_request("d", PROMPT12, prompt_logprobs=1), 0)  # skips the cache: not a lookup
+    assert kv.num_queries - queries == 18

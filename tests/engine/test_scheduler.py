@@ -424,6 +424,25 @@ def test_a_prefix_cache_hit_after_the_first_request_finished():
     assert so.new_reqs[0].num_computed_tokens == 8
 
 
+def test_prefix_cache_counters_count_each_admission_once():
+    sched = make_scheduler(num_blocks=6, caching=True)
+    a = make_request("a", range(200, 216), max_tokens=4)  # 16 tokens: 4 blocks now, a 5th to decode
+    sched.add_request(a)
+    step(sched)
+    assert (sched.kv.num_queries, sched.kv.num_hits) == (16, 0)
+    b = make_request("b", PROMPT10, max_tokens=2)  # needs 3 blocks, only 1 or 2 are free while a runs
+    sched.add_request(b)
+    for _ in range(3):  # b is looked up at the head of the queue every step, but not admitted
+        so = step(sched)
+        assert "b" not in so.num_scheduled_tokens
+    assert (sched.kv.num_queries, sched.kv.num_hits) == (16, 0)
+    while a.status == RequestStatus.RUNNING:
+        step(sched)
+    so = step(sched)
+    assert so.num_scheduled_tokens == {"b": 10}
+    assert (sched.kv.num_queries, sched.kv.num_hits) == (16 + 10, 0)
+
+
 def test_no_prefix_hit_across_cache_salts_or_without_caching():
     sched = make_scheduler(num_blocks=10, caching=True)
     sched.add_request(make_request("a", PROMPT10, max_tokens=1, cache_salt="x"))
