@@ -97,10 +97,11 @@ def forward(
     if meta.decode_token_idx is not None:
         out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
-        qc = _heads_first(q[chunk.q_start : chunk.q_end])  # [num_heads, q_len, head_dim]
+        # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
+        qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
         if chunk.context_len == 0 and sliding_window is None:
-            kc = _heads_first(k[chunk.q_start : chunk.q_end])
-            vc = _heads_first(v[chunk.q_start : chunk.q_end])
+            kc = _heads_first(k[chunk.q_start : chunk.q_end]).unsqueeze(0)
+            vc = _heads_first(v[chunk.q_start : chunk.q_end]).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             if chunk.context_len == 0:
@@ -110,9 +111,9 @@ def forward(
                 kc, vc = k_cache.index_select(0, chunk.slots), v_cache.index_select(0, chunk.slots)
                 q_pos = chunk.positions
             mask = _window_mask(q_pos, kc.shape[0], sliding_window)
-            o = F.scaled_dot_product_attention(
-                qc, _heads_first(kc), _heads_first(vc), attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            kc, vc = _heads_first(kc).unsqueeze(0), _heads_first(vc).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = o[0]
         out[chunk.q_start : chunk.q_end] = o.transpose(0, 1)
     return out
 
