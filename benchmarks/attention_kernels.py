@@ -5,7 +5,8 @@ Workloads (Qwen3-0.6B attention shapes by default: 16 query heads, 8 KV heads, h
   decode-4x8192    4 decodes over 8192-token contexts (split-K's case), with split-K forced off for comparison
   prefill-2048     one 2048-token prefill chunk after 2048 cached tokens (compute bound: figure is TFLOP/s)
 Each forward includes the KV-cache write of the step's new tokens; metadata is built once, outside the timing.
-Times are CUDA-event medians over --iters after --warmup. One JSON line per workload (appended to
+Times are CUDA-event medians over --iters after --warmup, of CUDA-graph replays (no Python launch overhead;
+eager where capture fails). One JSON line per workload (appended to
 benchmarks/results.jsonl unless --no-append).   e.g. python benchmarks/attention_kernels.py --no-append
 """
 
@@ -62,13 +63,24 @@ def make_step(reqs, args, dtype=torch.bfloat16):
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
+    """Median GPU time of one call, replayed from a CUDA graph (so Python launch overhead, which CUDA graphs remove
+    in the engine, is not counted); eagerly timed where capture fails."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except RuntimeError:
+        torch.cuda.synchronize()
+        run = fn
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -106,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     machine, commit = machine_description(), git_commit()
     workloads = [
         ("decode-64x1024", [(1023, 1)] * 64, None),
+        ("decode-256x1024", [(1023, 1)] * 256, None),
+        ("decode-32x2048", [(2047, 1)] * 32, None),
         ("decode-4x8192", [(8191, 1)] * 4, None),
         ("decode-4x8192-nosplit", [(8191, 1)] * 4, 1),
         ("prefill-2048-after-2048", [(2048, 2048)], None),

@@ -62,23 +62,24 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, max_query_len: int, sms: int) -> int:
-    """Split-K when the batch is decodes only and too few programs fill the GPU for long contexts:
-    enough splits for ~2 waves of programs, each split covering at least MIN_TOKENS_PER_SPLIT keys."""
-    if max_query_len != 1 or num_programs >= sms or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+    """Split-K when the batch is decodes only and fewer than two waves of programs (one per request and KV head)
+    cover the GPU's SMs: enough splits for ~2 waves, each split covering at least MIN_TOKENS_PER_SPLIT keys.
+    (Measured on an H200, 16/8 heads, dim 128: 32 x 2k decodes 12% faster with 2 splits, 64 x 1k none faster.)"""
+    if max_query_len != 1 or num_programs >= 2 * sms or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
         return 1
     by_occupancy = -(-2 * sms // num_programs)
     by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
     return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
 
-def _tiles(group: int, max_query_len: int, head_dim_pad: int) -> tuple[int, int, int, int]:
-    """(BLOCK_Q, BLOCK_M, BLOCK_N, num_warps). Decodes: one query token per program, 16+ rows for tl.dot.
-    Prefill: about 64 rows (query tokens x heads of one KV group)."""
+def _tiles(group: int, max_query_len: int, head_dim_pad: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, num_warps, num_stages). Decodes: one query token per program, 16+ rows for
+    tl.dot. Prefill: about 64 rows (query tokens x heads of one KV group)."""
     block_q = 1 if max_query_len == 1 else max(1, 64 // group)
     block_m = max(16, triton_next_pow2(block_q * group))
     block_n = 64 if head_dim_pad <= 128 else 32
     num_warps = 8 if block_m * head_dim_pad >= 128 * 128 else 4
-    return block_q, block_m, block_n, num_warps
+    return block_q, block_m, block_n, num_warps, 2
 
 
 def triton_next_pow2(n: int) -> int:
@@ -129,7 +130,7 @@ def forward(
         q = q.contiguous()
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton_next_pow2(head_dim))
-    block_q, block_m, block_n, num_warps = _tiles(group, meta.max_query_len, head_dim_pad)
+    block_q, block_m, block_n, num_warps, num_stages = _tiles(group, meta.max_query_len, head_dim_pad)
     block_n = meta.block_n or block_n
     num_programs = num_tokens if block_q == 1 else num_tokens // block_q + meta.num_reqs
     num_splits = meta.num_splits or choose_num_splits(
@@ -175,7 +176,7 @@ def forward(
         USE_WINDOW=sliding_window is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         reduce_splits_kernel[(num_tokens, num_heads)](

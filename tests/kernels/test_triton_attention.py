@@ -142,7 +142,8 @@ def test_choose_num_splits():
     assert f(num_programs=8 * 8, max_seq_len=4096, max_query_len=1, sms=132) == 5  # ceil(264 / 64) waves
     assert f(num_programs=8, max_seq_len=4096, max_query_len=1, sms=132) == 16  # capped by 4096 / 256 keys
     assert f(num_programs=1, max_seq_len=100_000, max_query_len=1, sms=132) == 32  # MAX_SPLITS
-    assert f(num_programs=512, max_seq_len=4096, max_query_len=1, sms=132) == 1  # the batch fills the GPU
+    assert f(num_programs=32 * 8, max_seq_len=2048, max_query_len=1, sms=132) == 2  # under two waves
+    assert f(num_programs=512, max_seq_len=4096, max_query_len=1, sms=132) == 1  # two waves and more
     assert f(num_programs=8, max_seq_len=300, max_query_len=1, sms=132) == 1  # short contexts
     assert f(num_programs=8, max_seq_len=4096, max_query_len=5, sms=132) == 1  # a prefill chunk in the batch
 
