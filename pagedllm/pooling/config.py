@@ -91,23 +91,41 @@ def resolve_runner(architecture: str, task: Any, runner: Any, convert: Any) -> t
     task = "embed" if task == "embedding" else task
     native = "embed" if architecture in _EMBEDDERS else "classify" if architecture in _CLASSIFIERS else None
     if native is not None:
-        if task == "generate" or runner == "generate":
-            raise ValueError(
-                f"task/runner='generate': {architecture} is a pooling model (it cannot generate text); "
-                f"allowed: task in {_tasks_of(native)} or runner='pooling'"
-            )
-        wanted = convert if convert not in ("auto", "none") else task if task not in ("auto", "score") else native
-        if wanted != native:
-            raise ValueError(
-                f"task={wanted!r}: {architecture} is {'an embedding' if native == 'embed' else 'a classification'} "
-                f"model; allowed tasks: {_tasks_of(native)}"
-            )
-        return "pooling", native
+        return "pooling", _check_native(architecture, native, task, runner, convert)
+    return _decoder_runner(architecture, task, runner, convert)
+
+
+def _check_native(architecture: str, native: str, task: str, runner: str, convert: str) -> str:
+    """An encoder pools by itself: only its own task is allowed."""
+    if task == "generate" or runner == "generate":
+        raise ValueError(
+            f"task/runner='generate': {architecture} is a pooling model (it cannot generate text); "
+            f"allowed: task in {_tasks_of(native)} or runner='pooling'"
+        )
+    wanted = convert if convert not in ("auto", "none") else task if task not in ("auto", "score") else native
+    if wanted != native:
+        raise ValueError(
+            f"task={wanted!r}: {architecture} is {'an embedding' if native == 'embed' else 'a classification'} "
+            f"model; allowed tasks: {_tasks_of(native)}"
+        )
+    return native
+
+
+def _decoder_runner(architecture: str, task: str, runner: str, convert: str) -> tuple[str, str | None]:
+    """A decoder generates, or is turned into an embedder (last-token pooling) when pooling is asked for."""
     pooling = runner == "pooling" or task in ("embed", "classify", "score") or convert in ("embed", "classify")
     if not pooling:
         return "generate", None
-    kind = convert if convert in ("embed", "classify") else task if task in ("embed", "classify") else "embed"
-    if kind == "classify":
+    if runner == "generate" or task == "generate":
+        raise ValueError(
+            f"runner={runner!r}, task={task!r}, convert={convert!r} contradict each other: ask for generation "
+            "(runner/task 'generate') or for pooling (runner 'pooling', task 'embed' / 'score', convert 'embed')"
+        )
+    if convert == "none":
+        raise ValueError(
+            f"convert='none': {architecture} has no pooling head of its own; allowed for it: convert='embed'"
+        )
+    if "classify" in (task, convert):
         raise ValueError(
             f"task='classify': {architecture} has no classification head; allowed for it: 'generate' or 'embed' "
             "(classifiers: BertForSequenceClassification)"
