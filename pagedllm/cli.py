@@ -1,4 +1,5 @@
-"""The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`, `pagedllm chat ...`."""
+"""The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`, `pagedllm chat ...`,
+`pagedllm serve [MODEL] ...`."""
 
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_embed_parser(sub)
     add_chat_parser(sub)
+    from pagedllm.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

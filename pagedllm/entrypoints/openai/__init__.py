@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`pagedllm serve`). Needs the `serve` extra: fastapi, uvicorn, pydantic."""

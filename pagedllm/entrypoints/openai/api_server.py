@@ -1,0 +1,259 @@
+"""The FastAPI app of `pagedllm serve`: routes, the API-key and body-size guard, OpenAI error bodies, and running it
+under uvicorn (SIGTERM stops accepting, lets in-flight requests finish for --shutdown-timeout seconds, then ends)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.entrypoints.openai import metrics_text
+from pagedllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    error_body,
+    from_value_error,
+    now,
+)
+from pagedllm.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from pagedllm.entrypoints.openai.serving_completions import create_completion
+from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
+from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = ("/health", "/metrics")  # reachable without the API key (load balancers, Prometheus)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+class GuardMiddleware:
+    """Checks the API key (constant-time) on every path but PUBLIC_PATHS, and refuses bodies over the cap before
+    the app parses them (the body is read here, up to the cap, then handed on)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, scope) -> bool:
+        given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected is not None and scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
+            body = error_body("Invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            return await _send_json(send, 401, body)
+        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_big = error_body(f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)")
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await _send_json(send, 400, too_big)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+    if first.get("type") == "json_invalid":
+        message, param = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+    return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client went away and its request was aborted
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_error(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "server_error"), status_code=500)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+
+def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        state.engine.stop()
+
+    from pagedllm import __version__
+
+    app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    _add_error_handlers(app)
+    _add_routes(app, state, __version__)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.engine.alive else 503)
+
+    @app.get("/version")
+    async def get_version() -> dict:
+        return {"version": version}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "pagedllm",
+                "max_model_len": state.max_model_len,
+            }
+            for name in state.served_model_names
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await create_completion(state, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest):
+        return await create_embedding(state, req)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        return await _tokenize(state, req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        state.check_model(req.model)
+        vocab = state.engine.engine.config.model.vocab_size
+        bad_id = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad_id is not None:
+            raise bad(f"tokens contains {bad_id}: token ids must be integers in [0, {vocab})", "tokens")
+        text = await state.engine.call(state.llm.get_tokenizer().decode, req.tokens)
+        return {"prompt": text}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        found = await state.engine.call(getattr(state.engine.engine, "get_metrics", list))
+        for metric in found:
+            if "model_name" in metric.labels:
+                metric.labels["model_name"] = state.served_model_names[0]
+        return PlainTextResponse(metrics_text.render(found), media_type=metrics_text.CONTENT_TYPE)
+
+
+async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad("give either prompt or messages", "prompt")
+    tokenizer = state.llm.get_tokenizer()
+    if req.prompt is not None:
+        prompt = req.prompt
+
+        def encode() -> list[int]:
+            return tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        make_prompts = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
+
+        def encode() -> list[int]:
+            return make_prompts()[0][1]
+
+    try:
+        ids = await state.engine.call(encode)
+    except (ValueError, TypeError) as e:
+        raise from_value_error(e) from None
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def served_names(model: str | None, given: list[str] | None, model_path: str) -> list[str]:
+    if given:
+        return list(given)
+    if model:
+        return [model]
+    return [os.path.basename(model_path).removesuffix(".gguf")]
+
+
+def run_server(args: Any, engine_kwargs: dict) -> int:
+    import uvicorn
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.chat_template import load_chat_template
+
+    limits = ServerLimits(args.max_n, args.max_prompts, args.max_logprobs, args.max_body_bytes)
+    template = load_chat_template(args.chat_template) if args.chat_template else None
+    llm = LLM(args.model, **engine_kwargs)
+    engine = AsyncEngine(llm)
+    names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
+    state = ServerState(engine, names, limits, template, args.chat_template_content_format)
+    app = build_app(state, args.api_key)
+    engine.start()
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        access_log=args.uvicorn_log_level == "debug",
+    )
+    uvicorn.Server(config).run()
+    engine.stop()
+    return 0

@@ -1,0 +1,201 @@
+"""AsyncEngine: an LLM driven by one dedicated thread, for an asyncio server.
+
+Everything that touches the engine or its tokenizer runs on that thread (`call`), between engine steps, so the
+engine is never used from two threads at once and the event loop never blocks on a forward pass. While any request
+is unfinished the thread runs `LLMEngine.step_stream()` and hands each request's cumulative output to its
+RequestStream; a stream keeps only the newest output per request (outputs are cumulative), so a slow client costs
+no memory growth. Closing a stream before its requests finish aborts them, which frees their KV-cache blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptsFn = Callable[[], list[tuple[str | None, list[int]]]]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine step failed; the requests running in it were ended."""
+
+
+class RequestStream:
+    """Outputs of the requests of one API call (one per prompt), as (prompt index, cumulative RequestOutput)."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.unfinished = set(request_ids)
+        self.latest: dict[str, RequestOutput | BaseException] = {}
+        self.ready = asyncio.Event()
+
+    def deliver(self, output: RequestOutput | BaseException, request_id: str) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self._put, request_id, output)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _put(self, request_id: str, output: RequestOutput | BaseException) -> None:
+        self.latest[request_id] = output
+        self.ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self.unfinished:
+            await self.ready.wait()
+            self.ready.clear()
+            batch, self.latest = self.latest, {}
+            for rid, out in batch.items():
+                if isinstance(out, BaseException):
+                    self.unfinished.clear()
+                    raise EngineDeadError(f"the engine failed while running this request: {out}") from out
+                if out.finished:
+                    self.unfinished.discard(rid)
+                yield self.index[rid], out
+
+    def close(self) -> None:
+        """Aborts the requests that have not finished (a client went away, or the handler failed)."""
+        if self.unfinished:
+            self.engine.abort(list(self.unfinished))
+            self.unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.generates = hasattr(self.engine, "step_stream")  # False for a pooling model
+        self._cond = threading.Condition()
+        self._calls: list[Callable[[], None]] = []
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._running = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+
+    # -- lifecycle (event-loop side) ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._running = True
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Aborts whatever still runs and ends the engine thread."""
+        with self._cond:
+            self._running = False
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- requests (event-loop side) -----------------------------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs fn on the engine thread, between steps; returns its result or raises its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # handed to the caller, who turns user errors into HTTP 400
+                loop.call_soon_threadsafe(_settle, future, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._submit(run)
+        return await future
+
+    async def generate(self, make_prompts: PromptsFn, num_prompts: int, params: SamplingParams, request_id: str):
+        """Adds the prompts as requests `{request_id}-{i}` and returns their stream. `make_prompts()` runs on the
+        engine thread (it may tokenize) and gives [(text or None, token ids)]; every prompt is checked (ValueError)
+        before any enters the engine."""
+        ids = [f"{request_id}-{i}" for i in range(num_prompts)]
+        stream = RequestStream(self, ids)
+        engine = self.engine
+
+        def add() -> None:
+            prompts = make_prompts()
+            pending = [engine.make_request(text, tokens, params, rid) for rid, (text, tokens) in zip(ids, prompts)]
+            for rid, (requests, state) in zip(ids, pending):
+                engine.add(requests, state)
+                self._streams[rid] = stream
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            stream.close()  # queued after add(), so whatever it added is aborted
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Thread-safe; the abort happens on the engine thread before its next step."""
+        self._submit(lambda: self._abort(request_ids))
+
+    # -- engine thread ------------------------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._calls.append(fn)
+            self._cond.notify()
+
+    def _busy(self) -> bool:
+        return self.generates and self.engine.has_unfinished_requests()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._calls and not self._busy():
+                    self._cond.wait()
+                calls, self._calls = self._calls, []
+                running = self._running
+            for fn in calls:
+                fn()
+            if not running:
+                self._abort(list(self._streams))
+                return
+            if self._busy():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step_stream()
+        except Exception as e:  # a failed forward ends the requests in flight, not the server
+            logger.exception("engine step failed")
+            streams = dict(self._streams)
+            self._abort(list(streams))
+            for rid, stream in streams.items():
+                stream.deliver(e, rid)
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.deliver(out, out.request_id)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if ids and self.generates:
+            self.engine.abort_request(ids)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,176 @@
+"""POST /v1/chat/completions: the conversation is rendered with the chat template (the same function LLM.chat
+uses, so the server's greedy replies equal the offline ones), then generated like a completion; OpenAI's
+chat.completion response and chat.completion.chunk stream, logprobs in the chat layout."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+
+from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.openai.async_engine import RequestStream
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.serving_utils import (
+    ServerState,
+    bad,
+    chat_logprobs,
+    check_limit,
+    sampling_params,
+    sse_stream,
+    unless_disconnected,
+    usage,
+)
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Job:
+    req: ChatCompletionRequest
+    model: str
+    request_id: str
+    created: int
+    tokenizer: object
+
+    def chunk(self, choices: list[dict]) -> dict:
+        out = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        out["choices"] = choices
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            out["usage"] = None
+        return out
+
+    def logprobs(self, token_ids: list[int], entries: list | None) -> dict | None:
+        if not self.req.logprobs or entries is None:
+            return None
+        return {"content": chat_logprobs(self.tokenizer, token_ids, entries, self.req.top_logprobs or 0)}
+
+
+def render_chat(state: ServerState, messages: list, **options):
+    """A function for the engine thread: the conversation -> [(prompt text, prompt token ids)]."""
+    tokenizer = state.llm.get_tokenizer()
+    model_path = state.engine.engine.config.model.model_path
+
+    def make_prompts() -> list[tuple[str | None, list[int]]]:
+        try:
+            return [
+                apply_chat_template(
+                    tokenizer,
+                    messages,
+                    chat_template=state.chat_template,
+                    chat_template_content_format=state.chat_template_content_format,
+                    model_path=model_path,
+                    **options,
+                )
+            ]
+        except TemplateError as e:
+            raise ValueError(f"messages: the chat template failed to render them: {e}") from None
+
+    return make_prompts
+
+
+def _check(state: ServerState, req: ChatCompletionRequest) -> None:
+    if req.chat_template is not None:
+        raise bad("chat_template: a request may not bring its own template; start the server with --chat-template")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise bad("tool_choice: only 'none' or 'auto' (tools are given to the chat template; no forced calls)")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad("response_format: only {'type': 'text'} is supported (no structured output)", "response_format")
+    check_limit(req.top_logprobs, state.limits.max_logprobs, "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    model = state.check_model(req.model)
+    state.require_generate()
+    _check(state, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs)
+    if req.stream and params.best_of is not None and params.best_of != params.n:
+        raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
+    make_prompts = render_chat(
+        state,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        tools=req.tools,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+    job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer())
+    try:
+        stream = await state.engine.generate(make_prompts, 1, params, job.request_id)
+    except (ValueError, TypeError) as e:
+        raise from_value_error(e, "messages") from None
+    if req.stream:
+        return StreamingResponse(sse_stream(_chunks(job, stream)), media_type="text/event-stream")
+    final = await unless_disconnected(raw, _collect(stream))
+    return JSONResponse(_response(job, final))
+
+
+async def _collect(stream: RequestStream) -> RequestOutput:
+    final = None
+    async with stream:
+        async for _, out in stream:
+            final = out
+    return final
+
+
+def _response(job: _Job, out: RequestOutput) -> dict:
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "logprobs": job.logprobs(c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in out.outputs
+    ]
+    num_generated = sum(len(c.token_ids) for c in out.outputs)
+    body = {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model}
+    return {**body, "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated)}
+
+
+def _delta(job: _Job, c: CompletionOutput, sent: list[int]) -> dict | None:
+    """The next chunk choice of one sequence; sent = [characters, tokens] already sent (updated)."""
+    new_text = c.text[sent[0] :]
+    new_ids = c.token_ids[sent[1] :]
+    wants_logprobs = bool(job.req.logprobs)
+    if not new_text and c.finish_reason is None and not (wants_logprobs and new_ids):
+        return None
+    entries = (c.logprobs or [])[sent[1] :] if c.logprobs is not None else None
+    sent[0], sent[1] = len(c.text), len(c.token_ids)
+    return {
+        "index": c.index,
+        "delta": {"content": new_text},
+        "logprobs": job.logprobs(new_ids, entries),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
+    n = job.req.n
+    sent = {i: [0, 0] for i in range(n)}
+    done: set[int] = set()
+    final = None
+    role = {"role": "assistant", "content": ""}
+    yield job.chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)])
+    async with stream:
+        async for _, out in stream:
+            final = out
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                choice = _delta(job, c, sent[c.index])
+                if choice is not None:
+                    yield job.chunk([choice])
+                if c.finish_reason is not None:
+                    done.add(c.index)
+    if final is not None and job.req.stream_options and job.req.stream_options.include_usage:
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        yield {**job.chunk([]), "usage": usage(len(final.prompt_token_ids), num_generated)}

@@ -1,0 +1,211 @@
+"""What the endpoints share: the server's state and limits, model-name checks, SamplingParams from a request,
+logprobs in OpenAI's two layouts, server-sent events, and ending work whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from pagedllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.protocol import APIError, error_body, from_value_error
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
+
+_MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI clamps the same way
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_names: list[str]
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+
+    @property
+    def llm(self):
+        return self.engine.llm
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.config.model.max_model_len
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; an unknown name is 404 as OpenAI does."""
+        if name is None or name in self.served_model_names:
+            return self.served_model_names[0] if name is None else name
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+
+    def require_generate(self) -> None:
+        if not self.engine.generates:
+            raise APIError("this server runs a pooling model: it serves /v1/embeddings, not text generation")
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param=param)
+
+
+def check_limit(value: int | None, limit: int, param: str) -> None:
+    if value is not None and value > limit:
+        raise bad(f"{param}={value} is out of range: at most {limit} on this server", param)
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out = {}
+    for key, value in raw.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad(f"logit_bias key {key!r} is not a token id (an integer)", "logit_bias") from None
+    return out
+
+
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingParams:
+    """SamplingParams from the request's sampling fields; omitted ones take the model's generation_config defaults
+    (as vLLM). `fields` sets what differs between endpoints (max_tokens, logprobs, prompt_logprobs)."""
+    limits = state.limits
+    check_limit(req.n, limits.max_n, "n")
+    check_limit(req.best_of, limits.max_n, "best_of")
+    defaults = state.engine.engine.default_sampling_fields
+    chosen = {name: getattr(req, name) for name in _DEFAULTED}
+    chosen = {k: v if v is not None else defaults.get(k) for k, v in chosen.items()}
+    values = dict(
+        n=req.n,
+        best_of=req.best_of,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        logit_bias=logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        **{k: v for k, v in chosen.items() if v is not None},
+        **fields,
+    )
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        raise from_value_error(e) from None
+
+
+# -- logprobs ---------------------------------------------------------------------------------------------------
+def _clamp(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
+
+
+def token_text(tokenizer, token_id: int, entry: Logprob | None) -> str:
+    if entry is not None and entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def legacy_logprobs(tokenizer, token_ids: list[int], entries: list, text_offset: int = 0) -> dict:
+    """Completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (None entries: no logprob, as the
+    first prompt token)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id) if entry is not None else None
+        text = token_text(tokenizer, token_id, chosen)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None or chosen is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(_clamp(chosen.logprob))
+        top.append({token_text(tokenizer, tid, lp): _clamp(lp.logprob) for tid, lp in entry.items()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list, num_top: int) -> list[dict]:
+    """Chat logprobs content: [{token, logprob, bytes, top_logprobs: the num_top most likely tokens}]."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id)
+        if chosen is None:
+            continue
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+        top = [
+            _chat_entry(token_text(tokenizer, tid, lp), lp.logprob)
+            for tid, lp in ranked
+            if lp.rank is not None and 1 <= lp.rank <= num_top
+        ]
+        content.append({**_chat_entry(token_text(tokenizer, token_id, chosen), chosen.logprob), "top_logprobs": top})
+    return content
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+# -- transport --------------------------------------------------------------------------------------------------
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events of the chunks, then `data: [DONE]`; an engine failure ends the stream with an error
+    event (the status line was already sent)."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except APIError as e:
+        yield sse(e.body())
+    except EngineDeadError as e:
+        yield sse(error_body(str(e), "server_error"))
+    yield sse("[DONE]")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while True:  # the body was read already, so the next message is the disconnect
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Awaits `work`; if the client disconnects first, cancels it (its RequestStream aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientGone()
+    return task.result()
