@@ -38,7 +38,9 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        memory = cache.kv_cache_memory_bytes or default_cpu_kv_cache_bytes()
+        memory = cache.kv_cache_memory_bytes
+        if memory is None:  # on a GPU: profiled (raises when the model leaves no room); on CPU: a memory share
+            memory = self.executor.available_kv_cache_bytes() or default_cpu_kv_cache_bytes()
         per_block = self.executor.kv_bytes_per_block()
         num_blocks = memory // per_block
         if num_blocks < 1:

@@ -14,8 +14,13 @@ class UniProcExecutor:
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
 
+    def available_kv_cache_bytes(self) -> int | None:
+        """On a GPU: the KV-cache budget found by profiling; None elsewhere."""
+        return self.runner.available_kv_cache_bytes()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cudagraphs()  # graphs point at the cache, so they come after it
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -3,6 +3,8 @@ KV cache, runs the model and samples the requests that reached the end of their 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -13,9 +15,24 @@ from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sample_inputs import adjust_logits, sampled_logprobs, sampling_metadata
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class FlatBatch:
+    """The step's scheduled tokens as host arrays, one flat varlen batch."""
+
+    input_ids: np.ndarray  # [num_tokens]
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] cache slot of each token
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    seq_lens: np.ndarray  # [num_reqs] context + scheduled tokens
+    block_table: np.ndarray  # [num_reqs, max_blocks]
+    rows: np.ndarray  # [num_reqs] persistent-batch row of each request
+    sample_mask: np.ndarray  # [num_reqs] whether the request samples a token this step
 
 
 class ModelRunner:
@@ -30,6 +47,28 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
+        self.graphs = self._make_graph_runner(max_blocks)  # None: every step runs eagerly
+        self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
+
+    def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
+        """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
+        graph_safe = hasattr(self.backend, "TritonAttentionMetadata")  # the torch backend syncs on host metadata
+        if self.device.type != "cuda" or self.config.device.enforce_eager or not graph_safe:
+            return None
+        sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
+        if not sizes:
+            return None
+        m = self.config.model
+        return CudaGraphRunner(
+            self.model,
+            self.backend,
+            sizes,
+            max_blocks,
+            self.block_size,
+            self.max_model_len,
+            m.num_kv_heads,
+            self.device,
+        )
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -43,6 +82,18 @@ class ModelRunner:
             # Never read before written (the backends only read slots of computed tokens), so empty is enough.
             layer.kv_cache = torch.empty(shape, dtype=m.dtype, device=self.device)
             layer.backend = self.backend
+
+    def capture_cudagraphs(self) -> float:
+        """Captures the decode graphs over the allocated KV cache (CUDA only); returns the seconds it took."""
+        return self.graphs.capture() if self.graphs is not None else 0.0
+
+    def available_kv_cache_bytes(self) -> int | None:
+        """On CUDA: the KV-cache budget found by profiling one forward (see gpu_memory); None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        from pagedllm.worker.gpu_memory import available_kv_cache_bytes
+
+        return available_kv_cache_bytes(self)
 
     # -- applying the scheduler's delta -------------------------------------------------------------------------
     def _update_batch(self, so: SchedulerOutput) -> None:
@@ -59,7 +110,7 @@ class ModelRunner:
             self.batch.num_computed[row] = cached.num_computed_tokens
 
     # -- building the flat batch --------------------------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput):
+    def _prepare_inputs(self, so: SchedulerOutput) -> FlatBatch:
         b = self.batch
         rows = np.array([b.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)  # [num_reqs]
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
@@ -70,47 +121,67 @@ class ModelRunner:
         computed = b.num_computed[rows]
         positions = computed[req_idx] + np.arange(total) - cu[req_idx]  # [num_tokens]
         token_rows = rows[req_idx]
-        input_ids = b.token_ids[token_rows, positions]
-        slots = b.block_table[token_rows, positions // self.block_size] * self.block_size
+        input_ids = b.token_ids[token_rows, positions]  # [num_tokens]
+        slots = b.block_table[token_rows, positions // self.block_size] * self.block_size  # [num_tokens]
         slots += positions % self.block_size
-        seq_lens = computed + num_sched
+        seq_lens = computed + num_sched  # [num_reqs]
         sample_mask = seq_lens == b.num_tokens[rows]  # reached the end of the known tokens: sample one
+        return FlatBatch(input_ids, positions, slots, cu, seq_lens, b.block_table[rows], rows, sample_mask)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device; on CUDA through pinned memory without waiting for the GPU."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _run_model(self, flat: FlatBatch) -> torch.Tensor:
+        """hidden [num_tokens, hidden]: a pure-decode step replays the CUDA graph of the next captured size,
+        anything else (prefill chunks, batches above the largest size, CPU) runs eagerly."""
+        num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
+        graph_bs = self.graphs.padded_size(num_reqs) if self.graphs is not None and num_tokens == num_reqs else None
+        if graph_bs is not None:
+            self.graphs.load_inputs(
+                graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table
+            )
+            return self.graphs.replay(graph_bs, num_tokens)
         layout = BatchLayout(
-            cu, seq_lens, b.block_table[rows], torch.from_numpy(slots).to(self.device), self.block_size, self.device
+            flat.query_start_loc,
+            flat.seq_lens,
+            flat.block_table,
+            self._to_device(flat.slots),
+            self.block_size,
+            self.device,
         )
-        return (
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            layout,
-            rows,
-            sample_mask,
-        )
+        meta = self.backend.build_metadata(layout)
+        with forward_context(meta):
+            return self.model(self._to_device(flat.input_ids), self._to_device(flat.positions))
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_batch(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput({})
-        input_ids, positions, layout, rows, sample_mask = self._prepare_inputs(so)
-        meta = self.backend.build_metadata(layout)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+        flat = self._prepare_inputs(so)
         req_ids = list(so.num_scheduled_tokens)
-        prompt_lps = self._prompt_logprobs(hidden, layout, rows, req_ids)
-        sample_idx = np.nonzero(sample_mask)[0]
+        sample_idx = np.nonzero(flat.sample_mask)[0]
+        sample_rows = flat.rows[sample_idx]
+        sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
+        if len(sample_idx):  # every host-to-device copy of the step before the forward is launched
+            logits_rows = self._to_device(flat.query_start_loc[1:][sample_idx] - 1)  # [num_sampled]
+            sampling = sampling_metadata(self.batch, sample_rows, sample_req_ids, self.device)
+        hidden = self._run_model(flat)  # [num_tokens, hidden]
+        prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
-        logits_rows = torch.from_numpy(layout.query_start_loc[1:][sample_idx] - 1).to(self.device)
         raw_logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
-        sample_rows = rows[sample_idx]
-        sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
         logits = adjust_logits(
             self.batch, sample_rows, raw_logits.clone() if any(k is not None for k in num_top) else raw_logits
         )
-        sampled_t = self.sampler(logits, sampling_metadata(self.batch, sample_rows, sample_req_ids, self.device))
+        sampled_t = self.sampler(logits, sampling)
         logprobs = sampled_logprobs(raw_logits, sampled_t, num_top)
-        sampled = sampled_t.tolist()
+        sampled = sampled_t.tolist()  # the step's one copy of the sampled ids to the host
         out, out_logprobs = {}, {}
         for j, (req_id, token) in enumerate(zip(sample_req_ids, sampled)):
             self.batch.append_token(int(sample_rows[j]), token)

@@ -1,0 +1,130 @@
+"""CUDA graphs for pure-decode steps: one graph per captured batch size, replayed over static input buffers.
+
+A decode step of n requests is padded to the next captured size: padded rows get token 0 at position 0, cache
+slot -1 (the KV-write kernel skips it) and sequence length 0 (the attention kernel reads no key for them), and
+their outputs are ignored. The attention metadata is built once per captured size over the static buffers, with the
+split-K count fixed for that size, so the capture and every replay launch the same kernels. All graphs share one
+memory pool and are captured largest first, so the smaller ones reuse its blocks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from pagedllm.forward_context import forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int, user_sizes: list[int] | None) -> list[int]:
+    """Batch sizes to capture: the user's (compilation_config.cudagraph_capture_sizes) or vLLM-like
+    1, 2, 4, then steps of 8 up to 64 and steps of 16 above, up to max_num_seqs (which is always included)."""
+    if user_sizes is not None:
+        return sorted({s for s in user_sizes if s <= max_num_seqs})
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+class CudaGraphRunner:
+    """Static buffers, per-size attention metadata and graphs of the model's forward for decode batches."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend,
+        sizes: list[int],
+        max_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.backend, self.sizes = model, backend, sorted(sizes)
+        self.max_size, self.max_blocks, self.device = self.sizes[-1], max_blocks, device
+        n = self.max_size
+        # int64 rows: input ids, positions, cache slots; pinned host staging and its device twin
+        self.host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=True)  # [3, max_size]
+        self.dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)  # [3, max_size]
+        # int32: seq_lens [max_size], then the block table [max_size, max_blocks] flattened
+        self.host_i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.dev_i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [max_size + 1], never changes
+        self.copy_done = torch.cuda.Event()
+        self.metas = {bs: self._metadata(bs, block_size, max_model_len, num_kv_heads) for bs in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # captured size -> static hidden output [bs, hidden]
+        self.pool = None
+        self.num_replays = 0
+        self.capture_seconds = 0.0
+
+    def _metadata(self, bs: int, block_size: int, max_model_len: int, num_kv_heads: int):
+        n = self.max_size
+        num_splits = self.backend.choose_num_splits(
+            bs * num_kv_heads, max_model_len, 1, self.backend.num_sms(self.device)
+        )
+        return self.backend.TritonAttentionMetadata(
+            slot_mapping=self.dev_i64[2, :bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.dev_i32[:bs],
+            block_table=self.dev_i32[n : n + bs * self.max_blocks].view(bs, self.max_blocks),
+            block_size=block_size,
+            num_reqs=bs,
+            max_query_len=1,
+            max_seq_len=max_model_len,
+            num_splits=num_splits,
+        )
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The smallest captured size that holds num_reqs decodes (None: run eagerly)."""
+        if num_reqs > self.max_size or not self.graphs:
+            return None
+        return next(s for s in self.sizes if s >= num_reqs)
+
+    def forward_eager(self, bs: int) -> torch.Tensor:
+        """The model over the static buffers of size bs, without a graph (warm-up, profiling, tests)."""
+        with forward_context(self.metas[bs]):
+            return self.model(self.dev_i64[0, :bs], self.dev_i64[1, :bs])  # [bs, hidden]
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Captures every size, largest first, into one pool; returns the seconds it took."""
+        start = time.perf_counter()
+        self.dev_i64[2].fill_(-1)  # warm-up and capture write no KV
+        self.dev_i32[: self.max_size].zero_()
+        self.pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            self.forward_eager(bs)  # compiles the Triton variants and sets up cuBLAS outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[bs] = self.forward_eager(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        seconds = self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.2f s", len(self.sizes), self.sizes, seconds)
+        return seconds
+
+    def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table) -> None:
+        """Host arrays of n <= bs decodes into the static buffers, rows n..bs as padding; one copy per dtype."""
+        n = len(input_ids)
+        self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
+        h64 = self.host_i64.numpy()
+        h64[0, :n], h64[1, :n], h64[2, :n] = input_ids, positions, slots
+        h64[:2, n:bs], h64[2, n:bs] = 0, -1  # padding: token 0 at position 0, no KV write
+        h32 = self.host_i32.numpy()
+        h32[:n], h32[n:bs] = seq_lens, 0
+        table = h32[self.max_size : self.max_size + bs * self.max_blocks].reshape(bs, self.max_blocks)
+        width = min(block_table.shape[1], self.max_blocks)
+        table[:n, :width] = block_table[:, :width]
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        end = self.max_size + bs * self.max_blocks
+        self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
+        self.copy_done.record()
+
+    def replay(self, bs: int, num_tokens: int) -> torch.Tensor:
+        """Runs the graph of size bs over the loaded inputs; the first num_tokens rows of its output [bs, hidden]."""
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.outputs[bs][:num_tokens]

@@ -1,0 +1,141 @@
+"""KV-cache sizing on a GPU by profiling: one dummy forward at max_num_batched_tokens plus a sampler pass at
+max_num_seqs rows gives the peak activation memory; the cache gets what gpu_memory_utilization leaves after the
+weights, that peak, the memory outside torch's allocator (CUDA context, libraries) and the CUDA-graph pool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from pagedllm.attention.common import BatchLayout, kv_cache_shape
+from pagedllm.forward_context import forward_context
+from pagedllm.sample.sampler import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+_GiB = float(1 << 30)
+GRAPH_OVERHEAD_BYTES = 4 << 20  # per captured graph: the driver's own memory for the instantiated graph
+
+
+@contextmanager
+def _temporary_kv_cache(runner, num_blocks: int) -> Iterator[None]:
+    """One small cache shared by every attention layer while profiling (the real one is not allocated yet)."""
+    m = runner.config.model
+    shape = kv_cache_shape(num_blocks, runner.block_size, m.num_kv_heads, m.head_dim)
+    cache = torch.zeros(shape, dtype=m.dtype, device=runner.device)  # [2, num_blocks, block_size, kv_heads, dim]
+    for layer in runner.attn_layers:
+        layer.kv_cache, layer.backend = cache, runner.backend
+    try:
+        yield
+    finally:
+        for layer in runner.attn_layers:
+            layer.kv_cache = None
+
+
+def _dummy_prefill(runner, lens: np.ndarray, num_blocks: int) -> torch.Tensor:
+    """A forward over len(lens) prompts of the given lengths, all in the same blocks; hidden [num_tokens, hidden]."""
+    bs, dev = runner.block_size, runner.device
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    positions = np.concatenate([np.arange(n) for n in lens])  # [num_tokens]
+    table = np.tile(np.arange(num_blocks, dtype=np.int64), (len(lens), 1))  # [num_reqs, num_blocks]
+    slots = torch.from_numpy(table[0][positions // bs] * bs + positions % bs).to(dev)  # [num_tokens]
+    layout = BatchLayout(cu, lens.astype(np.int64), table, slots, bs, dev)
+    with forward_context(runner.backend.build_metadata(layout)):
+        ids = torch.zeros(len(positions), dtype=torch.int64, device=dev)  # [num_tokens]
+        return runner.model(ids, torch.from_numpy(positions).to(dev))
+
+
+def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
+    """LM head, logprobs and the sampler's most memory-hungry path (top-k + top-p over a sorted vocabulary)."""
+    dev = runner.device
+    rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
+    logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32
+    torch.log_softmax(logits, dim=-1)
+    flat = torch.randn_like(logits)  # no token stands out: top-p needs the whole sorted vocabulary
+    vocab = logits.shape[1]
+    meta = SamplingMetadata(
+        temperature=torch.ones(num_rows, device=dev),
+        all_greedy=False,
+        top_k=torch.full((num_rows,), max(1, vocab - 1), dtype=torch.int64, device=dev),
+        top_p=torch.full((num_rows,), 0.99, device=dev),
+        min_p=torch.full((num_rows,), 1e-6, device=dev),
+        generators={},
+    )
+    runner.sampler(flat, meta)
+
+
+def _peak_of(fn) -> int:
+    """Peak bytes that fn allocates on top of what is allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner) -> tuple[int, int]:
+    """(peak bytes of a forward at max_num_batched_tokens + sampling at max_num_seqs rows,
+    peak bytes of an eager decode forward at the largest CUDA-graph size, 0 without graphs)."""
+    sched = runner.config.scheduler
+    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * runner.max_model_len)
+    num_reqs = min(sched.max_num_seqs, num_tokens)
+    lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)  # [num_reqs]
+    lens[: num_tokens % num_reqs] += 1
+    num_blocks = -(-int(lens.max()) // runner.block_size)
+    with _temporary_kv_cache(runner, num_blocks):
+        peak = _peak_of(lambda: _dummy_sample(runner, _dummy_prefill(runner, lens, num_blocks), sched.max_num_seqs))
+        graph_peak = 0
+        if runner.graphs is not None:
+            g = runner.graphs
+            g.dev_i64[2].fill_(-1)  # no KV write; sequence lengths 0 read no key
+            g.dev_i32[: g.max_size].zero_()
+            graph_peak = _peak_of(lambda: g.forward_eager(g.max_size))
+    torch.cuda.empty_cache()
+    return peak, graph_peak
+
+
+def available_kv_cache_bytes(runner) -> int:
+    """gpu_memory_utilization * total - weights - peak activations - memory outside torch - CUDA-graph reserve;
+    a ValueError naming the numbers when that does not hold one sequence of max_model_len tokens."""
+    dev = runner.device
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(dev)  # weights, rotary tables, the runner's static buffers
+    peak, graph_peak = profile_peak_memory(runner)
+    free, total = torch.cuda.mem_get_info(dev)
+    outside = total - free - torch.cuda.memory_reserved(dev)  # CUDA context, library handles, other processes
+    graphs = runner.graphs
+    graph_reserve = graph_peak + len(graphs.sizes) * GRAPH_OVERHEAD_BYTES if graphs is not None else 0
+    util = runner.config.cache.gpu_memory_utilization
+    budget = int(util * total)
+    kv_bytes = budget - weights - peak - outside - graph_reserve
+    per_block = runner.kv_bytes_per_block()
+    needed = -(-runner.max_model_len // runner.block_size) * per_block
+    figures = (
+        f"gpu_memory_utilization={util} x {total / _GiB:.2f} GiB = {budget / _GiB:.2f} GiB; weights "
+        f"{weights / _GiB:.2f} GiB, peak activations {peak / _GiB:.2f} GiB (max_num_batched_tokens="
+        f"{runner.config.scheduler.max_num_batched_tokens}, max_num_seqs={runner.config.scheduler.max_num_seqs}), "
+        f"outside torch {outside / _GiB:.2f} GiB, CUDA graphs {graph_reserve / _GiB:.2f} GiB"
+    )
+    if kv_bytes < needed:
+        raise ValueError(
+            f"the model does not fit: {figures} leave {kv_bytes / _GiB:.2f} GiB for the KV cache, and one sequence "
+            f"of max_model_len={runner.max_model_len} tokens needs {needed / _GiB:.3f} GiB. Raise "
+            "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or max_num_seqs"
+        )
+    logger.info("KV cache memory %.2f GiB: %s", kv_bytes / _GiB, figures)
+    runner.memory_profile = {
+        "total_bytes": total,
+        "weights_bytes": weights,
+        "peak_activation_bytes": peak,
+        "outside_torch_bytes": outside,
+        "graph_reserve_bytes": graph_reserve,
+        "kv_cache_bytes": kv_bytes,
+    }
+    return kv_bytes

@@ -1,0 +1,173 @@
+"""GPU model runner: greedy tokens of tiny random models against HF transformers on the GPU (float32) and against
+the CPU path, with CUDA graphs on and off; bfloat16 logprobs against HF in bfloat16; a padded graph replay against
+the eager forward; KV-cache sizing by profiling. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import gc
+import zlib
+
+import pytest
+import torch
+import transformers
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+)
+CASES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(BASE)),
+    "mistral-sliding": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(BASE, sliding_window=8, head_dim=32),
+    ),
+    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(BASE, head_dim=24)),
+}
+PROMPT_LENS = (1, 5, 17, 30, 9, 2)  # six decodes per step: padded to the captured size 8
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny(request, tmp_path_factory):
+    config_cls, model_cls, kwargs = CASES[request.param]
+    torch.manual_seed(zlib.crc32(request.param.encode()))
+    hf = model_cls(config_cls(**kwargs)).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():  # random biases and norm weights so that every parameter matters
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return request.param, hf, str(path)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 320, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    opts = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4, max_num_seqs=16)
+    return LLM(path, **{**opts, **kwargs})
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], **params) -> list:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **params)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def _hf_greedy(hf, prompts: list[list[int]], device: str) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([p], device=device)
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(ref[0, len(p) :].tolist())
+    return out
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.core.executor.runner
+
+
+def test_greedy_equal_hf_gpu_and_cpu(tiny):
+    name, hf, path = tiny
+    prompts = _prompts()
+    ref = _hf_greedy(hf.to("cuda", torch.float32), prompts, "cuda")
+    hf.to("cpu")
+    cpu = [o.outputs[0].token_ids for o in _greedy(_llm(path, dtype="float32", device="cpu"), prompts)]
+    for eager in (False, True):
+        llm = _llm(path, dtype="float32", enforce_eager=eager)
+        outs = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
+        graphs = _runner(llm).graphs
+        if eager:
+            assert graphs is None
+        else:
+            assert graphs.sizes == [1, 2, 4, 8, 16] and graphs.num_replays >= MAX_TOKENS - 1
+        assert outs == ref, f"{name} eager={eager}: GPU tokens differ from HF on the GPU"
+        assert outs == cpu, f"{name} eager={eager}: GPU tokens differ from the CPU path"
+        del llm
+        gc.collect()
+
+
+def test_bf16_logprobs_close_to_hf(tiny):
+    name, hf, path = tiny
+    prompts = _prompts()
+    llm = _llm(path, dtype="bfloat16")
+    outs = _greedy(llm, prompts, logprobs=0)
+    hf_bf16 = hf.to("cuda", torch.bfloat16)
+    diffs = []
+    for p, o in zip(prompts, outs):
+        ids = o.outputs[0].token_ids
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids)])
+        with torch.no_grad():
+            logits = hf_bf16(torch.tensor([p + ids[:-1]], device="cuda")).logits[0, len(p) - 1 :].float()
+        theirs = logits.log_softmax(-1).gather(1, torch.tensor(ids, device="cuda")[:, None]).squeeze(1).cpu()
+        diffs.append((ours - theirs).abs())
+    hf.to("cpu", torch.float32)
+    diff = torch.cat(diffs)
+    assert diff.max() < 0.15 and diff.mean() < 0.03, f"{name}: max {diff.max():.4f}, mean {diff.mean():.4f}"
+
+
+def test_padded_graph_replay_equals_eager(tiny):
+    """Five decodes padded to the captured size 8: the replayed rows equal an eager forward of the same buffers."""
+    name, hf, path = tiny
+    llm = _llm(path, dtype="float32")
+    runner = _runner(llm)
+    g = runner.graphs
+    torch.manual_seed(0)
+    for layer in runner.attn_layers:
+        layer.kv_cache.normal_()  # every slot the kernels may read holds a finite value
+    ids, pos = torch.randint(0, 320, (5,)).numpy(), torch.tensor([3, 9, 1, 20, 7]).numpy()
+    table = (torch.arange(5 * g.max_blocks).view(5, g.max_blocks) % 64).numpy()  # [5, max_blocks]
+    slots = torch.full((5,), -1).numpy()  # no KV write: both runs read the same cache
+    g.load_inputs(8, ids, pos, slots, pos + 1, table)
+    with torch.inference_mode():
+        replayed = g.replay(8, 5).clone()
+        eager = g.forward_eager(8)[:5]
+        g.load_inputs(8, ids, pos, slots, pos + 2, table)  # one more key each: the replay reads the new lengths
+        longer = g.replay(8, 5).clone()
+    assert torch.isfinite(replayed).all()
+    torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(longer, replayed)
+
+
+def test_kv_cache_sized_by_profiling(tiny):
+    name, hf, path = tiny
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.05, max_model_len=256)
+    prof = _runner(llm).memory_profile
+    assert prof is not None and prof["peak_activation_bytes"] > 0
+    budget = int(0.05 * prof["total_bytes"])
+    rest = prof["weights_bytes"] + prof["peak_activation_bytes"] + prof["outside_torch_bytes"]
+    assert prof["kv_cache_bytes"] == budget - rest - prof["graph_reserve_bytes"]
+    per_block = _runner(llm).kv_bytes_per_block()
+    assert llm.llm_engine.core.config.cache.num_blocks == prof["kv_cache_bytes"] // per_block
+    assert _greedy(llm, _prompts()[:2])[0].outputs[0].token_ids  # runs
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= budget + (64 << 20), "the engine uses more than gpu_memory_utilization of the GPU"
+    del llm
+    gc.collect()
+    with pytest.raises(ValueError, match="does not fit.*gpu_memory_utilization"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.0001)
+    overridden = LLM(path, skip_tokenizer_init=True, num_gpu_blocks_override=7, gpu_memory_utilization=0.0001)
+    assert overridden.llm_engine.core.config.cache.num_blocks == 7
+    assert _runner(overridden).memory_profile is None
+
+
+def test_bf16_default_on_gpu(tiny):
+    name, hf, path = tiny  # the saved config says float32: vLLM runs those in bfloat16 on a GPU
+    llm = _llm(path)
+    assert llm.llm_engine.core.config.model.dtype == torch.bfloat16
