@@ -41,7 +41,10 @@ def _chat_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
     )
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
     run_chat(llm, params, system=args.system, chat_template=args.chat_template)
     return 0
 

@@ -32,6 +32,7 @@ MULTIMODAL_PART_TYPES = (
     "file",
 )
 CONTENT_FORMATS = ("auto", "string", "openai")
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # chat() sets these itself; a template variable of the same name in chat_template_kwargs would be ambiguous
 _RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize")
 
@@ -134,14 +135,15 @@ def normalize_message(message: Any, index: int, content_format: str) -> dict:
     out: dict[str, Any] = {"role": role, "content": _content(message, where, content_format)}
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = _tool_calls(message["tool_calls"], where)
-    if role == "assistant" and message.get("reasoning") is not None:
-        out["reasoning"] = out["reasoning_content"] = message["reasoning"]
+    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+    if role == "assistant" and reasoning is not None:  # under every name templates read it (as transformers)
+        out.update({k: reasoning for k in _REASONING_KEYS})
     if role == "tool" and message.get("tool_call_id") is not None:
         out["tool_call_id"] = message["tool_call_id"]
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
-    if role == "developer":
-        out["tools"] = message.get("tools")
+    if role == "developer" and message.get("tools") is not None:
+        out["tools"] = message["tools"]
     return _plain(out)
 
 

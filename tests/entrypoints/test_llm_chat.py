@@ -214,3 +214,21 @@ def test_continue_final_message_greedy_equals_hf(llm, hf_tok, hf_model):
     )
     ids = _hf_ids(hf_tok, conversation, **options)
     assert out[0].outputs[0].token_ids == _hf_greedy(hf_model, ids, 16, None)
+
+
+def test_reasoning_and_developer_messages(llm, hf_tok):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+        "</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    ours = [
+        {"role": "developer", "content": "Answer with digits."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning": "two and two make four"},
+        {"role": "user", "content": "3+3?"},
+    ]
+    theirs = [dict(m) for m in ours]
+    theirs[2] = {"role": "assistant", "content": "4", "reasoning_content": "two and two make four"}
+    text, _ = _check_prompt(llm, hf_tok, ours, theirs, {"chat_template": template}, {"chat_template": template})
+    assert "<think>two and two make four</think>4" in text
