@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.pooling.config import PoolerConfig  # noqa: F401 (importable from here as from vllm.config)
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the pooling outputs, importable from here as from vllm.outputs
+from pagedllm.pooling.outputs import (  # noqa: F401
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+
 
 @dataclass
 class Logprob:
