@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, b
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = ("/health", "/metrics")  # reachable without the API key (load balancers, Prometheus)
+_DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the cap before the 400
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -67,17 +68,20 @@ class GuardMiddleware:
             return await _send_json(send, 401, body)
         if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             return await self.app(scope, receive, send)
-        too_big = error_body(f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)")
         body = bytearray()
-        more = True
-        while more:
+        size, more = 0, True
+        while more and size <= _DRAIN_FACTOR * self.max_body_bytes:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                return await _send_json(send, 400, too_big)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= self.max_body_bytes:
+                body += chunk
             more = message.get("more_body", False)
+        if size > self.max_body_bytes:  # read on (a while) and drop, so the client gets the answer, not a reset
+            too_big = error_body(f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)")
+            return await _send_json(send, 400, too_big)
         replayed = False
 
         async def replay():
