@@ -3,6 +3,8 @@ BertModel / BertForSequenceClassification against HF transformers."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -194,3 +196,47 @@ def test_cross_encoder_score_matches_hf(tiny_cross_encoder):
     one_to_many = llm.score(a[0], b, use_tqdm=False)
     ref_1n = torch.sigmoid(_hf_logits(hf, llm.get_tokenizer(), [a[0]] * 3, b)[:, 0])
     torch.testing.assert_close(torch.tensor([o.outputs.score for o in one_to_many]), ref_1n, atol=1e-5, rtol=1e-4)
+
+
+# -- sentence-transformers folders: pooling mode and Normalize read from modules.json ------------------------------
+ST_MODES = {"MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token", "LAST": "pooling_mode_lasttoken"}
+ST_MODES["MAX"] = "pooling_mode_max_tokens"
+
+
+@pytest.mark.parametrize("mode, normalize", [("MEAN", False), ("CLS", True), ("LAST", False), ("MAX", True)])
+def test_sentence_transformers_folder_matches_sentence_transformers(tiny_encoder, tmp_path, mode, normalize):
+    st = pytest.importorskip("sentence_transformers")
+    source, _ = tiny_encoder
+    folder = tmp_path / "st"
+    transformers.BertModel.from_pretrained(source).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": False}))
+    (folder / "1_Pooling").mkdir()
+    pooling = {key: key == ST_MODES[mode] for key in ST_MODES.values()}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 48, **pooling}))
+    texts = [a for a, _ in PAIRS] + [b for _, b in PAIRS]
+    ref = st.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.llm_engine.config.model.max_model_len == 40
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    torch.testing.assert_close(ours, ref.cpu(), atol=1e-5, rtol=1e-4)
+
+
+def test_unsupported_sentence_transformers_modules_are_refused(tiny_encoder, tmp_path):
+    source, _ = tiny_encoder
+    folder = tmp_path / "dense"
+    transformers.BertModel.from_pretrained(source).save_pretrained(folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "sentence_transformers.models.Dense"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=r"sentence-transformers modules \['Dense'\] are not supported"):
+        LLM(str(folder), skip_tokenizer_init=True)
