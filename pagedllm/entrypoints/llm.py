@@ -70,6 +70,7 @@ class LLM(PoolingAPI):
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (temperature, top_p, ...) applied."""
+        self._require_generate("get_default_sampling_params")
         return SamplingParams(**self.llm_engine.default_sampling_fields)
 
     def beam_search(self, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
