@@ -276,21 +276,24 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     common = {"copy_gb_s": rounded(bw / 1e9, 1)}
     records: dict[str, dict] = {}
+
+    def record(workload: str, figures: dict) -> None:  # emitted at once: a later failure keeps earlier lines
+        records[workload] = figures
+        figures = {**figures, **common, "enforce_eager": args.enforce_eager}
+        emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
+
     if "cold-start" in args.workloads:
-        records["cold-start"] = cold_start()
+        record("cold-start", cold_start())
     prompts, max_tokens = nano_workload(args.num_seqs)
     if "nanovllm-bench" in args.workloads:
-        records["nanovllm-bench"] = run_nano(args, bw, prompts, max_tokens)
+        record("nanovllm-bench", run_nano(args, bw, prompts, max_tokens))
     if "nanovllm-bench-vs-hf" in args.workloads:
         ours = records.get("nanovllm-bench", {}).get("output_tok_s")
-        records["nanovllm-bench-vs-hf"] = run_nano_hf(args, ours, prompts, max_tokens)
+        record("nanovllm-bench-vs-hf", run_nano_hf(args, ours, prompts, max_tokens))
     llama = [w for w in args.workloads if w.endswith("llama-3.1-8b")]
     if llama:
-        records.update(run_llama(args, bw, llama))
-    for workload in WORKLOADS:
-        if workload in records:
-            figures = {**records[workload], **common, "enforce_eager": args.enforce_eager}
-            emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
+        for workload, figures in run_llama(args, bw, llama).items():
+            record(workload, figures)
     return 0
 
 
