@@ -2,12 +2,12 @@
 
 Workload sampler-256x49152: fresh random float32 logits [--batch, --vocab] each step (made before timing). With a
 fixed --seed each request draws greedy or temperature in [0.5, 1.5], top_k in {0, 20, 50}, top_p in {1.0, 0.9,
-0.95}, min_p in {0, 0.05}; a quarter each get a seeded torch.Generator, repetition/presence/frequency penalties
+0.95}, min_p in {0, 0.05}; a quarter each get a seed, repetition/presence/frequency penalties
 (200 prompt + 100 output tokens), logprobs=5. Timed per step, interleaved on the same logits:
   greedy        logits.argmax(-1) alone
   filters_only  SamplingMetadata + the Sampler call
-  full          all the model runner does after the LM head: clone for logprobs, apply_token_constraints (no-op
-                inputs), token_counts + apply_penalties on the penalized rows, SamplingMetadata, Sampler,
+  full          all the model runner does after the LM head: copy of the logprobs rows, apply_token_constraints (no-op
+                inputs), apply_penalties on the penalized rows, SamplingMetadata, Sampler,
                 sampled_logprobs
 Medians after --warmup go out as one JSON line (appended to benchmarks/results.jsonl unless --no-append) with
 ratio = full / greedy (the issue's target: <= 3).   e.g. python benchmarks/sampler_bench.py --steps 5 --no-append
@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints, token_counts
+from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
-from pagedllm.worker.sample_inputs import sampled_logprobs
+from pagedllm.worker.sample_inputs import logprob_rows, sampled_logprobs
 
 try:
     from benchmarks.common import emit, git_commit, machine_description, make_record, rounded, usable_cores
@@ -59,10 +59,13 @@ def build_batch(n: int, vocab: int, seed: int) -> dict:
         "top_k": rng.choice([0, 20, 50], n).astype(np.int64),
         "top_p": rng.choice([1.0, 0.9, 0.95], n).astype(np.float32),
         "min_p": rng.choice([0.0, 0.05], n).astype(np.float32),
-        "generators": {int(i): torch.Generator().manual_seed(int(rng.integers(2**31))) for i in np.nonzero(seeded)[0]},
+        "seeded": seeded,
+        "seeds": rng.integers(2**31, size=n).astype(np.int64),
+        "positions": rng.integers(100, size=n).astype(np.int64),
         "pen_rows": torch.from_numpy(pen),
-        "prompts": [rng.integers(vocab, size=200).tolist() for _ in pen],
-        "outputs": [rng.integers(vocab, size=100).tolist() for _ in pen],
+        "token_ids": rng.integers(vocab, size=(len(pen), 300)).astype(np.int64),  # as the batch holds them
+        "num_prompt": np.full(len(pen), 200),
+        "num_tokens": np.full(len(pen), 300),
         "repetition": floats(1.05, 1.3),
         "presence": floats(0.0, 0.5),
         "frequency": floats(0.0, 0.5),
@@ -72,29 +75,23 @@ def build_batch(n: int, vocab: int, seed: int) -> dict:
 
 def metadata(b: dict) -> SamplingMetadata:
     """As sample_inputs.sampling_metadata builds it each step, from the persistent batch's numpy arrays."""
-    temp, top_k, top_p, min_p = b["temperature"], b["top_k"], b["top_p"], b["min_p"]
-    return SamplingMetadata(
-        temperature=torch.from_numpy(temp),
-        all_greedy=bool((temp < 1e-5).all()),
-        top_k=torch.from_numpy(top_k) if (top_k > 0).any() else None,
-        top_p=torch.from_numpy(top_p) if (top_p < 1.0).any() else None,
-        min_p=torch.from_numpy(min_p) if (min_p > 0).any() else None,
-        generators=b["generators"],
+    return SamplingMetadata.build(
+        b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["seeded"], b["positions"]
     )
 
 
 def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
-    """The model runner's path after compute_logits (adjust_logits inlined, on prebuilt token lists)."""
-    logits = raw.clone() if any(k is not None for k in b["num_top"]) else raw
-    logits = apply_token_constraints(logits, {}, {}, {})
-    index, vocab = b["pen_rows"], logits.shape[1]
+    """The model runner's path after compute_logits (adjust_logits inlined, on the batch's token arrays)."""
+    lp_rows = logprob_rows(raw, b["num_top"])  # before the logits change in place
+    logits = apply_token_constraints(raw, {}, {}, {})
+    index = b["pen_rows"]
     if len(index):
-        prompt_counts, output_counts = (token_counts(b[k], vocab, logits.device) for k in ("prompts", "outputs"))
-        logits[index] = apply_penalties(
-            logits[index], prompt_counts, output_counts, b["repetition"], b["presence"], b["frequency"]
-        )
+        apply_penalties(
+            logits, index, b["token_ids"], b["num_prompt"], b["num_tokens"], b["repetition"], b["presence"],
+            b["frequency"],
+        )  # fmt: skip
     sampled = sampler(logits, metadata(b))
-    sampled_logprobs(raw, sampled, b["num_top"])
+    sampled_logprobs(lp_rows, sampled, b["num_top"])
     return sampled
 
 

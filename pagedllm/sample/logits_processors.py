@@ -1,38 +1,44 @@
 """Per-request logit adjustments applied before sampling: allowed tokens, logit bias, banned tokens, and the
-repetition / presence / frequency penalties. Each is one vectorized pass over the rows that use it."""
+repetition / presence / frequency penalties, each vectorized over the rows that use it."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float32: how often each token occurs in each row's list."""
-    longest = max((len(t) for t in token_lists), default=0)
-    index = torch.full((len(token_lists), max(longest, 1)), vocab_size, dtype=torch.int64)  # pad: an extra column
-    for i, tokens in enumerate(token_lists):
-        index[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
-    counts.scatter_add_(1, index.to(device), torch.ones(index.shape, device=device))
-    return counts[:, :vocab_size]
-
-
 def apply_penalties(
-    logits: torch.Tensor,  # [rows, vocab]
-    prompt_counts: torch.Tensor,  # [rows, vocab]
-    output_counts: torch.Tensor,  # [rows, vocab]
-    repetition: torch.Tensor,  # [rows]
-    presence: torch.Tensor,  # [rows]
-    frequency: torch.Tensor,  # [rows]
+    logits: torch.Tensor,  # [batch, vocab], changed in place
+    rows: torch.Tensor,  # [n] the batch rows the next arguments describe
+    token_ids: np.ndarray,  # [n, max_len] int64: each row's prompt then output tokens
+    num_prompt: np.ndarray,  # [n]
+    num_tokens: np.ndarray,  # [n]
+    repetition: torch.Tensor,  # [n]
+    presence: torch.Tensor,  # [n]
+    frequency: torch.Tensor,  # [n]
 ) -> torch.Tensor:
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
-    output), then the OpenAI presence and frequency penalties over the output tokens."""
-    seen = (prompt_counts + output_counts) > 0
-    rep = repetition[:, None].expand_as(logits)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - frequency[:, None] * output_counts
-    return logits - presence[:, None] * (output_counts > 0).to(logits.dtype)
+    output), then the OpenAI presence and frequency penalties over the output tokens.
+
+    Only the tokens that occur are touched: one sorted pass over the (row, token) pairs, none over the vocabulary."""
+    n, max_len = token_ids.shape
+    vocab = logits.shape[1]
+    position = np.arange(max_len)[None, :]
+    present = position < num_tokens[:, None]  # [n, max_len]
+    row_of = np.broadcast_to(np.arange(n)[:, None], token_ids.shape)[present]
+    keys = torch.from_numpy(row_of * vocab + token_ids[present]).to(logits.device)  # one per (row, token) pair
+    is_output = torch.from_numpy((position >= num_prompt[:, None])[present]).to(logits.device)
+    seen, inverse = torch.unique(keys, return_inverse=True)  # the distinct (row, token) pairs
+    count = torch.zeros(len(seen), dtype=logits.dtype, device=logits.device)
+    count.index_add_(0, inverse, is_output.to(logits.dtype))  # occurrences among the outputs
+    local, token = seen // vocab, seen % vocab
+    row = rows.to(logits.device)[local]
+    values = logits[row, token]
+    rep = repetition[local]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values = values - frequency[local] * count - presence[local] * (count > 0).to(values.dtype)
+    logits[row, token] = values
+    return logits
 
 
 def apply_token_constraints(

@@ -58,13 +58,12 @@ def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
     torch.log_softmax(logits, dim=-1)
     flat = torch.randn_like(logits)  # no token stands out: top-p needs the whole sorted vocabulary
     vocab = logits.shape[1]
-    meta = SamplingMetadata(
-        temperature=torch.ones(num_rows, device=dev),
-        all_greedy=False,
-        top_k=torch.full((num_rows,), max(1, vocab - 1), dtype=torch.int64, device=dev),
-        top_p=torch.full((num_rows,), 0.99, device=dev),
-        min_p=torch.full((num_rows,), 1e-6, device=dev),
-        generators={},
+    meta = SamplingMetadata.build(
+        np.ones(num_rows, dtype=np.float32),
+        np.full(num_rows, max(1, vocab - 1), dtype=np.int64),
+        np.full(num_rows, 0.99, dtype=np.float32),
+        np.full(num_rows, 1e-6, dtype=np.float32),
+        device=dev,
     )
     runner.sampler(flat, meta)
 

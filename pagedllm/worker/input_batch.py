@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.scheduler_output import NewRequestData
@@ -23,12 +22,13 @@ class InputBatch:
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_tokens_stop_ids: dict[int, list[int]] = {}  # row -> EOS and stop ids banned before min_tokens
-        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.seed = np.zeros(max_num_reqs, dtype=np.int64)  # the request's seed as a signed 64-bit value
+        self.has_seed = np.zeros(max_num_reqs, dtype=bool)
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, new: NewRequestData, device: torch.device) -> None:
+    def add(self, new: NewRequestData) -> None:
         req_id, params = new.req_id, new.sampling_params
         row = self.free_rows.pop()
         self.row_of[req_id] = row
@@ -46,16 +46,15 @@ class InputBatch:
         self.num_prompt[row] = new.num_prompt_tokens
         self.min_tokens[row] = params.min_tokens
         self.min_tokens_stop_ids[row] = new.min_tokens_stop_ids
-        if params.seed is not None and req_id not in self.generators:  # a resumed request keeps its stream
-            self.generators[req_id] = torch.Generator(device=device).manual_seed(params.seed)
+        self.has_seed[row] = params.seed is not None
+        if params.seed is not None:  # seeds span [-2**63, 2**64): the same 64 bits as a signed value
+            self.seed[row] = (params.seed + 2**63) % 2**64 - 2**63
 
-    def remove(self, req_id: str, finished: bool) -> None:
-        """Frees the request's row; a finished request also drops its generator (a preempted one comes back)."""
+    def remove(self, req_id: str) -> None:
+        """Frees the request's row."""
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.free_rows.append(row)
-        if finished:
-            self.generators.pop(req_id, None)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]

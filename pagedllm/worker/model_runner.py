@@ -17,7 +17,7 @@ from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sample_inputs import adjust_logits, sampled_logprobs, sampling_metadata
+from pagedllm.worker.sample_inputs import adjust_logits, logprob_rows, sampled_logprobs, sampling_metadata
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -97,13 +97,11 @@ class ModelRunner:
 
     # -- applying the scheduler's delta -------------------------------------------------------------------------
     def _update_batch(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.batch.remove(req_id, finished=True)
-        for req_id in so.preempted_req_ids:
-            self.batch.remove(req_id, finished=False)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.batch.remove(req_id)
         for new in so.new_reqs:
-            self.batch.remove(new.req_id, finished=False)  # a resumed request re-enters with all its blocks
-            self.batch.add(new, self.device)
+            self.batch.remove(new.req_id)  # a resumed request re-enters with all its blocks
+            self.batch.add(new)
         for cached in so.cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
@@ -169,18 +167,17 @@ class ModelRunner:
         sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
         if len(sample_idx):  # every host-to-device copy of the step before the forward is launched
             logits_rows = self._to_device(flat.query_start_loc[1:][sample_idx] - 1)  # [num_sampled]
-            sampling = sampling_metadata(self.batch, sample_rows, sample_req_ids, self.device)
+            sampling = sampling_metadata(self.batch, sample_rows, self.device)
         hidden = self._run_model(flat)  # [num_tokens, hidden]
         prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         raw_logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
-        logits = adjust_logits(
-            self.batch, sample_rows, raw_logits.clone() if any(k is not None for k in num_top) else raw_logits
-        )
+        lp_rows = logprob_rows(raw_logits, num_top)  # before adjust_logits changes raw_logits in place
+        logits = adjust_logits(self.batch, sample_rows, raw_logits)
         sampled_t = self.sampler(logits, sampling)
-        logprobs = sampled_logprobs(raw_logits, sampled_t, num_top)
+        logprobs = sampled_logprobs(lp_rows, sampled_t, num_top)
         sampled = sampled_t.tolist()  # the step's one copy of the sampled ids to the host
         out, out_logprobs = {}, {}
         for j, (req_id, token) in enumerate(zip(sample_req_ids, sampled)):

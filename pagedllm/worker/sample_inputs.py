@@ -8,7 +8,7 @@ import inspect
 import numpy as np
 import torch
 
-from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints, token_counts
+from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
 
@@ -30,21 +30,20 @@ def adjust_logits(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor) -> 
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
     if not penalized:
         return logits
-    vocab = logits.shape[1]
     sel = rows[penalized]
-    prompts = [batch.token_ids[r, : batch.num_prompt[r]].tolist() for r in sel]
-    outputs = [_outputs(batch, int(r)) for r in sel]
     value = lambda name: torch.tensor([getattr(params[i], name) for i in penalized], device=logits.device)  # noqa: E731
     index = torch.tensor(penalized, device=logits.device)
-    logits[index] = apply_penalties(
-        logits[index],
-        token_counts(prompts, vocab, logits.device),
-        token_counts(outputs, vocab, logits.device),
+    width = int(batch.num_tokens[sel].max())
+    return apply_penalties(
+        logits,
+        index,
+        batch.token_ids[sel, :width],
+        batch.num_prompt[sel],
+        batch.num_tokens[sel],
         value("repetition_penalty").float(),
         value("presence_penalty").float(),
         value("frequency_penalty").float(),
     )
-    return logits
 
 
 def _outputs(batch: InputBatch, row: int) -> list[int]:
@@ -63,39 +62,45 @@ def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> to
     return fn(_outputs(batch, row), logits)
 
 
-def sampling_metadata(batch: InputBatch, rows: np.ndarray, req_ids: list[str], device) -> SamplingMetadata:
-    temp = batch.temperature[rows]
-    top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
-
-    def maybe(values: np.ndarray, active: bool) -> torch.Tensor | None:
-        return torch.from_numpy(values).to(device) if active else None
-
-    return SamplingMetadata(
-        temperature=torch.from_numpy(temp).to(device),
-        all_greedy=bool((temp < 1e-5).all()),
-        top_k=maybe(top_k, bool((top_k > 0).any())),
-        top_p=maybe(top_p, bool((top_p < 1.0).any())),
-        min_p=maybe(min_p, bool((min_p > 0).any())),
-        generators={i: batch.generators[r] for i, r in enumerate(req_ids) if r in batch.generators},
+def sampling_metadata(batch: InputBatch, rows: np.ndarray, device) -> SamplingMetadata:
+    return SamplingMetadata.build(
+        batch.temperature[rows],
+        batch.top_k[rows],
+        batch.top_p[rows],
+        batch.min_p[rows],
+        seeds=batch.seed[rows],
+        seeded=batch.has_seed[rows],
+        positions=batch.num_tokens[rows] - batch.num_prompt[rows],
+        device=device,
     )
 
 
+def logprob_rows(raw_logits: torch.Tensor, num_top: list[int | None]) -> torch.Tensor | None:
+    """A copy of the rows that want logprobs, taken before the logits are adjusted in place. [wanted, vocab]"""
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    if not wanted:
+        return None
+    return raw_logits[torch.tensor(wanted, device=raw_logits.device)]
+
+
 def sampled_logprobs(
-    raw_logits: torch.Tensor,  # [rows, vocab] float32, before any adjustment
+    raw_logits: torch.Tensor | None,  # [wanted rows, vocab] float32, before any adjustment
     sampled: torch.Tensor,  # [rows]
     num_top: list[int | None],  # per row: how many top logprobs (None: none wanted)
 ) -> list[tuple[list[int], list[float], list[int]] | None]:
-    """Per row (token ids, logprobs, ranks): the sampled token first, then the row's top-k; None if not wanted."""
+    """Per row (token ids, logprobs, ranks): the sampled token first, then the row's top-k; None if not wanted.
+    raw_logits holds only the rows that want logprobs, in order."""
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if not wanted:
         return [None] * len(num_top)
-    index = torch.tensor(wanted, device=raw_logits.device)
-    lp = torch.log_softmax(raw_logits[index], dim=-1)  # [wanted, vocab]
-    chosen = sampled[index]
-    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
-    ranks = (lp > chosen_lp[:, None]).sum(dim=1) + 1  # 1 = the most likely token
+    lse = raw_logits.logsumexp(dim=-1, keepdim=True)  # [wanted, 1]
+    chosen = sampled[torch.tensor(wanted, device=sampled.device)]
+    chosen_logit = raw_logits.gather(1, chosen[:, None])
+    ranks = (raw_logits > chosen_logit).sum(dim=1) + 1  # 1 = the most likely token
+    chosen_lp = (chosen_logit - lse).squeeze(1)
     k_max = max(num_top[i] for i in wanted)
-    top_lp, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], chosen[:, None][:, :0])
+    top_logits, top_ids = raw_logits.topk(k_max, dim=-1) if k_max else (raw_logits[:, :0], chosen[:, None][:, :0])
+    top_lp = top_logits - lse
     out: list = [None] * len(num_top)
     for j, i in enumerate(wanted):
         k = num_top[i]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints, token_counts
+from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 
 VOCAB = 50
 
@@ -20,14 +21,14 @@ def _case(seed: int):
 
 def _ours(logits, prompts, outputs, rep, pres, freq):
     f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    return apply_penalties(
-        logits.clone(),
-        token_counts(prompts, VOCAB, logits.device),
-        token_counts(outputs, VOCAB, logits.device),
-        f(rep),
-        f(pres),
-        f(freq),
-    )
+    rows = [p + o for p, o in zip(prompts, outputs)]
+    token_ids = np.full((len(rows), max(map(len, rows)) + 2), 7, dtype=np.int64)  # padding past the end: ignored
+    for i, r in enumerate(rows):
+        token_ids[i, : len(r)] = r
+    num_prompt = np.array([len(p) for p in prompts])
+    num_tokens = np.array([len(r) for r in rows])
+    index = torch.arange(len(rows))
+    return apply_penalties(logits.clone(), index, token_ids, num_prompt, num_tokens, f(rep), f(pres), f(freq))
 
 
 def test_repetition_penalty_matches_hf():
@@ -63,3 +64,20 @@ def test_logit_bias_allowed_and_banned_tokens():
     expected[1, [t for t in range(VOCAB) if t not in (3, 7, 9)]] = float("-inf")
     expected[2, [0, 1]] = float("-inf")
     torch.testing.assert_close(out, expected)
+
+
+def test_penalties_reach_only_the_given_batch_rows():
+    logits, prompts, outputs = _case(3)
+    batch = torch.cat([logits, logits]) * 0.5  # [6, vocab]
+    penalized = _ours(logits * 0.5, prompts, outputs, [1.5, 1.2, 0.8], [0.3, 0.0, 1.0], [0.2, 0.5, 0.0])
+    rows = [p + o for p, o in zip(prompts, outputs)]
+    token_ids = np.zeros((3, max(map(len, rows))), dtype=np.int64)
+    for i, r in enumerate(rows):
+        token_ids[i, : len(r)] = r
+    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    out = apply_penalties(
+        batch.clone(), torch.tensor([3, 1, 5]), token_ids, np.array([len(p) for p in prompts]),
+        np.array([len(r) for r in rows]), f([1.5, 1.2, 0.8]), f([0.3, 0.0, 1.0]), f([0.2, 0.5, 0.0]),
+    )  # fmt: skip
+    torch.testing.assert_close(out[[3, 1, 5]], penalized)  # batch rows 3, 1, 5 hold the case's rows 0, 1, 2
+    torch.testing.assert_close(out[[0, 2, 4]], batch[[0, 2, 4]])

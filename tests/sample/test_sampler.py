@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from pagedllm.sample.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+from pagedllm.sample.sampler import (
+    CANDIDATES,
+    Sampler,
+    SamplingMetadata,
+    apply_min_p,
+    apply_top_k_top_p,
+    seeded_uniform,
+)
 
 VOCAB = 1000
 
@@ -15,15 +23,18 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def _meta(temperature, top_k=None, top_p=None, min_p=None, generators=None) -> SamplingMetadata:
-    t = torch.tensor(temperature, dtype=torch.float32)
-    return SamplingMetadata(
-        temperature=t,
-        all_greedy=bool((t < 1e-5).all()),
-        top_k=None if top_k is None else torch.tensor(top_k),
-        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
-        min_p=None if min_p is None else torch.tensor(min_p, dtype=torch.float32),
-        generators=generators or {},
+def _meta(temperature, top_k=None, top_p=None, min_p=None, seeds=None, positions=None) -> SamplingMetadata:
+    """seeds: {row: seed} for the seeded rows; positions: {row: tokens generated so far} (default 0)."""
+    n = len(temperature)
+    seeds, positions = seeds or {}, positions or {}
+    return SamplingMetadata.build(
+        np.array(temperature, dtype=np.float32),
+        np.array(top_k if top_k is not None else [0] * n, dtype=np.int64),
+        np.array(top_p if top_p is not None else [1.0] * n, dtype=np.float32),
+        np.array(min_p if min_p is not None else [0.0] * n, dtype=np.float32),
+        seeds=np.array([seeds.get(i, 0) for i in range(n)], dtype=np.int64),
+        seeded=np.array([i in seeds for i in range(n)]),
+        positions=np.array([positions.get(i, 0) for i in range(n)], dtype=np.int64),
     )
 
 
@@ -112,32 +123,94 @@ def test_seeded_row_is_independent_of_its_batch(position):
     logits = _logits(4, seed=8)
     row = logits[1].clone()
 
-    def draw(batch: torch.Tensor, at: int) -> int:
-        gen = torch.Generator().manual_seed(42)
-        sampler = Sampler(torch.device("cpu"), seed=at + 100)  # a different unseeded stream each time
-        return int(sampler(batch, _meta([1.0] * len(batch), generators={at: gen}))[at])
+    def draw(batch: torch.Tensor, at: int, step: int) -> int:
+        sampler = Sampler(torch.device("cpu"), seed=at + 100 + step)  # a different unseeded stream each time
+        meta = _meta([1.0] * len(batch), top_p=[0.9] * len(batch), seeds={at: 42}, positions={at: step})
+        return int(sampler(batch.clone(), meta)[at])
 
-    alone = draw(row[None, :], 0)
+    alone = [draw(row[None, :], 0, step) for step in range(8)]
     mixed = logits.clone()
     mixed[position] = row
-    assert draw(mixed, position) == alone
+    assert [draw(mixed, position, step) for step in range(8)] == alone
+    assert len(set(alone)) > 1  # the position moves the stream on
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (40, 1.0), (40, 0.8), (1, 0.3)])
-def test_candidate_filter_keeps_the_same_tokens_as_the_full_filter(top_k, top_p):
-    from pagedllm.sample.sampler import _candidate_rows, _filter_candidates
+def test_seeded_uniforms_are_uniform_and_differ_by_seed_and_position():
+    seeds = torch.arange(200).repeat_interleave(500) * 7919 - 10**6  # negative seeds too
+    positions = torch.arange(500).repeat(200)
+    u = seeded_uniform(seeds, positions)
+    assert ((u >= 0) & (u < 1)).all()
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    expected = len(u) / 20
+    assert ((counts - expected).abs() <= 5 * expected**0.5).all(), counts
+    assert len(set(u.tolist())) > 0.99 * len(u)
+    extremes = seeded_uniform(torch.tensor([2**63 - 1, -(2**63), -1, 0]), torch.zeros(4, dtype=torch.int64))
+    assert ((extremes >= 0) & (extremes < 1)).all() and len(set(extremes.tolist())) == 4
 
-    logits = _logits(6, seed=9)
+
+def _hf_kept(logits: torch.Tensor, k: int, p: float, min_p: float = 0.0) -> set[int]:
+    ref = logits[None, :].clone()
+    if min_p:
+        ref = MinPLogitsWarper(min_p)(None, ref)
+    if k:
+        ref = TopKLogitsWarper(k)(None, ref)
+    if p < 1:
+        ref = TopPLogitsWarper(p)(None, ref)
+    return set(torch.nonzero(torch.isfinite(ref[0])).flatten().tolist())
+
+
+def _support(logits, k, p, min_p=0.0, draws=300):
+    """Every token the sampler picks over many draws of the same rows (with min_p, top_k, top_p)."""
+    rows = logits.shape[0]
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    seen = [set() for _ in range(rows)]
+    meta = _meta([1.0] * rows, top_k=[k] * rows, top_p=[p] * rows, min_p=[min_p] * rows)
+    for _ in range(draws):
+        for i, t in enumerate(sampler(logits.clone(), meta).tolist()):
+            seen[i].add(t)
+    return seen
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.5, 0.0), (40, 1.0, 0.0), (40, 0.8, 0.0), (5, 0.3, 0.1)])
+def test_candidate_path_samples_inside_hf_kept_set(top_k, top_p, min_p):
+    logits = _logits(4, seed=9)
     logits[:, :3] += 8  # peaked rows: their nucleus lies among the top candidates
-    k, p = torch.full((6,), top_k), torch.full((6,), top_p)
-    fast, vals, ids, _ = _candidate_rows(logits, k, p)
-    assert fast.all()
-    kept = _filter_candidates(vals, k, p, logits.logsumexp(dim=-1))
-    full = apply_top_k_top_p(logits, k if top_k else None, p if top_p < 1 else None)
-    for i in range(6):
-        assert set(ids[i][torch.isfinite(kept[i])].tolist()) == set(
-            torch.nonzero(torch.isfinite(full[i])).flatten().tolist()
-        )
+    for i, seen in enumerate(_support(logits, top_k, top_p, min_p)):
+        kept = _hf_kept(logits[i], top_k, top_p, min_p)
+        assert seen <= kept
+        if len(kept) <= 5:
+            assert seen == kept  # small sets are seen in full over 300 draws
+
+
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.5, 0.0), (0.95, 0.02)])
+def test_histogram_path_keeps_exactly_hf_top_p_set(top_p, min_p):
+    from pagedllm.sample.sampler import _nucleus_threshold_by_histogram
+
+    x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(10)) * 1.5  # flat: nuclei of thousands
+    p = (x - x.amax(dim=-1, keepdim=True)).exp()
+    p = p.masked_fill(p < min_p, 0.0)
+    threshold = _nucleus_threshold_by_histogram(p, torch.full((3,), top_p))
+    for i in range(3):
+        ours = set(torch.nonzero(p[i] >= threshold[i]).flatten().tolist())
+        kept = _hf_kept(x[i], 0, top_p, min_p)
+        assert len(kept) > CANDIDATES
+        assert ours == kept
+
+
+def test_wide_nucleus_sampling_follows_the_renormalized_softmax():
+    logits = torch.linspace(0.0, 3.0, 600)  # a nucleus of hundreds of tokens: the histogram path
+    kept = sorted(_hf_kept(logits, 0, 0.9))
+    assert len(kept) > CANDIDATES
+    rows = 20000
+    tokens = Sampler(torch.device("cpu"), seed=11)(logits.repeat(rows, 1), _meta([1.0] * rows, top_p=[0.9] * rows))
+    assert set(tokens.tolist()) <= set(kept)
+    expected = torch.zeros(600)
+    expected[kept] = logits[kept].softmax(-1)
+    groups = torch.tensor_split(torch.tensor(kept), 6)  # compare the mass of six slices of the kept set
+    freq = torch.bincount(tokens, minlength=600).float() / rows
+    for g in groups:
+        e, f = expected[g].sum(), freq[g].sum()
+        assert abs(f - e) <= 4 * (e * (1 - e) / rows) ** 0.5, (f, e)
 
 
 def test_top_k_sampling_frequencies_follow_the_renormalized_softmax():
