@@ -52,6 +52,11 @@ class PoolingEngine:
     ) -> PoolingRequest:
         """Checks one request (raises ValueError) without running it. `params` may be shared between requests."""
         self.check_task(task, task)
+        if task == "score" and self.spec.default_task == "embed":
+            raise ValueError(
+                "task 'score' of an embedding model is the cosine of two embeddings: use score(); allowed tasks for "
+                "encode(): ['embed', 'token_embed']"
+            )
         params = params.verify(task, self.hidden_size, self.spec.matryoshka)
         keep = self.max_tokens(params)
         if keep is not None and len(prompt_token_ids) > keep:  # token prompts; texts come truncated by the tokenizer

@@ -105,6 +105,8 @@ class PoolingAPI:
         A cross-encoder scores each pair itself; an embedding model gives the cosine of the two embeddings."""
         engine = self._pooling_engine("score")
         engine.check_task("score", "score")
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
         left, right = _score_side("data_1", data_1, text_1), _score_side("data_2", data_2, text_2)
         if len(left) != 1 and len(left) != len(right):
             raise ValueError(

@@ -178,6 +178,10 @@ def test_wrong_task_for_the_model(llm, smollm2):
         llm.generate("Hello")
     with pytest.raises(ValueError, match=r"data_1 has 2 items and data_2 has 3"):
         llm.score(DOCS[:2], DOCS, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"task 'score' of an embedding model .* use score\(\)"):
+        llm.encode(DOCS, pooling_task="score", use_tqdm=False)
+    with pytest.raises(ValueError, match=r"lora_request: LoRA adapters are not supported"):
+        llm.score(QUERY, DOCS, lora_request=object(), use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompts is empty"):
         llm.embed([], use_tqdm=False)
     with pytest.raises(ValueError, match=r"task/runner='generate': BertModel is a pooling model"):
