@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
@@ -69,7 +69,6 @@ class PoolingSpec:
     pooling_type: str
     normalize: bool
     matryoshka: list[int] | bool = False  # allowed `dimensions`: a list, True for any, False for none
-    st_modules: list[str] = field(default_factory=list)
 
     @property
     def default_task(self) -> str:
@@ -138,8 +137,8 @@ def _tasks_of(kind: str) -> tuple[str, ...]:
 
 
 def read_sentence_transformers(model_path: str) -> dict | None:
-    """The sentence-transformers modules of a model folder: {'modules', 'pooling_type', 'normalize'}; None when
-    the folder has no modules.json."""
+    """What a model folder's sentence-transformers modules do: {'pooling_type', 'normalize'}; None when the folder
+    has no modules.json."""
     modules_file = os.path.join(model_path, "modules.json")
     if not os.path.isfile(modules_file):
         return None
@@ -152,7 +151,7 @@ def read_sentence_transformers(model_path: str) -> dict | None:
             f"model {model_path!r}: sentence-transformers modules {unsupported} are not supported; "
             f"supported: {list(_ST_MODULES)}"
         )
-    info: dict[str, Any] = {"modules": kinds, "normalize": "Normalize" in kinds, "pooling_type": None}
+    info: dict[str, Any] = {"normalize": "Normalize" in kinds, "pooling_type": None}
     pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
     if pooling is not None:
         with open(os.path.join(model_path, pooling.get("path", ""), "config.json"), encoding="utf-8") as f:
@@ -202,7 +201,6 @@ def pooling_spec(kind: str, architecture: str, model_path: str, hf_config: Any, 
         pooling_type=pooling_type,
         normalize=normalize,
         matryoshka=_matryoshka(hf_config),
-        st_modules=st["modules"] if st else [],
     )
 
 
