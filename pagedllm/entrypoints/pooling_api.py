@@ -113,16 +113,16 @@ class PoolingAPI:
                 f"data_1 has {len(left)} items and data_2 has {len(right)}: allowed: 1 and N (one against each), "
                 "or N and N (pairwise)"
             )
-        left = left * len(right) if len(left) == 1 else left
         params = _one_params(pooling_params, "score")
         if truncate_prompt_tokens is not None:
-            params.truncate_prompt_tokens = truncate_prompt_tokens
+            params.truncate_prompt_tokens = _checked_truncation(truncate_prompt_tokens)
         if engine.spec.default_task == "classify":
-            return self._cross_encode(engine, left, right, params, use_tqdm)
+            return self._cross_encode(engine, left * len(right) if len(left) == 1 else left, right, params, use_tqdm)
         params.verify("score", engine.hidden_size, engine.spec.matryoshka)  # refuses embedding-only fields
         embed_params = PoolingParams(truncate_prompt_tokens=params.truncate_prompt_tokens)
         outs = self._pool(left + right, embed_params, "embed", "score", use_tqdm, None, lora_request)
-        return [_cosine_output(a, b) for a, b in zip(outs[: len(left)], outs[len(left) :])]
+        firsts = outs[:1] * len(right) if len(left) == 1 else outs[: len(left)]  # 1 to N embeds the one text once
+        return [_cosine_output(a, b) for a, b in zip(firsts, outs[len(left) :])]
 
     # -- shared steps ---------------------------------------------------------------------------------------------
     def _pool(
@@ -265,7 +265,12 @@ def _params_list(params: Any, n: int, truncate_prompt_tokens: int | None) -> lis
     else:
         raise TypeError(f"pooling_params has type {type(params).__name__}; expected PoolingParams or a list of them")
     if truncate_prompt_tokens is not None:
-        value = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens).truncate_prompt_tokens  # validated
+        value = _checked_truncation(truncate_prompt_tokens)
         for p in items:
             p.truncate_prompt_tokens = value
     return items
+
+
+def _checked_truncation(value: int) -> int:
+    """The truncate_prompt_tokens argument of a call, checked as the PoolingParams field is."""
+    return PoolingParams(truncate_prompt_tokens=value).truncate_prompt_tokens

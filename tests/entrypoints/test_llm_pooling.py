@@ -139,6 +139,11 @@ def test_too_long_text_is_an_error_unless_truncation_is_asked(llm, st_model):
     assert cut.prompt_token_ids == ids  # [CLS] + the first 98 tokens + [SEP]
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens=300 is out of range: -1 or \[1, 256\]"):
         llm.embed(long_text, truncate_prompt_tokens=300, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=0 is out of range"):
+        llm.score(QUERY, long_text, truncate_prompt_tokens=0, use_tqdm=False)
+    scored = llm.score(QUERY, [long_text, DOCS[0]], truncate_prompt_tokens=-1, use_tqdm=False)
+    ref = st_model.encode([QUERY, long_text, DOCS[0]], convert_to_numpy=True)  # truncates at 256 tokens
+    assert [o.outputs.score for o in scored] == pytest.approx([_cos(ref[0], ref[1]), _cos(ref[0], ref[2])], abs=1e-4)
     # the engine serves the next call
     assert _cos(llm.embed(DOCS[0], use_tqdm=False)[0].outputs.embedding, st_model.encode([DOCS[0]])[0]) >= 0.9999
 
