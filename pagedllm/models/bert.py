@@ -134,6 +134,11 @@ class BertModel(nn.Module):
         position_type = getattr(config, "position_embedding_type", "absolute")
         if position_type != "absolute":
             raise ValueError(f"position_embedding_type={position_type!r} is not supported; supported: 'absolute'")
+        if max_position > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_position} is out of range: [1, {config.max_position_embeddings}] "
+                "(BERT has one learned position embedding per position)"
+            )
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = nn.Module()

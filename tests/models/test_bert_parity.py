@@ -139,6 +139,12 @@ def test_tiny_bert_cls_pooling_matches_hf(tiny_encoder):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
 
 
+def test_max_model_len_beyond_the_position_table_is_refused(tiny_encoder):
+    path, _ = tiny_encoder
+    with pytest.raises(ValueError, match=r"max_model_len=65 is out of range: \[1, 64\]"):
+        LLM(path, task="embed", max_model_len=65)
+
+
 def test_tiny_bert_mean_pooling_and_token_states_match_hf(tiny_encoder):
     path, hf = tiny_encoder
     llm = LLM(path, task="embed", dtype="float32", pooler_config={"pooling_type": "mean", "normalize": False})
