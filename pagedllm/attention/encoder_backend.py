@@ -50,7 +50,7 @@ def build_metadata(seq_lens: list[int], causal: bool, device: torch.device) -> E
 
 def _window_mask(max_len: int, window: int, device: torch.device) -> torch.Tensor:
     """[max_len, max_len] bool: causal and at most `window - 1` tokens back (HF's sliding window)."""
-    i = torch.arange(max_len, device=device)
+    i = torch.arange(max_len, device=device)  # [max_len]
     diff = i[:, None] - i[None, :]  # query - key
     return (diff >= 0) & (diff < window)
 

@@ -16,7 +16,7 @@ def pool(hidden: torch.Tensor, seq_lens: torch.Tensor, pooling_type: str) -> tor
     if pooling_type == "LAST":
         return hidden[ends - 1].float()
     if pooling_type == "MEAN":  # one small mean per sequence: on CPU 20-40x faster than index_add_
-        return torch.stack([x.float().mean(0) for x in hidden.split(seq_lens.tolist())])
+        return torch.stack([x.float().mean(0) for x in hidden.split(seq_lens.tolist())])  # [num_seqs, hidden]
     if pooling_type == "MAX":
         return torch.segment_reduce(hidden.float(), "max", lengths=seq_lens, axis=0)
     raise ValueError(f"pooling_type={pooling_type!r} must be one of MEAN, CLS, LAST, MAX")

@@ -40,13 +40,13 @@ class PoolingRunner:
     def _inputs(self, reqs: list[PoolingRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         lens = np.array([len(r.prompt_token_ids) for r in reqs], dtype=np.int64)  # [num_seqs]
         total = int(lens.sum())
-        ids = np.fromiter((t for r in reqs for t in r.prompt_token_ids), dtype=np.int64, count=total)
+        ids = np.fromiter((t for r in reqs for t in r.prompt_token_ids), dtype=np.int64, count=total)  # [num_tokens]
         starts = np.repeat(np.cumsum(lens) - lens, lens)  # [num_tokens] first row of each token's sequence
         positions = np.arange(total, dtype=np.int64) - starts  # [num_tokens]
         types = None
         if self.uses_token_type_ids and any(r.token_type_ids is not None for r in reqs):
             flat = (t for r in reqs for t in (r.token_type_ids or [0] * len(r.prompt_token_ids)))
-            types = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=total)).to(self.device)
+            types = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=total)).to(self.device)  # [num_tokens]
         return torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), types
 
     @torch.inference_mode()
