@@ -168,8 +168,9 @@ def _nucleus_threshold_by_histogram(p: torch.Tensor, top_p: torch.Tensor) -> tor
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw of one index per row from non-negative weights [rows, n] with u [rows] in [0, 1)."""
-    cum = weights.cumsum(dim=-1)
+    """Inverse-CDF draw of one index per row from non-negative weights [rows, n] with u [rows] in [0, 1).
+    The weights become their running sums (in place)."""
+    cum = weights.cumsum_(dim=-1)
     target = (u * cum[:, -1]).clamp_(max=torch.nextafter(cum[:, -1], torch.zeros_like(cum[:, -1])))
     return torch.searchsorted(cum, target[:, None], right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
 
@@ -202,7 +203,7 @@ class Sampler:
             dead = torch.isinf(top)  # every token banned
             top = top.masked_fill(dead, 0.0)
         # exp((x - max) / T): unnormalized probabilities, the largest is 1 [num_sample, vocab]
-        p = torch.addcmul(-top * inv_t, x, inv_t).exp_()
+        p = torch.addcmul(-top * inv_t, x, inv_t, out=x).exp_()  # in place: no new [num_sample, vocab] buffer
         if meta.min_p is not None:
             p.masked_fill_(p < meta.min_p[:, None], 0.0)
         u = self._uniforms(meta)
