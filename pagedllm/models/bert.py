@@ -129,12 +129,12 @@ class BertModel(nn.Module):
     is_causal = False
     uses_token_type_ids = True
 
-    def __init__(self, config, max_position: int = 512, add_pooler: bool = False) -> None:
+    def __init__(self, config, max_position: int | None = None, add_pooler: bool = False) -> None:
         super().__init__()
         position_type = getattr(config, "position_embedding_type", "absolute")
         if position_type != "absolute":
             raise ValueError(f"position_embedding_type={position_type!r} is not supported; supported: 'absolute'")
-        if max_position > config.max_position_embeddings:
+        if max_position is not None and max_position > config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_position} is out of range: [1, {config.max_position_embeddings}] "
                 "(BERT has one learned position embedding per position)"
@@ -163,7 +163,7 @@ class BertForSequenceClassification(nn.Module):
     is_causal = False
     uses_token_type_ids = True
 
-    def __init__(self, config, max_position: int = 512) -> None:
+    def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.num_labels = int(config.num_labels)
