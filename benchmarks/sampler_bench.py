@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch mix and the logits (default 0)")
     p.add_argument("--threads", type=int, default=usable_cores(), help="torch threads (default: all cores)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     return p.parse_args(argv)
 
@@ -76,7 +77,7 @@ def build_batch(n: int, vocab: int, seed: int) -> dict:
 def metadata(b: dict) -> SamplingMetadata:
     """As sample_inputs.sampling_metadata builds it each step, from the persistent batch's numpy arrays."""
     return SamplingMetadata.build(
-        b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["seeded"], b["positions"]
+        b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["seeded"], b["positions"], b["device"]
     )
 
 
@@ -95,25 +96,33 @@ def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
     return sampled
 
 
-def timed_ms(fn) -> float:
+def timed_ms(fn, device: torch.device) -> float:
+    """Wall time of fn, waiting for the device's queued work before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return (time.perf_counter() - start) * 1e3
 
 
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     b = build_batch(args.batch, args.vocab, args.seed)
-    sampler = Sampler(torch.device("cpu"), args.seed)
-    logits_gen = torch.Generator().manual_seed(args.seed + 1)
+    b["device"] = device
+    for key in ("pen_rows", "repetition", "presence", "frequency"):
+        b[key] = b[key].to(device)
+    sampler = Sampler(device, args.seed)
+    logits_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     times: dict[str, list[float]] = {"greedy": [], "filters_only": [], "full": []}
     for step in range(args.warmup + args.steps):
-        raw = torch.randn(args.batch, args.vocab, generator=logits_gen).mul_(3.0)  # untimed
+        raw = torch.randn(args.batch, args.vocab, generator=logits_gen, device=device).mul_(3.0)  # untimed
         row = {
-            "greedy": timed_ms(lambda raw=raw: raw.argmax(-1)),
-            "filters_only": timed_ms(lambda raw=raw: sampler(raw, metadata(b))),
-            "full": timed_ms(lambda raw=raw: full_step(sampler, b, raw)),  # last: it may write into raw
+            "greedy": timed_ms(lambda raw=raw: raw.argmax(-1), device),
+            "filters_only": timed_ms(lambda raw=raw: sampler(raw, metadata(b)), device),
+            "full": timed_ms(lambda raw=raw: full_step(sampler, b, raw), device),  # last: it may write into raw
         }
         if step >= args.warmup:
             for name, ms in row.items():
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio=rounded(ratio, 3),
         steps=args.steps,
         threads=args.threads,
+        device=args.device,
         warmup=args.warmup,
         seed=args.seed,
     )
