@@ -115,7 +115,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        # exc.headers carries the Allow header of a 405 (RFC 9110 requires it)
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
@@ -147,7 +148,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response)  # an empty body: the status says it all
     async def health() -> Response:
         return Response(status_code=200 if state.engine.alive else 503)
 
@@ -195,7 +196,7 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
         text = await state.engine.call(state.llm.get_tokenizer().decode, req.tokens)
         return {"prompt": text}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, as the schema now says
     async def metrics() -> PlainTextResponse:
         found = await state.engine.call(getattr(state.engine.engine, "get_metrics", list))
         for metric in found:

@@ -96,7 +96,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: list[int] | list[list[int]] | str | list[str] = Field(examples=["The capital of France is"])
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -105,7 +105,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(examples=[[{"role": "user", "content": "Say hello."}]])
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -122,7 +122,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class EmbeddingRequest(_Request):
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str]
+    input: list[int] | list[list[int]] | str | list[str] = Field(examples=["A sentence to embed."])
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

@@ -168,3 +168,20 @@ def embed_server(minilm):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def capped_server(smollm2):
+    """The chat model behind tight caps (a 48-token context, n <= 2, 4 prompts a call), so that generated requests,
+    whatever max_tokens they ask for, finish in about a second each on CPU (started by the module that uses it)."""
+    server = RemoteServer(
+        [smollm2, "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "48"]
+        + ["--kv-cache-memory-bytes", str(16 << 20), "--max-n", "2", "--max-prompts", "4"],
+        api_key=API_KEY,
+        model=MODEL_NAME,
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
