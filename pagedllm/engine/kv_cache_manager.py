@@ -31,9 +31,13 @@ class KVCacheManager:
             extra = (salt,) if (i == 0 and salt) else ()
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
 
+    def _looks_up(self, request: Request) -> bool:
+        """Whether the request may start from cached blocks (one asking prompt logprobs computes its prompt)."""
+        return self.enable_caching and not request.needs_prompt_logprobs
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, in whole blocks, never covering its last token."""
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self._looks_up(request):
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -47,7 +51,7 @@ class KVCacheManager:
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts an admitted request's lookup (a request retried at the head of the queue counts once)."""
-        if self.enable_caching and not request.needs_prompt_logprobs:
+        if self._looks_up(request):
             self.num_queries += request.num_tokens
             self.num_hits += num_hit_tokens
 

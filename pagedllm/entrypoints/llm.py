@@ -135,7 +135,8 @@ class LLM(PoolingAPI):
             raise ValueError("priority: only the default first-come-first-served order is supported")
         if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
             raise ValueError("prompts: a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
-        parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
+        prompt_list = _as_prompt_list(prompts)
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompt_list)]
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
         if sampling_params is None:
@@ -144,7 +145,7 @@ class LLM(PoolingAPI):
         if any(p.use_beam_search for p in params_list):
             return [self._beam_search_output(text, ids, p) for (text, ids), p in zip(parsed, params_list)]
         engine = self.llm_engine
-        salts = [_cache_salt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
+        salts = [_cache_salt(p, i) for i, p in enumerate(prompt_list)]
         # Validate every request before any enters the engine.
         pending = [
             engine.make_request(text, ids, params, cache_salt=salt)

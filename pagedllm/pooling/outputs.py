@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +22,15 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+
+    output_type: ClassVar[type]  # a task's output class, with from_base(PoolingOutput)
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput):
+        """The task-specific request output of a plain pooling result."""
+        return cls(
+            out.request_id, cls.output_type.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
+        )
 
 
 @dataclass
@@ -41,12 +51,7 @@ class EmbeddingOutput:
 @dataclass
 class EmbeddingRequestOutput(PoolingRequestOutput):
     outputs: EmbeddingOutput  # type: ignore[assignment]
-
-    @staticmethod
-    def from_base(out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return EmbeddingRequestOutput(
-            out.request_id, EmbeddingOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
-        )
+    output_type: ClassVar[type] = EmbeddingOutput
 
 
 @dataclass
@@ -65,12 +70,7 @@ class ClassificationOutput:
 @dataclass
 class ClassificationRequestOutput(PoolingRequestOutput):
     outputs: ClassificationOutput  # type: ignore[assignment]
-
-    @staticmethod
-    def from_base(out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return ClassificationRequestOutput(
-            out.request_id, ClassificationOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
-        )
+    output_type: ClassVar[type] = ClassificationOutput
 
 
 @dataclass
@@ -85,9 +85,4 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput(PoolingRequestOutput):
     outputs: ScoringOutput  # type: ignore[assignment]
-
-    @staticmethod
-    def from_base(out: PoolingRequestOutput) -> ScoringRequestOutput:
-        return ScoringRequestOutput(
-            out.request_id, ScoringOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
-        )
+    output_type: ClassVar[type] = ScoringOutput

@@ -5,7 +5,7 @@ Each sampled row becomes unnormalized probabilities p = exp(x - max x) (x = logi
 p < min_p. top-k / top-p become one threshold per row (keep p >= threshold):
   - from the row's CANDIDATES (or top_k) largest p when the kept set lies among them (top-k rows always; top-p rows
     whose nucleus ends there), sampled over those candidates;
-  - otherwise (a flat distribution with a large nucleus) from a histogram of log-probabilities that narrows the cut
+  - otherwise (a flat distribution with a large nucleus) from a histogram over the float bits of p that narrows the cut
     to one bin, sorted exactly; sampled over the whole vocabulary.
 A row draws by inverse CDF with one uniform number. A seeded row's number is a hash of (seed, position): it depends
 on the request alone, so a seeded request gets the same tokens whatever shares its batch, before and after
@@ -82,30 +82,6 @@ class SamplingMetadata:
             seeded=dev(seeded[rows]) if any_seed else None,
             positions=dev(positions[rows].astype(np.int64)) if any_seed else None,
         )
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drops tokens whose probability is below min_p times the most likely token's."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keeps each row's k most likely tokens, then the smallest set whose probability reaches top_p (the sorting
-    reference for the sampler's thresholds, and the logits filter for callers that want filtered logits)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        threshold = sorted_logits.gather(1, (vocab - k)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p[:, None])
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

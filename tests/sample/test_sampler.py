@@ -11,8 +11,6 @@ from pagedllm.sample.sampler import (
     CANDIDATES,
     Sampler,
     SamplingMetadata,
-    apply_min_p,
-    apply_top_k_top_p,
     seeded_uniform,
 )
 
@@ -36,6 +34,30 @@ def _meta(temperature, top_k=None, top_p=None, min_p=None, seeds=None, positions
         seeded=np.array([i in seeds for i in range(n)]),
         positions=np.array([positions.get(i, 0) for i in range(n)], dtype=np.int64),
     )
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keeps each row's k most likely tokens, then the smallest set whose probability reaches top_p: the plain
+    sort-based reference (checked against HF below) for the sampler's thresholds."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        threshold = sorted_logits.gather(1, (vocab - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p[:, None])
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def _kept(x: torch.Tensor) -> torch.Tensor:
