@@ -3,29 +3,23 @@ transformers, on tiny random Llama / Qwen2 / Qwen3 / Mistral (sliding window) mo
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, PoolingParams
 
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=256,
-)
 CASES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(BASE)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(BASE, num_key_value_heads=1)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(BASE, head_dim=24)),
-    "mistral-sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(BASE, sliding_window=8)),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(TINY_DECODER, num_key_value_heads=1)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(TINY_DECODER, head_dim=24)),
+    "mistral-sliding": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(TINY_DECODER, sliding_window=8),
+    ),
 }
 # token prompts of different lengths (longer than the sliding window), in one batch
 PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate([1, 5, 13, 30, 47, 9])]
@@ -34,11 +28,8 @@ PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate([
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny_decoder(request, tmp_path_factory):
     config_cls, model_cls, kwargs = CASES[request.param]
-    torch.manual_seed(zlib.crc32(request.param.encode()))
-    hf = model_cls(config_cls(**kwargs)).eval()
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    return str(path), hf
+    hf, path = save_tiny_decoder(request.param, config_cls, model_cls, kwargs, tmp_path_factory, random_norms=False)
+    return path, hf
 
 
 def _hf_states(hf, ids: list[int]) -> torch.Tensor:

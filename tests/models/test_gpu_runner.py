@@ -5,33 +5,24 @@ the eager forward; KV-cache sizing by profiling. Skipped without CUDA."""
 from __future__ import annotations
 
 import gc
-import zlib
 
 import pytest
 import torch
 import transformers
+from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=256,
-)
 CASES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(BASE)),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER)),
     "mistral-sliding": (
         transformers.MistralConfig,
         transformers.MistralForCausalLM,
-        dict(BASE, sliding_window=8, head_dim=32),
+        dict(TINY_DECODER, sliding_window=8, head_dim=32),
     ),
-    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(BASE, head_dim=24)),
+    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(TINY_DECODER, head_dim=24)),
 }
 PROMPT_LENS = (1, 5, 17, 30, 9, 2)  # six decodes per step: padded to the captured size 8
 MAX_TOKENS = 24
@@ -40,16 +31,8 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
     config_cls, model_cls, kwargs = CASES[request.param]
-    torch.manual_seed(zlib.crc32(request.param.encode()))
-    hf = model_cls(config_cls(**kwargs)).eval()
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():  # random biases and norm weights so that every parameter matters
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    return request.param, hf, str(path)
+    hf, path = save_tiny_decoder(request.param, config_cls, model_cls, kwargs, tmp_path_factory)
+    return request.param, hf, path
 
 
 def _prompts() -> list[list[int]]:

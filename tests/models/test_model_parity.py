@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=256,
-)
-
 CASES = {
-    "llama": (transformers.LlamaConfig, dict(BASE)),
+    "llama": (transformers.LlamaConfig, dict(TINY_DECODER)),
     "llama3-rope-tied": (
         transformers.LlamaConfig,
         dict(
-            BASE,
+            TINY_DECODER,
             tie_word_embeddings=True,
             rope_scaling={
                 "rope_type": "llama3",
@@ -39,9 +28,9 @@ CASES = {
             },
         ),
     ),
-    "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8, head_dim=32)),
-    "qwen2-bias": (transformers.Qwen2Config, dict(BASE, num_key_value_heads=1)),
-    "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=24)),
+    "mistral-sliding": (transformers.MistralConfig, dict(TINY_DECODER, sliding_window=8, head_dim=32)),
+    "qwen2-bias": (transformers.Qwen2Config, dict(TINY_DECODER, num_key_value_heads=1)),
+    "qwen3-qknorm": (transformers.Qwen3Config, dict(TINY_DECODER, head_dim=24)),
 }
 ARCH = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
@@ -54,16 +43,8 @@ ARCH = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
     config_cls, kwargs = CASES[request.param]
-    torch.manual_seed(zlib.crc32(request.param.encode()))
-    hf = ARCH[config_cls](config_cls(**kwargs)).eval()
-    hf.generation_config.eos_token_id = None  # never stop nor suppress EOS: pagedllm runs with ignore_eos
-    with torch.no_grad():  # random biases and norm weights so that every parameter matters
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
+    hf, path = save_tiny_decoder(request.param, config_cls, ARCH[config_cls], kwargs, tmp_path_factory)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
     return request.param, hf, llm
 
 
