@@ -140,9 +140,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    # schedule step N+1 while step N runs on the device (its sampled tokens stay there as N+1's inputs)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require_number("max_num_seqs", self.max_num_seqs, int)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (auto)")
         _require_number("max_num_batched_tokens", self.max_num_batched_tokens, int)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be >= 1")

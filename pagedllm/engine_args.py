@@ -38,6 +38,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA devices, where it overlaps host and device work
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -129,6 +130,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=model.max_model_len,
+            async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
         )
         return EngineConfig(
             model,

@@ -1,4 +1,5 @@
-"""EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor."""
+"""EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
+scheduling a step is: schedule and launch N+1, then update from N."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class EngineCore:
         config.cache.num_blocks = num_blocks
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
     def _num_blocks(self) -> int:
@@ -56,16 +58,44 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.config.scheduler.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
         try:
             out = self.executor.execute_model(so)
         except BaseException:
-            # The step's KV was not written: its requests end, and their blocks must not be found as a prefix.
-            self.scheduler.discard_requests(list(so.num_scheduled_tokens))
+            self._discard(so)
             raise
         return self.scheduler.update_from_output(so, out)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedules and queues step N+1, then waits for step N's tokens: the host's work for N+1 (scheduling,
+        inputs, launching) and for N's outputs overlaps the device running N. A request that step N ends (EOS, a
+        stop token or string) has had one more token computed in N+1, which is dropped."""
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            try:
+                launched = (so, self.executor.launch(so))
+            except BaseException:
+                self._discard(so)
+                raise
+        previous, self.in_flight = self.in_flight, launched
+        if previous is None:
+            return []
+        so, future = previous
+        try:
+            out = future.result()
+        except BaseException:
+            self._discard(so)
+            raise
+        return self.scheduler.update_from_output(so, out)
+
+    def _discard(self, so) -> None:
+        """The step's KV was not written: its requests end, and their blocks must not be found as a prefix."""
+        self.scheduler.discard_requests(list(so.num_scheduled_tokens))

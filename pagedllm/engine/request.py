@@ -48,6 +48,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # tokens scheduled to be sampled whose values have not come back from the device yet (async scheduling)
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, filled by the KV manager

@@ -1,7 +1,11 @@
 """The scheduler: one rule, no phases (see DESIGN.md).
 
 Running requests are served first, then waiting ones, each getting min(tokens left to compute, budget left) tokens.
-When blocks run out, the newest running request is preempted (its blocks freed, recomputed later)."""
+When blocks run out, the newest running request is preempted (its blocks freed, recomputed later).
+
+A request that samples in a step holds an output placeholder until its token comes back (update_from_output). With
+async scheduling the next step is scheduled before that: the placeholder counts as the request's next input (the
+runner takes its value on the device), and a request whose placeholder is its last allowed token waits."""
 
 from __future__ import annotations
 
@@ -74,7 +78,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_known = req.num_tokens + req.num_output_placeholders  # a placeholder is the input of its next step
+            if num_known <= req.num_computed_tokens or req.num_output_tokens + req.num_output_placeholders >= (
+                req.max_tokens
+            ):  # its last token is still on the device
+                i += 1
+                continue
+            n = min(num_known - req.num_computed_tokens, budget)
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -118,7 +128,10 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # it samples a token this step
         out = SchedulerOutput(
             new_reqs,
             cached_reqs,
@@ -134,6 +147,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a token still on the device is dropped; it is sampled again later
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -147,6 +161,7 @@ class Scheduler:
                 continue
             token = out.sampled_token_ids.get(req_id)
             if token is not None:
+                req.num_output_placeholders -= 1
                 req.append_output_token(token)
                 if req.check_stop():
                     self._remove(req)

@@ -37,6 +37,7 @@ class LLM(PoolingAPI):
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         trust_remote_code: bool = False,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, StepFuture
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -24,3 +24,7 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Queues the step on the device; the returned future's result() waits for it (async scheduling)."""
+        return self.runner.launch(scheduler_output)

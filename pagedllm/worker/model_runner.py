@@ -17,7 +17,15 @@ from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sample_inputs import adjust_logits, logprob_rows, sampled_logprobs, sampling_metadata
+from pagedllm.worker.sample_inputs import (
+    LogprobTensors,
+    adjust_logits,
+    logprob_rows,
+    logprob_tensors,
+    sampled_logprobs,
+    sampling_metadata,
+    to_device,
+)
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -32,6 +40,7 @@ class FlatBatch:
     seq_lens: np.ndarray  # [num_reqs] context + scheduled tokens
     block_table: np.ndarray  # [num_reqs, max_blocks]
     rows: np.ndarray  # [num_reqs] persistent-batch row of each request
+    token_rows: np.ndarray  # [num_tokens] persistent-batch row of each token
     sample_mask: np.ndarray  # [num_reqs] whether the request samples a token this step
 
 
@@ -49,6 +58,7 @@ class ModelRunner:
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
         self.graphs = self._make_graph_runner(max_blocks)  # None: every step runs eagerly
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
+        self.last_step: StepFuture | None = None  # the newest launched step that samples
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
@@ -119,29 +129,29 @@ class ModelRunner:
         computed = b.num_computed[rows]
         positions = computed[req_idx] + np.arange(total) - cu[req_idx]  # [num_tokens]
         token_rows = rows[req_idx]
-        input_ids = b.token_ids[token_rows, positions]  # [num_tokens]
+        input_ids = b.token_ids[token_rows, positions]  # [num_tokens] (a token still on the device: stale)
         slots = b.block_table[token_rows, positions // self.block_size] * self.block_size  # [num_tokens]
         slots += positions % self.block_size
         seq_lens = computed + num_sched  # [num_reqs]
-        sample_mask = seq_lens == b.num_tokens[rows]  # reached the end of the known tokens: sample one
-        return FlatBatch(input_ids, positions, slots, cu, seq_lens, b.block_table[rows], rows, sample_mask)
+        # reached the end of its tokens (the last maybe still on the device, async scheduling): samples one
+        sample_mask = seq_lens >= b.num_tokens[rows]
+        return FlatBatch(input_ids, positions, slots, cu, seq_lens, b.block_table[rows], rows, token_rows, sample_mask)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the device; on CUDA through pinned memory without waiting for the GPU."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
-    def _run_model(self, flat: FlatBatch) -> torch.Tensor:
+    def _run_model(self, flat: FlatBatch, late: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """hidden [num_tokens, hidden]: a pure-decode step replays the CUDA graph of the next captured size,
-        anything else (prefill chunks, batches above the largest size, CPU) runs eagerly."""
+        anything else (prefill chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
+        flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
         graph_bs = self.graphs.padded_size(num_reqs) if self.graphs is not None and num_tokens == num_reqs else None
         if graph_bs is not None:
             self.graphs.load_inputs(
                 graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table
             )
+            if late is not None:
+                self.graphs.dev_i64[0].index_copy_(0, *late)
             return self.graphs.replay(graph_bs, num_tokens)
         layout = BatchLayout(
             flat.query_start_loc,
@@ -152,40 +162,81 @@ class ModelRunner:
             self.device,
         )
         meta = self.backend.build_metadata(layout)
+        input_ids = self._to_device(flat.input_ids)
+        if late is not None:
+            input_ids.index_copy_(0, *late)
         with forward_context(meta):
-            return self.model(self._to_device(flat.input_ids), self._to_device(flat.positions))
+            return self.model(input_ids, self._to_device(flat.positions))
+
+    def _late_inputs(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Input tokens the previous step sampled that have not reached the host (async scheduling): their
+        positions in the flat batch and their values, both on the device."""
+        late = np.nonzero(flat.positions >= self.batch.num_tokens[flat.token_rows])[0]
+        if not len(late):
+            return None
+        prev = self.last_step
+        assert prev is not None and not prev.committed, "an input token that no running step samples"
+        src = prev.index_of_row[flat.token_rows[late]]  # [num_late]
+        index = self._to_device(np.stack([late, src]))  # [2, num_late]
+        return index[0], prev.sampled.index_select(0, index[1])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> StepFuture:
+        """Queues the step on the device and returns at once; its result() waits for the sampled tokens. The
+        previous step may still be running: its sampled tokens feed this step's inputs on the device."""
         self._update_batch(so)
         if not so.num_scheduled_tokens:
-            return ModelRunnerOutput({})
+            return StepFuture.ready(ModelRunnerOutput({}))
+        prev = self.last_step
+        rows = np.array([self.batch.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)
+        if prev is not None and not prev.committed and self.batch.reads_outputs[rows].any():
+            prev.result()  # penalties and the like read the output tokens on the host: wait for them
         flat = self._prepare_inputs(so)
         req_ids = list(so.num_scheduled_tokens)
         sample_idx = np.nonzero(flat.sample_mask)[0]
         sample_rows = flat.rows[sample_idx]
-        sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
+        num_tokens = flat.seq_lens[sample_idx]  # [num_sampled] tokens so far, a late one included
         if len(sample_idx):  # every host-to-device copy of the step before the forward is launched
             logits_rows = self._to_device(flat.query_start_loc[1:][sample_idx] - 1)  # [num_sampled]
-            sampling = sampling_metadata(self.batch, sample_rows, self.device)
-        hidden = self._run_model(flat)  # [num_tokens, hidden]
+            sampling = sampling_metadata(self.batch, sample_rows, num_tokens, self.device)
+        hidden = self._run_model(flat, self._late_inputs(flat))  # [num_tokens, hidden]
         prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
+            return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
         raw_logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
         lp_rows = logprob_rows(raw_logits, num_top)  # before adjust_logits changes raw_logits in place
-        logits = adjust_logits(self.batch, sample_rows, raw_logits)
-        sampled_t = self.sampler(logits, sampling)
-        logprobs = sampled_logprobs(lp_rows, sampled_t, num_top)
-        sampled = sampled_t.tolist()  # the step's one copy of the sampled ids to the host
+        logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
+        sampled = self.sampler(logits, sampling)  # [num_sampled]
+        index_of_row = np.full(len(self.batch.num_tokens), -1, dtype=np.int64)  # [max_num_seqs]
+        index_of_row[sample_rows] = np.arange(len(sample_rows))
+        step = StepFuture(
+            self,
+            [req_ids[i] for i in sample_idx.tolist()],
+            sample_rows,
+            index_of_row,
+            sampled,
+            logprob_tensors(lp_rows, sampled, num_top),
+            prompt_lps,
+        )
+        self.last_step = step
+        return step
+
+    def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:
+        """The step's sampled tokens enter the persistent batch (rows whose request left since are skipped)."""
         out, out_logprobs = {}, {}
-        for j, (req_id, token) in enumerate(zip(sample_req_ids, sampled)):
-            self.batch.append_token(int(sample_rows[j]), token)
+        logprobs = step.logprobs.tolists() if step.logprobs is not None else [None] * len(sampled)
+        for req_id, row, token, lp in zip(step.req_ids, step.rows.tolist(), sampled, logprobs):
+            if self.batch.row_of.get(req_id) == row:
+                self.batch.append_token(row, token)
             out[req_id] = token
-            if logprobs[j] is not None:
-                out_logprobs[req_id] = logprobs[j]
-        return ModelRunnerOutput(out, out_logprobs, prompt_lps)
+            if lp is not None:
+                out_logprobs[req_id] = lp
+        return ModelRunnerOutput(out, out_logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, layout, rows: np.ndarray, req_ids: list[str]) -> dict:
         """For requests asking prompt_logprobs: the logprob of each prompt token this step's chunk predicts,
@@ -216,3 +267,39 @@ class ModelRunner:
             out[req_id] = (first_pos, entries[offset : offset + count])
             offset += count
         return out
+
+
+class StepFuture:
+    """A launched step: its sampled ids stay on the device until result() copies them to the host (once)."""
+
+    def __init__(self, runner, req_ids, rows, index_of_row, sampled, logprobs, prompt_logprobs) -> None:
+        self.runner: ModelRunner | None = runner
+        self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
+        self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows
+        self.index_of_row: np.ndarray = index_of_row  # [max_num_seqs] row -> index in sampled, -1: none
+        self.sampled: torch.Tensor = sampled  # [num_sampled] on the device
+        self.logprobs: LogprobTensors | None = logprobs
+        self.prompt_logprobs: dict = prompt_logprobs
+        self.committed = False
+        self._output: ModelRunnerOutput | None = None
+        self._host = sampled
+        self._copied = None
+        if sampled.is_cuda:  # start the copy now; result() only waits for it
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> StepFuture:
+        step = cls.__new__(cls)
+        step.committed, step._output = True, output
+        return step
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._output = self.runner.commit(self, self._host.tolist())
+            self.committed, self.runner = True, None
+        return self._output

@@ -4,6 +4,7 @@ logprobs of the sampled tokens."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,12 +14,14 @@ from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
 
 
-def adjust_logits(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
-    """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can."""
+def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+    """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can.
+    num_tokens [rows]: each request's tokens including one still on the device (async scheduling); the rows that
+    read their output tokens (penalties, bad words, logits processors) have none there."""
     params = [batch.params[int(r)] for r in rows]
     allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
     bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
-    short = batch.num_tokens[rows] - batch.num_prompt[rows] < batch.min_tokens[rows]
+    short = num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]
     banned = {i: list(batch.min_tokens_stop_ids[int(rows[i])]) for i in np.nonzero(short)[0].tolist()}
     for i, p in enumerate(params):
         if p.bad_words_token_ids:
@@ -62,7 +65,16 @@ def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> to
     return fn(_outputs(batch, row), logits)
 
 
-def sampling_metadata(batch: InputBatch, rows: np.ndarray, device) -> SamplingMetadata:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device; on CUDA through pinned memory, without waiting for the device's queued work."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, device) -> SamplingMetadata:
+    """num_tokens [rows]: each request's tokens including one still on the device (async scheduling)."""
     return SamplingMetadata.build(
         batch.temperature[rows],
         batch.top_k[rows],
@@ -70,7 +82,7 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, device) -> SamplingMe
         batch.min_p[rows],
         seeds=batch.seed[rows],
         seeded=batch.has_seed[rows],
-        positions=batch.num_tokens[rows] - batch.num_prompt[rows],
+        positions=num_tokens - batch.num_prompt[rows],
         device=device,
     )
 
@@ -80,31 +92,56 @@ def logprob_rows(raw_logits: torch.Tensor, num_top: list[int | None]) -> torch.T
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if not wanted:
         return None
-    return raw_logits[torch.tensor(wanted, device=raw_logits.device)]
+    if len(wanted) == len(num_top):
+        return raw_logits.clone()
+    return raw_logits[to_device(np.array(wanted, dtype=np.int64), raw_logits.device)]
 
 
-def sampled_logprobs(
+@dataclass
+class LogprobTensors:
+    """The logprobs of the rows that want them, still on the device; `tolists` reads them on the host."""
+
+    num_top: list[int | None]  # per row: how many top logprobs (None: none wanted)
+    chosen: torch.Tensor  # [wanted] the sampled (or given) token
+    chosen_lp: torch.Tensor  # [wanted]
+    ranks: torch.Tensor  # [wanted] 1 = the most likely token
+    top_ids: torch.Tensor  # [wanted, max k]
+    top_lp: torch.Tensor  # [wanted, max k]
+
+    def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
+        """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted."""
+        chosen, chosen_lp, ranks = self.chosen.tolist(), self.chosen_lp.tolist(), self.ranks.tolist()
+        top_ids, top_lp = self.top_ids.tolist(), self.top_lp.tolist()
+        out: list = [None] * len(self.num_top)
+        wanted = [i for i, k in enumerate(self.num_top) if k is not None]
+        for j, i in enumerate(wanted):
+            k = self.num_top[i]
+            out[i] = ([chosen[j]] + top_ids[j][:k], [chosen_lp[j]] + top_lp[j][:k], [ranks[j]] + list(range(1, k + 1)))
+        return out
+
+
+def logprob_tensors(
     raw_logits: torch.Tensor | None,  # [wanted rows, vocab] float32, before any adjustment
     sampled: torch.Tensor,  # [rows]
     num_top: list[int | None],  # per row: how many top logprobs (None: none wanted)
-) -> list[tuple[list[int], list[float], list[int]] | None]:
-    """Per row (token ids, logprobs, ranks): the sampled token first, then the row's top-k; None if not wanted.
+) -> LogprobTensors | None:
+    """The chosen tokens' logprobs and ranks and each wanted row's top-k, on the device (no host sync).
     raw_logits holds only the rows that want logprobs, in order."""
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if not wanted:
-        return [None] * len(num_top)
+        return None
     lse = raw_logits.logsumexp(dim=-1, keepdim=True)  # [wanted, 1]
-    chosen = sampled[torch.tensor(wanted, device=sampled.device)]
+    chosen = sampled if len(wanted) == len(num_top) else sampled[to_device(np.array(wanted), sampled.device)]
     chosen_logit = raw_logits.gather(1, chosen[:, None])
     ranks = (raw_logits > chosen_logit).sum(dim=1) + 1  # 1 = the most likely token
-    chosen_lp = (chosen_logit - lse).squeeze(1)
     k_max = max(num_top[i] for i in wanted)
     top_logits, top_ids = raw_logits.topk(k_max, dim=-1) if k_max else (raw_logits[:, :0], chosen[:, None][:, :0])
-    top_lp = top_logits - lse
-    out: list = [None] * len(num_top)
-    for j, i in enumerate(wanted):
-        k = num_top[i]
-        ids = [int(chosen[j])] + top_ids[j, :k].tolist()
-        lps = [float(chosen_lp[j])] + top_lp[j, :k].tolist()
-        out[i] = (ids, lps, [int(ranks[j])] + list(range(1, k + 1)))
-    return out
+    return LogprobTensors(num_top, chosen, (chosen_logit - lse).squeeze(1), ranks, top_ids, top_logits - lse)
+
+
+def sampled_logprobs(
+    raw_logits: torch.Tensor | None, sampled: torch.Tensor, num_top: list[int | None]
+) -> list[tuple[list[int], list[float], list[int]] | None]:
+    """logprob_tensors read on the host at once: per row (token ids, logprobs, ranks) or None if not wanted."""
+    tensors = logprob_tensors(raw_logits, sampled, num_top)
+    return tensors.tolists() if tensors is not None else [None] * len(num_top)

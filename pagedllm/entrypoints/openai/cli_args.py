@@ -37,6 +37,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "block_size": int,
     "gpu_memory_utilization": float,
     "enforce_eager": _BOOL,
+    "async_scheduling": _BOOL,
     "tensor_parallel_size": int,
     "trust_remote_code": _BOOL,
     "hf_overrides": _json,
