@@ -11,9 +11,11 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.attention.common import BatchLayout
+from pagedllm.device import to_device
 from pagedllm.kernels.paged_attention import reduce_splits_kernel, unified_attention_kernel, write_kv_kernel
 
 MIN_TOKENS_PER_SPLIT = 256  # a split-K run covers at least this many keys
@@ -40,9 +42,9 @@ def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
     qsl, seq_lens = layout.query_start_loc, layout.seq_lens
     return TritonAttentionMetadata(
         slot_mapping=layout.slot_mapping.to(dev),
-        query_start_loc=torch.from_numpy(qsl).to(device=dev, dtype=torch.int32),
-        seq_lens=torch.from_numpy(seq_lens).to(device=dev, dtype=torch.int32),
-        block_table=torch.from_numpy(layout.block_table).to(device=dev, dtype=torch.int32),
+        query_start_loc=to_device(qsl, dev, np.int32),
+        seq_lens=to_device(seq_lens, dev, np.int32),
+        block_table=to_device(layout.block_table, dev, np.int32),
         block_size=layout.block_size,
         num_reqs=len(seq_lens),
         max_query_len=int(layout.query_lens.max()) if len(seq_lens) else 0,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.device import to_device
+
 
 def apply_penalties(
     logits: torch.Tensor,  # [batch, vocab], changed in place
@@ -26,8 +28,8 @@ def apply_penalties(
     position = np.arange(max_len)[None, :]
     present = position < num_tokens[:, None]  # [n, max_len]
     row_of = np.broadcast_to(np.arange(n)[:, None], token_ids.shape)[present]
-    keys = torch.from_numpy(row_of * vocab + token_ids[present]).to(logits.device)  # one per (row, token) pair
-    is_output = torch.from_numpy((position >= num_prompt[:, None])[present]).to(logits.device)
+    keys = to_device(row_of * vocab + token_ids[present], logits.device)  # one per (row, token) pair
+    is_output = to_device((position >= num_prompt[:, None])[present], logits.device)
     seen, inverse = torch.unique(keys, return_inverse=True)  # the distinct (row, token) pairs
     count = torch.zeros(len(seen), dtype=logits.dtype, device=logits.device)
     count.index_add_(0, inverse, is_output.to(logits.dtype))  # occurrences among the outputs
@@ -48,20 +50,24 @@ def apply_token_constraints(
     banned: dict[int, list[int]],  # row -> tokens it may not sample
 ) -> torch.Tensor:
     if allowed:
-        keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=logits.device)
         rows = list(allowed)
+        keep = np.zeros((len(rows), logits.shape[1]), dtype=bool)  # [len(allowed), vocab]
         for i, row in enumerate(rows):
             keep[i, allowed[row]] = True
-        index = torch.tensor(rows, device=logits.device)
+        keep = to_device(keep, logits.device)
+        index = to_device(np.array(rows), logits.device)
         logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     pairs = [(row, tok, val) for row, b in bias.items() for tok, val in b.items()]
     if pairs:
         rows, toks, vals = zip(*pairs)
+        dev = logits.device
         logits.index_put_(
-            (torch.tensor(rows), torch.tensor(toks)), torch.tensor(vals, dtype=logits.dtype), accumulate=True
+            (to_device(np.array(rows), dev), to_device(np.array(toks), dev)),
+            to_device(np.array(vals, dtype=np.float32), dev).to(logits.dtype),
+            accumulate=True,
         )
     pairs = [(row, tok) for row, toks in banned.items() for tok in toks]
     if pairs:
-        index = torch.tensor(pairs, device=logits.device)
+        index = to_device(np.array(pairs), logits.device)
         logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits

@@ -11,6 +11,7 @@ import torch
 from pagedllm.attention import get_backend
 from pagedllm.attention.common import BatchLayout, kv_cache_shape
 from pagedllm.config import EngineConfig
+from pagedllm.device import to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
@@ -24,7 +25,6 @@ from pagedllm.worker.sample_inputs import (
     logprob_tensors,
     sampled_logprobs,
     sampling_metadata,
-    to_device,
 )
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.device import to_device
 from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
@@ -34,8 +35,10 @@ def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, l
     if not penalized:
         return logits
     sel = rows[penalized]
-    value = lambda name: torch.tensor([getattr(params[i], name) for i in penalized], device=logits.device)  # noqa: E731
-    index = torch.tensor(penalized, device=logits.device)
+    value = lambda name: to_device(  # noqa: E731
+        np.array([getattr(params[i], name) for i in penalized], dtype=np.float32), logits.device
+    )
+    index = to_device(np.array(penalized), logits.device)
     width = int(batch.num_tokens[sel].max())
     return apply_penalties(
         logits,
@@ -43,9 +46,9 @@ def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, l
         batch.token_ids[sel, :width],
         batch.num_prompt[sel],
         batch.num_tokens[sel],
-        value("repetition_penalty").float(),
-        value("presence_penalty").float(),
-        value("frequency_penalty").float(),
+        value("repetition_penalty"),
+        value("presence_penalty"),
+        value("frequency_penalty"),
     )
 
 
@@ -63,14 +66,6 @@ def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> to
     if len(inspect.signature(fn).parameters) == 3:
         return fn(batch.token_ids[row, : batch.num_prompt[row]].tolist(), _outputs(batch, row), logits)
     return fn(_outputs(batch, row), logits)
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device; on CUDA through pinned memory, without waiting for the device's queued work."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, device) -> SamplingMetadata:
