@@ -70,18 +70,41 @@ def test_greedy_equal_hf_gpu_and_cpu(tiny):
     ref = _hf_greedy(hf.to("cuda", torch.float32), prompts, "cuda")
     hf.to("cpu")
     cpu = [o.outputs[0].token_ids for o in _greedy(_llm(path, dtype="float32", device="cpu"), prompts)]
-    for eager in (False, True):
-        llm = _llm(path, dtype="float32", enforce_eager=eager)
+    for eager, async_scheduling in ((False, None), (True, None), (False, False)):
+        llm = _llm(path, dtype="float32", enforce_eager=eager, async_scheduling=async_scheduling)
+        assert llm.llm_engine.config.scheduler.async_scheduling is (async_scheduling is None)  # on by default
         outs = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
         graphs = _runner(llm).graphs
         if eager:
             assert graphs is None
         else:
             assert graphs.sizes == [1, 2, 4, 8, 16] and graphs.num_replays >= MAX_TOKENS - 1
-        assert outs == ref, f"{name} eager={eager}: GPU tokens differ from HF on the GPU"
-        assert outs == cpu, f"{name} eager={eager}: GPU tokens differ from the CPU path"
+        what = f"{name} eager={eager} async={async_scheduling}"
+        assert outs == ref, f"{what}: GPU tokens differ from HF on the GPU"
+        assert outs == cpu, f"{what}: GPU tokens differ from the CPU path"
         del llm
         gc.collect()
+
+
+def test_async_scheduling_equals_sync_on_gpu(tiny):
+    """Seeded sampling, penalties, logprobs and stop tokens under preemption (16 blocks of 4 tokens for six
+    requests): async scheduling changes no token."""
+    name, hf, path = tiny
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    cases = [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0, stop_token_ids=[7, 11, 13, 17], max_tokens=MAX_TOKENS, min_tokens=3),
+    ]
+    results = {}
+    for async_scheduling in (False, True):
+        llm = _llm(path, dtype="float32", async_scheduling=async_scheduling, num_gpu_blocks_override=16)
+        outs = [llm.generate(prompts, sp, use_tqdm=False) for sp in cases]
+        results[async_scheduling] = [[(c.token_ids, c.finish_reason) for o in r for c in o.outputs] for r in outs]
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        del llm
+        gc.collect()
+    assert results[True] == results[False], f"{name}: async scheduling changed the tokens"
 
 
 def test_bf16_logprobs_close_to_hf(tiny):
