@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-prompts", type=int, default=32, help="prefill workload prompts (32 = the workload)")
     p.add_argument("--hf-prefill-batch", type=int, default=4, help="HF prefill forward batch size")
     p.add_argument("--enforce-eager", action="store_true", help="pagedllm without CUDA graphs")
+    p.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="pagedllm's async_scheduling (auto: on, the CUDA default)",
+    )
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -71,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
     args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    args.engine_options = {
+        "enforce_eager": args.enforce_eager,
+        "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
+    }
     return args
 
 
@@ -143,7 +153,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(QWEN, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, enforce_eager=args.enforce_eager)
+    llm = LLM(QWEN, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
     load_s = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(), use_tqdm=False)  # bench.py's warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -203,9 +213,7 @@ def run_nano_hf(args, ours_tok_s: float | None, prompts, max_tokens) -> dict:
 def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(
-        LLAMA, load_format="dummy", skip_tokenizer_init=True, max_model_len=8192, enforce_eager=args.enforce_eager
-    )
+    llm = LLM(LLAMA, load_format="dummy", skip_tokenizer_init=True, max_model_len=8192, **args.engine_options)
     weight_bytes, num_params, kv_per_token = model_bytes(llm)
     rng = random.Random(1)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(workload: str, figures: dict) -> None:  # emitted at once: a later failure keeps earlier lines
         records[workload] = figures
-        figures = {**figures, **common, "enforce_eager": args.enforce_eager}
+        figures = {**figures, **common, "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling}
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
 
     if "cold-start" in args.workloads:
