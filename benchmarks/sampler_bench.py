@@ -11,6 +11,10 @@ fixed --seed each request draws greedy or temperature in [0.5, 1.5], top_k in {0
                 sampled_logprobs
 Medians after --warmup go out as one JSON line (appended to benchmarks/results.jsonl unless --no-append) with
 ratio = full / greedy (the issue's target: <= 3).   e.g. python benchmarks/sampler_bench.py --steps 5 --no-append
+
+Workload sampler-plain-256x151936 (--workload plain): the common case of the GPU throughput benchmark, every request
+at temperature 0.6 alone (no top-k/top-p/min-p, no seeds, penalties or logprobs) over a 151,936-token vocabulary
+(Qwen's; --vocab overrides it).
 """
 
 from __future__ import annotations
@@ -40,15 +44,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50, help="timed steps; the medians are reported (default 50)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--batch", type=int, default=256, help="requests per step (default 256)")
-    p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152)")
+    p.add_argument("--workload", choices=["mixed", "plain"], default="mixed", help="the batch (default mixed)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 49152; plain: 151936)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch mix and the logits (default 0)")
     p.add_argument("--threads", type=int, default=usable_cores(), help="torch threads (default: all cores)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.vocab is None:
+        args.vocab = 151936 if args.workload == "plain" else 49152
+    return args
 
 
-def build_batch(n: int, vocab: int, seed: int) -> dict:
+def build_batch(n: int, vocab: int, seed: int, workload: str = "mixed") -> dict:
+    if workload == "plain":
+        return plain_batch(n)
     rng = np.random.default_rng(seed)
     quarter = lambda: rng.random(n) < 0.25  # noqa: E731
     greedy = rng.random(n) < 0.5
@@ -71,6 +81,28 @@ def build_batch(n: int, vocab: int, seed: int) -> dict:
         "presence": floats(0.0, 0.5),
         "frequency": floats(0.0, 0.5),
         "num_top": [5 if w else None for w in wants_lp],
+    }
+
+
+def plain_batch(n: int) -> dict:
+    """Every request at temperature 0.6 alone."""
+    empty = np.zeros((0, 1), dtype=np.int64)
+    return {
+        "temperature": np.full(n, 0.6, dtype=np.float32),
+        "top_k": np.zeros(n, dtype=np.int64),
+        "top_p": np.ones(n, dtype=np.float32),
+        "min_p": np.zeros(n, dtype=np.float32),
+        "seeded": np.zeros(n, dtype=bool),
+        "seeds": np.zeros(n, dtype=np.int64),
+        "positions": np.zeros(n, dtype=np.int64),
+        "pen_rows": torch.zeros(0, dtype=torch.int64),
+        "token_ids": empty,
+        "num_prompt": np.zeros(0, dtype=np.int64),
+        "num_tokens": np.zeros(0, dtype=np.int64),
+        "repetition": torch.zeros(0),
+        "presence": torch.zeros(0),
+        "frequency": torch.zeros(0),
+        "num_top": [None] * n,
     }
 
 
@@ -110,7 +142,7 @@ def timed_ms(fn, device: torch.device) -> float:
 def run(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    b = build_batch(args.batch, args.vocab, args.seed)
+    b = build_batch(args.batch, args.vocab, args.seed, args.workload)
     b["device"] = device
     for key in ("pen_rows", "repetition", "presence", "frequency"):
         b[key] = b[key].to(device)
@@ -135,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     med = run(args)
     ratio = med["full"] / med["greedy"]
     record = make_record(
-        f"sampler-{args.batch}x{args.vocab}",
+        f"sampler-{'plain-' if args.workload == 'plain' else ''}{args.batch}x{args.vocab}",
         machine_description(),
         git_commit(),
         greedy_ms=rounded(med["greedy"], 3),
