@@ -1,15 +1,22 @@
 """The sampler: greedy, temperature, min-p, top-k and top-p with per-request values, and per-request seeds, in one
 vectorized pass over the batch (no loop over requests, no sort of the vocabulary).
 
-Each sampled row becomes unnormalized probabilities p = exp(x - max x) (x = logits / temperature). min-p zeroes
+Plain rows (temperature, optionally min-p; no top-k / top-p) are the common case:
+  - on the GPU one Triton kernel draws them all by the exponential race (Gumbel-max) over the logits in place, with
+    Philox numbers keyed per row (pagedllm/kernels/sampling.py), without a host sync;
+  - elsewhere by inverse CDF in two levels: a cumsum over the sums of fixed-size chunks of p picks the chunk, a cumsum
+    inside it the token (no sequential pass over the whole row), in blocks of rows that stay in cache.
+Both are exact draws, but different ones: the same seed gives different tokens on the GPU and on the CPU.
+
+Filtered rows become unnormalized probabilities p = exp(x - max x) (x = logits / temperature). min-p zeroes
 p < min_p. top-k / top-p become one threshold per row (keep p >= threshold):
   - from the row's CANDIDATES (or top_k) largest p when the kept set lies among them (top-k rows always; top-p rows
     whose nucleus ends there), sampled over those candidates;
   - otherwise (a flat distribution with a large nucleus) from a histogram over the float bits of p that narrows the cut
     to one bin, sorted exactly; sampled over the whole vocabulary.
-A row draws by inverse CDF with one uniform number. A seeded row's number is a hash of (seed, position): it depends
-on the request alone, so a seeded request gets the same tokens whatever shares its batch, before and after
-preemption."""
+An inverse-CDF row draws with one uniform number, a GPU plain row with one Philox key. A seeded row's number (key) is
+a hash of (seed, position): it depends on the request alone, so a seeded request gets the same tokens whatever shares
+its batch, before and after preemption."""
 
 from __future__ import annotations
 
@@ -18,11 +25,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.device import to_device
+from pagedllm.kernels import use_triton
+
 _EPS = 1e-5
 CANDIDATES = 256
 _HIST_BINS = 2048
 _ONE_BITS = 0x3F800000  # float32 1.0 as an int32
 _BIN_SHIFT = 18  # 23 mantissa bits - 18 = 5: 32 histogram bins per power of two
+_LOG2E = 1.4426950408889634  # exp(z) = 2 ** (z * log2(e))
+_CHUNK = 1024  # tokens per chunk of the two-level inverse CDF
+_BLOCK_BYTES = 8 << 20  # CPU plain rows: logits per block of rows, so that a block's passes hit the cache
 
 
 @dataclass
@@ -41,9 +54,9 @@ class SamplingMetadata:
     max_top_k: int
     any_top_p_only: bool  # some filtered row has top-p without top-k (its nucleus is over the whole row)
     min_p: torch.Tensor | None  # [num_sample] float32; None when no row uses it
-    seeds: torch.Tensor | None  # [num_sample] int64 (any value where not seeded); None when no row has a seed
-    seeded: torch.Tensor | None  # [num_sample] bool
-    positions: torch.Tensor | None  # [num_sample] int64: tokens the request has generated (the draw's counter)
+    seeded: torch.Tensor | None  # [num_sample] bool; None when no row has a seed
+    seed_uniforms: torch.Tensor | None  # [num_sample] float32: seeded_uniform of (seed, position) where seeded
+    seed_keys: torch.Tensor | None  # [num_sample] int64: seeded_key of (seed, position) where seeded
 
     @classmethod
     def build(
@@ -54,50 +67,71 @@ class SamplingMetadata:
         min_p: np.ndarray,  # [batch] float32, 0 = off
         seeds: np.ndarray | None = None,  # [batch] int64
         seeded: np.ndarray | None = None,  # [batch] bool
-        positions: np.ndarray | None = None,  # [batch] int64
+        positions: np.ndarray | None = None,  # [batch] int64: tokens each request has generated (the draw's counter)
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
         sampling = temperature >= _EPS
         rows = np.nonzero(sampling)[0]
         k, p = top_k[rows], top_p[rows]
         is_filtered = (k > 0) | (p < 1.0)
         filtered = np.nonzero(is_filtered)[0]
         any_seed = seeded is not None and bool(seeded[rows].any())
+        any_min_p = bool((min_p[rows] > 0).any())
+        if any_seed:  # hashed here, on the host: a few small numpy ops instead of dozens of device kernels
+            seeds, positions = seeds[rows].astype(np.int64), positions[rows].astype(np.int64)
+        hashed = lambda fn: fn(seeds, positions) if any_seed else None  # noqa: E731
+        ints = {"greedy_rows": np.nonzero(~sampling)[0], "sample_rows": rows, "plain": np.nonzero(~is_filtered)[0]}
+        ints |= {"filtered": filtered, "top_k": k[filtered], "seeded": seeded[rows] if any_seed else None}
+        ints["seed_keys"] = hashed(seeded_key)
+        floats = {"temperature": temperature[rows], "top_p": p[filtered], "min_p": min_p[rows] if any_min_p else None}
+        floats["seed_uniforms"] = hashed(seeded_uniform)
+        tensors = _to_device_packed(ints, np.int64, device) | _to_device_packed(floats, np.float32, device)
+        tensors["seeded"] = None if tensors["seeded"] is None else tensors["seeded"].bool()
         return cls(
             all_greedy=not bool(sampling.any()),
-            greedy_rows=dev(np.nonzero(~sampling)[0]),
-            sample_rows=dev(rows),
-            plain=dev(np.nonzero(~is_filtered)[0]),
-            filtered=dev(filtered),
-            temperature=dev(temperature[rows].astype(np.float32)),
-            top_k=dev(k[filtered].astype(np.int64)),
-            top_p=dev(p[filtered].astype(np.float32)),
             max_top_k=int(k[filtered].max()) if len(filtered) else 0,
             any_top_p_only=bool(((k[filtered] == 0) & (p[filtered] < 1.0)).any()),
-            min_p=dev(min_p[rows].astype(np.float32)) if bool((min_p[rows] > 0).any()) else None,
-            seeds=dev(seeds[rows].astype(np.int64)) if any_seed else None,
-            seeded=dev(seeded[rows]) if any_seed else None,
-            positions=dev(positions[rows].astype(np.int64)) if any_seed else None,
+            **tensors,
         )
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (int64 tensors holding values < 2**32; every product stays below 2**63)."""
+def _to_device_packed(arrays: dict[str, np.ndarray | None], dtype, device) -> dict[str, torch.Tensor | None]:
+    """The arrays (as dtype) in one host-to-device copy, through pinned memory on CUDA (no wait for the device's
+    queue), as views of it; None stays None. One copy instead of one per array: each costs host time."""
+    kept = {name: a for name, a in arrays.items() if a is not None}
+    whole = to_device(np.concatenate([a.astype(dtype, copy=False) for a in kept.values()]), torch.device(device))
+    out: dict[str, torch.Tensor | None] = dict.fromkeys(arrays)
+    start = 0
+    for name, a in kept.items():
+        out[name] = whole[start : start + len(a)]
+        start += len(a)
+    return out
+
+
+def _hash32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer mix (int64 arrays holding values < 2**32; every product stays below 2**63)."""
     mask = 0xFFFFFFFF
     x = ((x >> 16) ^ x) * 0x45D9F3B & mask
     x = ((x >> 16) ^ x) * 0x45D9F3B & mask
     return (x >> 16) ^ x
 
 
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One number in [0, 1) per (seed, position), the same on any device and in any batch. [rows] float32"""
+def _seeded_bits(seeds: np.ndarray, positions: np.ndarray, salt: int) -> np.ndarray:
+    """32 random bits per (seed, position), one stream per salt. [rows] int64 in [0, 2**32)"""
     lo, hi = seeds & 0xFFFFFFFF, (seeds >> 32) & 0xFFFFFFFF
     key = _hash32(lo ^ _hash32(hi + 0x9E3779B9))
-    bits = _hash32(key ^ _hash32((positions & 0xFFFFFFFF) + 0x7F4A7C15))
-    return (bits >> 8).float() * (1.0 / (1 << 24))
+    return _hash32(key ^ _hash32((positions & 0xFFFFFFFF) + salt))
+
+
+def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One number in [0, 1) per (seed, position) (int64 arrays), whatever else is in the batch. [rows] float32"""
+    return ((_seeded_bits(seeds, positions, 0x7F4A7C15) >> 8) * (1.0 / (1 << 24))).astype(np.float32)
+
+
+def seeded_key(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """A 63-bit Philox key per (seed, position) for the GPU's plain rows, whatever else is in the batch. [rows] int64"""
+    hi = _seeded_bits(seeds, positions, 0x2545F491) & 0x7FFFFFFF
+    return (hi << 32) | _seeded_bits(seeds, positions, 0x7F4A7C15)
 
 
 def _nucleus_by_candidates(p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int, whole: bool):
@@ -143,12 +177,78 @@ def _nucleus_threshold_by_histogram(p: torch.Tensor, top_p: torch.Tensor) -> tor
     return members.gather(1, last).squeeze(1)
 
 
+def _search(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first index whose running sum exceeds target, kept below the total (so never a zero weight).
+    cum [rows, n] non-decreasing, target [rows] >= 0 -> [rows]"""
+    total = cum[:, -1]
+    target = target.clamp(max=torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target[:, None], right=True).squeeze(1).clamp_(max=cum.shape[1] - 1)
+
+
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw of one index per row from non-negative weights [rows, n] with u [rows] in [0, 1).
     The weights become their running sums (in place)."""
     cum = weights.cumsum_(dim=-1)
-    target = (u * cum[:, -1]).clamp_(max=torch.nextafter(cum[:, -1], torch.zeros_like(cum[:, -1])))
-    return torch.searchsorted(cum, target[:, None], right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
+    return _search(cum, u * cum[:, -1])
+
+
+def _draw_two_level(p: torch.Tensor, u: torch.Tensor, chunk: int = _CHUNK) -> torch.Tensor:
+    """_draw without its sequential cumsum over the whole row: a cumsum over the sums of the chunks picks the chunk
+    where u's share of the mass falls, a cumsum inside that chunk the index. It sums in another order than _draw, so
+    the two pick the same index except where u * total falls within rounding of a boundary.
+    p [rows, num_chunks * chunk] non-negative (zero-padded), u [rows] in [0, 1) -> [rows]"""
+    rows = p.shape[0]
+    chunks = p.view(rows, -1, chunk)  # [rows, num_chunks, chunk]
+    cum = chunks.sum(dim=-1).cumsum_(dim=-1)  # [rows, num_chunks]
+    total = cum[:, -1]
+    target = (u * total).clamp_(max=torch.nextafter(total, torch.zeros_like(total)))  # [rows]
+    k = _search(cum, target)  # [rows] the chunk
+    before = cum.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1).masked_fill_(k == 0, 0.0)  # earlier chunks
+    inner = chunks.gather(1, k[:, None, None].expand(rows, 1, chunk)).squeeze(1)  # [rows, chunk]
+    return k * chunk + _search(inner.cumsum_(dim=-1), target - before)
+
+
+def _probabilities(x: torch.Tensor, inv_t: torch.Tensor, min_p: torch.Tensor | None, out: torch.Tensor):
+    """out = exp(x / T - max(x / T)) [rows, n] (the largest 1), min-p filtered; x is only read unless it is out.
+    inv_t, min_p [rows, 1]. Returns out and the rows with every token banned [rows, 1] bool (all 0 in out), or None
+    where none can be (a CPU row whose max is finite). Computed as 2 ** ((x - max) * log2(e) / T): torch's exp2 is
+    several times faster than its exp on the CPU."""
+    scale = inv_t * _LOG2E  # [rows, 1]
+    top = x.amax(dim=-1, keepdim=True)
+    # extreme penalties or temperatures can overflow: +inf becomes the largest float, NaN is dropped (on a GPU
+    # always, rather than a sync to ask)
+    if not x.is_cuda and bool(torch.isfinite(top * scale).all()):
+        p, dead = torch.sub(x, top, out=out).mul_(scale), None  # (torch's addcmul is slower than the two on the CPU)
+    else:
+        x = torch.mul(x, scale, out=out)  # -inf stays -inf (nan_to_num's default would make it the lowest float)
+        x = torch.nan_to_num_(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+        top = x.amax(dim=-1, keepdim=True)
+        dead = torch.isinf(top)  # every token banned
+        p = x.sub_(top.masked_fill_(dead, 0.0))
+    p.exp2_()  # in out: no new buffer
+    if min_p is not None:
+        p.masked_fill_(p < min_p, 0.0)
+    return p, dead
+
+
+def _draw_plain(logits, rows, inv_t, min_p, u) -> torch.Tensor:
+    """Inverse-CDF draws for rows without top-k / top-p, in blocks of rows (CPU: a few MiB, so that the max, exp and
+    chunk-sum passes over a block hit the cache): p into a zero-padded scratch, then the two-level draw.
+    logits [batch, vocab] (read only), rows [n] sorted batch rows, inv_t [n, 1], min_p [n, 1] or None, u [n] -> [n]"""
+    n, vocab = len(rows), logits.shape[1]
+    block = n if logits.is_cuda else max(1, min(n, _BLOCK_BYTES // (logits.element_size() * vocab)))
+    padded = -(-vocab // _CHUNK) * _CHUNK
+    scratch = torch.empty(block, padded, dtype=torch.float32, device=logits.device)  # [block, padded]
+    scratch[:, vocab:] = 0.0  # the padding of the last chunk weighs nothing
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    for start in range(0, n, block):
+        end = min(n, start + block)
+        x = logits[start:end] if n == logits.shape[0] else logits[rows[start:end]]  # all rows: a view, no copy
+        p = scratch[: end - start]  # [b, padded]
+        _, dead = _probabilities(x, inv_t[start:end], None if min_p is None else min_p[start:end], p[:, :vocab])
+        tokens = _draw_two_level(p, u[start:end], _CHUNK).clamp_(max=vocab - 1)
+        out[start:end] = tokens if dead is None else tokens.masked_fill_(dead.squeeze(1), 0)  # banned rows: token 0
+    return out
 
 
 class Sampler:
@@ -156,51 +256,53 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [batch, vocab] float32 -> sampled token ids [batch] int64."""
+        """logits [batch, vocab] float32 (only read) -> sampled token ids [batch] int64."""
         if meta.all_greedy:
             return logits.argmax(dim=-1)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if len(meta.greedy_rows):
             out[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
-        out[meta.sample_rows] = self._sample(logits[meta.sample_rows], meta)
-        return out
+        race = use_triton(logits)  # GPU: the plain rows in one kernel
+        u = self._uniforms(meta) if len(meta.filtered) or not race else None  # [num_sample]
+        if len(meta.plain) and race:
+            from pagedllm.kernels.sampling import sample_plain
 
-    def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """x [num_sample, vocab] (a copy, changed in place) -> token ids [num_sample]."""
-        inv_t = 1.0 / meta.temperature[:, None]
-        top = x.amax(dim=-1, keepdim=True)  # the temperature (> 0) keeps the argmax
-        dead = None
-        # extreme penalties or temperatures can overflow: +inf becomes the largest float, NaN is dropped (on a GPU
-        # always, rather than a sync to ask)
-        if x.is_cuda or not bool(torch.isfinite(top * inv_t).all()):
-            x = torch.nan_to_num_(x.mul_(inv_t), nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
-            inv_t = torch.ones_like(inv_t)
-            top = x.amax(dim=-1, keepdim=True)
-            dead = torch.isinf(top)  # every token banned
-            top = top.masked_fill(dead, 0.0)
-        # exp((x - max) / T): unnormalized probabilities, the largest is 1 [num_sample, vocab]
-        p = torch.addcmul(-top * inv_t, x, inv_t, out=x).exp_()  # in place: no new [num_sample, vocab] buffer
-        if meta.min_p is not None:
-            p.masked_fill_(p < meta.min_p[:, None], 0.0)
-        u = self._uniforms(meta)
-        if not len(meta.filtered):
-            out = _draw(p, u)
-        else:
-            out = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
-            if len(meta.plain):
-                out[meta.plain] = _draw(p[meta.plain], u[meta.plain])
-            pf = p if len(meta.filtered) == p.shape[0] else p[meta.filtered]
-            out[meta.filtered] = _draw_filtered(pf, u[meta.filtered], meta)
-        if dead is not None:  # a row with every token banned takes token 0, as the argmax of its logits does
-            out.masked_fill_(dead.squeeze(1), 0)
+            sample_plain(logits, meta.sample_rows, meta.plain, meta.temperature, self._keys(meta), meta.min_p, out)
+        elif len(meta.plain):
+            rows, inv_t, min_p, u_plain = _take(meta, meta.plain, u)
+            out[rows] = _draw_plain(logits, rows, inv_t, min_p, u_plain)
+        if len(meta.filtered):
+            rows, inv_t, min_p, u_filtered = _take(meta, meta.filtered, u)
+            x = logits[rows]  # [num_filtered, vocab] a copy, changed in place
+            p, dead = _probabilities(x, inv_t, min_p, out=x)
+            tokens = _draw_filtered(p, u_filtered, meta)
+            out[rows] = tokens if dead is None else tokens.masked_fill_(dead.squeeze(1), 0)  # banned rows: token 0
         return out
 
     def _uniforms(self, meta: SamplingMetadata) -> torch.Tensor:
         """[num_sample] in [0, 1): from the engine's generator, or from (seed, position) for seeded requests."""
         u = torch.rand(len(meta.sample_rows), generator=self.generator, device=meta.sample_rows.device)
         if meta.seeded is not None:
-            u = torch.where(meta.seeded, seeded_uniform(meta.seeds, meta.positions), u)
+            u = torch.where(meta.seeded, meta.seed_uniforms, u)
         return u
+
+    def _keys(self, meta: SamplingMetadata) -> torch.Tensor:
+        """[num_sample] int64 Philox keys for the GPU's plain rows: from the engine's generator (one call a step), or
+        from (seed, position) for seeded requests."""
+        n, device = len(meta.sample_rows), meta.sample_rows.device
+        keys = torch.randint(1 << 62, (n,), generator=self.generator, device=device)
+        if meta.seeded is not None:
+            keys = torch.where(meta.seeded, meta.seed_keys, keys)
+        return keys
+
+
+def _take(meta: SamplingMetadata, index: torch.Tensor, u: torch.Tensor):
+    """The batch rows, 1 / temperature [n, 1], min-p [n, 1] (or None) and uniforms [n] of the sampled rows at index
+    (positions in sample_rows); no gather where index is all of them."""
+    every = len(index) == len(meta.sample_rows)
+    pick = (lambda t: t) if every else (lambda t: t[index])  # noqa: E731
+    min_p = None if meta.min_p is None else pick(meta.min_p)[:, None]
+    return pick(meta.sample_rows), 1.0 / pick(meta.temperature)[:, None], min_p, pick(u)
 
 
 def _draw_filtered(p: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
