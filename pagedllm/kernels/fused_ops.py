@@ -1,6 +1,7 @@
 """The small fused ops of the decoder layers in Triton: RMSNorm (optionally fused with the residual add before it),
-SiLU-and-mul and neox-style rotary. Each rounds where the torch layer code rounds (the residual sum and the
-normalized activations in the model dtype), so the two paths agree to the last bit or two."""
+SiLU-and-mul, neox-style rotary, and rotary of q and k in one launch (with Qwen3's per-head RMSNorm before it). Each
+rounds where the torch layer code rounds (the residual sum and the normalized activations in the model dtype), so
+the two paths agree to the last bit or two."""
 
 from __future__ import annotations
 
@@ -174,3 +175,148 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             BLOCK_H=block_h,
         )
     return out
+
+
+@triton.jit
+def _norm_rotate_heads(
+    x_ptr,  # one token's heads: [num_heads, 2 * HALF] with head stride stride_head
+    stride_head,
+    out_ptr,  # one token's [num_heads, 2 * HALF], contiguous
+    w_ptr,  # [2 * HALF] per-head RMSNorm weight (HAS_NORM)
+    cos,  # [1, HALF_PAD] fp32
+    sin,  # [1, HALF_PAD] fp32
+    eps,
+    NUM: tl.constexpr,
+    NUM_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    heads = tl.arange(0, NUM_PAD)
+    offs = tl.arange(0, HALF_PAD)
+    d_ok = offs < HALF
+    ok = (heads < NUM)[:, None] & d_ok[None, :]
+    x_off = heads[:, None] * stride_head + offs[None, :]  # [NUM_PAD, HALF_PAD]
+    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
+    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:  # as RMSNorm: normalized in fp32, rounded to the model dtype, times the weight, rounded again
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        a = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    o_off = heads[:, None] * 2 * HALF + offs[None, :]
+    tl.store(out_ptr + o_off, (a * cos - b * sin).to(x1.dtype), mask=ok)
+    tl.store(out_ptr + o_off + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
+
+
+@triton.jit
+def qk_rotary_kernel(
+    q_ptr,  # [num_tokens, NUM_Q, head_dim] (any token and head strides: a view of the fused qkv output works)
+    k_ptr,  # [num_tokens, NUM_K, head_dim]
+    cos_ptr,  # [num_tokens, 1, HALF]
+    sin_ptr,  # [num_tokens, 1, HALF]
+    q_w_ptr,  # [head_dim] (HAS_NORM)
+    k_w_ptr,  # [head_dim] (HAS_NORM)
+    q_out_ptr,  # [num_tokens, NUM_Q, head_dim] contiguous
+    k_out_ptr,  # [num_tokens, NUM_K, head_dim] contiguous
+    eps,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_cos,
+    stride_sin,
+    NUM_Q: tl.constexpr,
+    NUM_Q_PAD: tl.constexpr,
+    NUM_K: tl.constexpr,
+    NUM_K_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """One token per program: all its q heads, then all its k heads."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, HALF_PAD)
+    d_ok = offs < HALF
+    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    head_dim = 2 * HALF
+    _norm_rotate_heads(
+        q_ptr + tok * stride_q_tok,
+        stride_q_head,
+        q_out_ptr + tok * NUM_Q * head_dim,
+        q_w_ptr,
+        cos,
+        sin,
+        eps,
+        NUM_Q,
+        NUM_Q_PAD,
+        HALF,
+        HALF_PAD,
+        HAS_NORM,
+    )
+    _norm_rotate_heads(
+        k_ptr + tok * stride_k_tok,
+        stride_k_head,
+        k_out_ptr + tok * NUM_K * head_dim,
+        k_w_ptr,
+        cos,
+        sin,
+        eps,
+        NUM_K,
+        NUM_K_PAD,
+        HALF,
+        HALF_PAD,
+        HAS_NORM,
+    )
+
+
+def qk_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # per-head RMSNorm weights of q and k
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary of q and k (rotate-half layout), each head RMS-normalized first when norm_weights are given; new
+    contiguous tensors, one launch."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    q_w, k_w = norm_weights if norm_weights is not None else (q, k)  # unused without the norm
+    if num_tokens:
+        qk_rotary_kernel[(num_tokens,)](
+            q,
+            k,
+            cos,
+            sin,
+            q_w,
+            k_w,
+            q_out,
+            k_out,
+            eps,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            NUM_Q=num_heads,
+            NUM_Q_PAD=triton.next_power_of_2(num_heads),
+            NUM_K=num_kv_heads,
+            NUM_K_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            HAS_NORM=norm_weights is not None,
+            num_warps=4,
+        )
+    return q_out, k_out

@@ -73,3 +73,23 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
         return rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_qk_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple | None = None,  # (q_norm, k_norm) RMSNorm layers applied per head first (Qwen3)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary of q and k, after their per-head norms when given. On CUDA one fused Triton kernel for all of it."""
+    if use_triton(q):
+        from pagedllm.kernels.fused_ops import qk_rotary
+
+        if norms is None:
+            return qk_rotary(q, k, *cos_sin)
+        q_norm, k_norm = norms
+        assert q_norm.eps == k_norm.eps, "one epsilon for both norms"
+        return qk_rotary(q, k, *cos_sin, (q_norm.weight, k_norm.weight), q_norm.eps)
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)

@@ -11,7 +11,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.utils import head_dim_of, load_weights, sliding_window_for_layer
 
@@ -57,9 +57,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        q, k = apply_qk_rotary(q, k, rope, (self.q_norm, self.k_norm) if self.qk_norm else None)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
 
 
@@ -119,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # [num_tokens, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)  # [n, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, upcast)  # [n, vocab] float32 (model dtype: upcast=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights(self, weights, skip=("lm_head.",) if self.tied else ())

@@ -1,6 +1,7 @@
 """The fused Triton ops against the torch layer code they replace on CUDA (RMSNorm with and without the residual
-add, SiLU-and-mul, rotary). Without CUDA they run in Triton's interpreter (see conftest.py); the reference is always
-the layer's torch code on CPU tensors (on CUDA tensors the layers would call the Triton op itself).
+add, SiLU-and-mul, rotary, rotary of q and k with and without their per-head norms). Without CUDA they run in
+Triton's interpreter (see conftest.py); the reference is always the layer's torch code on CPU tensors (on CUDA
+tensors the layers would call the Triton op itself).
 
 Tolerances: float32 1e-5; bfloat16 one or two ulps (2e-2 relative; the torch code rounds after every elementwise op,
 the kernels compute in fp32 and round where the layer rounds the intermediate it keeps); float16 2e-3."""
@@ -14,7 +15,7 @@ import torch
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, apply_rotary
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton")
@@ -90,6 +91,40 @@ def test_rotary(dtype, heads, head_dim):
     close(out, apply_rotary(x, (cos, sin)), dtype)
 
 
+def qk_case(dtype, heads, kv_heads, head_dim, with_norm, num_tokens=6, seed=4):
+    """q and k as strided views of one fused qkv row, as the models pass them; the reference is the torch layer
+    code (per-head RMSNorm, then rotary of each) on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0, None)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g)
+    cos, sin = rope(positions, dtype)  # [num_tokens, 1, head_dim / 2] each
+    qkv = (2 * torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g)).to(dtype)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    norms = None
+    if with_norm:
+        norms = (RMSNorm(head_dim, eps=1e-6), RMSNorm(head_dim, eps=1e-6))
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.copy_(1 + 0.3 * torch.randn(head_dim, generator=g))
+        norms = tuple(n.to(dtype) for n in norms)
+    ref_q, ref_k = (norms[0](q), norms[1](k)) if with_norm else (q, k)
+    ref = apply_rotary(ref_q, (cos, sin)), apply_rotary(ref_k, (cos, sin))
+    weights = (norms[0].weight.to(DEVICE), norms[1].weight.to(DEVICE)) if with_norm else None
+    out = ops.qk_rotary(q.to(DEVICE), k.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), weights, 1e-6)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 24), (2, 2, 8)])
+def test_qk_rotary(dtype, with_norm, heads, kv_heads, head_dim):
+    (q, k), (ref_q, ref_k) = qk_case(dtype, heads, kv_heads, head_dim, with_norm)
+    assert q.shape == ref_q.shape and k.shape == ref_k.shape and q.is_contiguous() and k.is_contiguous()
+    close(q, ref_q, dtype)
+    close(k, ref_k, dtype)
+
+
 # -- realistic shapes, compiled on the GPU --------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -104,13 +139,17 @@ def test_gpu_realistic(dtype):
     cos, sin = rope(positions, dtype)
     q = torch.randn(2048, 32, 128, generator=torch.Generator().manual_seed(7)).to(dtype)
     close(ops.rotary(q.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)), apply_rotary(q, (cos, sin)), dtype)
+    for with_norm in (False, True):  # Qwen3-0.6B's attention: 16 q heads, 8 kv heads, head_dim 128
+        (q, k), (ref_q, ref_k) = qk_case(dtype, 16, 8, 128, with_norm, num_tokens=512, seed=8)
+        close(q, ref_q, dtype)
+        close(k, ref_k, dtype)
 
 
 @pytest.mark.gpu
 def test_gpu_layers_dispatch_to_triton(monkeypatch):
     """On CUDA the layers call the fused ops (and give the same numbers as their CPU torch code)."""
     calls = []
-    for name in ("rms_norm", "silu_and_mul", "rotary"):
+    for name in ("rms_norm", "silu_and_mul", "rotary", "qk_rotary"):
         fn = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
     x = torch.randn(4, 64, dtype=torch.bfloat16)
@@ -122,4 +161,7 @@ def test_gpu_layers_dispatch_to_triton(monkeypatch):
     cos, sin = RotaryEmbedding(16, 64, 10000.0, None)(torch.arange(4), torch.bfloat16)
     xr = x.view(4, 4, 16)
     close(apply_rotary(xr.to(DEVICE), (cos.to(DEVICE), sin.to(DEVICE))), apply_rotary(xr, (cos, sin)), torch.bfloat16)
-    assert calls == ["rms_norm", "silu_and_mul", "rotary"]
+    q, k = apply_qk_rotary(xr.to(DEVICE), xr[:, :2].to(DEVICE), (cos.to(DEVICE), sin.to(DEVICE)))
+    close(q, apply_rotary(xr, (cos, sin)), torch.bfloat16)
+    close(k, apply_rotary(xr[:, :2], (cos, sin)), torch.bfloat16)
+    assert calls == ["rms_norm", "silu_and_mul", "rotary", "qk_rotary"]
