@@ -38,7 +38,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.cpu_weight is not None and not self.tied:
             self.weight = None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits, float32 unless upcast=False (then in the model dtype: the argmax and
+        the GPU sampling kernel read them as they are, exactly, without a float32 copy)."""
         if self.cpu_weight is not None:
-            return packed_linear(hidden, self.cpu_weight, None).float()
-        return F.linear(hidden, self.weight).float()
+            logits = packed_linear(hidden, self.cpu_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
+        return logits.float() if upcast else logits

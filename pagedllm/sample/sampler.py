@@ -256,7 +256,8 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [batch, vocab] float32 (only read) -> sampled token ids [batch] int64."""
+        """logits [batch, vocab] (only read) -> sampled token ids [batch] int64. float32; the model's dtype also
+        works when every row is greedy or plain (the argmax and the GPU kernel read it exactly as float32)."""
         if meta.all_greedy:
             return logits.argmax(dim=-1)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

@@ -26,6 +26,7 @@ class InputBatch:
         self.has_seed = np.zeros(max_num_reqs, dtype=bool)
         # the request's sampling reads its output tokens on the host (penalties, bad words, logits processors)
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
+        self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -50,6 +51,8 @@ class InputBatch:
         self.min_tokens_stop_ids[row] = new.min_tokens_stop_ids
         self.has_seed[row] = params.seed is not None
         self.reads_outputs[row] = bool(params.has_penalties or params.bad_words_token_ids or params.logits_processors)
+        # the request changes its logits before sampling (besides min_tokens, which depends on the step)
+        self.adjusts_logits[row] = bool(self.reads_outputs[row] or params.allowed_token_ids or params.logit_bias)
         if params.seed is not None:  # seeds span [-2**63, 2**64): the same 64 bits as a signed value
             self.seed[row] = (params.seed + 2**63) % 2**64 - 2**63
 

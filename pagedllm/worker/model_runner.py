@@ -207,8 +207,9 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        raw_logits = self.model.compute_logits(hidden[logits_rows])  # [num_sampled, vocab] float32
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
+        upcast = not self._reads_logits_as_is(sampling, sample_rows, num_tokens, num_top)
+        raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
         lp_rows = logprob_rows(raw_logits, num_top)  # before adjust_logits changes raw_logits in place
         logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
         sampled = self.sampler(logits, sampling)  # [num_sampled]
@@ -225,6 +226,18 @@ class ModelRunner:
         )
         self.last_step = step
         return step
+
+    def _reads_logits_as_is(self, sampling, rows: np.ndarray, num_tokens: np.ndarray, num_top: list) -> bool:
+        """On CUDA, whether the step's logits can stay in the model dtype: every row takes the argmax or a plain
+        draw (the sampling kernel reads any float dtype exactly), none adjusts its logits or wants logprobs."""
+        b = self.batch
+        return (
+            self.device.type == "cuda"
+            and not len(sampling.filtered)
+            and all(k is None for k in num_top)
+            and not b.adjusts_logits[rows].any()
+            and not (num_tokens - b.num_prompt[rows] < b.min_tokens[rows]).any()
+        )
 
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:
         """The step's sampled tokens enter the persistent batch (rows whose request left since are skipped)."""

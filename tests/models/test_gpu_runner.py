@@ -177,3 +177,23 @@ def test_bf16_default_on_gpu(tiny):
     name, hf, path = tiny  # the saved config says float32: vLLM runs those in bfloat16 on a GPU
     llm = _llm(path)
     assert llm.llm_engine.core.config.model.dtype == torch.bfloat16
+
+
+def test_logits_left_in_bf16_give_the_same_tokens(tiny, monkeypatch):
+    """Greedy and plain-temperature steps keep the LM head's bfloat16 logits (no float32 copy); the argmax and the
+    sampling kernel read them exactly, so forcing the float32 copy changes no token."""
+    name, hf, path = tiny
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = [SamplingParams(temperature=t, seed=9, max_tokens=MAX_TOKENS, ignore_eos=True) for t in (0, 0.7, 1.3)]
+    llm = _llm(path, dtype="bfloat16")
+    runner = _runner(llm)
+    dtypes = []
+    compute_logits = runner.model.compute_logits
+    monkeypatch.setattr(
+        runner.model, "compute_logits", lambda h, upcast=True: dtypes.append(upcast) or compute_logits(h, upcast)
+    )
+    kept = [[c.token_ids for o in llm.generate(prompts, sp, use_tqdm=False) for c in o.outputs] for sp in params]
+    assert dtypes and not any(dtypes), "the fast path kept no step in bfloat16"
+    monkeypatch.setattr(runner, "_reads_logits_as_is", lambda *a: False)
+    upcast = [[c.token_ids for o in llm.generate(prompts, sp, use_tqdm=False) for c in o.outputs] for sp in params]
+    assert any(dtypes[-1:]) and kept == upcast, f"{name}: bfloat16 logits changed the tokens"
