@@ -39,7 +39,7 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     return lo, start
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one compiled variant for any batch (not 1 / multiples of 16 apart)
 def unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (not SPLIT)
     part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32 (SPLIT)
