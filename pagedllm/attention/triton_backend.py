@@ -193,7 +193,7 @@ def forward(
             num_splits,
             out.stride(0),
             out.stride(1),
-            SPLITS_PAD=triton_next_pow2(num_splits),
+            SPLITS_PAD=triton_next_pow2(max(num_splits, MAX_SPLITS)),  # one compiled variant for the usual counts
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
         )

@@ -39,7 +39,9 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     return lo, start
 
 
-@triton.jit(do_not_specialize=["num_reqs"])  # one compiled variant for any batch (not 1 / multiples of 16 apart)
+# one compiled variant for any batch, split count and block-table width (Triton would otherwise compile the value 1
+# and multiples of 16 apart, and the eager path's table width changes from step to step)
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (not SPLIT)
     part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32 (SPLIT)
@@ -154,7 +156,7 @@ def unified_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def reduce_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32
