@@ -139,6 +139,7 @@ class Scheduler:
             sum(num_scheduled.values()),
             self.finished_req_ids,
             self.preempted_req_ids,
+            {req_id: self.requests[req_id] for req_id in num_scheduled},
         )
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         return out
@@ -157,7 +158,7 @@ class Scheduler:
         outputs = []
         for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status != RequestStatus.RUNNING or so.scheduled_reqs.get(req_id, req) is not req:
                 continue
             token = out.sampled_token_ids.get(req_id)
             if token is not None:

@@ -28,6 +28,9 @@ class InputBatch:
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
         self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
+        # which admission a row holds (a row given again, even to a request with the same id, gets a new one)
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
+        self._num_admitted = 0
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -35,6 +38,8 @@ class InputBatch:
         req_id, params = new.req_id, new.sampling_params
         row = self.free_rows.pop()
         self.row_of[req_id] = row
+        self._num_admitted += 1
+        self.generation[row] = self._num_admitted
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n

@@ -177,6 +177,8 @@ class ModelRunner:
         prev = self.last_step
         assert prev is not None and not prev.committed, "an input token that no running step samples"
         src = prev.index_of_row[flat.token_rows[late]]  # [num_late]
+        if (src < 0).any():
+            raise RuntimeError("async scheduling: an input token that the previous step did not sample")
         index = self._to_device(np.stack([late, src]))  # [2, num_late]
         return index[0], prev.sampled.index_select(0, index[1])
 
@@ -243,9 +245,10 @@ class ModelRunner:
         """The step's sampled tokens enter the persistent batch (rows whose request left since are skipped)."""
         out, out_logprobs = {}, {}
         logprobs = step.logprobs.tolists() if step.logprobs is not None else [None] * len(sampled)
-        for req_id, row, token, lp in zip(step.req_ids, step.rows.tolist(), sampled, logprobs):
-            if self.batch.row_of.get(req_id) == row:
-                self.batch.append_token(row, token)
+        b = self.batch
+        for req_id, row, gen, token, lp in zip(step.req_ids, step.rows.tolist(), step.generations, sampled, logprobs):
+            if b.row_of.get(req_id) == row and b.generation[row] == gen:  # the same admission of the request
+                b.append_token(row, token)
             out[req_id] = token
             if lp is not None:
                 out_logprobs[req_id] = lp
@@ -289,6 +292,7 @@ class StepFuture:
         self.runner: ModelRunner | None = runner
         self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
         self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows
+        self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
         self.index_of_row: np.ndarray = index_of_row  # [max_num_seqs] row -> index in sampled, -1: none
         self.sampled: torch.Tensor = sampled  # [num_sampled] on the device
         self.logprobs: LogprobTensors | None = logprobs
@@ -297,9 +301,10 @@ class StepFuture:
         self._output: ModelRunnerOutput | None = None
         self._host = sampled
         self._copied = None
-        if sampled.is_cuda:  # start the copy now; result() only waits for it
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
+        if sampled.is_cuda:  # start the copies now; result() only waits for them
+            self._host = _pinned_copy(sampled)
+            if logprobs is not None:
+                self.logprobs = LogprobTensors(logprobs.num_top, *map(_pinned_copy, logprobs.tensors()))
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -316,3 +321,9 @@ class StepFuture:
             self._output = self.runner.commit(self, self._host.tolist())
             self.committed, self.runner = True, None
         return self._output
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued on the stream (valid once the stream gets there)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

@@ -103,6 +103,9 @@ class LogprobTensors:
     top_ids: torch.Tensor  # [wanted, max k]
     top_lp: torch.Tensor  # [wanted, max k]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.chosen, self.chosen_lp, self.ranks, self.top_ids, self.top_lp
+
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
         """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted."""
         chosen, chosen_lp, ranks = self.chosen.tolist(), self.chosen_lp.tolist(), self.ranks.tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,6 +38,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # finished or aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted since the last step (they come back)
+    # the scheduler's own request objects of this step, for its update: a request id used again by a new request
+    # while this step was on the device must not take this step's token (the runner does not read it)
+    scheduled_reqs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -100,6 +100,26 @@ def test_async_abort_while_a_step_is_on_the_device(engines):
     assert eng.core.scheduler.kv.pool.usage() == 0
 
 
+def test_async_request_id_used_again_while_a_step_is_on_the_device(engines):
+    """A request aborted with a step in flight, then a new request with the same id: the old step's token must not
+    reach the new request (its row is given straight back to the same id)."""
+    sync, async_ = engines
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = sync.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids
+    eng, tok = async_.llm_engine, async_.get_tokenizer()
+    eng.add_request("x", tok.encode(PROMPTS[0]), params)
+    for _ in range(3):
+        eng.step()
+    assert eng.core.in_flight is not None
+    eng.abort_request(["x"])
+    eng.add_request("x", tok.encode(PROMPTS[2]), params)
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += eng.step()
+    (out,) = finished
+    assert out.request_id == "x" and out.outputs[0].token_ids == expected
+
+
 def test_async_failing_launch_ends_its_requests_and_the_engine_serves_on(engines, monkeypatch):
     _, async_ = engines
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

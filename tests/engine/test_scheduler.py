@@ -536,3 +536,19 @@ def test_async_preemption_drops_the_token_on_the_device():
     sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": 7, "b": 7}))
     sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": 8, "b": 8}))
     assert b.num_tokens == 3 and a.output_token_ids == [7, 8]  # b's tokens were dropped, a's kept
+
+
+def test_async_token_of_an_aborted_request_never_reaches_a_new_one_with_its_id():
+    sched = make_scheduler()
+    old = make_request("x", range(4), max_tokens=5)
+    sched.add_request(old)
+    so1 = sched.schedule()  # old x samples; its token is still on the device
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    new = make_request("x", range(10, 14), max_tokens=5)
+    sched.add_request(new)
+    so2 = sched.schedule()
+    assert so2.num_scheduled_tokens == {"x": 4} and new.num_output_placeholders == 1
+    assert sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"x": 99})) == []
+    assert new.output_token_ids == [] and new.num_output_placeholders == 1
+    (out,) = sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"x": 5}))
+    assert out.new_token_ids == [5] and new.output_token_ids == [5]
