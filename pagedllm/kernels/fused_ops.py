@@ -1,5 +1,5 @@
 """The small fused ops of the decoder layers in Triton: RMSNorm (optionally fused with the residual add before it),
-SiLU-and-mul, neox-style rotary, and rotary of q and k in one launch (with Qwen3's per-head RMSNorm before it). Each
+SiLU-and-mul, and neox-style rotary of q and k in one launch (with Qwen3's per-head RMSNorm before it). Each
 rounds where the torch layer code rounds (the residual sum and the normalized activations in the model dtype), so
 the two paths agree to the last bit or two."""
 
@@ -114,66 +114,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
         silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block)
-    return out
-
-
-@triton.jit
-def rotary_kernel(
-    x_ptr,  # [num_tokens, num_heads, head_dim]
-    cos_ptr,  # [num_tokens, 1, head_dim // 2]
-    sin_ptr,  # [num_tokens, 1, head_dim // 2]
-    out_ptr,  # [num_tokens, num_heads, head_dim] contiguous
-    num_heads,
-    stride_x_tok,
-    stride_x_head,
-    stride_cos,
-    stride_sin,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs = tl.arange(0, HALF_PAD)
-    d_ok = offs < HALF
-    ok = (heads < num_heads)[:, None] & d_ok[None, :]
-    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    x_off = tok * stride_x_tok + heads[:, None] * stride_x_head + offs[None, :]  # [BLOCK_H, HALF_PAD]
-    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
-    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    o_off = tok * num_heads * 2 * HALF + heads[:, None] * 2 * HALF + offs[None, :]
-    tl.store(out_ptr + o_off, (a * cos - b * sin).to(x1.dtype), mask=ok)
-    tl.store(out_ptr + o_off + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, num_heads, head_dim] rotated in the rotate-half layout by cos/sin [num_tokens, 1, head_dim/2];
-    a new contiguous tensor."""
-    num_tokens, num_heads, head_dim = x.shape
-    half = head_dim // 2
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    if num_tokens:
-        block_h = min(16, triton.next_power_of_2(num_heads))
-        rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            x,
-            cos,
-            sin,
-            out,
-            num_heads,
-            x.stride(0),
-            x.stride(1),
-            cos.stride(0),
-            sin.stride(0),
-            HALF=half,
-            HALF_PAD=triton.next_power_of_2(half),
-            BLOCK_H=block_h,
-        )
     return out
 
 

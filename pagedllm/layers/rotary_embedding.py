@@ -65,12 +65,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotates [num_tokens, num_heads, head_dim] in HF's rotate-half layout."""
+    """Rotates [num_tokens, num_heads, head_dim] in HF's rotate-half layout (torch; on CUDA the models rotate q
+    and k together through apply_qk_rotary's kernel)."""
     cos, sin = cos_sin
-    if use_triton(x):  # CUDA: one fused Triton kernel
-        from pagedllm.kernels.fused_ops import rotary
-
-        return rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -21,6 +21,7 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sample_inputs import (
     LogprobTensors,
     adjust_logits,
+    adjusts_logits,
     logprob_rows,
     logprob_tensors,
     sampled_logprobs,
@@ -215,13 +216,10 @@ class ModelRunner:
         lp_rows = logprob_rows(raw_logits, num_top)  # before adjust_logits changes raw_logits in place
         logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
         sampled = self.sampler(logits, sampling)  # [num_sampled]
-        index_of_row = np.full(len(self.batch.num_tokens), -1, dtype=np.int64)  # [max_num_seqs]
-        index_of_row[sample_rows] = np.arange(len(sample_rows))
         step = StepFuture(
             self,
             [req_ids[i] for i in sample_idx.tolist()],
             sample_rows,
-            index_of_row,
             sampled,
             logprob_tensors(lp_rows, sampled, num_top),
             prompt_lps,
@@ -232,13 +230,11 @@ class ModelRunner:
     def _reads_logits_as_is(self, sampling, rows: np.ndarray, num_tokens: np.ndarray, num_top: list) -> bool:
         """On CUDA, whether the step's logits can stay in the model dtype: every row takes the argmax or a plain
         draw (the sampling kernel reads any float dtype exactly), none adjusts its logits or wants logprobs."""
-        b = self.batch
         return (
             self.device.type == "cuda"
             and not len(sampling.filtered)
             and all(k is None for k in num_top)
-            and not b.adjusts_logits[rows].any()
-            and not (num_tokens - b.num_prompt[rows] < b.min_tokens[rows]).any()
+            and not adjusts_logits(self.batch, rows, num_tokens)
         )
 
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:
@@ -288,12 +284,13 @@ class ModelRunner:
 class StepFuture:
     """A launched step: its sampled ids stay on the device until result() copies them to the host (once)."""
 
-    def __init__(self, runner, req_ids, rows, index_of_row, sampled, logprobs, prompt_logprobs) -> None:
+    def __init__(self, runner, req_ids, rows, sampled, logprobs, prompt_logprobs) -> None:
         self.runner: ModelRunner | None = runner
         self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
         self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows
         self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
-        self.index_of_row: np.ndarray = index_of_row  # [max_num_seqs] row -> index in sampled, -1: none
+        self.index_of_row = np.full(len(runner.batch.generation), -1, dtype=np.int64)  # [max_num_seqs] -1: none
+        self.index_of_row[rows] = np.arange(len(rows))  # row -> its index in sampled
         self.sampled: torch.Tensor = sampled  # [num_sampled] on the device
         self.logprobs: LogprobTensors | None = logprobs
         self.prompt_logprobs: dict = prompt_logprobs

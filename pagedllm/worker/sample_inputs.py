@@ -15,14 +15,25 @@ from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
 
 
+def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+    return num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]  # [rows] EOS and stop ids still banned
+
+
+def adjusts_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+    """Whether adjust_logits changes anything for these rows this step."""
+    return bool(batch.adjusts_logits[rows].any() or _short_of_min_tokens(batch, rows, num_tokens).any())
+
+
 def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
     """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can.
     num_tokens [rows]: each request's tokens including one still on the device (async scheduling); the rows that
     read their output tokens (penalties, bad words, logits processors) have none there."""
+    if not adjusts_logits(batch, rows, num_tokens):
+        return logits
     params = [batch.params[int(r)] for r in rows]
     allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
     bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
-    short = num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]
+    short = _short_of_min_tokens(batch, rows, num_tokens)
     banned = {i: list(batch.min_tokens_stop_ids[int(rows[i])]) for i in np.nonzero(short)[0].tolist()}
     for i, p in enumerate(params):
         if p.bad_words_token_ids:

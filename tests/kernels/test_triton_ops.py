@@ -1,5 +1,5 @@
 """The fused Triton ops against the torch layer code they replace on CUDA (RMSNorm with and without the residual
-add, SiLU-and-mul, rotary, rotary of q and k with and without their per-head norms). Without CUDA they run in
+add, SiLU-and-mul, rotary of q and k with and without their per-head norms). Without CUDA they run in
 Triton's interpreter (see conftest.py); the reference is always the layer's torch code on CPU tensors (on CUDA
 tensors the layers would call the Triton op itself).
 
@@ -87,7 +87,7 @@ def test_rotary(dtype, heads, head_dim):
     cos, sin = rope(positions, dtype)  # [num_tokens, 1, head_dim / 2] each
     wide = torch.randn(len(positions), (heads + 2) * head_dim, generator=g).to(dtype)
     x = wide[:, : heads * head_dim].view(len(positions), heads, head_dim)  # a strided view, as the models pass it
-    out = ops.rotary(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE))
+    out, _ = ops.qk_rotary(x.to(DEVICE), x[:, :1].to(DEVICE), cos.to(DEVICE), sin.to(DEVICE))
     close(out, apply_rotary(x, (cos, sin)), dtype)
 
 
@@ -138,7 +138,11 @@ def test_gpu_realistic(dtype):
     positions = torch.randint(0, 8192, (2048,), generator=torch.Generator().manual_seed(6))
     cos, sin = rope(positions, dtype)
     q = torch.randn(2048, 32, 128, generator=torch.Generator().manual_seed(7)).to(dtype)
-    close(ops.rotary(q.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)), apply_rotary(q, (cos, sin)), dtype)
+    close(
+        ops.qk_rotary(q.to(DEVICE), q[:, :8].to(DEVICE), cos.to(DEVICE), sin.to(DEVICE))[0],
+        apply_rotary(q, (cos, sin)),
+        dtype,
+    )
     for with_norm in (False, True):  # Qwen3-0.6B's attention: 16 q heads, 8 kv heads, head_dim 128
         (q, k), (ref_q, ref_k) = qk_case(dtype, 16, 8, 128, with_norm, num_tokens=512, seed=8)
         close(q, ref_q, dtype)
@@ -149,7 +153,7 @@ def test_gpu_realistic(dtype):
 def test_gpu_layers_dispatch_to_triton(monkeypatch):
     """On CUDA the layers call the fused ops (and give the same numbers as their CPU torch code)."""
     calls = []
-    for name in ("rms_norm", "silu_and_mul", "rotary", "qk_rotary"):
+    for name in ("rms_norm", "silu_and_mul", "qk_rotary"):
         fn = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
     x = torch.randn(4, 64, dtype=torch.bfloat16)
@@ -160,8 +164,7 @@ def test_gpu_layers_dispatch_to_triton(monkeypatch):
     close(SiluAndMul()(x.to(DEVICE)), SiluAndMul()(x), torch.bfloat16)
     cos, sin = RotaryEmbedding(16, 64, 10000.0, None)(torch.arange(4), torch.bfloat16)
     xr = x.view(4, 4, 16)
-    close(apply_rotary(xr.to(DEVICE), (cos.to(DEVICE), sin.to(DEVICE))), apply_rotary(xr, (cos, sin)), torch.bfloat16)
     q, k = apply_qk_rotary(xr.to(DEVICE), xr[:, :2].to(DEVICE), (cos.to(DEVICE), sin.to(DEVICE)))
     close(q, apply_rotary(xr, (cos, sin)), torch.bfloat16)
     close(k, apply_rotary(xr[:, :2], (cos, sin)), torch.bfloat16)
-    assert calls == ["rms_norm", "silu_and_mul", "rotary", "qk_rotary"]
+    assert calls == ["rms_norm", "silu_and_mul", "qk_rotary"]
