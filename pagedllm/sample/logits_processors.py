@@ -22,25 +22,61 @@ def apply_penalties(
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
 
-    Only the tokens that occur are touched: one sorted pass over the (row, token) pairs, none over the vocabulary."""
+    Only the tokens that occur are touched: the (row, token) pairs are told apart on the host (a sort of each row's
+    tokens), then one gather and one scatter over the flat logits (contiguous), none over the vocabulary."""
     n, max_len = token_ids.shape
     vocab = logits.shape[1]
+    if not n * max_len:
+        return logits
+    if logits.is_cuda:
+        return _apply_penalties_by_counts(
+            logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency
+        )
     position = np.arange(max_len)[None, :]
     present = position < num_tokens[:, None]  # [n, max_len]
-    row_of = np.broadcast_to(np.arange(n)[:, None], token_ids.shape)[present]
-    keys = to_device(row_of * vocab + token_ids[present], logits.device)  # one per (row, token) pair
-    is_output = to_device((position >= num_prompt[:, None])[present], logits.device)
-    seen, inverse = torch.unique(keys, return_inverse=True)  # the distinct (row, token) pairs
-    count = torch.zeros(len(seen), dtype=logits.dtype, device=logits.device)
-    count.index_add_(0, inverse, is_output.to(logits.dtype))  # occurrences among the outputs
-    local, token = seen // vocab, seen % vocab
-    row = rows.to(logits.device)[local]
-    values = logits[row, token]
-    rep = repetition[local]
+    is_output = present & (position >= num_prompt[:, None])
+    # each row's tokens in order with the output flag as the low bit, absent places last (past any token)
+    key = np.sort(np.where(present, token_ids * 2 + is_output, 2 * vocab), axis=1).ravel()
+    token = key >> 1
+    starts = np.ones(len(key), dtype=bool)
+    starts[1:] = token[1:] != token[:-1]
+    starts[::max_len] = True  # every row starts anew
+    first = np.flatnonzero(starts & (token < vocab))  # the first place of each distinct (row, token) pair
+    outputs = np.cumsum(key & 1)
+    last = np.append(first[1:], len(key)) - 1  # (the places up to the next pair: the same token, or absent)
+    count = outputs[last] - outputs[first] + (key[first] & 1)  # occurrences among the outputs
+    device = logits.device
+    local = to_device(first // max_len, device)
+    of_row = lambda per_row: per_row.to(device).index_select(0, local)  # noqa: E731 (index_select: faster than [])
+    flat = of_row(rows * vocab) + to_device(token[first], device)  # places in the flat logits
+    count = to_device(count, device).to(logits.dtype)
+    values = logits.view(-1).index_select(0, flat)
+    rep = of_row(repetition)
     values = torch.where(values > 0, values / rep, values * rep)
-    values = values - frequency[local] * count - presence[local] * (count > 0).to(values.dtype)
-    logits[row, token] = values
+    values = values - of_row(frequency) * count - of_row(presence) * (count > 0).to(values.dtype)
+    logits.view(-1).index_copy_(0, flat, values.to(logits.dtype))
     return logits
+
+
+def _apply_penalties_by_counts(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
+    """apply_penalties on a GPU: one host-to-device copy, then each row's token counts over the whole vocabulary (two
+    scatter-adds) and one element-wise pass over the penalized rows. No host sync and no sort; a GPU passes over a
+    few rows of the vocabulary faster than the host sorts their tokens."""
+    n, max_len = token_ids.shape
+    device, dtype = logits.device, logits.dtype
+    lengths = np.stack([num_prompt, num_tokens], axis=1).astype(np.int64)
+    packed = to_device(np.concatenate([token_ids.astype(np.int64, copy=False), lengths], axis=1), device)
+    position = torch.arange(max_len, device=device)[None, :]
+    present = position < packed[:, max_len + 1 :]  # [n, max_len]
+    ids = packed[:, :max_len].where(present, 0)  # absent places add 0 to token 0
+    in_output = (present & (position >= packed[:, max_len : max_len + 1])).to(dtype)
+    seen = torch.zeros(n, logits.shape[1], dtype=dtype, device=device).scatter_add_(1, ids, present.to(dtype))
+    count = torch.zeros_like(seen).scatter_add_(1, ids, in_output)  # occurrences among the outputs
+    x = logits.index_select(0, rows)
+    rep = repetition[:, None]
+    x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
+    x -= frequency[:, None] * count + presence[:, None] * (count > 0).to(dtype)
+    return logits.index_copy_(0, rows, x)
 
 
 def apply_token_constraints(

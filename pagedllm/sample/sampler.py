@@ -1,32 +1,38 @@
 """The sampler: greedy, temperature, min-p, top-k and top-p with per-request values, and per-request seeds, in one
 vectorized pass over the batch (no loop over requests, no sort of the vocabulary).
 
-Plain rows (temperature, optionally min-p; no top-k / top-p) are the common case:
-  - on the GPU one Triton kernel draws them all by the exponential race (Gumbel-max) over the logits in place, with
-    Philox numbers keyed per row (pagedllm/kernels/sampling.py), without a host sync;
-  - elsewhere by inverse CDF in two levels: a cumsum over the sums of fixed-size chunks of p picks the chunk, a cumsum
-    inside it the token (no sequential pass over the whole row), in blocks of rows that stay in cache.
-Both are exact draws, but different ones: the same seed gives different tokens on the GPU and on the CPU.
+On the GPU one Triton kernel takes every row of the batch (pagedllm/kernels/sampling.py): the argmax, or min-p, top-k
+and top-p as thresholds found by a multi-way search over the row, then a draw by the exponential race (Gumbel-max)
+with Philox numbers keyed per row; the logits are read in place, no host sync.
 
-Filtered rows become unnormalized probabilities p = exp(x - max x) (x = logits / temperature). min-p zeroes
-p < min_p. top-k / top-p become one threshold per row (keep p >= threshold):
-  - from the row's CANDIDATES (or top_k) largest p when the kept set lies among them (top-k rows always; top-p rows
-    whose nucleus ends there), sampled over those candidates;
-  - otherwise (a flat distribution with a large nucleus) from a histogram over the float bits of p that narrows the cut
-    to one bin, sorted exactly; sampled over the whole vocabulary.
-An inverse-CDF row draws with one uniform number, a GPU plain row with one Philox key. A seeded row's number (key) is
-a hash of (seed, position): it depends on the request alone, so a seeded request gets the same tokens whatever shares
-its batch, before and after preemption."""
+Elsewhere (torch):
+  - greedy and filtered rows start from the maxima of tiles of 64 logits (pagedllm/sample/tiles.py): on the CPU one
+    pass of maxima is several times faster than torch's argmax or topk over the rows, and the rest reads a few tiles;
+  - plain rows (temperature, optionally min-p; no top-k / top-p) are drawn by inverse CDF in two levels: a cumsum over
+    the sums of fixed-size chunks of p picks the chunk, a cumsum inside it the token (no sequential pass over the
+    whole row), in blocks of rows that stay in cache;
+  - filtered rows become unnormalized probabilities p = exp(x - max x) (x = logits / temperature). min-p zeroes
+    p < min_p. top-k / top-p become one threshold per row (keep p >= threshold): from the row's CANDIDATES (or top_k)
+    largest p when the kept set lies among them (top-k rows always; top-p rows whose nucleus ends there), sampled
+    over those candidates; otherwise (a flat distribution with a large nucleus) from a histogram over the float bits
+    of p that narrows the cut to one bin, sorted exactly; sampled over the whole vocabulary. Only top-p rows without
+    top-k need p of their whole row (the nucleus is a share of its mass).
+An inverse-CDF row draws with one uniform number, a GPU row with one Philox key. A seeded row's number (key) is a hash
+of (seed, position): it depends on the request alone, so a seeded request gets the same tokens whatever shares its
+batch, before and after preemption. Both paths draw exactly, but differently: the same seed gives different tokens
+on the GPU and on the CPU."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedllm.device import to_device
-from pagedllm.kernels import use_triton
+from pagedllm.kernels import triton_available
+from pagedllm.sample import tiles
 
 _EPS = 1e-5
 CANDIDATES = 256
@@ -41,22 +47,23 @@ _BLOCK_BYTES = 8 << 20  # CPU plain rows: logits per block of rows, so that a bl
 @dataclass
 class SamplingMetadata:
     """The sampler's inputs for one step. Which rows sample and which filter is decided on the host, so the
-    sampler needs no device sync for it. Build it with `SamplingMetadata.build`."""
+    sampler needs no device sync for it. Build it with `SamplingMetadata.build`: on a GPU it holds the per-row
+    parameters of the kernel (params, seed_keys) and none of the torch path's fields (None), elsewhere the reverse."""
 
     all_greedy: bool
-    greedy_rows: torch.Tensor  # [num_greedy] int64: batch rows that take the argmax
-    sample_rows: torch.Tensor  # [num_sample] int64: batch rows that sample
-    plain: torch.Tensor  # [num_plain] int64: positions in sample_rows without top-k / top-p
-    filtered: torch.Tensor  # [num_filtered] int64: positions in sample_rows with top-k or top-p
-    temperature: torch.Tensor  # [num_sample] float32
-    top_k: torch.Tensor  # [num_filtered] int64, 0 = off
-    top_p: torch.Tensor  # [num_filtered] float32, 1 = off
+    params: torch.Tensor | None  # GPU: [batch, 4] float32 (row stride 6): temperature (0: greedy), top_k, top_p, min_p
+    seed_keys: torch.Tensor | None  # GPU: [batch] int64 (stride 3): seeded_key of (seed, position), -1: no seed
+    greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
+    sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
+    plain: torch.Tensor | None  # [num_plain] int64: positions in sample_rows without top-k / top-p
+    filtered: torch.Tensor | None  # [num_filtered] int64: positions in sample_rows with top-k or top-p
+    temperature: torch.Tensor | None  # [num_sample] float32
+    top_k: torch.Tensor | None  # [num_filtered] int64, 0 = off
+    top_p: torch.Tensor | None  # [num_filtered] float32, 1 = off
     max_top_k: int
-    any_top_p_only: bool  # some filtered row has top-p without top-k (its nucleus is over the whole row)
     min_p: torch.Tensor | None  # [num_sample] float32; None when no row uses it
     seeded: torch.Tensor | None  # [num_sample] bool; None when no row has a seed
     seed_uniforms: torch.Tensor | None  # [num_sample] float32: seeded_uniform of (seed, position) where seeded
-    seed_keys: torch.Tensor | None  # [num_sample] int64: seeded_key of (seed, position) where seeded
 
     @classmethod
     def build(
@@ -70,7 +77,10 @@ class SamplingMetadata:
         positions: np.ndarray | None = None,  # [batch] int64: tokens each request has generated (the draw's counter)
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
+        device = torch.device(device)
         sampling = temperature >= _EPS
+        if device.type == "cuda" and triton_available():
+            return cls._for_kernel(temperature, top_k, top_p, min_p, seeds, seeded, positions, device)
         rows = np.nonzero(sampling)[0]
         k, p = top_k[rows], top_p[rows]
         is_filtered = (k > 0) | (p < 1.0)
@@ -79,19 +89,42 @@ class SamplingMetadata:
         any_min_p = bool((min_p[rows] > 0).any())
         if any_seed:  # hashed here, on the host: a few small numpy ops instead of dozens of device kernels
             seeds, positions = seeds[rows].astype(np.int64), positions[rows].astype(np.int64)
-        hashed = lambda fn: fn(seeds, positions) if any_seed else None  # noqa: E731
         ints = {"greedy_rows": np.nonzero(~sampling)[0], "sample_rows": rows, "plain": np.nonzero(~is_filtered)[0]}
         ints |= {"filtered": filtered, "top_k": k[filtered], "seeded": seeded[rows] if any_seed else None}
-        ints["seed_keys"] = hashed(seeded_key)
         floats = {"temperature": temperature[rows], "top_p": p[filtered], "min_p": min_p[rows] if any_min_p else None}
-        floats["seed_uniforms"] = hashed(seeded_uniform)
+        floats["seed_uniforms"] = seeded_uniform(seeds, positions) if any_seed else None
         tensors = _to_device_packed(ints, np.int64, device) | _to_device_packed(floats, np.float32, device)
         tensors["seeded"] = None if tensors["seeded"] is None else tensors["seeded"].bool()
         return cls(
             all_greedy=not bool(sampling.any()),
+            params=None,
+            seed_keys=None,
             max_top_k=int(k[filtered].max()) if len(filtered) else 0,
-            any_top_p_only=bool(((k[filtered] == 0) & (p[filtered] < 1.0)).any()),
             **tensors,
+        )
+
+    @classmethod
+    def _for_kernel(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions, device) -> SamplingMetadata:
+        """The GPU kernel's form: every row's parameters as they are, in one host-to-device copy."""
+        batch = len(temperature)
+        packed = np.empty((batch, 6), dtype=np.float32)  # per row: temperature, top_k, top_p, min_p, 64-bit key
+        packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] = temperature, top_k, top_p, min_p
+        keys = packed[:, 4:].view(np.int64)  # [batch, 1]
+        keys[:] = -1
+        if seeded is not None and seeded.any():
+            rows = np.nonzero(seeded)[0]
+            keys[rows, 0] = seeded_key(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
+        whole = to_device(packed, device)
+        none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
+        return cls(
+            all_greedy=not bool((temperature >= _EPS).any()),
+            params=whole[:, :4],
+            seed_keys=whole[:, 4:].view(torch.int64).squeeze(1),
+            max_top_k=0,
+            min_p=None,
+            seeded=None,
+            seed_uniforms=None,
+            **none,
         )
 
 
@@ -134,43 +167,48 @@ def seeded_key(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return (hi << 32) | _seeded_bits(seeds, positions, 0x7F4A7C15)
 
 
-def _nucleus_by_candidates(p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int, whole: bool):
-    """top-k, then top-p over each row's largest p (top-p over the whole row's mass needs `whole`). Returns
-    (candidate p with dropped ones zeroed [rows, k0], candidate ids [rows, k0], whether the kept set lies among the
-    candidates [rows])."""
-    k0 = min(p.shape[1], max(CANDIDATES, max_top_k))
-    vals, ids = p.topk(k0, dim=-1)  # [rows, k0], descending
-    position = torch.arange(k0, device=p.device)[None, :]
+def _nucleus(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor | None = None):
+    """top-k, then top-p over each row's candidates: its largest p, descending [rows, k0] (a top-p row without top-k
+    takes its nucleus's share of the whole row's mass, total [rows], where given; else of its candidates'). Returns
+    (the candidates with dropped ones zeroed, whether the kept set lies among the candidates [rows])."""
+    k0 = vals.shape[1]
+    position = torch.arange(k0, device=vals.device)[None, :]
     by_k = top_k > 0
     vals = vals.masked_fill(position >= torch.where(by_k, top_k, k0)[:, None], 0.0)
     by_p = ~by_k & (top_p < 1.0)  # top-p over the whole (min-p filtered) row
-    total = vals.sum(dim=-1)
-    if whole:  # some row's top-p is over the whole row
-        total = torch.where(by_p, p.sum(dim=-1), total)
+    if total is None:
+        total = vals.sum(dim=-1)
+    else:
+        total = torch.where(by_p, total, vals.sum(dim=-1))
     mass = total * top_p  # the mass the nucleus must reach
     mass = torch.where(top_p < 1.0, mass, float("inf"))  # top_p = 1: no cut (not even by rounding)
     cum = vals.cumsum(dim=-1)
     before = cum - vals  # mass of the more likely candidates
     vals = vals.masked_fill((before >= mass[:, None]) & (position > 0), 0.0)
     exact = by_k | (cum[:, -1] >= mass)
-    return vals, ids, exact
+    return vals, exact
 
 
-def _nucleus_threshold_by_histogram(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus_threshold_by_histogram(p: torch.Tensor, top_p: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
     """The smallest p a top-p row keeps, for rows whose nucleus is too large for the candidates: a histogram over
     the float bits of p (32 bins per power of two, monotonic in p) narrows the cut to one bin, whose members are
     then sorted. p [rows, vocab] float32 in [0, 1]. [rows]"""
     rows = p.shape[0]
-    bins = (_ONE_BITS - p.view(torch.int32)).bitwise_right_shift_(_BIN_SHIFT)  # [rows, vocab] bin 0: p near 1
-    bins = bins.clamp_(0, _HIST_BINS - 1).long()  # the last bin gathers p < 2**-64 and p = 0; p a hair above 1: 0
-    hist = torch.zeros(rows, _HIST_BINS, dtype=p.dtype, device=p.device).scatter_add_(1, bins, p)
+    bins = torch.neg(p.view(torch.int32), out=scratch.take(p.shape, torch.int32)).add_(_ONE_BITS)
+    bins = bins.bitwise_right_shift_(_BIN_SHIFT).clamp_(0, _HIST_BINS - 1)  # [rows, vocab] bin 0: p near 1
+    # the last bin gathers p < 2**-64 and p = 0; p a hair above 1: 0
+    index = scratch.take(p.shape, torch.int64).copy_(bins)
+    hist = torch.zeros(rows, _HIST_BINS, dtype=p.dtype, device=p.device).scatter_add_(1, index, p)
     cum = hist.cumsum(dim=-1)
     mass = (cum[:, -1] * top_p)[:, None]
     cut = torch.searchsorted(cum, mass).clamp_(max=_HIST_BINS - 1)  # [rows, 1]: the bin where the nucleus ends
     above = cum.gather(1, cut) - hist.gather(1, cut)  # mass of the more likely bins
-    in_cut = bins == cut
-    width = int(in_cut.sum(dim=-1).max())
-    members = p.where(in_cut, 0.0).topk(max(width, 1), dim=-1).values  # [rows, width] descending
+    in_cut = scratch.take(p.shape, torch.bool)
+    if p.is_cuda:
+        torch.eq(bins, cut.int(), out=in_cut)
+    else:  # numpy's comparison into bools is several times faster on the CPU
+        np.equal(bins.numpy(), cut.int().numpy(), out=in_cut.numpy())
+    members = tiles.pack(p, in_cut, 0.0)[0].sort(dim=-1, descending=True).values  # [rows, width]
     before = above + members.cumsum(dim=-1) - members
     kept = torch.minimum((before < mass).sum(dim=-1), (members > 0).sum(dim=-1))  # never a zeroed (min-p) member
     last = kept.clamp_(min=1)[:, None] - 1  # the last kept member
@@ -208,13 +246,13 @@ def _draw_two_level(p: torch.Tensor, u: torch.Tensor, chunk: int = _CHUNK) -> to
     return k * chunk + _search(inner.cumsum_(dim=-1), target - before)
 
 
-def _probabilities(x: torch.Tensor, inv_t: torch.Tensor, min_p: torch.Tensor | None, out: torch.Tensor):
+def _probabilities(x: torch.Tensor, inv_t: torch.Tensor, min_p: torch.Tensor | None, out: torch.Tensor, top=None):
     """out = exp(x / T - max(x / T)) [rows, n] (the largest 1), min-p filtered; x is only read unless it is out.
-    inv_t, min_p [rows, 1]. Returns out and the rows with every token banned [rows, 1] bool (all 0 in out), or None
-    where none can be (a CPU row whose max is finite). Computed as 2 ** ((x - max) * log2(e) / T): torch's exp2 is
-    several times faster than its exp on the CPU."""
+    inv_t, min_p [rows, 1]; top: x's row maxima [rows, 1] where known. Returns out and the rows with every token
+    banned [rows, 1] bool (all 0 in out), or None where none can be (a CPU row whose max is finite). Computed as
+    2 ** ((x - max) * log2(e) / T): torch's exp2 is several times faster than its exp on the CPU."""
     scale = inv_t * _LOG2E  # [rows, 1]
-    top = x.amax(dim=-1, keepdim=True)
+    top = x.amax(dim=-1, keepdim=True) if top is None else top
     # extreme penalties or temperatures can overflow: +inf becomes the largest float, NaN is dropped (on a GPU
     # always, rather than a sync to ask)
     if not x.is_cuda and bool(torch.isfinite(top * scale).all()):
@@ -227,24 +265,37 @@ def _probabilities(x: torch.Tensor, inv_t: torch.Tensor, min_p: torch.Tensor | N
         p = x.sub_(top.masked_fill_(dead, 0.0))
     p.exp2_()  # in out: no new buffer
     if min_p is not None:
-        p.masked_fill_(p < min_p, 0.0)
+        _drop_below(p, min_p)
     return p, dead
 
 
-def _draw_plain(logits, rows, inv_t, min_p, u) -> torch.Tensor:
+def _drop_below(p: torch.Tensor, bound: torch.Tensor) -> None:
+    """p < bound becomes 0, in place (bound [rows, 1]). Long rows on the CPU one by one as torch's threshold (p <= the
+    float below the bound), several times faster there than a masked fill (whose single call wins on short rows)."""
+    if p.is_cuda or p.shape[1] < 1024:
+        p.masked_fill_(p < bound, 0.0)
+        return
+    below = torch.nextafter(bound, torch.zeros_like(bound)).flatten().tolist()
+    for row, b, under in zip(p, bound.flatten().tolist(), below):
+        if b > 0:
+            torch.nn.functional.threshold_(row, under, 0.0)
+
+
+def _draw_plain(logits, rows, inv_t, min_p, u, scratch: _Scratch) -> torch.Tensor:
     """Inverse-CDF draws for rows without top-k / top-p, in blocks of rows (CPU: a few MiB, so that the max, exp and
     chunk-sum passes over a block hit the cache): p into a zero-padded scratch, then the two-level draw.
     logits [batch, vocab] (read only), rows [n] sorted batch rows, inv_t [n, 1], min_p [n, 1] or None, u [n] -> [n]"""
     n, vocab = len(rows), logits.shape[1]
     block = n if logits.is_cuda else max(1, min(n, _BLOCK_BYTES // (logits.element_size() * vocab)))
     padded = -(-vocab // _CHUNK) * _CHUNK
-    scratch = torch.empty(block, padded, dtype=torch.float32, device=logits.device)  # [block, padded]
-    scratch[:, vocab:] = 0.0  # the padding of the last chunk weighs nothing
+    ps = scratch.take((block, padded))
+    ps[:, vocab:] = 0.0  # the padding of the last chunk weighs nothing
+    xs = None if n == logits.shape[0] else scratch.take((block, vocab), logits.dtype)  # all rows: views, no copy
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     for start in range(0, n, block):
         end = min(n, start + block)
-        x = logits[start:end] if n == logits.shape[0] else logits[rows[start:end]]  # all rows: a view, no copy
-        p = scratch[: end - start]  # [b, padded]
+        x = logits[start:end] if xs is None else torch.index_select(logits, 0, rows[start:end], out=xs[: end - start])
+        p = ps[: end - start]  # [b, padded]
         _, dead = _probabilities(x, inv_t[start:end], None if min_p is None else min_p[start:end], p[:, :vocab])
         tokens = _draw_two_level(p, u[start:end], _CHUNK).clamp_(max=vocab - 1)
         out[start:end] = tokens if dead is None else tokens.masked_fill_(dead.squeeze(1), 0)  # banned rows: token 0
@@ -253,31 +304,39 @@ def _draw_plain(logits, rows, inv_t, min_p, u) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
-        self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
+        # for requests without a seed: the torch path's uniforms, the GPU kernel's key of each step
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+        self.scratch = _Scratch(device)  # the torch path's large temporaries
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits [batch, vocab] (only read) -> sampled token ids [batch] int64. float32; the model's dtype also
-        works when every row is greedy or plain (the argmax and the GPU kernel read it exactly as float32)."""
+        works on the GPU or when every row is greedy (the argmax and the GPU kernel read it exactly as float32)."""
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        if len(meta.greedy_rows):
-            out[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
-        race = use_triton(logits)  # GPU: the plain rows in one kernel
-        u = self._uniforms(meta) if len(meta.filtered) or not race else None  # [num_sample]
-        if len(meta.plain) and race:
-            from pagedllm.kernels.sampling import sample_plain
+            return logits.argmax(dim=-1) if logits.is_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
+        if meta.params is not None:  # GPU: every row in one kernel
+            from pagedllm.kernels.sampling import sample
 
-            sample_plain(logits, meta.sample_rows, meta.plain, meta.temperature, self._keys(meta), meta.min_p, out)
-        elif len(meta.plain):
+            return sample(logits, meta.params, meta.seed_keys, int(self.rng.integers(1 << 62)))
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        greedy, filtered = meta.greedy_rows, meta.filtered
+        # their rows start from the maxima of tiles (tiles.py): one pass over the whole batch where they are most
+        # of it, else over copies of their rows
+        every = tiles.tile_maxima(logits) if 2 * (len(greedy) + len(filtered)) >= len(out) else None
+
+        def maxima(rows: torch.Tensor) -> torch.Tensor:
+            return tiles.tile_maxima(logits.index_select(0, rows)) if every is None else every[rows]
+
+        if len(greedy):
+            out[greedy] = tiles.argmax(logits, maxima(greedy), greedy)
+        u = self._uniforms(meta)  # [num_sample]
+        self.scratch.reset()
+        if len(meta.plain):
             rows, inv_t, min_p, u_plain = _take(meta, meta.plain, u)
-            out[rows] = _draw_plain(logits, rows, inv_t, min_p, u_plain)
-        if len(meta.filtered):
-            rows, inv_t, min_p, u_filtered = _take(meta, meta.filtered, u)
-            x = logits[rows]  # [num_filtered, vocab] a copy, changed in place
-            p, dead = _probabilities(x, inv_t, min_p, out=x)
-            tokens = _draw_filtered(p, u_filtered, meta)
-            out[rows] = tokens if dead is None else tokens.masked_fill_(dead.squeeze(1), 0)  # banned rows: token 0
+            out[rows] = _draw_plain(logits, rows, inv_t, min_p, u_plain, self.scratch)
+        if len(filtered):
+            rows, inv_t, min_p, u_filtered = _take(meta, filtered, u)
+            out[rows] = _draw_filtered(logits, rows, maxima(rows), inv_t, min_p, u_filtered, meta, self.scratch)
         return out
 
     def _uniforms(self, meta: SamplingMetadata) -> torch.Tensor:
@@ -286,15 +345,6 @@ class Sampler:
         if meta.seeded is not None:
             u = torch.where(meta.seeded, meta.seed_uniforms, u)
         return u
-
-    def _keys(self, meta: SamplingMetadata) -> torch.Tensor:
-        """[num_sample] int64 Philox keys for the GPU's plain rows: from the engine's generator (one call a step), or
-        from (seed, position) for seeded requests."""
-        n, device = len(meta.sample_rows), meta.sample_rows.device
-        keys = torch.randint(1 << 62, (n,), generator=self.generator, device=device)
-        if meta.seeded is not None:
-            keys = torch.where(meta.seeded, meta.seed_keys, keys)
-        return keys
 
 
 def _take(meta: SamplingMetadata, index: torch.Tensor, u: torch.Tensor):
@@ -306,15 +356,70 @@ def _take(meta: SamplingMetadata, index: torch.Tensor, u: torch.Tensor):
     return pick(meta.sample_rows), 1.0 / pick(meta.temperature)[:, None], min_p, pick(u)
 
 
-def _draw_filtered(p: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Draws from rows with top-k / top-p: over their candidates, or (a wide nucleus) over the whole row."""
-    vals, ids, exact = _nucleus_by_candidates(p, meta.top_k, meta.top_p, meta.max_top_k, meta.any_top_p_only)
+def _draw_filtered(logits, rows, maxima, inv_t, min_p, u, meta: SamplingMetadata, scratch: _Scratch) -> torch.Tensor:
+    """Draws from rows with top-k / top-p over their largest p (the candidates: CANDIDATES, or top_k), or over the
+    whole row where top-p's nucleus is wider. The candidates are read from the tiles with the largest maxima
+    (pagedllm/sample/tiles.py); only rows with top-p alone need p of the whole row (the nucleus is a share of its
+    mass). Where some row's max is not finite (NaN, inf, or x / T overflowing), every row takes p of the whole row,
+    sanitized. logits [batch, vocab] (read only), rows [n] batch rows, maxima tile_maxima(logits[rows]), inv_t,
+    min_p [n, 1] or None, u [n] -> [n]"""
+    k0 = min(logits.shape[1], max(CANDIDATES, meta.max_top_k))
+    if not bool(torch.isfinite(maxima.amax(dim=-1, keepdim=True) * (inv_t * _LOG2E)).all()):  # as _probabilities
+        x = torch.index_select(logits, 0, rows, out=scratch.take((len(rows), logits.shape[1])))
+        p, dead = _probabilities(x, inv_t, min_p, out=x)
+        vals, ids = tiles.topk(p, k0, tiles.tile_maxima(p))
+        tokens = _draw_nucleus(vals, ids, meta.top_k, meta.top_p, u, scratch, p)
+        return tokens if dead is None else tokens.masked_fill_(dead.squeeze(1), 0)  # banned rows: token 0
+    out = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    pick = lambda t, at: None if t is None else t[at]  # noqa: E731
+    for top_p_alone in (False, True):
+        at = torch.nonzero((meta.top_k == 0) == top_p_alone).squeeze(1)
+        if not len(at):
+            continue
+        x, ids = tiles.topk(logits, k0 if top_p_alone else min(logits.shape[1], meta.max_top_k), maxima[at], rows[at])
+        vals, _ = _probabilities(x, inv_t[at], pick(min_p, at), out=x)  # their max is the row's
+        p = None
+        if top_p_alone:
+            x = torch.index_select(logits, 0, rows[at], out=scratch.take((len(at), logits.shape[1])))
+            p, _ = _probabilities(x, inv_t[at], pick(min_p, at), out=x, top=maxima[at].amax(dim=-1, keepdim=True))
+        out[at] = _draw_nucleus(vals, ids, meta.top_k[at], meta.top_p[at], u[at], scratch, p)
+    return out
+
+
+def _draw_nucleus(vals, ids, top_k, top_p, u, scratch: _Scratch, p: torch.Tensor | None = None) -> torch.Tensor:
+    """Draws over the candidates (their p [rows, k0] descending, ids [rows, k0]) after top-k and top-p; given p of
+    the whole rows [rows, vocab], top-p rows without top-k take their nucleus's share of the whole row's mass, and
+    those whose nucleus is wider than the candidates draw over the whole row, cut where a histogram finds. [rows]"""
+    vals, exact = _nucleus(vals, top_k, top_p, None if p is None else p.sum(dim=-1))
     picked = ids.gather(1, _draw(vals, u)[:, None]).squeeze(1)
-    if not meta.any_top_p_only:
+    if p is None:
         return picked
     wide = torch.nonzero(~exact).squeeze(1)
     if len(wide):
-        pw = p[wide]
-        threshold = _nucleus_threshold_by_histogram(pw, meta.top_p[wide])
-        picked[wide] = _draw(pw.masked_fill_(pw < threshold[:, None], 0.0), u[wide])
+        pw = torch.index_select(p, 0, wide, out=scratch.take((len(wide), p.shape[1])))
+        _drop_below(pw, _nucleus_threshold_by_histogram(pw, top_p[wide], scratch)[:, None])
+        picked[wide] = _draw(pw, u[wide])
     return picked
+
+
+class _Scratch:
+    """The torch path's large temporaries, in memory kept from step to step: fresh memory costs a page fault per
+    4 KiB, which on the CPU costs more than a pass over it. take() hands out views of one buffer in turn, free again
+    at the next reset(); the buffer grows to the most that a step took (until then, take() allocates)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        self.used = self.peak = 0
+
+    def reset(self) -> None:
+        if self.peak > len(self.buffer):  # with room for a step that takes a little more
+            self.buffer = torch.empty(self.peak * 5 // 4, dtype=torch.uint8, device=self.buffer.device)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        start = -(-self.used // 64) * 64  # aligned for any dtype (and a cache line)
+        self.used = start + math.prod(shape) * dtype.itemsize
+        self.peak = max(self.peak, self.used)
+        if self.used > len(self.buffer):
+            return torch.empty(shape, dtype=dtype, device=self.buffer.device)
+        return self.buffer[start : self.used].view(dtype).view(shape)

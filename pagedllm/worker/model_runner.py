@@ -228,11 +228,10 @@ class ModelRunner:
         return step
 
     def _reads_logits_as_is(self, sampling, rows: np.ndarray, num_tokens: np.ndarray, num_top: list) -> bool:
-        """On CUDA, whether the step's logits can stay in the model dtype: every row takes the argmax or a plain
-        draw (the sampling kernel reads any float dtype exactly), none adjusts its logits or wants logprobs."""
+        """Whether the step's logits can stay in the model dtype: on CUDA, where the argmax and the sampling kernel
+        read any float dtype exactly, when no row adjusts its logits or wants logprobs."""
         return (
-            self.device.type == "cuda"
-            and not len(sampling.filtered)
+            sampling.params is not None
             and all(k is None for k in num_top)
             and not adjusts_logits(self.batch, rows, num_tokens)
         )

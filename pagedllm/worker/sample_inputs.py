@@ -10,9 +10,13 @@ import numpy as np
 import torch
 
 from pagedllm.device import to_device
+from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
+
+_LOG2E = 1.4426950408889634  # exp(z) = 2 ** (z * log2(e))
+_BLOCK_BYTES = 2 << 20  # CPU logprobs: logits per block of rows
 
 
 def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
@@ -100,7 +104,7 @@ def logprob_rows(raw_logits: torch.Tensor, num_top: list[int | None]) -> torch.T
         return None
     if len(wanted) == len(num_top):
         return raw_logits.clone()
-    return raw_logits[to_device(np.array(wanted, dtype=np.int64), raw_logits.device)]
+    return raw_logits.index_select(0, to_device(np.array(wanted, dtype=np.int64), raw_logits.device))
 
 
 @dataclass
@@ -139,13 +143,38 @@ def logprob_tensors(
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if not wanted:
         return None
-    lse = raw_logits.logsumexp(dim=-1, keepdim=True)  # [wanted, 1]
     chosen = sampled if len(wanted) == len(num_top) else sampled[to_device(np.array(wanted), sampled.device)]
     chosen_logit = raw_logits.gather(1, chosen[:, None])
-    ranks = (raw_logits > chosen_logit).sum(dim=1) + 1  # 1 = the most likely token
     k_max = max(num_top[i] for i in wanted)
-    top_logits, top_ids = raw_logits.topk(k_max, dim=-1) if k_max else (raw_logits[:, :0], chosen[:, None][:, :0])
+    if raw_logits.is_cuda:
+        lse = raw_logits.logsumexp(dim=-1, keepdim=True)  # [wanted, 1]
+        ranks = (raw_logits > chosen_logit).sum(dim=1) + 1  # 1 = the most likely token
+        top_logits, top_ids = raw_logits.topk(k_max, dim=-1) if k_max else (raw_logits[:, :0], chosen[:, None][:, :0])
+    else:  # torch's CPU topk over whole rows is several times slower than a max over their tiles
+        maxima = tiles.tile_maxima(raw_logits)
+        lse, ranks = _logsumexp_and_ranks(raw_logits, maxima.amax(dim=-1, keepdim=True), chosen_logit)
+        top_logits, top_ids = tiles.topk(raw_logits, k_max, maxima)
     return LogprobTensors(num_top, chosen, (chosen_logit - lse).squeeze(1), ranks, top_ids, top_logits - lse)
+
+
+def _logsumexp_and_ranks(x: torch.Tensor, top: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the CPU: x.logsumexp(-1, keepdim=True) [rows, 1] given each row's max top [rows, 1], and the rank of chosen
+    [rows, 1] in its row (1 + the count of larger values) [rows]. In blocks of rows through one small buffer (whole
+    rows of temporaries would cost a page fault per 4 KiB each step; a block's second pass reads it from cache). The
+    logsumexp as log(sum(2 ** ((x - max) * log2(e)))) + max: torch's CPU exp2 is several times faster than its exp;
+    the count as floats: torch's comparison into floats is faster than into bools."""
+    rows, vocab = x.shape
+    block = max(1, min(rows, _BLOCK_BYTES // (4 * vocab)))
+    buffer = torch.empty(block, vocab)  # float32 (counts exact below 2**24 whatever x's dtype)
+    top = top.masked_fill(~torch.isfinite(top), 0.0)  # an infinite max: the sum is inf (or 0 for -inf) as it is
+    sums, larger = torch.empty(rows, 1), torch.empty(rows)
+    for start in range(0, rows, block):
+        end = min(rows, start + block)
+        b = buffer[: end - start]
+        torch.sub(x[start:end], top[start:end], out=b).mul_(_LOG2E).exp2_()
+        torch.sum(b, dim=-1, keepdim=True, out=sums[start:end])
+        torch.sum(torch.gt(x[start:end], chosen[start:end], out=b), dim=-1, out=larger[start:end])
+    return sums.log_().add_(top), larger.long() + 1
 
 
 def sampled_logprobs(

@@ -1,7 +1,7 @@
-"""The Triton sampler kernel for plain rows against the distribution it must draw from: softmax(x / T), renormalized
-over the tokens min-p keeps (torch on CPU, and the reference min-p filter of tests/sample). Without CUDA the kernel
-runs in Triton's interpreter (see conftest.py), slowly: a few hundred draws over a two-tile vocabulary (block 16);
-on CUDA the same tests draw far more and the gpu-marked ones use the real block and vocabulary size."""
+"""The Triton sampling kernel against the distribution it must draw from: softmax(x / T), renormalized over the
+tokens that min-p, top-k and top-p keep (HF transformers' logits warpers decide which). Without CUDA the kernel runs
+in Triton's interpreter (see conftest.py), slowly: a few hundred draws over a vocabulary of a few tiles (block 16 or
+64); on CUDA the same tests draw far more and the gpu-marked ones use the real block and vocabulary size."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
+from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, seeded_key
 
@@ -21,38 +22,40 @@ GPU = DEVICE.type == "cuda"
 BLOCK = 4096 if GPU else 16  # the interpreter runs every op of every program in Python: keep the tiles tiny
 
 sampling = importlib.import_module("pagedllm.kernels.sampling")
-if not GPU and type(sampling.sample_plain_kernel).__name__ != "InterpretedFunction":
+if not GPU and type(sampling.sample_kernel).__name__ != "InterpretedFunction":
     sampling = importlib.reload(sampling)  # imported before the interpreter was switched on
 
 
-def draw(logits, temperature, keys, min_p=None, rows=None, block=BLOCK) -> torch.Tensor:
-    """The kernel's tokens for the given batch rows of logits [batch, vocab] (default all), one draw each; the other
-    entries of the output stay -1."""
-    batch = logits.shape[0]
-    rows = torch.arange(batch) if rows is None else torch.as_tensor(rows)
-    n = len(rows)
-    out = torch.full((batch,), -1, dtype=torch.int64, device=DEVICE)
-    sampling.sample_plain(
-        logits.to(DEVICE),
-        rows.to(DEVICE),
-        torch.arange(n, device=DEVICE),
-        torch.as_tensor(temperature, dtype=torch.float32).expand(n).contiguous().to(DEVICE),
-        torch.as_tensor(keys, dtype=torch.int64).to(DEVICE),
-        None if min_p is None else torch.as_tensor(min_p, dtype=torch.float32).expand(n).contiguous().to(DEVICE),
-        out,
-        block=block,
-    )
-    return out.cpu()
+def draw(logits, temperature, keys, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK, cap=None) -> torch.Tensor:
+    """The kernel's token for each row of logits [batch, vocab]; parameters are one value or one per row, keys the
+    rows' Philox keys (as seeded rows: >= 0); cap: candidates listed per filtered row (default the kernel's)."""
+    n = logits.shape[0]
+    column = lambda v: torch.as_tensor(v, dtype=torch.float32).expand(n)  # noqa: E731
+    params = torch.stack([column(temperature), column(top_k), column(top_p), column(min_p)], dim=1)
+    keys = torch.as_tensor(keys, dtype=torch.int64)
+    cap = sampling._CAP if cap is None else cap
+    return sampling.sample(logits.to(DEVICE), params.to(DEVICE), keys.to(DEVICE), 0, block=block, cap=cap).cpu()
+
+
+def hf_kept(x: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """The tokens HF's warpers keep after temperature (min-p, top-k, top-p: vLLM's order). [vocab] bool"""
+    ref = (x.double() / temperature)[None, :]
+    if min_p:
+        ref = MinPLogitsWarper(min_p)(None, ref)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    return torch.isfinite(ref[0])
 
 
 def random_keys(n: int, seed: int) -> torch.Tensor:
     return torch.randint(1 << 62, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def expected_probs(x: torch.Tensor, temperature: float, min_p: float = 0.0) -> torch.Tensor:
-    """softmax(x / T) over the tokens with p >= min_p * max p, renormalized. x [vocab] -> [vocab] float64"""
-    p = (x.double() / temperature).softmax(-1)
-    p = torch.where(p >= min_p * p.max(), p, 0.0)
+def expected_probs(x: torch.Tensor, temperature: float, min_p=0.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """softmax(x / T) over the tokens HF keeps, renormalized. x [vocab] -> [vocab] float64"""
+    p = (x.double() / temperature).softmax(-1).masked_fill(~hf_kept(x, temperature, top_k, top_p, min_p), 0.0)
     return p / p.sum()
 
 
@@ -82,26 +85,49 @@ def logits_over_two_tiles() -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("min_p", [None, 0.5])
+@pytest.mark.parametrize("min_p", [0.0, 0.5])
 def test_frequencies_follow_the_softmax(min_p):
     x, temperature = logits_over_two_tiles(), 0.7
     n = 100_000 if GPU else 300
     tokens = draw(x.expand(n, -1), temperature, random_keys(n, 1), min_p=min_p)
-    p = expected_probs(x, temperature, min_p or 0.0)
+    p = expected_probs(x, temperature, min_p)
     assert chi_square_pvalue(tokens, p) > 1e-3
     if min_p:  # the cut: p >= min_p * max p keeps exactly these
         assert set(tokens.tolist()) <= {1, 17, 9}
 
 
-def test_temperature_and_batch_rows_per_row():
-    """Each drawn row uses its own temperature and writes its own batch row; other rows stay untouched."""
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.7, 0.0), (0, 0.9, 0.1), (4, 0.95, 0.05), (1, 1.0, 0.0), (40, 0.8, 0.0)],
+)
+@pytest.mark.parametrize("cap", [None, 2], ids=["listed", "row-searched"])
+def test_filters_keep_exactly_what_hf_keeps(top_k, top_p, min_p, cap):
+    """Over a few tiles of tokens (two tied near the top), no token HF drops is drawn, every kept one of some mass
+    is, at the renormalized softmax's frequencies; with the candidates listed, and with too many to list (cap 2)."""
+    x = torch.randn(37, generator=torch.Generator().manual_seed(top_k + int(100 * top_p))) * 1.2
+    x[[3, 30]] = x.max() - 0.3  # a tie near the top
+    temperature = 0.8
+    p = expected_probs(x, temperature, min_p, top_k, top_p)
+    n = 100_000 if GPU else 100
+    tokens = draw(x.expand(n, -1), temperature, random_keys(n, 11), min_p, top_k, top_p, BLOCK if GPU else 64, cap)
+    drawn = torch.bincount(tokens, minlength=len(x)) > 0
+    assert not drawn[p == 0].any(), "a token HF drops was drawn"
+    assert drawn[p >= 0.04].all(), "a token HF keeps was never drawn"
+    if GPU and (p > 0).sum() >= 3:  # a chi-square test needs three cells
+        assert chi_square_pvalue(tokens, p) > 1e-3
+
+
+def test_rows_use_their_own_parameters():
+    """Rows alternate x at temperature 2 with top-k 4, greedy rows (the argmax) and -x at temperature 0.5."""
     x = logits_over_two_tiles()
-    n = 20_000 if GPU else 200
-    logits = torch.stack([x, -x]).repeat(n, 1)  # [2n, vocab]: rows alternate x and -x
-    rows = torch.arange(1, 2 * n, 2)  # the -x rows only
-    tokens = draw(logits, 2.0, random_keys(n, 2), rows=rows)
-    assert (tokens[0::2] == -1).all()
-    assert chi_square_pvalue(tokens[1::2], expected_probs(-x, 2.0)) > 1e-3
+    n = 20_000 if GPU else 100
+    logits = torch.stack([x, x, -x]).repeat(n, 1)  # [3n, vocab]
+    temperature = torch.tensor([2.0, 0.0, 0.5]).repeat(n)
+    top_k = torch.tensor([4, 0, 0]).repeat(n)
+    tokens = draw(logits, temperature, random_keys(3 * n, 2), top_k=top_k)
+    assert (tokens[1::3] == x.argmax()).all()
+    assert chi_square_pvalue(tokens[0::3], expected_probs(x, 2.0, top_k=4)) > 1e-3
+    assert chi_square_pvalue(tokens[2::3], expected_probs(-x, 0.5)) > 1e-3
 
 
 def test_seeded_rows_draw_the_same_token_alone_and_in_another_batch():
@@ -127,9 +153,10 @@ def test_nan_is_never_drawn_and_inf_wins():
         [0.0] * 16 + [inf, 1e30],  # +inf in the second tile beats the largest finite value
     ]
     x = torch.tensor(rows).repeat(8, 1)  # 8 draws of each row
-    for min_p in (None, 0.1):
-        tokens = draw(x, 0.5, random_keys(len(x), 5), min_p=min_p).view(8, len(rows))
-        assert (tokens == torch.tensor([2, 17, 0, 0, 5, 16])).all(), tokens
+    settings = ((0.5, 0.0, 0, 1.0), (0.5, 0.1, 0, 1.0), (0.5, 0.0, 3, 0.9), (0.0, 0, 0, 1))  # T, min-p, top-k, top-p
+    for temperature, min_p, top_k, top_p in settings:
+        tokens = draw(x, temperature, random_keys(len(x), 5), min_p, top_k, top_p).view(8, len(rows))
+        assert (tokens == torch.tensor([2, 17, 0, 0, 5, 16])).all(), (temperature, min_p, top_k, top_p, tokens)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy: the overflow and log(0) are meant
@@ -149,9 +176,9 @@ def test_full_vocabulary_frequencies_on_the_gpu():
     x = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
     x[torch.randperm(vocab, generator=torch.Generator().manual_seed(8))[:head]] += 6.0  # 40 likely tokens
     logits = x.to(DEVICE)[None, :].expand(n, vocab)  # stride 0: every program reads the same row
-    for min_p in (None, 1e-3):  # min-p 1e-3 keeps 68 tokens
+    for min_p in (0.0, 1e-3):  # min-p 1e-3 keeps 68 tokens
         tokens = draw(logits, temperature, random_keys(n, 9), min_p=min_p, block=sampling._BLOCK)
-        p = expected_probs(x, temperature, min_p or 0.0)
+        p = expected_probs(x, temperature, min_p)
         order = p.argsort(descending=True)
         counts = torch.bincount(tokens, minlength=vocab).double()[order]
         expected = p[order] * n
@@ -164,26 +191,47 @@ def test_full_vocabulary_frequencies_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_sampler_plain_rows_on_the_gpu_never_sync_and_keep_seeds():
-    """The Sampler's GPU plain path: no host sync (CUDA's sync debug mode raises on one), seeded rows give the same
-    tokens whatever shares the batch, greedy rows the argmax."""
+@pytest.mark.parametrize("top_k, top_p, spread", [(50, 1.0, 2.0), (0, 0.9, 2.0), (20, 0.95, 2.0), (0, 0.8, 6.0)])
+def test_filters_over_a_full_vocabulary_on_the_gpu(top_k, top_p, spread):
+    """A 151,936-token row, flat (spread 2: a top-p nucleus of thousands of tokens, too many to list) or peaked: the
+    drawn tokens lie in HF's kept set, and their frequencies follow the renormalized softmax (chi-square over 40
+    groups of equal expected mass)."""
+    vocab, n, temperature = 151_936, 200_000, 1.0
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(12)) * spread
+    tokens = draw(x.to(DEVICE)[None, :].expand(n, vocab), temperature, random_keys(n, 13), 0.0, top_k, top_p)
+    p = expected_probs(x, temperature, top_k=top_k, top_p=top_p)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[p == 0].sum() == 0, "a token HF drops was drawn"
+    order = p.argsort(descending=True)
+    mass = p[order].cumsum(0)
+    group = (mass / mass[-1] * 40).long().clamp_(max=39)  # [vocab]: 40 groups of equal mass, most likely first
+    obs = torch.zeros(40, dtype=torch.float64).index_add_(0, group, counts[order])
+    exp = torch.zeros(40, dtype=torch.float64).index_add_(0, group, p[order] * n)
+    assert pearson_pvalue(obs, exp) > 1e-3
+
+
+@pytest.mark.gpu
+def test_sampler_on_the_gpu_never_syncs_and_keeps_seeds():
+    """The Sampler's GPU path over a mixed batch: no host sync (CUDA's sync debug mode raises on one), seeded rows
+    give the same tokens whatever shares the batch, greedy rows the argmax."""
     vocab = 151_936
     x = torch.randn(8, vocab, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0)) * 2
 
-    def meta(n, temperature, seeded_rows):
-        seeds = np.arange(n, dtype=np.int64) + 1000
+    def meta(temperature, top_k, top_p, seeded_rows):
+        n = len(temperature)
         return SamplingMetadata.build(
             np.array(temperature, dtype=np.float32),
-            np.zeros(n, dtype=np.int64),
-            np.ones(n, dtype=np.float32),
+            np.array(top_k, dtype=np.int64),
+            np.array(top_p, dtype=np.float32),
             np.full(n, 0.01, dtype=np.float32),
-            seeds=seeds,
+            seeds=np.arange(n, dtype=np.int64) + 1000,
             seeded=np.isin(np.arange(n), seeded_rows),
             positions=np.full(n, 3, dtype=np.int64),
             device=DEVICE,
         )
 
-    m = meta(8, [0.0, 0.6, 0.6, 1.0, 0.6, 0.6, 0.8, 0.6], [2, 5])
+    temperature, top_p = [0.0, 0.6, 0.6, 1.0, 0.6, 0.6, 0.8, 0.6], [1, 1, 0.9, 0.8, 1, 0.95, 1, 1]
+    m = meta(temperature, [0, 0, 20, 0, 5, 0, 0, 50], top_p, [2, 5])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -191,15 +239,7 @@ def test_sampler_plain_rows_on_the_gpu_never_sync_and_keep_seeds():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out[0] == x[0].argmax()
-    # row 5 alone (seed 1005, position 3, temperature 0.6) draws what it drew in the batch
-    alone = SamplingMetadata.build(
-        np.array([0.6], dtype=np.float32),
-        np.zeros(1, dtype=np.int64),
-        np.ones(1, dtype=np.float32),
-        np.full(1, 0.01, dtype=np.float32),
-        seeds=np.array([1005]),
-        seeded=np.array([True]),
-        positions=np.array([3]),
-        device=DEVICE,
-    )
-    assert Sampler(DEVICE, seed=2)(x[5:6].clone(), alone)[0] == out[5]
+    # rows 2 and 5 alone (seeds 1002 and 1005, position 3) draw what they drew in the batch
+    alone = meta([0.6, 0.6], [20, 0], [0.9, 0.95], [0, 1])
+    alone.seed_keys[:] = torch.from_numpy(seeded_key(np.array([1002, 1005]), np.array([3, 3])))
+    assert torch.equal(Sampler(DEVICE, seed=2)(x[[2, 5]].clone(), alone), out[[2, 5]])

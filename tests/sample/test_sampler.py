@@ -18,8 +18,8 @@ from pagedllm.sample.sampler import (
 VOCAB = 1000
 
 
-def _logits(rows: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+def _logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
 def _meta(temperature, top_k=None, top_p=None, min_p=None, seeds=None, positions=None) -> SamplingMetadata:
@@ -142,8 +142,9 @@ def test_sampled_tokens_stay_inside_the_filtered_set():
 
 
 @pytest.mark.parametrize("position", [0, 3])
-def test_seeded_row_is_independent_of_its_batch(position):
-    logits = _logits(4, seed=8)
+@pytest.mark.parametrize("vocab", [VOCAB, 20000])  # 20000: candidates from tiles (tiles.py), with a tail
+def test_seeded_row_is_independent_of_its_batch(position, vocab):
+    logits = _logits(4, seed=8, vocab=vocab)
     row = logits[1].clone()
 
     def draw(batch: torch.Tensor, at: int, step: int) -> int:
@@ -218,12 +219,12 @@ def test_candidate_path_samples_inside_hf_kept_set(top_k, top_p, min_p):
 
 @pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.5, 0.0), (0.95, 0.02)])
 def test_histogram_path_keeps_exactly_hf_top_p_set(top_p, min_p):
-    from pagedllm.sample.sampler import _nucleus_threshold_by_histogram
+    from pagedllm.sample.sampler import _nucleus_threshold_by_histogram, _Scratch
 
     x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(10)) * 1.5  # flat: nuclei of thousands
     p = (x - x.amax(dim=-1, keepdim=True)).exp()
     p = p.masked_fill(p < min_p, 0.0)
-    threshold = _nucleus_threshold_by_histogram(p, torch.full((3,), top_p))
+    threshold = _nucleus_threshold_by_histogram(p, torch.full((3,), top_p), _Scratch("cpu"))
     for i in range(3):
         ours = set(torch.nonzero(p[i] >= threshold[i]).flatten().tolist())
         kept = _hf_kept(x[i], 0, top_p, min_p)
@@ -256,3 +257,76 @@ def test_top_k_sampling_frequencies_follow_the_renormalized_softmax():
     expected[:3] = base[:3].softmax(-1)
     tol = 4 * (expected * (1 - expected) / rows).sqrt() + 1e-6
     assert ((freq - expected).abs() <= tol).all(), (freq, expected)
+
+
+LARGE = 20000  # 312 tiles of 64 and a tail of 32: the candidates come from tiles (tiles.py)
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(0, 0.5, 0.0), (0, 0.95, 0.0), (40, 1.0, 0.0), (40, 0.8, 0.05), (5, 0.3, 0.1), (300, 0.9, 0.0)],
+)
+def test_large_vocab_samples_inside_hf_kept_set(top_k, top_p, min_p):
+    logits = _logits(4, seed=12, vocab=LARGE) / 3  # flat rows: nuclei of thousands (the histogram)
+    logits[:2, [7, 19990, 19999]] += 12  # peaked rows, their peak in the tail too: nuclei among the candidates
+    for i, seen in enumerate(_support(logits, top_k, top_p, min_p, draws=100)):
+        kept = _hf_kept(logits[i], top_k, top_p, min_p)
+        assert seen <= kept
+        if len(kept) <= 3:
+            assert seen == kept
+
+
+def test_large_vocab_greedy_rows_take_torchs_argmax():
+    logits = torch.randint(-4, 4, (6, LARGE), generator=torch.Generator().manual_seed(13)).float()  # ties
+    logits[1, -5] = 9.0  # in the tail
+    out = Sampler(torch.device("cpu"), seed=0)(logits, _meta([0.0, 0.0, 1.0, 0.0, 0.7, 0.0], top_k=[0, 0, 5, 0, 0, 0]))
+    greedy = [0, 1, 3, 5]
+    assert torch.equal(out[greedy], logits[greedy].argmax(dim=-1))
+
+
+def test_top_k_frequencies_over_tiles_follow_the_renormalized_softmax():
+    base = torch.randn(4100, generator=torch.Generator().manual_seed(14))  # 64 tiles and a tail of 4
+    base[[5, 70, 4097]] += 4.0
+    rows = 4000
+    tokens = Sampler(torch.device("cpu"), seed=15)(base.repeat(rows, 1), _meta([1.0] * rows, top_k=[20] * rows))
+    top = base.topk(20).indices
+    assert set(tokens.tolist()) <= set(top.tolist())
+    expected = base[top].softmax(-1)
+    freq = torch.bincount(tokens, minlength=len(base))[top].float() / rows
+    tol = 4 * (expected * (1 - expected) / rows).sqrt() + 1e-6
+    assert ((freq - expected).abs() <= tol).all(), (freq, expected)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.9)])
+def test_large_vocab_nan_is_never_drawn_inf_wins_and_banned_rows_take_token_0(top_k, top_p):
+    x = torch.full((4, LARGE), -30.0)  # the rest: never drawn in practice
+    x[0, [10, 15000]] = torch.tensor([1.0, 0.5])
+    x[0, [3, 9000, 19999]] = float("nan")
+    x[1] = float("-inf")
+    x[2, [4, 500]] = torch.tensor([float("inf"), 2.0])
+    x[3, [12, 19995]] = torch.tensor([0.0, 1.0])  # a finite row in a batch that has non-finite ones
+    x = x.repeat(30, 1)
+    rows = len(x)
+    tokens = Sampler(torch.device("cpu"), seed=16)(x, _meta([0.7] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows))
+    tokens = tokens.view(30, 4)
+    assert set(tokens[:, 0].tolist()) == {10, 15000}
+    assert (tokens[:, 1] == 0).all() and (tokens[:, 2] == 4).all()
+    assert set(tokens[:, 3].tolist()) <= {12, 19995}
+
+
+def test_a_sampler_reused_over_steps_draws_as_a_fresh_one():
+    """The torch path keeps its large temporaries from step to step (and grows them): seeded draws of a reused
+    sampler must be those of a new one, whatever the batches before."""
+    reused = Sampler(torch.device("cpu"), seed=0)
+    for step, n in enumerate([3, 9, 5, 12, 2]):
+        logits = _logits(n, seed=20 + step, vocab=LARGE) / (1 + step % 3)
+        meta = _meta(
+            [[0.0, 1.0, 0.8, 1.3][i % 4] for i in range(n)],
+            top_k=[[0, 0, 40, 0, 7][i % 5] for i in range(n)],
+            top_p=[[1.0, 0.9, 0.95, 0.5][i % 4] for i in range(n)],
+            min_p=[[0.0, 0.05][i % 2] for i in range(n)],
+            seeds={i: 100 + i for i in range(n)},
+            positions={i: step for i in range(n)},
+        )
+        fresh = Sampler(torch.device("cpu"), seed=1)
+        assert torch.equal(reused(logits, meta), fresh(logits, meta))
