@@ -51,12 +51,12 @@ def _dummy_prefill(runner, lens: np.ndarray, num_blocks: int) -> torch.Tensor:
 
 
 def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
-    """LM head, logprobs and the sampler's most memory-hungry path (top-k + top-p over a sorted vocabulary)."""
+    """LM head, logprobs and the sampler with top-k and top-p on every row (its scratch lists of candidates)."""
     dev = runner.device
     rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
     logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32
     torch.log_softmax(logits, dim=-1)
-    flat = torch.randn_like(logits)  # no token stands out: top-p needs the whole sorted vocabulary
+    flat = torch.randn_like(logits)  # no token stands out: top-p's nucleus is wide
     vocab = logits.shape[1]
     meta = SamplingMetadata.build(
         np.ones(num_rows, dtype=np.float32),
