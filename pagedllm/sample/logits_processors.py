@@ -59,24 +59,13 @@ def apply_penalties(
 
 
 def _apply_penalties_by_counts(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
-    """apply_penalties on a GPU: one host-to-device copy, then each row's token counts over the whole vocabulary (two
-    scatter-adds) and one element-wise pass over the penalized rows. No host sync and no sort; a GPU passes over a
-    few rows of the vocabulary faster than the host sorts their tokens."""
-    n, max_len = token_ids.shape
-    device, dtype = logits.device, logits.dtype
+    """apply_penalties on a GPU: one host-to-device copy of the tokens, then two Triton launches over them
+    (pagedllm/kernels/penalties.py): no sort and no host sync."""
+    from pagedllm.kernels.penalties import apply_penalties as on_gpu
+
     lengths = np.stack([num_prompt, num_tokens], axis=1).astype(np.int64)
-    packed = to_device(np.concatenate([token_ids.astype(np.int64, copy=False), lengths], axis=1), device)
-    position = torch.arange(max_len, device=device)[None, :]
-    present = position < packed[:, max_len + 1 :]  # [n, max_len]
-    ids = packed[:, :max_len].where(present, 0)  # absent places add 0 to token 0
-    in_output = (present & (position >= packed[:, max_len : max_len + 1])).to(dtype)
-    seen = torch.zeros(n, logits.shape[1], dtype=dtype, device=device).scatter_add_(1, ids, present.to(dtype))
-    count = torch.zeros_like(seen).scatter_add_(1, ids, in_output)  # occurrences among the outputs
-    x = logits.index_select(0, rows)
-    rep = repetition[:, None]
-    x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
-    x -= frequency[:, None] * count + presence[:, None] * (count > 0).to(dtype)
-    return logits.index_copy_(0, rows, x)
+    tokens = to_device(np.concatenate([token_ids.astype(np.int64, copy=False), lengths], axis=1), logits.device)
+    return on_gpu(logits, rows, tokens, repetition.float(), presence.float(), frequency.float())
 
 
 def apply_token_constraints(

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.device import to_device
+from pagedllm.kernels import use_triton
 from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 from pagedllm.sample.sampler import SamplingMetadata
@@ -144,8 +145,12 @@ def logprob_tensors(
     if not wanted:
         return None
     chosen = sampled if len(wanted) == len(num_top) else sampled[to_device(np.array(wanted), sampled.device)]
-    chosen_logit = raw_logits.gather(1, chosen[:, None])
     k_max = max(num_top[i] for i in wanted)
+    if use_triton(raw_logits):  # one kernel
+        from pagedllm.kernels.logprobs import logprobs
+
+        return LogprobTensors(num_top, chosen, *logprobs(raw_logits, chosen, k_max))
+    chosen_logit = raw_logits.gather(1, chosen[:, None])
     if raw_logits.is_cuda:
         lse = raw_logits.logsumexp(dim=-1, keepdim=True)  # [wanted, 1]
         ranks = (raw_logits > chosen_logit).sum(dim=1) + 1  # 1 = the most likely token
