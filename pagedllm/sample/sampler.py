@@ -111,9 +111,10 @@ class SamplingMetadata:
         packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] = temperature, top_k, top_p, min_p
         keys = packed[:, 4:].view(np.int64)  # [batch, 1]
         keys[:] = -1
-        if seeded is not None and seeded.any():
-            rows = np.nonzero(seeded)[0]
-            keys[rows, 0] = seeded_key(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
+        if seeded is not None:
+            rows = np.nonzero(seeded & (temperature >= _EPS))[0]  # greedy rows draw nothing
+            if len(rows):
+                keys[rows, 0] = seeded_key(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
         whole = to_device(packed, device)
         none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
         return cls(
