@@ -1,5 +1,6 @@
 """Triton kernels for the GPU path: paged attention (unified varlen prefill + decode, split-K), the KV-cache write,
-and the small fused ops (RMSNorm, residual-add + RMSNorm, SiLU-and-mul, rotary).
+the small fused ops (RMSNorm, residual-add + RMSNorm, SiLU-and-mul, rotary), and the sampler's (sampling,
+penalties, logprobs).
 
 Importing this package never imports triton; the kernel modules do, and only the CUDA path imports them."""
 
