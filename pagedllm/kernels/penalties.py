@@ -1,10 +1,10 @@
-"""Repetition, presence and frequency penalties on the GPU in two launches over the penalized rows' tokens (not over
-the vocabulary), without a sort or a host sync.
+"""Repetition, presence and frequency penalties on the GPU in two launches over the penalized rows' token places,
+without a sort or a host sync.
 
-The first kernel counts each (row, token)'s occurrences among the outputs with atomic adds into a zeroed [rows,
-vocab] table; the second visits every token place again and lets the first place of each (row, token) to claim it
-(an atomic exchange on a second zeroed table) penalize that logit once, with the final count. Every token the rows
-hold is seen (repetition), whether in the prompt or the output."""
+One zeroed int32 table [rows, vocab] holds per (row, token) twice its count among the outputs plus a claim bit. The
+first kernel counts with atomic adds of 2; the second visits every token place again, and the one place of each
+(row, token) that sets the claim bit first (an atomic or) penalizes that logit once, with the final count. Every
+token the rows hold is seen (repetition), whether in the prompt or the output."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def _places(tokens_ptr, row, chunk, max_len, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def count_outputs_kernel(tokens_ptr, counts_ptr, max_len, vocab, BLOCK: tl.constexpr):
+def count_outputs_kernel(tokens_ptr, table_ptr, max_len, vocab, BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     token, held, output = _places(tokens_ptr, row, chunk, max_len, BLOCK)
-    tl.atomic_add(counts_ptr + row.to(tl.int64) * vocab + token, output.to(tl.float32), mask=held)
+    tl.atomic_add(table_ptr + row.to(tl.int64) * vocab + token, 2 * output.to(tl.int32), mask=held)
 
 
 @triton.jit
@@ -38,8 +38,7 @@ def penalize_kernel(
     logits_ptr,  # [batch, vocab] float32, changed in place
     rows_ptr,  # [n] int64: the batch row of each penalized row
     tokens_ptr,  # [n, max_len + 2] int64: each row's prompt then output tokens, its prompt length, its length
-    counts_ptr,  # [n, vocab] float32: occurrences among the outputs
-    claimed_ptr,  # [n, vocab] int32, zeroed
+    table_ptr,  # [n, vocab] int32: 2 x occurrences among the outputs, + 1 once claimed
     repetition_ptr,
     presence_ptr,
     frequency_ptr,  # [n] float32 each
@@ -50,12 +49,11 @@ def penalize_kernel(
 ):
     row, chunk = tl.program_id(0), tl.program_id(1)
     token, held, _ = _places(tokens_ptr, row, chunk, max_len, BLOCK)
-    at = row.to(tl.int64) * vocab + token
-    first = tl.atomic_xchg(claimed_ptr + at, 1, mask=held) == 0  # one place of each (row, token) wins
-    go = held & first
+    entry = tl.atomic_or(table_ptr + row.to(tl.int64) * vocab + token, 1, mask=held)  # masked: unused
+    go = held & ((entry & 1) == 0)  # one place of each (row, token) claims it
+    count = (entry >> 1).to(tl.float32)
     logit_ptr = logits_ptr + tl.load(rows_ptr + row) * stride_row + token
     x = tl.load(logit_ptr, mask=go, other=0.0)
-    count = tl.load(counts_ptr + at, mask=go, other=0.0)
     rep = tl.load(repetition_ptr + row)
     x = tl.where(x > 0, x / rep, x * rep)
     x -= tl.load(frequency_ptr + row) * count + tl.where(count > 0, tl.load(presence_ptr + row), 0.0)
@@ -72,12 +70,10 @@ def apply_penalties(
 ) -> torch.Tensor:
     n, max_len = tokens.shape[0], tokens.shape[1] - 2
     vocab = logits.shape[1]
-    tables = torch.zeros(2, n, vocab, dtype=torch.int32, device=logits.device)  # counts (as float32), claims
-    counts, claimed = tables[0].view(torch.float32), tables[1]
+    table = torch.zeros(n, vocab, dtype=torch.int32, device=logits.device)
     grid = (n, triton.cdiv(max_len, _BLOCK))
-    count_outputs_kernel[grid](tokens, counts, max_len, vocab, BLOCK=_BLOCK)
+    count_outputs_kernel[grid](tokens, table, max_len, vocab, BLOCK=_BLOCK)
     penalize_kernel[grid](
-        logits, rows, tokens, counts, claimed, repetition, presence, frequency, max_len, vocab, logits.stride(0),
-        BLOCK=_BLOCK,
-    )  # fmt: skip
+        logits, rows, tokens, table, repetition, presence, frequency, max_len, vocab, logits.stride(0), BLOCK=_BLOCK
+    )
     return logits

@@ -40,9 +40,11 @@ _CAP = 8192  # candidates listed per filtered row: more, and the row itself is s
 
 @triton.jit
 def _scaled(x, inv_t):
-    """x / T in float32 with NaN -> -inf (never drawn) and +inf -> the largest float."""
+    """x / T in float32 with NaN -> -inf (never drawn), +inf -> the largest float and -0 -> +0 (equal floats, but
+    their keys differ)."""
     s = x.to(tl.float32) * inv_t
     s = tl.where(s == s, s, float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)
     return tl.minimum(s, _FLOAT_MAX)
 
 
@@ -193,7 +195,7 @@ def _narrow(row_ptr, vocab, inv_t, top, lo, hi, above, anchor, top_p, TILE: tl.c
     above = tl.where(moved, tl.max(tl.where(at_hi, mass, 0.0), 0), above)
     # tokens in [new_lo, new_hi): those at or above new_lo less those at or above new_hi, each counted at a pivot
     # (where lo or hi stays: every token, and none)
-    inside_count = tl.max(tl.where(reach & (pivots == new_lo), count, vocab), 0) - tl.max(tl.where(at_hi, count, 0), 0)
+    inside_count = tl.min(tl.where(reach & (pivots == new_lo), count, vocab), 0) - tl.max(tl.where(at_hi, count, 0), 0)
     return new_lo, new_hi, inside_count, above, target
 
 

@@ -163,7 +163,7 @@ def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def seeded_key(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """A 63-bit Philox key per (seed, position) for the GPU's plain rows, whatever else is in the batch. [rows] int64"""
+    """A 63-bit Philox key per (seed, position) for the GPU kernel, whatever else is in the batch. [rows] int64"""
     hi = _seeded_bits(seeds, positions, 0x2545F491) & 0x7FFFFFFF
     return (hi << 32) | _seeded_bits(seeds, positions, 0x7F4A7C15)
 

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.attention.common import BatchLayout, kv_cache_shape
 from pagedllm.forward_context import forward_context
+from pagedllm.sample.logits_processors import apply_penalties
 from pagedllm.sample.sampler import SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def _dummy_prefill(runner, lens: np.ndarray, num_blocks: int) -> torch.Tensor:
 
 
 def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
-    """LM head, logprobs and the sampler with top-k and top-p on every row (its scratch lists of candidates)."""
+    """LM head, logprobs, penalties on every row (their [rows, vocab] table of counts) and the sampler with top-k and
+    top-p on every row (its scratch lists of candidates)."""
     dev = runner.device
     rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
     logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32
@@ -64,6 +66,17 @@ def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
         np.full(num_rows, 0.99, dtype=np.float32),
         np.full(num_rows, 1e-6, dtype=np.float32),
         device=dev,
+    )
+    one = torch.ones(num_rows, device=dev)
+    apply_penalties(
+        flat,
+        torch.arange(num_rows, device=dev),
+        np.zeros((num_rows, 1), dtype=np.int64),
+        np.zeros(num_rows, dtype=np.int64),
+        np.ones(num_rows, dtype=np.int64),
+        one,
+        one,
+        one,
     )
     runner.sampler(flat, meta)
 

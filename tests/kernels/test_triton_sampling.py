@@ -243,3 +243,13 @@ def test_sampler_on_the_gpu_never_syncs_and_keeps_seeds():
     alone = meta([0.6, 0.6], [20, 0], [0.9, 0.95], [0, 1])
     alone.seed_keys[:] = torch.from_numpy(seeded_key(np.array([1002, 1005]), np.array([3, 3])))
     assert torch.equal(Sampler(DEVICE, seed=2)(x[[2, 5]].clone(), alone), out[[2, 5]])
+
+
+def test_negative_zero_ties_with_zero():
+    """-0.0 and +0.0 are equal logits (their float bits differ): min-p 1 keeps a top of -0.0, and top-k 1 keeps both
+    when they tie at the top."""
+    x = torch.full((40, 20), -5.0)
+    x[:, 3] = -0.0
+    assert (draw(x, 1.0, random_keys(40, 14), min_p=1.0) == 3).all()
+    x[:, 4] = 0.0
+    assert set(draw(x, 1.0, random_keys(40, 15), top_k=1).tolist()) == {3, 4}
