@@ -61,11 +61,13 @@ def logprobs_kernel(
         hi = _key(top).to(tl.int64) + 1
         bound = tl.sum(tl.where(lanes == num_top - 1, tl.sort(lane_top, descending=True), 0.0), 0)
         lo = _key(bound).to(tl.int64)  # at least num_top tokens are at or above it
-        count, _ = _gather(row_ptr, vocab, 1.0, top, lo, hi, hi, vals, ids, LIST, TILE)
+        count, _ = _gather(row_ptr, vocab, 1.0, top, lo, hi, hi, vals, ids, LIST, False, TILE)
         if count > LIST:  # many equal values: the num_top-th largest exactly, then the tokens above and at it
             lo = _search(row_ptr, vocab, 1.0, top, lo, hi, num_top, False, False, TILE, PIVOTS)
-            count, _ = _gather(row_ptr, vocab, 1.0, top, lo + 1, hi, hi, vals, ids, LIST, TILE)
-            ties, _ = _gather(row_ptr, vocab, 1.0, top, lo, lo + 1, hi, vals + count, ids + count, LIST - count, TILE)
+            count, _ = _gather(row_ptr, vocab, 1.0, top, lo + 1, hi, hi, vals, ids, LIST, False, TILE)
+            ties, _ = _gather(
+                row_ptr, vocab, 1.0, top, lo, lo + 1, hi, vals + count, ids + count, LIST - count, False, TILE
+            )
             count = tl.minimum(count + ties, LIST)
         at = tl.arange(0, LIST)
         v = tl.load(vals + at, mask=at < count, other=float("-inf"))

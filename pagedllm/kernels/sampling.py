@@ -110,6 +110,19 @@ def _at_or_above(
 
 
 @triton.jit
+def _pivots(lo, hi, PIVOTS: tl.constexpr):
+    """PIVOTS keys inside (lo, hi) (int64, hi - lo > 1): half split the interval evenly in value (fast where it spans
+    zero, whose keys are dense), half evenly in key (fast where it spans binades). [PIVOTS] int64"""
+    j = tl.arange(0, PIVOTS)
+    HALF: tl.constexpr = PIVOTS // 2
+    share = (j % HALF + 1).to(tl.int64)  # 1 .. HALF in each half
+    lo_v, hi_v = _value(lo.to(tl.int32)), _value((hi - 1).to(tl.int32))
+    by_value = _key(lo_v + (hi_v - lo_v) * (share.to(tl.float32) / (HALF + 1))).to(tl.int64)
+    by_key = lo + (hi - lo) * share // (HALF + 1)
+    return tl.minimum(tl.maximum(tl.where(j < HALF, by_value, by_key), lo + 1), hi - 1)
+
+
+@triton.jit
 def _search(
     ptr,
     n,
@@ -124,16 +137,9 @@ def _search(
     PIVOTS: tl.constexpr,
 ):
     """The largest key in [lo, hi) whose entries at or above reach target (lo when none above it does; at hi they do
-    not). lo, hi int64 scalars. Half the pivots split the interval evenly in value (fast where it spans zero, whose
-    keys are dense), half evenly in key (fast where it spans binades)."""
-    j = tl.arange(0, PIVOTS)
-    HALF: tl.constexpr = PIVOTS // 2
-    share = (j % HALF + 1).to(tl.int64)  # 1 .. HALF in each half
+    not). lo, hi int64 scalars."""
     while hi - lo > 1:
-        lo_v, hi_v = _value(lo.to(tl.int32)), _value((hi - 1).to(tl.int32))
-        by_value = _key(lo_v + (hi_v - lo_v) * (share.to(tl.float32) / (HALF + 1))).to(tl.int64)
-        by_key = lo + (hi - lo) * share // (HALF + 1)
-        pivots = tl.minimum(tl.maximum(tl.where(j < HALF, by_value, by_key), lo + 1), hi - 1)  # inside (lo, hi)
+        pivots = _pivots(lo, hi, PIVOTS)
         reach = _at_or_above(ptr, n, inv_t, top, pivots.to(tl.int32), MASS, LISTED, TILE, PIVOTS) >= target
         lo = tl.maximum(lo, tl.max(tl.where(reach, pivots, lo), 0))
         hi = tl.minimum(hi, tl.min(tl.where(reach, hi, pivots), 0))
@@ -141,16 +147,18 @@ def _search(
 
 
 @triton.jit
-def _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, CAP, TILE: tl.constexpr):
+def _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, CAP, WEIGH: tl.constexpr, TILE: tl.constexpr):
     """Lists x / T and the token of every token with a key in [lo, hi), in token order (the first CAP of them), and
-    sums the weights exp(x / T - top) of the tokens with a key >= floor. Returns (how many there are, the sum)."""
+    (WEIGH) sums the weights exp(x / T - top) of the tokens with a key >= floor. Returns (how many there are, the
+    sum)."""
     count = tl.zeros([], tl.int32)
     mass = tl.zeros([TILE], tl.float32)
     for start in range(0, vocab, TILE):
         idx = start + tl.arange(0, TILE)
         s = _tokens(row_ptr, idx, vocab, inv_t)
         key = _key(s)
-        mass += tl.where(key >= floor, tl.exp2((s - top) * _LOG2E), 0.0)
+        if WEIGH:
+            mass += tl.where(key >= floor, tl.exp2((s - top) * _LOG2E), 0.0)
         take = (key >= lo) & (key < hi) & (idx < vocab)
         found = tl.sum(take.to(tl.int32), 0)
         if found > 0:
@@ -168,13 +176,7 @@ def _narrow(row_ptr, vocab, inv_t, top, lo, hi, above, anchor, top_p, TILE: tl.c
     counts the tokens at each pivot. above: the mass at or above hi. Returns the narrowed (lo, hi), how many tokens
     lie in it (or more), the mass at or above the new hi, and the nucleus's target mass (top_p times the kept)."""
     j = tl.arange(0, PIVOTS)
-    HALF: tl.constexpr = PIVOTS // 2
-    share = (j % HALF + 1).to(tl.int64)
-    lo_v, hi_v = _value(lo.to(tl.int32)), _value((hi - 1).to(tl.int32))
-    by_value = _key(lo_v + (hi_v - lo_v) * (share.to(tl.float32) / (HALF + 1))).to(tl.int64)
-    by_key = lo + (hi - lo) * share // (HALF + 1)
-    inside = tl.minimum(tl.maximum(tl.where(j < HALF, by_value, by_key), lo + 1), hi - 1)
-    pivots = tl.where(j == 0, anchor, inside)  # slot 0 weighs the kept set
+    pivots = tl.where(j == 0, anchor, _pivots(lo, hi, PIVOTS))  # slot 0 weighs the kept set
     at = pivots.to(tl.int32)[:, None]
     mass = tl.zeros([PIVOTS, TILE], tl.float32)
     count = tl.zeros([PIVOTS, TILE], tl.int32)
@@ -233,7 +235,7 @@ def _filter(
     count = cap + 1
     kept = 0.0
     if tl.sum((_key(lane_top) >= lo).to(tl.int32), 0) <= TILE // 2:  # else far too many to list: do not try
-        count, kept = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, TILE)
+        count, kept = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, True, TILE)
     if count <= cap:  # search the list
         if top_k > 0:
             floor = _search(vals_ptr, count, 1.0, top, lo, hi, top_k, False, True, TILE, PIVOTS)
@@ -248,17 +250,16 @@ def _filter(
         if top_p < 1:
             lo = tl.maximum(floor, lo)
             above = tl.zeros([], tl.float32)  # nothing is at or above hi = key(top) + 1
-            lo, hi, inside, above, target = _narrow(
-                row_ptr, vocab, inv_t, top, lo, hi, above, floor, top_p, TILE, PIVOTS
-            )  # fmt: skip
-            rounds = 1
+            target = tl.zeros([], tl.float32)
+            inside = cap + 1
+            rounds = 0
             while (inside > cap) & (rounds < 4):  # each pass narrows the nucleus's cut PIVOTS // 2 + 1 times or more
-                lo, hi, inside, above, _ = _narrow(
+                lo, hi, inside, above, target = _narrow(
                     row_ptr, vocab, inv_t, top, lo, hi, above, floor, top_p, TILE, PIVOTS
                 )  # fmt: skip
                 rounds += 1
             if inside <= cap:  # list them; the list lacks the tokens at or above hi: their mass is off the target
-                count, kept = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, TILE)
+                count, _ = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, False, TILE)
                 floor = _search(vals_ptr, count, 1.0, top, lo, hi, target - above, True, True, TILE, PIVOTS)
             else:
                 floor = _search(row_ptr, vocab, inv_t, top, lo, hi, target, True, False, TILE, PIVOTS)

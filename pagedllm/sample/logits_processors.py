@@ -29,9 +29,7 @@ def apply_penalties(
     if not n * max_len:
         return logits
     if logits.is_cuda:
-        return _apply_penalties_by_counts(
-            logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency
-        )
+        return _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
     position = np.arange(max_len)[None, :]
     present = position < num_tokens[:, None]  # [n, max_len]
     is_output = present & (position >= num_prompt[:, None])
@@ -58,7 +56,7 @@ def apply_penalties(
     return logits
 
 
-def _apply_penalties_by_counts(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
+def _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
     """apply_penalties on a GPU: one host-to-device copy of the tokens, then two Triton launches over them
     (pagedllm/kernels/penalties.py): no sort and no host sync."""
     from pagedllm.kernels.penalties import apply_penalties as on_gpu

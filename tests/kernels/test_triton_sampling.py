@@ -10,7 +10,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from sampling_reference import hf_kept
 
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, seeded_key
 
@@ -37,25 +37,13 @@ def draw(logits, temperature, keys, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK, 
     return sampling.sample(logits.to(DEVICE), params.to(DEVICE), keys.to(DEVICE), 0, block=block, cap=cap).cpu()
 
 
-def hf_kept(x: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
-    """The tokens HF's warpers keep after temperature (min-p, top-k, top-p: vLLM's order). [vocab] bool"""
-    ref = (x.double() / temperature)[None, :]
-    if min_p:
-        ref = MinPLogitsWarper(min_p)(None, ref)
-    if top_k:
-        ref = TopKLogitsWarper(top_k)(None, ref)
-    if top_p < 1:
-        ref = TopPLogitsWarper(top_p)(None, ref)
-    return torch.isfinite(ref[0])
-
-
 def random_keys(n: int, seed: int) -> torch.Tensor:
     return torch.randint(1 << 62, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def expected_probs(x: torch.Tensor, temperature: float, min_p=0.0, top_k=0, top_p=1.0) -> torch.Tensor:
     """softmax(x / T) over the tokens HF keeps, renormalized. x [vocab] -> [vocab] float64"""
-    p = (x.double() / temperature).softmax(-1).masked_fill(~hf_kept(x, temperature, top_k, top_p, min_p), 0.0)
+    p = (x.double() / temperature).softmax(-1).masked_fill(~hf_kept(x.double(), temperature, top_k, top_p, min_p), 0.0)
     return p / p.sum()
 
 

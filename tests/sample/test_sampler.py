@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sampling_reference import hf_kept
 from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pagedllm.sample.sampler import (
@@ -184,14 +185,7 @@ def test_seeded_keys_differ_by_seed_and_position_and_fit_63_bits():
 
 
 def _hf_kept(logits: torch.Tensor, k: int, p: float, min_p: float = 0.0) -> set[int]:
-    ref = logits[None, :].clone()
-    if min_p:
-        ref = MinPLogitsWarper(min_p)(None, ref)
-    if k:
-        ref = TopKLogitsWarper(k)(None, ref)
-    if p < 1:
-        ref = TopPLogitsWarper(p)(None, ref)
-    return set(torch.nonzero(torch.isfinite(ref[0])).flatten().tolist())
+    return set(torch.nonzero(hf_kept(logits, 1.0, k, p, min_p)).flatten().tolist())
 
 
 def _support(logits, k, p, min_p=0.0, draws=300):
