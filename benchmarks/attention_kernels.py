@@ -95,10 +95,11 @@ def run_workload(name: str, reqs, args, num_splits: int | None = None) -> dict:
     t_meta.num_splits = num_splits
     r_meta = torch_backend.build_metadata(layout)
     out_t = triton_backend.forward(q, k, v, kv_cache, t_meta, scale)
-    out_r = torch_backend.forward(q, k, v, kv_cache, r_meta, scale)
+    r_cache = torch_backend.from_slot_major(kv_cache)
+    out_r = torch_backend.forward(q, k, v, r_cache, r_meta, scale)
     max_err = (out_t.float() - out_r.float()).abs().max().item()
     triton_ms = time_ms(lambda: triton_backend.forward(q, k, v, kv_cache, t_meta, scale), args.iters, args.warmup)
-    torch_ms = time_ms(lambda: torch_backend.forward(q, k, v, kv_cache, r_meta, scale), args.iters, args.warmup)
+    torch_ms = time_ms(lambda: torch_backend.forward(q, k, v, r_cache, r_meta, scale), args.iters, args.warmup)
     kv_bytes = sum(c + n for c, n in reqs) * args.kv_heads * args.head_dim * 2 * kv_cache.element_size()
     flops = sum(4 * n * (c + (n + 1) / 2) * args.heads * args.head_dim for c, n in reqs)  # causal QK^T + PV
     return dict(

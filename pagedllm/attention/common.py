@@ -22,12 +22,3 @@ class BatchLayout:
     @property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
-
-
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
-def slots_of(block_table_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Cache slot of each position: block_table[p // bs] * bs + p % bs."""
-    return block_table_row[positions // block_size] * block_size + positions % block_size

@@ -1,7 +1,11 @@
-"""The reference attention backend in plain torch: writes new K/V to the paged cache, then attends over it.
+"""The CPU attention backend (and the reference anywhere): writes new K/V to the paged cache, then attends over it.
 
-Decodes (one query token) of all requests run as one padded SDPA call; prefill chunks run one SDPA call each,
-directly on the chunk's K/V when there is no earlier context, else over K/V gathered from the cache."""
+Its cache (allocate_kv_cache) is [2, num_kv_heads, num_blocks, block_size * head_dim]: K and V heads-major, so a
+head's part of a block is one run of memory, with K stored transposed inside each block ([head_dim, block_size]).
+On CPU the cache write and the decodes run in C kernels (pagedllm.kernels.cpu_kernels) that read each block in place
+once; without a C compiler, or for other dtypes and devices, the same computation runs on torch ops: decodes as two
+batched matmuls over gathered blocks. Prefill chunks run one SDPA call each, on the chunk's own K/V when it has no
+earlier context, else on K/V gathered from the cache."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.common import BatchLayout, slots_of
+from pagedllm.attention.common import BatchLayout
+from pagedllm.kernels import cpu_kernels
 
 
 @dataclass
@@ -19,7 +24,7 @@ class PrefillChunk:
     q_start: int
     q_end: int
     context_len: int  # tokens before this chunk, already in the cache
-    slots: torch.Tensor | None  # [seq_len] cache slots of all its tokens, when context_len > 0
+    blocks: torch.Tensor | None  # [num_blocks] cache blocks of all its tokens, when context_len > 0
     positions: torch.Tensor | None  # [q_len] query positions, when a mask is needed
 
 
@@ -27,11 +32,49 @@ class PrefillChunk:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
     decode_token_idx: torch.Tensor | None  # [num_decodes] rows of the flat batch that are decodes
-    decode_slots: torch.Tensor | None  # [num_decodes, max_seq_len] cache slots, padded with a valid slot
+    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] cache blocks, padded with a valid block id
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
-    decode_padded: bool  # whether some decode rows are padded (a mask is needed)
+    decode_padded: bool  # whether some decode rows see slots past their length (a mask is needed)
     prefills: list[PrefillChunk]
-    decode_bias: dict = field(default_factory=dict)  # sliding window (0: none) -> additive mask, built on first use
+    cached: dict = field(default_factory=dict)  # per-step tensors built on first use by the torch-op path
+
+
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[2, num_kv_heads, num_blocks, block_size * head_dim], zeroed, so slots never written hold finite values: a
+    decode reads whole blocks, and a masked slot's zero probability times NaN would still be NaN. On CPU the zeros
+    come lazily from the OS (calloc), not from a pass over the memory."""
+    shape = (2, num_kv_heads, num_blocks, block_size * head_dim)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def _blocks(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K [num_kv_heads, num_blocks, head_dim, block_size], V [num_kv_heads, num_blocks, block_size, head_dim])."""
+    num_kv_heads, num_blocks, block_values = kv_cache.shape[1:]
+    block_size = block_values // head_dim
+    k = kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size)
+    return k, kv_cache[1].view(num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def from_slot_major(kv_cache: torch.Tensor) -> torch.Tensor:
+    """This backend's copy of a cache laid out [2, num_blocks, block_size, num_kv_heads, head_dim] (the Triton
+    backend's layout), to compare backends on one cache."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    own = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, kv_cache.dtype, kv_cache.device)
+    k, v = _blocks(own, head_dim)
+    k.copy_(kv_cache[0].permute(2, 0, 3, 1))
+    v.copy_(kv_cache[1].permute(2, 0, 1, 3))
+    return own
+
+
+def to_slot_major(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The cache's values as [2, num_blocks, block_size, num_kv_heads, head_dim] (a copy)."""
+    k, v = _blocks(kv_cache, head_dim)
+    return torch.stack([k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)])
 
 
 def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
@@ -39,35 +82,38 @@ def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
     query_lens = layout.query_lens
     dev = layout.device
     decode_reqs = np.nonzero(query_lens == 1)[0]
-    decode_token_idx = decode_slots = decode_seq_lens = None
+    decode_token_idx = decode_blocks = decode_seq_lens = None
     decode_padded = False
     if len(decode_reqs):
         lens = seq_lens[decode_reqs]
-        max_len = int(lens.max())
-        decode_padded = bool((lens != max_len).any())
-        pos = np.minimum(np.arange(max_len)[None, :], lens[:, None] - 1)  # pad with the last valid position
-        table = layout.block_table[decode_reqs]
-        slots = np.take_along_axis(table, pos // bs, axis=1) * bs + pos % bs  # [num_decodes, max_len]
+        num_blocks = -(-int(lens.max()) // bs)
+        decode_padded = bool((lens != num_blocks * bs).any())
+        # entries past a request's own blocks are stale or 0: valid ids whose slots the mask hides
         decode_token_idx = torch.from_numpy(qsl[decode_reqs]).to(dev)
-        decode_slots = torch.from_numpy(slots).to(dev)
+        decode_blocks = torch.from_numpy(np.ascontiguousarray(layout.block_table[decode_reqs, :num_blocks])).to(dev)
         decode_seq_lens = torch.from_numpy(lens).to(dev)
     prefills = []
     for i in np.nonzero(query_lens > 1)[0]:
         q_start, q_end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         context = seq_len - (q_end - q_start)
-        slots = positions = None
+        blocks = positions = None
         if context > 0:
-            slots = torch.from_numpy(slots_of(layout.block_table[i], np.arange(seq_len), bs)).to(dev)
+            blocks = torch.from_numpy(layout.block_table[i, : -(-seq_len // bs)].copy()).to(dev)
             positions = torch.arange(context, seq_len, device=dev)
-        prefills.append(PrefillChunk(q_start, q_end, context, slots, positions))
+        prefills.append(PrefillChunk(q_start, q_end, context, blocks, positions))
     return TorchAttentionMetadata(
-        layout.slot_mapping, decode_token_idx, decode_slots, decode_seq_lens, decode_padded, prefills
+        layout.slot_mapping, decode_token_idx, decode_blocks, decode_seq_lens, decode_padded, prefills
     )
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[..., len, heads, dim] -> contiguous [..., heads, len, dim] (SDPA on CPU is much faster on contiguous input)."""
     return x.transpose(-3, -2).contiguous()
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, heads, dim] with each token's heads in one run (rows may be strided), as the C kernels read it."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def _window_mask(q_pos: torch.Tensor, k_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -83,19 +129,35 @@ def forward(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_kv_heads, num_blocks, block_size * head_dim] from allocate_kv_cache
     meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
-    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    block_size = kv_cache.shape[3] // head_dim
+    in_c = cpu_kernels.supports(q, num_kv_heads, block_size)
+    if in_c:
+        cpu_kernels.write_kv(_heads_contiguous(k), _heads_contiguous(v), kv_cache[0], kv_cache[1], meta.slot_mapping)
+    else:
+        _write_kv(k, v, kv_cache, meta, block_size)
     out = torch.empty_like(q)
     if meta.decode_token_idx is not None:
-        out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, sliding_window)
+        if in_c:
+            cpu_kernels.decode_attention(
+                q,
+                out,
+                meta.decode_token_idx,
+                kv_cache[0],
+                kv_cache[1],
+                meta.decode_blocks,
+                meta.decode_seq_lens,
+                scale,
+                sliding_window,
+            )
+        else:
+            out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale, sliding_window)
+    k_blocks, v_blocks = _blocks(kv_cache, head_dim)
     for chunk in meta.prefills:
         # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
         qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
@@ -105,54 +167,71 @@ def forward(
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             if chunk.context_len == 0:
-                kc, vc = k[chunk.q_start : chunk.q_end], v[chunk.q_start : chunk.q_end]
+                kc, vc = _heads_first(k[chunk.q_start : chunk.q_end]), _heads_first(v[chunk.q_start : chunk.q_end])
                 q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
-            else:
-                kc, vc = k_cache.index_select(0, chunk.slots), v_cache.index_select(0, chunk.slots)
+            else:  # [num_kv_heads, seq_len, head_dim] from the cache's blocks
+                seq_len = chunk.context_len + chunk.q_end - chunk.q_start
+                kc = k_blocks.index_select(1, chunk.blocks).transpose(2, 3).reshape(num_kv_heads, -1, head_dim)
+                vc = v_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
+                kc, vc = kc[:, :seq_len].contiguous(), vc[:, :seq_len].contiguous()
                 q_pos = chunk.positions
-            mask = _window_mask(q_pos, kc.shape[0], sliding_window)
-            kc, vc = _heads_first(kc).unsqueeze(0), _heads_first(vc).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
-        o = o[0]
-        out[chunk.q_start : chunk.q_end] = o.transpose(0, 1)
+            mask = _window_mask(q_pos, kc.shape[1], sliding_window)
+            o = F.scaled_dot_product_attention(
+                qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta, scale, sliding_window):
-    """One query token per request, all requests at once over their padded cached K/V.
+def _write_kv(k, v, kv_cache, meta, block_size):
+    """The new tokens' K/V into their slots, in torch ops (K transposed within its block)."""
+    k_blocks, v_blocks = _blocks(kv_cache, k.shape[2])
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size  # [num_tokens]
+    k_blocks[:, blocks, :, offsets] = k  # the indexed view is [num_tokens, num_kv_heads, head_dim]
+    v_blocks[:, blocks, offsets] = v.transpose(0, 1)  # [num_kv_heads, num_tokens, head_dim]
 
-    Grouped-query math with two batched matmuls: much faster on CPU than SDPA's kernel for one query token."""
-    slots = meta.decode_slots  # [num_decodes, max_len]
-    num_decodes, max_len = slots.shape
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    shape = (num_decodes, max_len, num_kv_heads, head_dim)
-    kd = _heads_first(k_cache.index_select(0, slots.view(-1)).view(shape))  # [num_decodes, kv_heads, max_len, dim]
-    vd = _heads_first(v_cache.index_select(0, slots.view(-1)).view(shape))
-    bias = _decode_bias(meta, sliding_window)
-    if num_decodes == 1 and bias is None:  # a single unmasked row: SDPA's kernel is as fast and simpler
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
-    qg = q.view(num_decodes, num_kv_heads, -1, head_dim)  # [num_decodes, kv_heads, group, dim]
-    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale  # [num_decodes, kv_heads, group, max_len]
+
+def _decode(q, kv_cache, meta, scale, sliding_window):
+    """One query token per request, all requests at once over their gathered cache blocks, in torch ops.
+
+    Grouped-query math with two batched matmuls, batched over (kv head, request): on CPU much faster than SDPA's
+    kernel for one query token."""
+    blocks = meta.decode_blocks  # [num_decodes, max_blocks]
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads, num_cache_blocks, block_values = kv_cache.shape[1:]
+    num_blocks, block_size = blocks.shape[1], block_values // head_dim
+    seq_len, batch = num_blocks * block_size, num_kv_heads * num_decodes
+    if "decode_rows" not in meta.cached:  # each head's part of the cache offset to that head
+        heads = torch.arange(num_kv_heads, device=blocks.device)[:, None] * num_cache_blocks
+        meta.cached["decode_rows"] = (heads + blocks.view(1, -1)).view(-1)  # [(kv_head, request, block)]
+    rows = meta.cached["decode_rows"]
+    kd = kv_cache[0].view(-1, block_values).index_select(0, rows)  # [(kv_head, request, block), dim * block_size]
+    kd = kd.view(batch, num_blocks, head_dim, block_size).transpose(1, 2).reshape(batch, head_dim, seq_len)
+    vd = kv_cache[1].view(-1, block_values).index_select(0, rows).view(batch, seq_len, head_dim)
+    group = num_heads // num_kv_heads
+    qg = q.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
+    scores = torch.bmm(qg, kd).float() * scale  # [(kv_head, request), group, len]
+    bias = _decode_bias(meta, seq_len, sliding_window)
     if bias is not None:
-        scores += bias
+        scores.view(num_kv_heads, num_decodes, group, seq_len).add_(bias)
     probs = scores.softmax(dim=-1).to(q.dtype)
-    return torch.matmul(probs, vd).view(num_decodes, -1, head_dim)  # [num_decodes, num_heads, dim]
+    o = torch.bmm(probs, vd)  # [(kv_head, request), group, dim]
+    return o.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
-def _decode_bias(meta: TorchAttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
-    """Additive mask [num_decodes, 1, 1, max_len] hiding padding (and keys outside the window); cached per step."""
-    key = sliding_window or 0
-    if key not in meta.decode_bias:
-        max_len = meta.decode_slots.shape[1]
+def _decode_bias(meta: TorchAttentionMetadata, seq_len: int, sliding_window: int | None) -> torch.Tensor | None:
+    """Additive mask [num_decodes, 1, seq_len] hiding slots past each request's length (and keys outside the
+    window); built once per step."""
+    key = ("decode_bias", sliding_window or 0)
+    if key not in meta.cached:
         bias = None
-        if meta.decode_padded or (sliding_window is not None and max_len > sliding_window):
-            k_pos = torch.arange(max_len, device=meta.decode_slots.device)
+        if meta.decode_padded or (sliding_window is not None and seq_len > sliding_window):
+            k_pos = torch.arange(seq_len, device=meta.decode_blocks.device)
             lens = meta.decode_seq_lens[:, None]
-            visible = k_pos[None, :] < lens  # [num_decodes, max_len]
+            visible = k_pos[None, :] < lens  # [num_decodes, seq_len]
             if sliding_window is not None:
                 visible &= k_pos[None, :] >= lens - sliding_window
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-            bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
-        meta.decode_bias[key] = bias
-    return meta.decode_bias[key]
+            bias = bias.masked_fill_(~visible, float("-inf"))[:, None, :]
+        meta.cached[key] = bias
+    return meta.cached[key]

@@ -37,6 +37,14 @@ class TritonAttentionMetadata:
     block_n: int | None = None  # None: the default key tile; set to force (tests)
 
 
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[2, num_blocks, block_size, num_kv_heads, head_dim], contiguous (a token's heads side by side, written in one
+    store). Never read before written (the kernels mask slots past each length), so empty is enough."""
+    return torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
 def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
     dev = layout.device
     qsl, seq_lens = layout.query_start_loc, layout.seq_lens

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from pagedllm.attention.common import BatchLayout, kv_cache_shape
+from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 from pagedllm.sample.logits_processors import apply_penalties
 from pagedllm.sample.sampler import SamplingMetadata
@@ -26,8 +26,9 @@ GRAPH_OVERHEAD_BYTES = 4 << 20  # per captured graph: the driver's own memory fo
 def _temporary_kv_cache(runner, num_blocks: int) -> Iterator[None]:
     """One small cache shared by every attention layer while profiling (the real one is not allocated yet)."""
     m = runner.config.model
-    shape = kv_cache_shape(num_blocks, runner.block_size, m.num_kv_heads, m.head_dim)
-    cache = torch.zeros(shape, dtype=m.dtype, device=runner.device)  # [2, num_blocks, block_size, kv_heads, dim]
+    cache = runner.backend.allocate_kv_cache(
+        num_blocks, runner.block_size, m.num_kv_heads, m.head_dim, m.dtype, runner.device
+    )  # [2, num_blocks, block_size, kv_heads, dim]
     for layer in runner.attn_layers:
         layer.kv_cache, layer.backend = cache, runner.backend
     try:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention import get_backend
-from pagedllm.attention.common import BatchLayout, kv_cache_shape
+from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
 from pagedllm.device import to_device
 from pagedllm.forward_context import forward_context
@@ -88,10 +88,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
-        shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        for layer in self.attn_layers:
-            # Never read before written (the backends only read slots of computed tokens), so empty is enough.
-            layer.kv_cache = torch.empty(shape, dtype=m.dtype, device=self.device)
+        for layer in self.attn_layers:  # each backend lays its cache out in memory as its kernels read it best
+            layer.kv_cache = self.backend.allocate_kv_cache(
+                num_blocks, self.block_size, m.num_kv_heads, m.head_dim, m.dtype, self.device
+            )
             layer.backend = self.backend
 
     def capture_cudagraphs(self) -> float:

@@ -79,13 +79,13 @@ def run_both(q, k, v, kv_cache, layout, sliding_window=None, num_splits=None, bl
     qsl, seq_lens, table, bs = layout.query_start_loc, layout.seq_lens, layout.block_table, layout.block_size
     ref_layout = BatchLayout(qsl, seq_lens, table, layout.slot_mapping[:num_real].to(DEVICE), bs, DEVICE)
     ref_meta = torch_backend.build_metadata(ref_layout)
-    ref_cache = kv_cache.clone()
+    ref_cache = torch_backend.from_slot_major(kv_cache)
     scale = q.shape[-1] ** -0.5
     ref = torch_backend.forward(q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, scale, sliding_window)
     meta = triton_backend.build_metadata(BatchLayout(qsl, seq_lens, table, layout.slot_mapping.to(DEVICE), bs, DEVICE))
     meta.num_splits, meta.block_n = num_splits, block_n
     out = triton_backend.forward(q, k, v, kv_cache, meta, scale, sliding_window)
-    return out[:num_real].cpu(), ref.cpu(), kv_cache.cpu(), ref_cache.cpu()
+    return out[:num_real].cpu(), ref.cpu(), kv_cache.cpu(), torch_backend.to_slot_major(ref_cache, q.shape[-1]).cpu()
 
 
 def check(q, k, v, kv_cache, layout, dtype, **kw):
