@@ -1,14 +1,15 @@
 """The CPU attention backend (and the reference anywhere): writes new K/V to the paged cache, then attends over it.
 
 Its cache (allocate_kv_cache) is [2, num_kv_heads, num_blocks, block_size * head_dim]: K and V heads-major, so a
-head's part of a block is one run of memory, with K stored transposed inside each block ([head_dim, block_size]).
-On CPU the cache write and the decodes run in C kernels (pagedllm.kernels.cpu_kernels) that read each block in place
-once; without a C compiler, or for other dtypes and devices, the same computation runs on torch ops: decodes as two
-batched matmuls over gathered blocks. Prefill chunks run one SDPA call each, on the chunk's own K/V when it has no
-earlier context, else on K/V gathered from the cache."""
+head's part of a block is one run of memory ([block_size, head_dim]). On CPU, C kernels (pagedllm.kernels.cpu_kernels)
+write the cache and run the decodes, reading each block in place once; without a C compiler, or for other dtypes and
+devices, the same computation runs on torch ops: decodes as two batched matmuls over gathered blocks. Prefill chunks
+run one SDPA call each, on the chunk's own K/V when it has no earlier context, else on K/V gathered from the cache."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,21 +44,19 @@ def allocate_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[2, num_kv_heads, num_blocks, block_size * head_dim], zeroed, so slots never written hold finite values: a
-    decode reads whole blocks, and a masked slot's zero probability times NaN would still be NaN. On CPU the zeros
-    come lazily from the OS (calloc), not from a pass over the memory."""
+    decode reads whole blocks, and a masked slot's zero probability times NaN would still be NaN. On CPU the memory
+    is an anonymous mapping: the OS zeroes each 4 KiB page when it is first written, not the whole cache up front
+    (numpy's calloc would ask for 2 MiB huge pages, and a first write into one stalls while 2 MiB are zeroed)."""
     shape = (2, num_kv_heads, num_blocks, block_size * head_dim)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
-def _blocks(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K [num_kv_heads, num_blocks, head_dim, block_size], V [num_kv_heads, num_blocks, block_size, head_dim])."""
-    num_kv_heads, num_blocks, block_values = kv_cache.shape[1:]
-    block_size = block_values // head_dim
-    k = kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size)
-    return k, kv_cache[1].view(num_kv_heads, num_blocks, block_size, head_dim)
+def _blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[2, num_kv_heads, num_blocks, block_size, head_dim] (a view)."""
+    return kv_cache.view(*kv_cache.shape[:3], -1, head_dim)
 
 
 def from_slot_major(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -65,16 +64,13 @@ def from_slot_major(kv_cache: torch.Tensor) -> torch.Tensor:
     backend's layout), to compare backends on one cache."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     own = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, kv_cache.dtype, kv_cache.device)
-    k, v = _blocks(own, head_dim)
-    k.copy_(kv_cache[0].permute(2, 0, 3, 1))
-    v.copy_(kv_cache[1].permute(2, 0, 1, 3))
+    _blocks(own, head_dim).copy_(kv_cache.permute(0, 3, 1, 2, 4))
     return own
 
 
 def to_slot_major(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The cache's values as [2, num_blocks, block_size, num_kv_heads, head_dim] (a copy)."""
-    k, v = _blocks(kv_cache, head_dim)
-    return torch.stack([k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)])
+    return _blocks(kv_cache, head_dim).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def build_metadata(layout: BatchLayout) -> TorchAttentionMetadata:
@@ -140,7 +136,7 @@ def forward(
     if in_c:
         cpu_kernels.write_kv(_heads_contiguous(k), _heads_contiguous(v), kv_cache[0], kv_cache[1], meta.slot_mapping)
     else:
-        _write_kv(k, v, kv_cache, meta, block_size)
+        _write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_token_idx is not None:
         if in_c:
@@ -171,7 +167,7 @@ def forward(
                 q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
             else:  # [num_kv_heads, seq_len, head_dim] from the cache's blocks
                 seq_len = chunk.context_len + chunk.q_end - chunk.q_start
-                kc = k_blocks.index_select(1, chunk.blocks).transpose(2, 3).reshape(num_kv_heads, -1, head_dim)
+                kc = k_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
                 vc = v_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
                 kc, vc = kc[:, :seq_len].contiguous(), vc[:, :seq_len].contiguous()
                 q_pos = chunk.positions
@@ -183,12 +179,12 @@ def forward(
     return out
 
 
-def _write_kv(k, v, kv_cache, meta, block_size):
-    """The new tokens' K/V into their slots, in torch ops (K transposed within its block)."""
-    k_blocks, v_blocks = _blocks(kv_cache, k.shape[2])
-    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size  # [num_tokens]
-    k_blocks[:, blocks, :, offsets] = k  # the indexed view is [num_tokens, num_kv_heads, head_dim]
-    v_blocks[:, blocks, offsets] = v.transpose(0, 1)  # [num_kv_heads, num_tokens, head_dim]
+def _write_kv(k, v, kv_cache, slot_mapping):
+    """The new tokens' K/V into their slots, in torch ops."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    slots = kv_cache.view(2, num_kv_heads, -1, head_dim)  # [2, num_kv_heads, num_slots, head_dim]
+    slots[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+    slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def _decode(q, kv_cache, meta, scale, sliding_window):
@@ -205,12 +201,11 @@ def _decode(q, kv_cache, meta, scale, sliding_window):
         heads = torch.arange(num_kv_heads, device=blocks.device)[:, None] * num_cache_blocks
         meta.cached["decode_rows"] = (heads + blocks.view(1, -1)).view(-1)  # [(kv_head, request, block)]
     rows = meta.cached["decode_rows"]
-    kd = kv_cache[0].view(-1, block_values).index_select(0, rows)  # [(kv_head, request, block), dim * block_size]
-    kd = kd.view(batch, num_blocks, head_dim, block_size).transpose(1, 2).reshape(batch, head_dim, seq_len)
+    kd = kv_cache[0].view(-1, block_values).index_select(0, rows).view(batch, seq_len, head_dim)
     vd = kv_cache[1].view(-1, block_values).index_select(0, rows).view(batch, seq_len, head_dim)
     group = num_heads // num_kv_heads
     qg = q.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
-    scores = torch.bmm(qg, kd).float() * scale  # [(kv_head, request), group, len]
+    scores = torch.bmm(qg, kd.transpose(1, 2)).float() * scale  # [(kv_head, request), group, len]
     bias = _decode_bias(meta, seq_len, sliding_window)
     if bias is not None:
         scores.view(num_kv_heads, num_decodes, group, seq_len).add_(bias)

@@ -1,10 +1,9 @@
 /* CPU kernels of the torch attention backend, built at first use by cpu_kernels.py (cc -O3 -march=native).
 
-   Cache layout (torch_backend.allocate_kv_cache): K and V each [num_kv_heads, num_blocks, block_size * head_dim],
-   a head's part of a block one run of memory; within it K is stored transposed, [head_dim][block_size], so that one
-   key dimension of 16 consecutive tokens is one vector load, and V as is, [block_size][head_dim]. Values are float32
-   or bfloat16 (`bf16` = 0 / 1; bfloat16 as its raw 16 bits); every sum runs in float32. Vectors are GCC/clang
-   vector extensions of 16 floats (one AVX-512 register, two AVX2 ones). */
+   Cache layout (torch_backend.allocate_kv_cache): K and V each [num_kv_heads, num_blocks, block_size, head_dim], a
+   head's part of a block one run of memory. Values are float32 or bfloat16 (`bf16` = 0 / 1; bfloat16 as its raw 16
+   bits); every sum runs in float32. Vectors are GCC (12 and later) / clang vector extensions of 16 floats (one
+   AVX-512 register, two AVX2 ones). */
 
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +24,26 @@ static inline f32x16 load16(const float *p) {
 }
 
 static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+/* The 16 lane sums of v[0..15] as one vector (lane t: the sum of v[t]), by a tree of shuffles and adds: each level
+   halves the lanes every value is spread over, keeping the values side by side. */
+static inline f32x16 sum_lanes16(const f32x16 *v) {
+    f32x16 w[8], u[4], z[2];
+    for (int i = 0; i < 8; i++) { /* w[i]: value i in lanes 0-7, value i + 8 in lanes 8-15 */
+        w[i] = __builtin_shufflevector(v[i], v[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[i], v[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; i++) { /* u[i]: values i, i + 4, i + 8, i + 12 in 4 lanes each */
+        u[i] = __builtin_shufflevector(w[i], w[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(w[i], w[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 2; i++) { /* z[i]: values i, i + 2, ..., i + 14 in 2 lanes each */
+        z[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+    return __builtin_shufflevector(z[0], z[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(z[0], z[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
 
 /* n values at src (float32 or bfloat16) to float32 at dst */
 static void to_float(float *restrict dst, const void *restrict src, int64_t n, int bf16) {
@@ -82,24 +101,28 @@ typedef struct {
     float acc[MAX_DIM];
 } Running;
 
-/* Folds tokens [t0, t1) of one cache block into the states of the `group` query heads q[g]: keys_t
-   [dim][block_size] (transposed, LANES floats of slack after it), values [block_size][dim], both float32. */
+/* Folds tokens [t0, t1) of one cache block into the states of the `group` query heads q[g]: keys and values
+   [block_size][dim], float32. */
 static void attend_block(Running *restrict state, const float (*q)[MAX_DIM], int64_t group,
-                         const float *restrict keys_t, const float *restrict values, int64_t block_size, int64_t t0,
-                         int64_t t1, int64_t dim, float scale) {
+                         const float *restrict keys, const float *restrict values, int64_t t0, int64_t t1,
+                         int64_t dim, float scale) {
     for (int64_t g = 0; g < group; g++) {
         Running *st = &state[g];
         for (int64_t c0 = t0 - t0 % LANES; c0 < t1; c0 += LANES) { /* LANES tokens at a time */
-            /* four independent sums: one chain would wait on each multiply-add's latency */
-            f32x16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-            const float *k = keys_t + c0;
-            for (int64_t d = 0; d < dim; d += 4) { /* dim is a multiple of LANES */
-                s0 += q[g][d] * load16(k + d * block_size);
-                s1 += q[g][d + 1] * load16(k + (d + 1) * block_size);
-                s2 += q[g][d + 2] * load16(k + (d + 2) * block_size);
-                s3 += q[g][d + 3] * load16(k + (d + 3) * block_size);
+            const int64_t n = t1 - c0 < LANES ? t1 - c0 : LANES;
+            f32x16 dots[LANES]; /* per token, the products summed over dim / LANES vectors */
+            for (int64_t i = 0; i < LANES; i++) {
+                const float *k = keys + (c0 + i) * dim;
+                f32x16 a = {0}, b = {0};
+                if (i < n) {
+                    for (int64_t d = 0; d < dim; d += 2 * LANES) { /* dim is a multiple of LANES */
+                        a += load16(q[g] + d) * load16(k + d);
+                        if (d + LANES < dim) b += load16(q[g] + d + LANES) * load16(k + d + LANES);
+                    }
+                }
+                dots[i] = a + b;
             }
-            const f32x16 s = (s0 + s1) + (s2 + s3);
+            const f32x16 s = sum_lanes16(dots);
             float p[LANES], top = st->max;
             store16(p, s * scale);
             for (int64_t i = 0; i < LANES; i++) {
@@ -114,7 +137,6 @@ static void attend_block(Running *restrict state, const float (*q)[MAX_DIM], int
             for (int64_t i = 0; i < LANES; i++) sum += p[i];
             st->max = top;
             st->sum = st->sum * keep + sum;
-            const int64_t n = t1 - c0 < LANES ? t1 - c0 : LANES;
             const float *v = values + c0 * dim;
             for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
                 f32x16 a0 = load16(st->acc + d0) * keep, a1 = {0}, a2 = {0}, a3 = {0};
@@ -147,9 +169,8 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_reqs * num_kv_heads; item++) {
         const int64_t r = item / num_kv_heads, h = item % num_kv_heads, row = token_rows[r];
-        float qf[MAX_GROUP][MAX_DIM], keys_t[MAX_BLOCK_VALUES + LANES], values[MAX_BLOCK_VALUES];
+        float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
         Running state[MAX_GROUP];
-        memset(keys_t + block_values, 0, LANES * sizeof(float)); /* the slack the last key row's load reads */
         for (int64_t g = 0; g < group; g++) {
             to_float(qf[g], (const char *)q + (row * q_tok + (h * group + g) * q_head) * width, head_dim, bf16);
             state[g].max = -INFINITY;
@@ -170,10 +191,10 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
                     __builtin_prefetch((const char *)v_cache + next + byte);
                 }
             }
-            to_float(keys_t, (const char *)k_cache + offset * width, block_values, bf16);
-            to_float(values, (const char *)v_cache + offset * width, block_values, bf16);
-            attend_block(state, (const float(*)[MAX_DIM])qf, group, keys_t, values, block_size, t0, t1, head_dim,
-                         scale);
+            /* only the slots up to the request's length: the rest of its last block may not be written yet */
+            to_float(keys, (const char *)k_cache + offset * width, t1 * head_dim, bf16);
+            to_float(values, (const char *)v_cache + offset * width, t1 * head_dim, bf16);
+            attend_block(state, (const float(*)[MAX_DIM])qf, group, keys, values, t0, t1, head_dim, scale);
         }
         for (int64_t g = 0; g < group; g++) {
             float o[MAX_DIM];
@@ -185,22 +206,163 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
 }
 
 /* Writes the new tokens' K and V (k, v [num_tokens, num_kv_heads, head_dim], row strides k_tok / v_tok, heads
-   contiguous) to their cache slots, K transposed within its block; a slot below 0 is skipped. */
+   contiguous) to their cache slots; a slot below 0 is skipped. */
 void write_kv(const void *k, int64_t k_tok, const void *v, int64_t v_tok, void *k_cache, void *v_cache,
-              const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-              int64_t num_blocks, int bf16) {
-    const int64_t width = bf16 ? 2 : 4;
+              const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+              int bf16) {
+    const int64_t width = bf16 ? 2 : 4, row = head_dim * width;
     for (int64_t i = 0; i < num_tokens; i++) {
         if (slots[i] < 0) continue;
-        const int64_t block = slots[i] / block_size, t = slots[i] % block_size;
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t base = (h * num_blocks + block) * block_size * head_dim;
-            const char *src_k = (const char *)k + (i * k_tok + h * head_dim) * width;
-            for (int64_t d = 0; d < head_dim; d++) {
-                memcpy((char *)k_cache + (base + d * block_size + t) * width, src_k + d * width, width);
+            const int64_t dst = (h * num_slots + slots[i]) * row;
+            memcpy((char *)k_cache + dst, (const char *)k + (i * k_tok + h * head_dim) * width, row);
+            memcpy((char *)v_cache + dst, (const char *)v + (i * v_tok + h * head_dim) * width, row);
+        }
+    }
+}
+
+/* ---- The decoder layers' element-wise ops, one pass each. They round to the model dtype where the torch layer
+   code does (the residual sum, the normalized activations, the products), so both paths agree to a bit or two. */
+
+#define CHUNK 1024 /* values converted to float32 at a time */
+
+/* x rounded to bfloat16 (nearest even; NaN stays NaN), as a float32 */
+static inline float round_bf16(float x) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {x};
+    v.u = (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u | 0x400000u) & 0xffff0000u
+                                             : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
+
+static void round_all(float *x, int64_t n, int bf16) {
+    if (!bf16) return;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
+}
+
+/* Per row of `rows`: with a residual, s = x + residual (rounded) goes to residual_out and is normalized; without,
+   x is. out = weight * (s / sqrt(mean(s^2) + eps), rounded). x and residual rows are strided (x_row, r_row),
+   out and residual_out contiguous [rows, dim]. */
+void rms_norm(const void *x, int64_t x_row, const void *residual, int64_t r_row, void *residual_out,
+              const void *weight, void *out, int64_t rows, int64_t dim, float eps, int bf16) {
+    const int64_t width = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        float h[CHUNK], w[CHUNK];
+        const char *src = (const char *)x + row * x_row * width;
+        char *summed = residual ? (char *)residual_out + row * dim * width : NULL;
+        float squares = 0.0f;
+        for (int64_t c = 0; c < dim; c += CHUNK) {
+            const int64_t n = dim - c < CHUNK ? dim - c : CHUNK;
+            to_float(h, src + c * width, n, bf16);
+            if (residual) {
+                to_float(w, (const char *)residual + (row * r_row + c) * width, n, bf16);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) h[i] += w[i];
+                round_all(h, n, bf16);
+                from_float(summed + c * width, h, n, bf16);
             }
-            memcpy((char *)v_cache + (base + t * head_dim) * width, (const char *)v + (i * v_tok + h * head_dim) * width,
-                   head_dim * width);
+#pragma omp simd reduction(+ : squares)
+            for (int64_t i = 0; i < n; i++) squares += h[i] * h[i];
+        }
+        const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (int64_t c = 0; c < dim; c += CHUNK) {
+            const int64_t n = dim - c < CHUNK ? dim - c : CHUNK;
+            to_float(h, (summed ? summed : src) + c * width, n, bf16);
+            to_float(w, (const char *)weight + c * width, n, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) h[i] *= rstd;
+            round_all(h, n, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) h[i] *= w[i];
+            from_float((char *)out + (row * dim + c) * width, h, n, bf16);
+        }
+    }
+}
+
+/* out[r, :d] = silu(x[r, :d]) * x[r, d:] (silu rounded, then the product), x rows strided (x_row), out [rows, d]. */
+void silu_and_mul(const void *x, int64_t x_row, void *out, int64_t rows, int64_t d, int bf16) {
+    const int64_t width = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        float a[CHUNK], b[CHUNK];
+        const char *src = (const char *)x + row * x_row * width;
+        for (int64_t c = 0; c < d; c += CHUNK) {
+            const int64_t n = d - c < CHUNK ? d - c : CHUNK;
+            to_float(a, src + c * width, n, bf16);
+            to_float(b, src + (d + c) * width, n, bf16);
+            for (int64_t i = n; i < (n + LANES - 1) / LANES * LANES; i++) a[i] = 0.0f; /* the last vector's tail */
+            for (int64_t i = 0; i < n; i += LANES) {
+                const f32x16 v = load16(a + i), zero = {0};
+                const i32x16 negative = (i32x16)(v < zero);
+                const f32x16 e = exp16((f32x16)((i32x16)v | INT32_MIN)); /* exp(-|v|): the sign bit set */
+                /* sigmoid(v) = 1 / (1 + exp(-v)), as e / (1 + e) for negative v (e = exp(v)) */
+                const f32x16 top = (f32x16)(((i32x16)e & negative) | ((i32x16)(zero + 1.0f) & ~negative));
+                store16(a + i, v * (top / (1.0f + e)));
+            }
+            round_all(a, n, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) a[i] *= b[i];
+            from_float((char *)out + (row * d + c) * width, a, n, bf16);
+        }
+    }
+}
+
+/* One head vector (float32, in place): an optional per-head RMSNorm with `norm` weights (rounded as rms_norm
+   rounds), then the neox rotation by cos / sin (half = dim / 2 values each), every product and sum rounded. */
+static void norm_rotate(float *h, const void *norm, float eps, const float *cos, const float *sin, int64_t dim,
+                        int bf16) {
+    if (norm) {
+        float w[MAX_DIM], squares = 0.0f;
+        for (int64_t i = 0; i < dim; i++) squares += h[i] * h[i];
+        const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
+        to_float(w, norm, dim, bf16);
+        for (int64_t i = 0; i < dim; i++) h[i] *= rstd;
+        round_all(h, dim, bf16);
+        for (int64_t i = 0; i < dim; i++) h[i] *= w[i];
+        round_all(h, dim, bf16);
+    }
+    const int64_t half = dim / 2;
+    float a[MAX_DIM / 2], b[MAX_DIM / 2], c[MAX_DIM / 2], e[MAX_DIM / 2];
+    for (int64_t i = 0; i < half; i++) {
+        a[i] = h[i] * cos[i];
+        b[i] = h[half + i] * sin[i];
+        c[i] = h[half + i] * cos[i];
+        e[i] = h[i] * sin[i];
+    }
+    round_all(a, half, bf16), round_all(b, half, bf16), round_all(c, half, bf16), round_all(e, half, bf16);
+    for (int64_t i = 0; i < half; i++) {
+        h[i] = a[i] - b[i];
+        h[half + i] = c[i] + e[i];
+    }
+    round_all(h, dim, bf16);
+}
+
+/* Rotary of the q and k heads of num_tokens tokens (q [*, num_heads, dim], k [*, num_kv_heads, dim], token
+   strides q_tok / k_tok, heads contiguous) into q_out / k_out (contiguous); cos / sin [num_tokens, dim / 2]. With
+   q_norm / k_norm (Qwen3) each head is RMS-normalized first. */
+void qk_rotary(const void *q, int64_t q_tok, const void *k, int64_t k_tok, void *q_out, void *k_out, const void *cos,
+               const void *sin, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+               const void *q_norm, const void *k_norm, float eps, int bf16) {
+    const int64_t width = bf16 ? 2 : 4, half = dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float h[MAX_DIM], c[MAX_DIM / 2], s[MAX_DIM / 2];
+        to_float(c, (const char *)cos + t * half * width, half, bf16);
+        to_float(s, (const char *)sin + t * half * width, half, bf16);
+        for (int64_t head = 0; head < num_heads + num_kv_heads; head++) {
+            const int is_q = head < num_heads;
+            const int64_t j = is_q ? head : head - num_heads;
+            const char *src = is_q ? (const char *)q + (t * q_tok + j * dim) * width
+                                   : (const char *)k + (t * k_tok + j * dim) * width;
+            char *dst = is_q ? (char *)q_out + ((t * num_heads + j) * dim) * width
+                             : (char *)k_out + ((t * num_kv_heads + j) * dim) * width;
+            to_float(h, src, dim, bf16);
+            norm_rotate(h, is_q ? q_norm : k_norm, eps, c, s, dim, bf16);
+            from_float(dst, h, dim, bf16);
         }
     }
 }

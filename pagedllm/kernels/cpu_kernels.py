@@ -1,4 +1,5 @@
-"""C kernels for the CPU path (cpu_kernels.c): decode attention over the heads-major paged cache and the cache write.
+"""C kernels for the CPU path (cpu_kernels.c): decode attention over the torch backend's paged cache, the cache
+write, and the decoder layers' element-wise ops (RMSNorm with its residual add, SiLU-and-mul, rotary of q and k).
 
 Built on first use with the system C compiler (`cc -O3 -march=native`, with OpenMP when the compiler has it) into a
 per-user cache directory, keyed by the source, the flags and the CPU, and loaded with ctypes: a build takes about
@@ -34,7 +35,10 @@ _BF16 = {torch.float32: 0, torch.bfloat16: 1}  # the dtypes the kernels take
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _DECODE_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, *[_i64] * 6, _f32, _i64, _int]
-_WRITE_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int]
+_WRITE_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
+_NORM_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int]
+_SILU_ARGS = [_ptr, _i64, _ptr, _i64, _i64, _int]
+_ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _int]
 
 
 def _cache_dir() -> Path:
@@ -88,7 +92,15 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.decode_attention.argtypes = _DECODE_ARGS
     lib.write_kv.argtypes = _WRITE_ARGS
+    lib.rms_norm.argtypes = _NORM_ARGS
+    lib.silu_and_mul.argtypes = _SILU_ARGS
+    lib.qk_rotary.argtypes = _ROTARY_ARGS
     return lib
+
+
+def runs(x: torch.Tensor) -> bool:
+    """Whether the element-wise C kernels take `x`: a float32 or bfloat16 CPU tensor, and a built library."""
+    return x.device.type == "cpu" and x.dtype in _BF16 and library() is not None
 
 
 def supports(q: torch.Tensor, num_kv_heads: int, block_size: int) -> bool:
@@ -114,10 +126,11 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtyp
 def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], each token's heads in one run
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim] (K transposed in each block)
-    v_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim]
+    k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim]
+    v_cache: torch.Tensor,
     slots: torch.Tensor,  # [num_tokens] int64; below 0: not written
 ) -> None:
+    """Writes the new tokens' K/V to their slots."""
     num_tokens, num_kv_heads, head_dim = k.shape
     for x in (k, v):
         assert x.stride(2) == 1 and x.stride(1) == head_dim
@@ -134,8 +147,7 @@ def write_kv(
         num_tokens,
         num_kv_heads,
         head_dim,
-        k_cache.shape[2] // head_dim,
-        k_cache.shape[1],
+        k_cache.shape[1] * k_cache.shape[2] // head_dim,
         _BF16[k.dtype],
     )
 
@@ -144,8 +156,8 @@ def decode_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], head_dim contiguous
     out: torch.Tensor,  # like q: receives the decode rows
     token_rows: torch.Tensor,  # [num_reqs] int64: the row of q and out of each decode
-    k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim] (K transposed in each block)
-    v_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim]
+    k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim]
+    v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [num_reqs, >= blocks of the longest] int64, rows contiguous
     seq_lens: torch.Tensor,  # [num_reqs] int64
     scale: float,
@@ -180,3 +192,85 @@ def decode_attention(
         sliding_window or 0,
         _BF16[q.dtype],
     )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, n] with contiguous rows (a view when the strides allow)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., n]
+    weight: torch.Tensor,  # [n]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
+    n = x.shape[-1]
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else None
+    weight = weight.to(x.dtype).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    library().rms_norm(
+        x2.data_ptr(),
+        x2.stride(0),
+        r2.data_ptr() if r2 is not None else None,
+        r2.stride(0) if r2 is not None else 0,
+        summed.data_ptr() if summed is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        x2.shape[0],
+        n,
+        eps,
+        _BF16[x.dtype],
+    )
+    return out if summed is None else (out, summed)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+    d = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    library().silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], d, _BF16[x.dtype])
+    return out
+
+
+def qk_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim / 2] in the model dtype
+    sin: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # Qwen3's per-head (q_norm, k_norm) weights
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The neox rotation of q and k (after their per-head RMSNorm when given), as new contiguous tensors."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
+    k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+    cos, sin = cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
+    q_norm = k_norm = None
+    if norm_weights is not None:
+        q_norm, k_norm = (w.to(q.dtype).contiguous() for w in norm_weights)
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    library().qk_rotary(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        q_norm.data_ptr() if q_norm is not None else None,
+        k_norm.data_ptr() if k_norm is not None else None,
+        eps,
+        _BF16[q.dtype],
+    )
+    return q_out, k_out

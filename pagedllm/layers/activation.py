@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import use_triton
+from pagedllm.kernels import cpu_kernels, use_triton
 
 
 class SiluAndMul(nn.Module):
@@ -15,5 +15,7 @@ class SiluAndMul(nn.Module):
             from pagedllm.kernels.fused_ops import silu_and_mul
 
             return silu_and_mul(x)
+        if cpu_kernels.runs(x):  # CPU: one C pass
+            return cpu_kernels.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels import use_triton
+from pagedllm.kernels import cpu_kernels, use_triton
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +27,8 @@ class RMSNorm(nn.Module):
             from pagedllm.kernels.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if cpu_kernels.runs(x):  # CPU: one C pass
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

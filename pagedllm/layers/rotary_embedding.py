@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels import use_triton
+from pagedllm.kernels import cpu_kernels, use_triton
 
 
 def rope_parameters(config: Any) -> tuple[float, dict | None]:
@@ -78,7 +78,8 @@ def apply_qk_rotary(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     norms: tuple | None = None,  # (q_norm, k_norm) RMSNorm layers applied per head first (Qwen3)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary of q and k, after their per-head norms when given. On CUDA one fused Triton kernel for all of it."""
+    """Rotary of q and k, after their per-head norms when given. On CUDA one fused Triton kernel for all of it, on
+    CPU one C kernel."""
     if use_triton(q):
         from pagedllm.kernels.fused_ops import qk_rotary
 
@@ -87,6 +88,10 @@ def apply_qk_rotary(
         q_norm, k_norm = norms
         assert q_norm.eps == k_norm.eps, "one epsilon for both norms"
         return qk_rotary(q, k, *cos_sin, (q_norm.weight, k_norm.weight), q_norm.eps)
+    if cpu_kernels.runs(q) and q.shape[-1] <= cpu_kernels.MAX_DIM:  # CPU: one C pass
+        if norms is None:
+            return cpu_kernels.qk_rotary(q, k, *cos_sin)
+        return cpu_kernels.qk_rotary(q, k, *cos_sin, (norms[0].weight, norms[1].weight), norms[0].eps)
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
     return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)

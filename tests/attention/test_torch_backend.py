@@ -119,5 +119,5 @@ def test_slot_major_round_trip():
     own = torch_backend.from_slot_major(slot_major)
     assert own.shape == (2, 3, 5, 4 * 16)
     assert torch.equal(torch_backend.to_slot_major(own, 16), slot_major)
-    assert torch.equal(own[0, 1, 2].view(16, 4)[:, 3], slot_major[0, 2, 3, 1])  # K transposed within its block
+    assert torch.equal(own[0, 1, 2].view(4, 16)[3], slot_major[0, 2, 3, 1])  # head 1, block 2, slot 3
     assert torch.equal(own[1, 1, 2].view(4, 16)[3], slot_major[1, 2, 3, 1])
