@@ -153,7 +153,6 @@ def forward(
             )
         else:
             out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale, sliding_window)
-    k_blocks, v_blocks = _blocks(kv_cache, head_dim)
     for chunk in meta.prefills:
         # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
         qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
@@ -166,6 +165,7 @@ def forward(
                 kc, vc = _heads_first(k[chunk.q_start : chunk.q_end]), _heads_first(v[chunk.q_start : chunk.q_end])
                 q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
             else:  # [num_kv_heads, seq_len, head_dim] from the cache's blocks
+                k_blocks, v_blocks = _blocks(kv_cache, head_dim)
                 seq_len = chunk.context_len + chunk.q_end - chunk.q_start
                 kc = k_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
                 vc = v_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)

@@ -57,22 +57,25 @@ static void to_float(float *restrict dst, const void *restrict src, int64_t n, i
     for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
 }
 
-/* n float32 values to dst (float32 or bfloat16, rounded to nearest even as torch does) */
+/* x rounded to bfloat16 (nearest even, as torch rounds; NaN stays a quiet NaN), in the float32 bits' top half */
+static inline uint32_t bf16_bits(float x) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {x};
+    return (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u | 0x400000u) & 0xffff0000u
+                                              : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+}
+
+/* n float32 values to dst (float32 or bfloat16) */
 static void from_float(void *restrict dst, const float *restrict src, int64_t n, int bf16) {
     if (!bf16) {
         memcpy(dst, src, n * sizeof(float));
         return;
     }
     uint16_t *d = dst;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &src[i], sizeof bits);
-        if ((bits & 0x7fffffffu) > 0x7f800000u) {
-            d[i] = (uint16_t)((bits >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
-        } else {
-            d[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-        }
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) d[i] = (uint16_t)(bf16_bits(src[i]) >> 16);
 }
 
 /* exp(x) of 16 values x <= 0 (or -inf), in vector arithmetic (libm's expf is a call per value): 2^n e^r with
@@ -226,14 +229,12 @@ void write_kv(const void *k, int64_t k_tok, const void *v, int64_t v_tok, void *
 
 #define CHUNK 1024 /* values converted to float32 at a time */
 
-/* x rounded to bfloat16 (nearest even; NaN stays NaN), as a float32 */
+/* x rounded to bfloat16, as a float32 */
 static inline float round_bf16(float x) {
-    union {
-        float f;
+    const union {
         uint32_t u;
-    } v = {x};
-    v.u = (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u | 0x400000u) & 0xffff0000u
-                                             : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+        float f;
+    } v = {bf16_bits(x)};
     return v.f;
 }
 

@@ -106,10 +106,14 @@ def runs(x: torch.Tensor) -> bool:
 def supports(q: torch.Tensor, num_kv_heads: int, block_size: int) -> bool:
     """Whether the C kernels take this attention: CPU, float32 or bfloat16, sizes within the kernels' limits, and a
     built library."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    return _supports(q.device.type, q.dtype, q.shape[1], num_kv_heads, q.shape[2], block_size)
+
+
+@functools.cache
+def _supports(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
     return (
-        q.device.type == "cpu"
-        and q.dtype in _BF16
+        device == "cpu"
+        and dtype in _BF16
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_DIM
         and head_dim % LANES == 0
