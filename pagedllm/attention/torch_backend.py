@@ -48,9 +48,9 @@ def allocate_kv_cache(
     is an anonymous mapping: the OS zeroes each 4 KiB page when it is first written, not the whole cache up front
     (numpy's calloc would ask for 2 MiB huge pages, and a first write into one stalls while 2 MiB are zeroed)."""
     shape = (2, num_kv_heads, num_blocks, block_size * head_dim)
-    if device.type != "cpu":
+    if device.type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE)  # not shared with children
     return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import os
@@ -37,10 +36,6 @@ class LLMEngine:
             if generation.get(theirs) is not None
         }
         self._ids = itertools.count()
-        # The model, tokenizer and imported modules live as long as the engine: moved out of the cyclic garbage
-        # collector's reach, its collections during generation visit only new objects (several milliseconds a
-        # step on CPU otherwise).
-        gc.freeze()
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

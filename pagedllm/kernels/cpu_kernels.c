@@ -347,7 +347,7 @@ static void norm_rotate(float *h, const void *norm, float eps, const float *cos,
    q_norm / k_norm (Qwen3) each head is RMS-normalized first. */
 void qk_rotary(const void *q, int64_t q_tok, const void *k, int64_t k_tok, void *q_out, void *k_out, const void *cos,
                const void *sin, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-               const void *q_norm, const void *k_norm, float eps, int bf16) {
+               const void *q_norm, const void *k_norm, float q_eps, float k_eps, int bf16) {
     const int64_t width = bf16 ? 2 : 4, half = dim / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -362,7 +362,7 @@ void qk_rotary(const void *q, int64_t q_tok, const void *k, int64_t k_tok, void 
             char *dst = is_q ? (char *)q_out + ((t * num_heads + j) * dim) * width
                              : (char *)k_out + ((t * num_kv_heads + j) * dim) * width;
             to_float(h, src, dim, bf16);
-            norm_rotate(h, is_q ? q_norm : k_norm, eps, c, s, dim, bf16);
+            norm_rotate(h, is_q ? q_norm : k_norm, is_q ? q_eps : k_eps, c, s, dim, bf16);
             from_float(dst, h, dim, bf16);
         }
     }

@@ -24,11 +24,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone, then plain -O3
+# OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
+# refused, generic code (still threaded when OpenMP is there)
 FLAG_SETS = (
     ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
     ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
-    ["-O3"],
+    ["-O3", "-fno-math-errno", "-fopenmp"],
+    ["-O3", "-fno-math-errno"],
 )
 LANES, MAX_GROUP, MAX_DIM, MAX_BLOCK_VALUES = 16, 16, 256, 8192  # the C kernels' limits (cpu_kernels.c)
 _BF16 = {torch.float32: 0, torch.bfloat16: 1}  # the dtypes the kernels take
@@ -38,7 +40,7 @@ _DECODE_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64
 _WRITE_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 _NORM_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int]
 _SILU_ARGS = [_ptr, _i64, _ptr, _i64, _i64, _int]
-_ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _int]
+_ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _f32, _int]
 
 
 def _cache_dir() -> Path:
@@ -46,22 +48,32 @@ def _cache_dir() -> Path:
     return Path(root) / "pagedllm" / "kernels"
 
 
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "flags", "Features", "CPU implementer", "CPU architecture")
+
+
 def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags (Linux), else the machine name."""
+    """What -march=native compiles for: the first CPU's identity and features from /proc/cpuinfo (x86 and ARM
+    name them differently), with the machine and processor names."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
     except OSError:
-        return platform.machine() + platform.processor()
-    return "".join(line for line in lines[:30] if line.startswith(("model name", "flags")))
+        lines = []
+    fields = [line for line in lines if line.split(":")[0].strip() in _CPU_FIELDS or line.startswith("CPU part")]
+    return "|".join([platform.machine(), platform.processor(), *fields])
 
 
 def _build(compiler: str) -> Path | None:
+    """The kernels' library for this source, compiler and CPU: the cached one, else built now with the first flag
+    set that compiles. A flag set that failed leaves a marker, so later starts do not try it again."""
     source = SOURCE.read_bytes()
     for flags in FLAG_SETS:
-        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-        target = _cache_dir() / f"cpu_kernels-{key}.so"
+        key = hashlib.sha256(b"|".join([source, " ".join([compiler, *flags]).encode(), _cpu_id().encode()]))
+        target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+        failed = target.with_suffix(".failed")
         if target.exists():
             return target
+        if failed.exists():
+            continue
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
@@ -71,6 +83,7 @@ def _build(compiler: str) -> Path | None:
                 os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
                 return target
             logger.debug("CPU kernels: %s failed: %s", " ".join(cmd), proc.stderr[-2000:])
+            failed.write_text(proc.stderr[-2000:])
     return None
 
 
@@ -247,7 +260,7 @@ def qk_rotary(
     cos: torch.Tensor,  # [num_tokens, 1, head_dim / 2] in the model dtype
     sin: torch.Tensor,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # Qwen3's per-head (q_norm, k_norm) weights
-    eps: float = 0.0,
+    eps: tuple[float, float] = (0.0, 0.0),  # their epsilons
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The neox rotation of q and k (after their per-head RMSNorm when given), as new contiguous tensors."""
     num_tokens, num_heads, head_dim = q.shape
@@ -274,7 +287,7 @@ def qk_rotary(
         head_dim,
         q_norm.data_ptr() if q_norm is not None else None,
         k_norm.data_ptr() if k_norm is not None else None,
-        eps,
+        *eps,
         _BF16[q.dtype],
     )
     return q_out, k_out

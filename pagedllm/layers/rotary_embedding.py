@@ -91,7 +91,7 @@ def apply_qk_rotary(
     if cpu_kernels.runs(q) and q.shape[-1] <= cpu_kernels.MAX_DIM:  # CPU: one C pass
         if norms is None:
             return cpu_kernels.qk_rotary(q, k, *cos_sin)
-        return cpu_kernels.qk_rotary(q, k, *cos_sin, (norms[0].weight, norms[1].weight), norms[0].eps)
+        return cpu_kernels.qk_rotary(q, k, *cos_sin, (norms[0].weight, norms[1].weight), (norms[0].eps, norms[1].eps))
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
     return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)

@@ -81,11 +81,19 @@ def path(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,block_size,head_dim,window",
-    [((4, 4), 4, 32, None), ((9, 3), 16, 64, None), ((8, 2), 8, 16, 5), ((6, 1), 16, 64, 20)],
+    [
+        ((4, 4), 4, 32, None),
+        ((9, 3), 16, 64, None),
+        ((8, 2), 8, 16, 5),
+        ((6, 1), 16, 64, 20),
+        ((16, 1), 24, 48, 1),  # a block size off the 16-token vectors, the widest group, a window of one token
+        ((4, 2), 32, 128, 16),  # a window ending on a block edge
+    ],
 )
 def test_matches_reference(path, dtype, heads, block_size, head_dim, window):
     num_heads, num_kv_heads = heads
     q, k, v, cache, layout = make_step(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    assert cpu_kernels.supports(q, num_kv_heads, block_size) == (path == "c")
     scale = head_dim**-0.5
     ref, k_all, v_all = reference(q, k, v, cache, layout, scale, window)
     meta = torch_backend.build_metadata(layout)
@@ -97,13 +105,14 @@ def test_matches_reference(path, dtype, heads, block_size, head_dim, window):
 
 
 def test_decode_with_never_written_slots(path):
-    """A fresh cache's unwritten slots past a request's length are zeros, masked out, and never reach the output
-    as NaN (a zero probability times garbage would)."""
-    q, k, v, cache, layout = make_step([(5, 1), (20, 1)], 4, 2, 32, 16, torch.bfloat16)
+    """Slots past a request's length are never read by the C kernel (they hold NaN here), and hold the fresh
+    cache's zeros for the torch path, which reads whole blocks and masks them (a zero probability times NaN would
+    still be NaN)."""
+    q, k, v, cache, layout = make_step([(5, 1), (20, 1), (16, 1)], 4, 2, 32, 16, torch.bfloat16)
     fresh = torch_backend.allocate_kv_cache(cache.shape[2], 16, 2, 32, torch.bfloat16, torch.device("cpu"))
     assert not fresh.any()
     slot_major = torch_backend.to_slot_major(cache, 32)
-    written = torch.zeros_like(slot_major)
+    written = torch.full_like(slot_major, float("nan") if path == "c" else 0.0)
     for i, seq_len in enumerate(layout.seq_lens):  # only the context is copied over: later slots stay unwritten
         pos = np.arange(int(seq_len) - 1)
         blocks, offsets = layout.block_table[i, pos // 16], pos % 16

@@ -56,7 +56,7 @@ def test_rms_norm(monkeypatch, dtype, dim, with_residual):
 @pytest.mark.parametrize("d", [16, 1536, 1100])
 def test_silu_and_mul(dtype, d):
     g = torch.Generator().manual_seed(d)
-    x = (torch.randn(5, 2 * d, generator=g) * 8).to(dtype)
+    x = (torch.randn(5, 2 * d + 8, generator=g) * 8).to(dtype)[:, 8:]  # strided rows
     x[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -90.0]).to(dtype)
     ours = cpu_kernels.silu_and_mul(x)
     ref = (F.silu(x[:, :d]) * x[:, d:]).to(dtype)
@@ -64,17 +64,17 @@ def test_silu_and_mul(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_norms", [False, True])
-def test_qk_rotary(monkeypatch, dtype, with_norms):
+@pytest.mark.parametrize("with_norms,head_dim", [(False, 64), (True, 64), (True, 128)])
+def test_qk_rotary(monkeypatch, dtype, with_norms, head_dim):
     g = torch.Generator().manual_seed(3)
-    num_tokens, num_heads, num_kv_heads, head_dim = 6, 4, 2, 64
+    num_tokens, num_heads, num_kv_heads = 6, 4, 2
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)(torch.tensor([0, 1, 7, 100, 2000, 4095]), dtype)
     norms = None
-    if with_norms:
-        norms = (RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6))
+    if with_norms:  # each norm with its own epsilon (large enough to show in the result)
+        norms = (RMSNorm(head_dim, 1e-2), RMSNorm(head_dim, 0.5))
         for n in norms:
             n.weight.data = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
     ours = apply_qk_rotary(q, k, rope, norms)
