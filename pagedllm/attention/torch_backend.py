@@ -107,11 +107,6 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-3, -2).contiguous()
 
 
-def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, heads, dim] with each token's heads in one run (rows may be strided), as the C kernels read it."""
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
-
-
 def _window_mask(q_pos: torch.Tensor, k_len: int, sliding_window: int | None) -> torch.Tensor:
     """[q_len, k_len] bool: causal, and inside the sliding window when there is one."""
     k_pos = torch.arange(k_len, device=q_pos.device)
@@ -134,7 +129,7 @@ def forward(
     block_size = kv_cache.shape[3] // head_dim
     in_c = cpu_kernels.supports(q, num_kv_heads, block_size)
     if in_c:
-        cpu_kernels.write_kv(_heads_contiguous(k), _heads_contiguous(v), kv_cache[0], kv_cache[1], meta.slot_mapping)
+        cpu_kernels.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
     else:
         _write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)

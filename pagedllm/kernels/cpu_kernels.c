@@ -244,6 +244,23 @@ static void round_all(float *x, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
 }
 
+static float sum_squares(const float *h, int64_t n) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; i++) squares += h[i] * h[i];
+    return squares;
+}
+
+/* RMSNorm's last steps on n values, as the torch layer does them: h * rstd rounded to the model dtype, times the
+   weights w (the product is rounded by the caller's store) */
+static void normalize(float *restrict h, const float *restrict w, int64_t n, float rstd, int bf16) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) h[i] *= rstd;
+    round_all(h, n, bf16);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) h[i] *= w[i];
+}
+
 /* Per row of `rows`: with a residual, s = x + residual (rounded) goes to residual_out and is normalized; without,
    x is. out = weight * (s / sqrt(mean(s^2) + eps), rounded). x and residual rows are strided (x_row, r_row),
    out and residual_out contiguous [rows, dim]. */
@@ -266,19 +283,14 @@ void rms_norm(const void *x, int64_t x_row, const void *residual, int64_t r_row,
                 round_all(h, n, bf16);
                 from_float(summed + c * width, h, n, bf16);
             }
-#pragma omp simd reduction(+ : squares)
-            for (int64_t i = 0; i < n; i++) squares += h[i] * h[i];
+            squares += sum_squares(h, n);
         }
         const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
         for (int64_t c = 0; c < dim; c += CHUNK) {
             const int64_t n = dim - c < CHUNK ? dim - c : CHUNK;
             to_float(h, (summed ? summed : src) + c * width, n, bf16);
             to_float(w, (const char *)weight + c * width, n, bf16);
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) h[i] *= rstd;
-            round_all(h, n, bf16);
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) h[i] *= w[i];
+            normalize(h, w, n, rstd, bf16);
             from_float((char *)out + (row * dim + c) * width, h, n, bf16);
         }
     }
@@ -317,13 +329,9 @@ void silu_and_mul(const void *x, int64_t x_row, void *out, int64_t rows, int64_t
 static void norm_rotate(float *h, const void *norm, float eps, const float *cos, const float *sin, int64_t dim,
                         int bf16) {
     if (norm) {
-        float w[MAX_DIM], squares = 0.0f;
-        for (int64_t i = 0; i < dim; i++) squares += h[i] * h[i];
-        const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
+        float w[MAX_DIM];
         to_float(w, norm, dim, bf16);
-        for (int64_t i = 0; i < dim; i++) h[i] *= rstd;
-        round_all(h, dim, bf16);
-        for (int64_t i = 0; i < dim; i++) h[i] *= w[i];
+        normalize(h, w, dim, 1.0f / sqrtf(sum_squares(h, dim) / (float)dim + eps), bf16);
         round_all(h, dim, bf16);
     }
     const int64_t half = dim / 2;

@@ -2,8 +2,8 @@
 write, and the decoder layers' element-wise ops (RMSNorm with its residual add, SiLU-and-mul, rotary of q and k).
 
 Built on first use with the system C compiler (`cc -O3 -march=native`, with OpenMP when the compiler has it) into a
-per-user cache directory, keyed by the source, the flags and the CPU, and loaded with ctypes: a build takes about
-half a second once, later starts only load it. Without a compiler `library()` is None and the torch backend keeps
+per-user cache directory, keyed by the source, the compiler, the flags and the CPU, and loaded with ctypes: a build
+takes about a second once, later starts only load it. Without a compiler `library()` is None and the torch backend keeps
 its torch-op path, which computes the same thing."""
 
 from __future__ import annotations
@@ -140,8 +140,13 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtyp
         assert cache.is_contiguous() and cache.dim() == 3 and cache.dtype == dtype
 
 
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, heads, dim] with each token's heads in one run (rows may be strided), as the kernels read it."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def write_kv(
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], each token's heads in one run
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
     k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim]
     v_cache: torch.Tensor,
@@ -149,8 +154,7 @@ def write_kv(
 ) -> None:
     """Writes the new tokens' K/V to their slots."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    for x in (k, v):
-        assert x.stride(2) == 1 and x.stride(1) == head_dim
+    k, v = _heads_contiguous(k), _heads_contiguous(v)
     assert slots.dtype == torch.int64 and slots.is_contiguous()
     _check_cache(k_cache, v_cache, k.dtype)
     library().write_kv(
@@ -265,8 +269,7 @@ def qk_rotary(
     """The neox rotation of q and k (after their per-head RMSNorm when given), as new contiguous tensors."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    q = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
-    k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+    q, k = _heads_contiguous(q), _heads_contiguous(k)
     cos, sin = cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
     q_norm = k_norm = None
     if norm_weights is not None:

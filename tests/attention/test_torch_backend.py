@@ -72,7 +72,7 @@ MIXED = [(0, 7), (5, 6), (37, 1), (12, 1), (3, 1), (0, 1), (16, 1)]
 def path(request, monkeypatch):
     if request.param == "c":
         if cpu_kernels.library() is None:
-            pytest.fail("the C kernels did not build (is there a C compiler?)")
+            pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
     return request.param

@@ -18,7 +18,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2
 @pytest.fixture(autouse=True)
 def built():
     if cpu_kernels.library() is None:
-        pytest.fail("the C kernels did not build (is there a C compiler?)")
+        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
 
 
 def torch_path(monkeypatch, fn):
