@@ -157,6 +157,85 @@ static void attend_block(Running *restrict state, const float (*q)[MAX_DIM], int
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BF16_DOT 1 /* the CPU has bfloat16 pair dot products (vdpbf16ps): bfloat16 caches are read as they are */
+
+/* A 32-value chunk of bfloat16 keys or values (its first n <= 32 values; the rest read as zeros, never loaded) */
+static inline __m512i load_chunk(const uint16_t *p, int64_t n) {
+    return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1u), p);
+}
+
+/* The accumulator lane of dim d in the p·V sums below: unpacking two tokens' 32-value chunks interleaves them per
+   128-bit lane, so a chunk's low accumulator holds dims 8L + 0..3 in lanes 4L + 0..3 and its high one dims
+   8L + 4..7 (L = 0..3); chunk c's two accumulators are acc[32c .. 32c + 15] and acc[32c + 16 .. 32c + 31]. */
+static inline int64_t unpacked_lane(int64_t d) {
+    const int64_t c = d / 32, in = d % 32, L = in / 8, i = in % 8;
+    return 32 * c + (i < 4 ? 4 * L + i : 16 + 4 * L + i - 4);
+}
+
+static const __m512i lane_index = {0x100000000, 0x300000002, 0x500000004, 0x700000006,
+                                   0x900000008, 0xb0000000a, 0xd0000000c, 0xf0000000e}; /* int32 lanes 0..15 */
+
+/* attend_block straight from a bfloat16 cache block: q·k as bfloat16 pair dot products (exact products, float32
+   sums), p·V with each probability rounded to bfloat16 (the rounded value also goes into the softmax sum) and two
+   tokens' values interleaved by unpacking, into accumulators in the order unpacked_lane gives. qb: the group's
+   query heads as bfloat16, [group][MAX_DIM]. */
+static void attend_block_bf16(Running *restrict state, const uint16_t (*qb)[MAX_DIM], int64_t group,
+                              const uint16_t *restrict keys, const uint16_t *restrict values, int64_t t0, int64_t t1,
+                              int64_t dim, float scale) {
+    const int64_t chunks = (dim + 31) / 32;
+    for (int64_t g = 0; g < group; g++) {
+        Running *st = &state[g];
+        __m512i q[MAX_DIM / 32];
+        for (int64_t c = 0; c < chunks; c++) q[c] = load_chunk(qb[g] + 32 * c, dim - 32 * c);
+        for (int64_t c0 = t0 - t0 % LANES; c0 < t1; c0 += LANES) { /* LANES tokens at a time */
+            const int64_t n = t1 - c0 < LANES ? t1 - c0 : LANES;
+            f32x16 dots[LANES];
+            for (int64_t i = 0; i < LANES; i++) {
+                __m512 a = _mm512_setzero_ps();
+                if (i < n) {
+                    const uint16_t *k = keys + (c0 + i) * dim;
+                    for (int64_t c = 0; c < chunks; c++)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)load_chunk(k + 32 * c, dim - 32 * c), (__m512bh)q[c]);
+                }
+                dots[i] = (f32x16)a;
+            }
+            const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)c0), lane_index);
+            const __mmask16 inside = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32((int)t0)) &
+                                     _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32((int)t1));
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), inside,
+                                                _mm512_mul_ps((__m512)sum_lanes16(dots), _mm512_set1_ps(scale)));
+            const float top = fmaxf(st->max, _mm512_reduce_max_ps(s));
+            const f32x16 zero = {0};
+            /* the probabilities rounded to bfloat16: 8 pairs of neighbouring tokens, as p·V takes them */
+            uint32_t pairs[LANES / 2];
+            _mm256_storeu_si256((__m256i *)pairs, (__m256i)_mm512_cvtneps_pbh((__m512)exp16((f32x16)s - top)));
+            const __m512 rounded = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)pairs)), 16));
+            const float keep = exp16(zero + (st->max - top))[0]; /* 0 while max is -inf */
+            st->max = top;
+            st->sum = st->sum * keep + _mm512_reduce_add_ps(rounded);
+            const uint16_t *v = values + c0 * dim;
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t left = dim - 32 * c;
+                __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(st->acc + 32 * c), _mm512_set1_ps(keep));
+                __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(st->acc + 32 * c + 16), _mm512_set1_ps(keep));
+                for (int64_t i = 0; i < n; i += 2) { /* tokens i and i + 1 (a zero past the end) */
+                    const __m512i a = load_chunk(v + i * dim + 32 * c, left);
+                    const __m512i b = i + 1 < n ? load_chunk(v + (i + 1) * dim + 32 * c, left) : _mm512_setzero_si512();
+                    const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[i / 2]);
+                    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), pair);
+                    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), pair);
+                }
+                _mm512_storeu_ps(st->acc + 32 * c, lo);
+                _mm512_storeu_ps(st->acc + 32 * c + 16, hi);
+            }
+        }
+    }
+}
+#endif
+
 /* Decode attention: one query token per request, over the request's first seq_lens[r] cached tokens (the last
    sliding_window of them when sliding_window > 0). One work item per (request, kv head): its `group` query heads
    read each key and value once, a block at a time, with an online softmax.
@@ -174,11 +253,21 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
         const int64_t r = item / num_kv_heads, h = item % num_kv_heads, row = token_rows[r];
         float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
         Running state[MAX_GROUP];
+#ifdef BF16_DOT
+        uint16_t qb[MAX_GROUP][MAX_DIM];
+        const int in_place = bf16; /* bfloat16 caches are read in place, their blocks never converted */
+#else
+        const int in_place = 0;
+#endif
         for (int64_t g = 0; g < group; g++) {
-            to_float(qf[g], (const char *)q + (row * q_tok + (h * group + g) * q_head) * width, head_dim, bf16);
+            const char *qg = (const char *)q + (row * q_tok + (h * group + g) * q_head) * width;
+#ifdef BF16_DOT
+            if (in_place) memcpy(qb[g], qg, head_dim * sizeof(uint16_t));
+#endif
+            if (!in_place) to_float(qf[g], qg, head_dim, bf16);
             state[g].max = -INFINITY;
             state[g].sum = 0.0f;
-            memset(state[g].acc, 0, head_dim * sizeof(float));
+            memset(state[g].acc, 0, sizeof state[g].acc);
         }
         const int64_t len = seq_lens[r];
         const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
@@ -187,14 +276,23 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
             const int64_t t0 = first > start ? first - start : 0;
             const int64_t t1 = len - start < block_size ? len - start : block_size;
             const int64_t offset = (h * num_blocks + block_table[r * bt_row + b]) * block_values;
-            if ((b + 1) * block_size < len) { /* the next block's keys and values start on their way from memory */
+            /* the next block's keys and values start on their way from memory, into L2 (prefetching into L1 ran
+               out of its miss buffers and was a third slower) */
+            if ((b + 1) * block_size < len) {
                 const int64_t next = (h * num_blocks + block_table[r * bt_row + b + 1]) * block_values * width;
                 for (int64_t byte = 0; byte < block_values * width; byte += 64) {
-                    __builtin_prefetch((const char *)k_cache + next + byte);
-                    __builtin_prefetch((const char *)v_cache + next + byte);
+                    __builtin_prefetch((const char *)k_cache + next + byte, 0, 1);
+                    __builtin_prefetch((const char *)v_cache + next + byte, 0, 1);
                 }
             }
             /* only the slots up to the request's length: the rest of its last block may not be written yet */
+#ifdef BF16_DOT
+            if (in_place) {
+                attend_block_bf16(state, (const uint16_t(*)[MAX_DIM])qb, group, (const uint16_t *)k_cache + offset,
+                                  (const uint16_t *)v_cache + offset, t0, t1, head_dim, scale);
+                continue;
+            }
+#endif
             to_float(keys, (const char *)k_cache + offset * width, t1 * head_dim, bf16);
             to_float(values, (const char *)v_cache + offset * width, t1 * head_dim, bf16);
             attend_block(state, (const float(*)[MAX_DIM])qf, group, keys, values, t0, t1, head_dim, scale);
@@ -202,7 +300,12 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
         for (int64_t g = 0; g < group; g++) {
             float o[MAX_DIM];
             const float inv = 1.0f / state[g].sum;
-            for (int64_t d = 0; d < head_dim; d++) o[d] = state[g].acc[d] * inv;
+#ifdef BF16_DOT
+            if (in_place) {
+                for (int64_t d = 0; d < head_dim; d++) o[d] = state[g].acc[unpacked_lane(d)] * inv;
+            } else
+#endif
+                for (int64_t d = 0; d < head_dim; d++) o[d] = state[g].acc[d] * inv;
             from_float((char *)out + (row * o_tok + (h * group + g) * o_head) * width, o, head_dim, bf16);
         }
     }

