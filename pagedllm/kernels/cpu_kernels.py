@@ -103,6 +103,11 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         logger.info("CPU kernels did not build: the CPU attention runs on torch ops")
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The kernels' argument types, set on a loaded library."""
     lib.decode_attention.argtypes = _DECODE_ARGS
     lib.write_kv.argtypes = _WRITE_ARGS
     lib.rms_norm.argtypes = _NORM_ARGS

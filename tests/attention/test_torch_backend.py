@@ -3,6 +3,12 @@ over the same paged cache."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -68,11 +74,34 @@ def reference(q, k, v, cache, layout, scale, window):
 MIXED = [(0, 7), (5, 6), (37, 1), (12, 1), (3, 1), (0, 1), (16, 1)]
 
 
-@pytest.fixture(params=["c", "torch"])
-def path(request, monkeypatch):
-    if request.param == "c":
+def has_bf16_dot() -> bool:
+    """Whether -march=native gives the kernels bfloat16 pair dot products (x86 avx512_bf16)."""
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def generic_library(tmp_path: Path) -> ctypes.CDLL:
+    """The kernels built without bfloat16 dot products: the decode path of CPUs that lack them, which converts each
+    block to float32 (on such CPUs every C-path test runs it already)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    out = tmp_path / "generic_cpu_kernels.so"
+    flags = [*cpu_kernels.FLAG_SETS[0], "-mno-avx512bf16"]
+    subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", out, cpu_kernels.SOURCE, "-lm"], check=True)
+    return cpu_kernels.declare(ctypes.CDLL(str(out)))
+
+
+@pytest.fixture(params=["c", "c-generic", "torch"])
+def path(request, monkeypatch, tmp_path):
+    if request.param.startswith("c"):
         if cpu_kernels.library() is None:
             pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
+        if request.param == "c-generic":
+            if not has_bf16_dot():
+                pytest.skip("this CPU has no bfloat16 dot products: the 'c' runs are the generic path")
+            generic = generic_library(tmp_path)
+            monkeypatch.setattr(cpu_kernels, "library", lambda: generic)
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
     return request.param
@@ -93,7 +122,7 @@ def path(request, monkeypatch):
 def test_matches_reference(path, dtype, heads, block_size, head_dim, window):
     num_heads, num_kv_heads = heads
     q, k, v, cache, layout = make_step(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype)
-    assert cpu_kernels.supports(q, num_kv_heads, block_size) == (path == "c")
+    assert cpu_kernels.supports(q, num_kv_heads, block_size) == path.startswith("c")
     scale = head_dim**-0.5
     ref, k_all, v_all = reference(q, k, v, cache, layout, scale, window)
     meta = torch_backend.build_metadata(layout)
@@ -112,7 +141,7 @@ def test_decode_with_never_written_slots(path):
     fresh = torch_backend.allocate_kv_cache(cache.shape[2], 16, 2, 32, torch.bfloat16, torch.device("cpu"))
     assert not fresh.any()
     slot_major = torch_backend.to_slot_major(cache, 32)
-    written = torch.full_like(slot_major, float("nan") if path == "c" else 0.0)
+    written = torch.full_like(slot_major, float("nan") if path.startswith("c") else 0.0)
     for i, seq_len in enumerate(layout.seq_lens):  # only the context is copied over: later slots stay unwritten
         pos = np.arange(int(seq_len) - 1)
         blocks, offsets = layout.block_table[i, pos // 16], pos % 16
