@@ -236,9 +236,9 @@ static void attend_block_bf16(Running *restrict state, const uint16_t (*qb)[MAX_
 }
 #endif
 
-/* Decode attention: one query token per request, over the request's first seq_lens[r] cached tokens (the last
-   sliding_window of them when sliding_window > 0). One work item per (request, kv head): its `group` query heads
-   read each key and value once, a block at a time, with an online softmax.
+/* Decode attention: one query token per row r (a decode, or one token of a short prefill chunk), over its request's
+   first seq_lens[r] cached tokens (the last sliding_window of them when sliding_window > 0). One work item per (row,
+   kv head): its `group` query heads read each key and value once, a block at a time, with an online softmax.
 
    q and out are read / written at rows token_rows[r] ([*, num_heads, head_dim], strides q_tok / q_head and o_tok /
    o_head); block_table [num_reqs, *] (row stride bt_row); seq_lens [num_reqs]. */

@@ -180,12 +180,12 @@ def write_kv(
 
 def decode_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], head_dim contiguous
-    out: torch.Tensor,  # like q: receives the decode rows
-    token_rows: torch.Tensor,  # [num_reqs] int64: the row of q and out of each decode
+    out: torch.Tensor,  # like q: receives the attended rows
+    token_rows: torch.Tensor,  # [num_rows] int64: the token (row of q and out) of each paged row
     k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size * head_dim]
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_reqs, >= blocks of the longest] int64, rows contiguous
-    seq_lens: torch.Tensor,  # [num_reqs] int64
+    block_table: torch.Tensor,  # [num_rows, >= blocks of the longest] int64, rows contiguous
+    seq_lens: torch.Tensor,  # [num_rows] int64
     scale: float,
     sliding_window: int | None,
 ) -> None:

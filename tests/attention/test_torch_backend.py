@@ -72,6 +72,7 @@ def reference(q, k, v, cache, layout, scale, window):
 
 
 MIXED = [(0, 7), (5, 6), (37, 1), (12, 1), (3, 1), (0, 1), (16, 1)]
+LONG_PREFILLS = [(0, 130), (100, 40)]  # sequences past PAGED_PREFILL_LEN: SDPA by default
 
 
 def has_bf16_dot() -> bool:
@@ -82,25 +83,26 @@ def has_bf16_dot() -> bool:
         return False
 
 
-def generic_library(tmp_path: Path) -> ctypes.CDLL:
+@pytest.fixture(scope="session")
+def generic_library(tmp_path_factory) -> ctypes.CDLL:
     """The kernels built without bfloat16 dot products: the decode path of CPUs that lack them, which converts each
     block to float32 (on such CPUs every C-path test runs it already)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    out = tmp_path / "generic_cpu_kernels.so"
+    out = tmp_path_factory.mktemp("generic") / "cpu_kernels.so"
     flags = [*cpu_kernels.FLAG_SETS[0], "-mno-avx512bf16"]
     subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", out, cpu_kernels.SOURCE, "-lm"], check=True)
     return cpu_kernels.declare(ctypes.CDLL(str(out)))
 
 
 @pytest.fixture(params=["c", "c-generic", "torch"])
-def path(request, monkeypatch, tmp_path):
+def path(request, monkeypatch):
     if request.param.startswith("c"):
         if cpu_kernels.library() is None:
             pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
         if request.param == "c-generic":
             if not has_bf16_dot():
                 pytest.skip("this CPU has no bfloat16 dot products: the 'c' runs are the generic path")
-            generic = generic_library(tmp_path)
+            generic = request.getfixturevalue("generic_library")
             monkeypatch.setattr(cpu_kernels, "library", lambda: generic)
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
@@ -119,13 +121,18 @@ def path(request, monkeypatch, tmp_path):
         ((4, 2), 32, 128, 16),  # a window ending on a block edge
     ],
 )
-def test_matches_reference(path, dtype, heads, block_size, head_dim, window):
+@pytest.mark.parametrize("paged_prefill_len", [0, None, 1000], ids=["sdpa-prefill", "default", "paged-prefill"])
+def test_matches_reference(path, dtype, heads, block_size, head_dim, window, paged_prefill_len):
     num_heads, num_kv_heads = heads
-    q, k, v, cache, layout = make_step(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    q, k, v, cache, layout = make_step(MIXED + LONG_PREFILLS, num_heads, num_kv_heads, head_dim, block_size, dtype)
     assert cpu_kernels.supports(q, num_kv_heads, block_size) == path.startswith("c")
     scale = head_dim**-0.5
     ref, k_all, v_all = reference(q, k, v, cache, layout, scale, window)
-    meta = torch_backend.build_metadata(layout)
+    meta = torch_backend.build_metadata(layout, paged_prefill_len)
+    num_paged = len(meta.paged_token_idx)
+    by_default = 2 if cpu_kernels.library() is not None else 4  # the two longest use SDPA; all without the C kernels
+    assert len(meta.prefills) == {0: 4, None: by_default, 1000: 0}[paged_prefill_len]
+    assert num_paged == len(q) - sum(c.q_end - c.q_start for c in meta.prefills)
     out = torch_backend.forward(q, k, v, cache, meta, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
