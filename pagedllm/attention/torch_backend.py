@@ -4,9 +4,9 @@ Its cache (allocate_kv_cache) is [2, num_kv_heads, num_blocks, block_size * head
 head's part of a block is one run of memory ([block_size, head_dim]). On CPU, C kernels (pagedllm.kernels.cpu_kernels)
 write the cache and attend the paged rows, reading each block in place once; without a C compiler, or for other
 dtypes and devices, the same computation runs on torch ops: paged rows as two batched matmuls over gathered blocks.
-A paged row is one query token over its request's first seq_len cached tokens: every decode, and on CPU each token
-of a short prefill chunk (PAGED_PREFILL_LEN). Other prefill chunks run one SDPA call each, on the chunk's own K/V when
-it has no earlier context, else on K/V gathered from the cache."""
+A paged row is one query token over its request's first seq_len cached tokens: every decode, and for the C kernels
+each token of a short prefill chunk (PAGED_PREFILL_LEN). Other prefill chunks (all of them on the torch-op path) run
+one SDPA call each, on the chunk's own K/V when it has no earlier context, else on K/V gathered from the cache."""
 
 from __future__ import annotations
 
@@ -29,16 +29,20 @@ class PrefillChunk:
     context_len: int  # tokens before this chunk, already in the cache
     blocks: torch.Tensor | None  # [num_blocks] cache blocks of all its tokens, when context_len > 0
     positions: torch.Tensor | None  # [q_len] query positions, when a mask is needed
+    paged: bool = False  # its tokens are also paged rows: the C kernels attend them there, not through SDPA
 
 
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
+    # paged rows: the decodes first, then the tokens of short prefill chunks (the C kernels take them all, the
+    # torch-op path the decodes: a prefill token's own row would gather its whole prefix)
     paged_token_idx: torch.Tensor | None  # [num_rows] the flat batch's tokens that attend as paged rows
     paged_blocks: torch.Tensor | None  # [num_rows, max_blocks] their requests' cache blocks, padded with a valid id
     paged_seq_lens: torch.Tensor | None  # [num_rows] the cached tokens each row attends (its position + 1)
-    paged_padded: bool  # whether some rows see slots past their length (a mask is needed)
-    prefills: list[PrefillChunk]
+    num_decodes: int  # the first rows
+    decode_padded: bool  # whether some decode rows see slots past their length (the torch-op path's mask)
+    prefills: list[PrefillChunk]  # every prefill chunk, those of the paged rows marked
     cached: dict = field(default_factory=dict)  # per-step tensors built on first use by the torch-op path
 
 
@@ -76,40 +80,41 @@ def to_slot_major(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def build_metadata(layout: BatchLayout, paged_prefill_len: int | None = None) -> TorchAttentionMetadata:
-    """paged_prefill_len: prefill chunks whose sequence is at most this long become paged rows, one per query token
-    (attending its own prefix), like decodes (default: PAGED_PREFILL_LEN where the C kernels run, else 0)."""
+    """paged_prefill_len: prefill chunks whose sequence is at most this long also become paged rows, one per query
+    token (attending its own prefix), like decodes (default: PAGED_PREFILL_LEN on CPU, else 0)."""
     qsl, seq_lens, bs = layout.query_start_loc, layout.seq_lens, layout.block_size
     query_lens = layout.query_lens
     dev = layout.device
     if paged_prefill_len is None:
-        paged_prefill_len = PAGED_PREFILL_LEN if dev.type == "cpu" and cpu_kernels.library() is not None else 0
-    paged = (query_lens == 1) | ((query_lens > 1) & (seq_lens <= paged_prefill_len))
-    paged_reqs = np.nonzero(paged)[0]
+        paged_prefill_len = PAGED_PREFILL_LEN if dev.type == "cpu" else 0
+    short = (query_lens > 1) & (seq_lens <= paged_prefill_len)
+    decodes = np.nonzero(query_lens == 1)[0]
+    paged_reqs = np.concatenate([decodes, np.nonzero(short)[0]])
     paged_token_idx = paged_blocks = paged_seq_lens = None
-    paged_padded = False
+    decode_padded = False
     if len(paged_reqs):
         q_lens = query_lens[paged_reqs]
         first = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)  # each row's request's first row
         offset = np.arange(len(first)) - first  # the row's query token within its request
         lens = np.repeat(seq_lens[paged_reqs] - q_lens + 1, q_lens) + offset
         num_blocks = -(-int(lens.max()) // bs)
-        paged_padded = bool((lens != num_blocks * bs).any())
+        decode_padded = bool((lens[: len(decodes)] != num_blocks * bs).any())
         # entries past a request's own blocks are stale or 0: valid ids whose slots the mask hides
         paged_token_idx = torch.from_numpy(np.repeat(qsl[paged_reqs], q_lens) + offset).to(dev)
         table = layout.block_table[paged_reqs, :num_blocks]
         paged_blocks = torch.from_numpy(np.ascontiguousarray(np.repeat(table, q_lens, axis=0))).to(dev)
         paged_seq_lens = torch.from_numpy(lens).to(dev)
     prefills = []
-    for i in np.nonzero(~paged & (query_lens > 1))[0]:
+    for i in np.nonzero(query_lens > 1)[0]:
         q_start, q_end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         context = seq_len - (q_end - q_start)
         blocks = positions = None
         if context > 0:
             blocks = torch.from_numpy(layout.block_table[i, : -(-seq_len // bs)].copy()).to(dev)
             positions = torch.arange(context, seq_len, device=dev)
-        prefills.append(PrefillChunk(q_start, q_end, context, blocks, positions))
+        prefills.append(PrefillChunk(q_start, q_end, context, blocks, positions, bool(short[i])))
     return TorchAttentionMetadata(
-        layout.slot_mapping, paged_token_idx, paged_blocks, paged_seq_lens, paged_padded, prefills
+        layout.slot_mapping, paged_token_idx, paged_blocks, paged_seq_lens, len(decodes), decode_padded, prefills
     )
 
 
@@ -150,22 +155,24 @@ def forward(
     else:
         _write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.paged_token_idx is not None:
-        if in_c:
-            cpu_kernels.decode_attention(
-                q,
-                out,
-                meta.paged_token_idx,
-                kv_cache[0],
-                kv_cache[1],
-                meta.paged_blocks,
-                meta.paged_seq_lens,
-                scale,
-                sliding_window,
-            )
-        else:
-            out[meta.paged_token_idx] = _paged(q[meta.paged_token_idx], kv_cache, meta, scale, sliding_window)
+    if in_c and meta.paged_token_idx is not None:
+        cpu_kernels.decode_attention(
+            q,
+            out,
+            meta.paged_token_idx,
+            kv_cache[0],
+            kv_cache[1],
+            meta.paged_blocks,
+            meta.paged_seq_lens,
+            scale,
+            sliding_window,
+        )
+    elif meta.num_decodes:
+        rows = meta.paged_token_idx[: meta.num_decodes]
+        out[rows] = _decode(q[rows], kv_cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
+        if in_c and chunk.paged:
+            continue
         # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
         qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
         if chunk.context_len == 0 and sliding_window is None:
@@ -199,26 +206,26 @@ def _write_kv(k, v, kv_cache, slot_mapping):
     slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _paged(q, kv_cache, meta, scale, sliding_window):
-    """The paged rows (one query token each), all at once over their gathered cache blocks, in torch ops.
+def _decode(q, kv_cache, meta, scale, sliding_window):
+    """The decodes (one query token each), all at once over their gathered cache blocks, in torch ops.
 
     Grouped-query math with two batched matmuls, batched over (kv head, row): on CPU much faster than SDPA's
     kernel for one query token."""
-    blocks = meta.paged_blocks  # [num_rows, max_blocks]
+    blocks = meta.paged_blocks[: meta.num_decodes]  # [num_rows, max_blocks]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, num_cache_blocks, block_values = kv_cache.shape[1:]
     num_blocks, block_size = blocks.shape[1], block_values // head_dim
     seq_len, batch = num_blocks * block_size, num_kv_heads * num_rows
-    if "paged_rows" not in meta.cached:  # each head's part of the cache offset to that head
+    if "decode_rows" not in meta.cached:  # each head's part of the cache offset to that head
         heads = torch.arange(num_kv_heads, device=blocks.device)[:, None] * num_cache_blocks
-        meta.cached["paged_rows"] = (heads + blocks.view(1, -1)).view(-1)  # [(kv_head, row, block)]
-    rows = meta.cached["paged_rows"]
+        meta.cached["decode_rows"] = (heads + blocks.reshape(1, -1)).view(-1)  # [(kv_head, row, block)]
+    rows = meta.cached["decode_rows"]
     kd = kv_cache[0].view(-1, block_values).index_select(0, rows).view(batch, seq_len, head_dim)
     vd = kv_cache[1].view(-1, block_values).index_select(0, rows).view(batch, seq_len, head_dim)
     group = num_heads // num_kv_heads
     qg = q.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
     scores = torch.bmm(qg, kd.transpose(1, 2)).float() * scale  # [(kv_head, row), group, len]
-    bias = _paged_bias(meta, seq_len, sliding_window)
+    bias = _decode_bias(meta, seq_len, sliding_window)
     if bias is not None:
         scores.view(num_kv_heads, num_rows, group, seq_len).add_(bias)
     probs = scores.softmax(dim=-1).to(q.dtype)
@@ -226,15 +233,15 @@ def _paged(q, kv_cache, meta, scale, sliding_window):
     return o.view(num_kv_heads, num_rows, group, head_dim).transpose(0, 1).reshape(num_rows, num_heads, head_dim)
 
 
-def _paged_bias(meta: TorchAttentionMetadata, seq_len: int, sliding_window: int | None) -> torch.Tensor | None:
-    """Additive mask [num_rows, 1, seq_len] hiding slots past each row's length (and keys outside the
+def _decode_bias(meta: TorchAttentionMetadata, seq_len: int, sliding_window: int | None) -> torch.Tensor | None:
+    """Additive mask [num_decodes, 1, seq_len] hiding slots past each decode's length (and keys outside the
     window); built once per step."""
-    key = ("paged_bias", sliding_window or 0)
+    key = ("decode_bias", sliding_window or 0)
     if key not in meta.cached:
         bias = None
-        if meta.paged_padded or (sliding_window is not None and seq_len > sliding_window):
+        if meta.decode_padded or (sliding_window is not None and seq_len > sliding_window):
             k_pos = torch.arange(seq_len, device=meta.paged_blocks.device)
-            lens = meta.paged_seq_lens[:, None]
+            lens = meta.paged_seq_lens[: meta.num_decodes, None]
             visible = k_pos[None, :] < lens  # [num_rows, seq_len]
             if sliding_window is not None:
                 visible &= k_pos[None, :] >= lens - sliding_window

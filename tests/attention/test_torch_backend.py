@@ -129,10 +129,10 @@ def test_matches_reference(path, dtype, heads, block_size, head_dim, window, pag
     scale = head_dim**-0.5
     ref, k_all, v_all = reference(q, k, v, cache, layout, scale, window)
     meta = torch_backend.build_metadata(layout, paged_prefill_len)
-    num_paged = len(meta.paged_token_idx)
-    by_default = 2 if cpu_kernels.library() is not None else 4  # the two longest use SDPA; all without the C kernels
-    assert len(meta.prefills) == {0: 4, None: by_default, 1000: 0}[paged_prefill_len]
-    assert num_paged == len(q) - sum(c.q_end - c.q_start for c in meta.prefills)
+    paged = [c for c in meta.prefills if c.paged]
+    assert len(meta.prefills) == 4 and len(paged) == {0: 0, None: 2, 1000: 4}[paged_prefill_len]  # default: <= 128
+    assert meta.num_decodes == 5
+    assert len(meta.paged_token_idx) == 5 + sum(c.q_end - c.q_start for c in paged)
     out = torch_backend.forward(q, k, v, cache, meta, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
