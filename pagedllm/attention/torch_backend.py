@@ -79,6 +79,12 @@ def to_slot_major(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     return _blocks(kv_cache, head_dim).permute(0, 2, 3, 1, 4).contiguous()
 
 
+# Prefill chunks of sequences up to this long attend as paged rows in the C kernel: one SDPA call per chunk costs
+# more than the kernel's passes over so few keys (2 threads, bfloat16, 9/3 heads: 2.5x faster at 16 tokens, 1.7x at
+# 32, even near 192)
+PAGED_PREFILL_LEN = 128
+
+
 def build_metadata(layout: BatchLayout, paged_prefill_len: int | None = None) -> TorchAttentionMetadata:
     """paged_prefill_len: prefill chunks whose sequence is at most this long also become paged rows, one per query
     token (attending its own prefix), like decodes (default: PAGED_PREFILL_LEN on CPU, else 0)."""
@@ -116,12 +122,6 @@ def build_metadata(layout: BatchLayout, paged_prefill_len: int | None = None) ->
     return TorchAttentionMetadata(
         layout.slot_mapping, paged_token_idx, paged_blocks, paged_seq_lens, len(decodes), decode_padded, prefills
     )
-
-
-# Prefill chunks of sequences up to this long attend as paged rows in the C kernel: one SDPA call per chunk costs
-# more than the kernel's passes over so few keys (2 threads, bfloat16, 9/3 heads: 2.5x faster at 16 tokens, 1.7x at
-# 32, even near 192)
-PAGED_PREFILL_LEN = 128
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -241,15 +241,15 @@ static void attend_block_bf16(Running *restrict state, const uint16_t (*qb)[MAX_
    kv head): its `group` query heads read each key and value once, a block at a time, with an online softmax.
 
    q and out are read / written at rows token_rows[r] ([*, num_heads, head_dim], strides q_tok / q_head and o_tok /
-   o_head); block_table [num_reqs, *] (row stride bt_row); seq_lens [num_reqs]. */
+   o_head); block_table [num_rows, *] (row stride bt_row), each row's request's blocks; seq_lens [num_rows]. */
 void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, int64_t o_tok, int64_t o_head,
                       const int64_t *token_rows, const void *k_cache, const void *v_cache, const int64_t *block_table,
-                      int64_t bt_row, const int64_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                      int64_t bt_row, const int64_t *seq_lens, int64_t num_rows, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale,
                       int64_t sliding_window, int bf16) {
     const int64_t group = num_heads / num_kv_heads, width = bf16 ? 2 : 4, block_values = block_size * head_dim;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_reqs * num_kv_heads; item++) {
+    for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
         const int64_t r = item / num_kv_heads, h = item % num_kv_heads, row = token_rows[r];
         float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
         Running state[MAX_GROUP];

@@ -77,20 +77,30 @@ def _build(compiler: str) -> Path | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-lm"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = compile_source(compiler, flags, out)
             if proc.returncode == 0:
                 os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
                 return target
-            logger.debug("CPU kernels: %s failed: %s", " ".join(cmd), proc.stderr[-2000:])
+            logger.debug("CPU kernels: %s failed: %s", " ".join(proc.args), proc.stderr[-2000:])
             failed.write_text(proc.stderr[-2000:])
     return None
+
+
+def find_compiler() -> str | None:
+    """$CC, else the first of cc, gcc and clang on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def compile_source(compiler: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
+    """cpu_kernels.c built with `flags` into the shared library `out`."""
+    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-lm"]
+    return subprocess.run(cmd, capture_output=True, text=True)
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None when no C compiler can build them (the torch-op path runs instead)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = find_compiler()
     if compiler is None:
         logger.info("no C compiler found: the CPU attention runs on torch ops")
         return None

@@ -23,12 +23,8 @@ from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q
 
 logger = logging.getLogger(__name__)
 
-# GGUF architecture name -> (transformers model_type, HF architecture). Mistral GGUFs use the "llama" name.
-_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
+# GGUF architecture name (also transformers' model_type) -> HF architecture. Mistral GGUFs use the "llama" name.
+_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -189,12 +185,11 @@ def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     costs ~2 s of every start; `transformers.AutoConfig.for_model` makes one from these fields when needed."""
     reader = _reader(path)
     arch = _architecture(reader)
-    model_type, hf_arch = _ARCHITECTURES[arch]
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     names = _tensor_names(reader)
     kwargs: dict[str, Any] = {
-        "architectures": [hf_arch],
+        "architectures": [_ARCHITECTURES[arch]],
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
@@ -214,7 +209,7 @@ def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if "rope_freqs.weight" in names:
         logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
-    return transformers.PretrainedConfig(model_type=model_type, **kwargs)
+    return transformers.PretrainedConfig(model_type=arch, **kwargs)
 
 
 def _hf_name(name: str) -> str:

@@ -4,9 +4,6 @@ over the same paged cache."""
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -87,10 +84,10 @@ def has_bf16_dot() -> bool:
 def generic_library(tmp_path_factory) -> ctypes.CDLL:
     """The kernels built without bfloat16 dot products: the decode path of CPUs that lack them, which converts each
     block to float32 (on such CPUs every C-path test runs it already)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     out = tmp_path_factory.mktemp("generic") / "cpu_kernels.so"
     flags = [*cpu_kernels.FLAG_SETS[0], "-mno-avx512bf16"]
-    subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", out, cpu_kernels.SOURCE, "-lm"], check=True)
+    proc = cpu_kernels.compile_source(cpu_kernels.find_compiler(), flags, out)
+    assert proc.returncode == 0, proc.stderr
     return cpu_kernels.declare(ctypes.CDLL(str(out)))
 
 
