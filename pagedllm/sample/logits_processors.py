@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagedllm.device import to_device
+from pagedllm.kernels import cpu_sampling
 
 
 def apply_penalties(
@@ -22,14 +23,18 @@ def apply_penalties(
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
 
-    Only the tokens that occur are touched: the (row, token) pairs are told apart on the host (a sort of each row's
-    tokens), then one gather and one scatter over the flat logits (contiguous), none over the vocabulary."""
+    Only the tokens that occur are touched: on the GPU by two Triton launches, on the CPU by one C call (a row at a
+    time per thread); elsewhere the (row, token) pairs are told apart on the host (a sort of each row's tokens), then
+    one gather and one scatter over the flat logits (contiguous), none over the vocabulary."""
     n, max_len = token_ids.shape
     vocab = logits.shape[1]
     if not n * max_len:
         return logits
     if logits.is_cuda:
         return _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
+    if cpu_sampling.available(logits) and logits.stride(-1) == 1:  # one C call over the rows' tokens
+        values = (t.numpy() for t in (repetition, presence, frequency))
+        return cpu_sampling.apply_penalties(logits, rows.numpy(), token_ids, num_prompt, num_tokens, *values)
     position = np.arange(max_len)[None, :]
     present = position < num_tokens[:, None]  # [n, max_len]
     is_output = present & (position >= num_prompt[:, None])

@@ -5,7 +5,11 @@ On the GPU one Triton kernel takes every row of the batch (pagedllm/kernels/samp
 and top-p as thresholds found by a multi-way search over the row, then a draw by the exponential race (Gumbel-max)
 with Philox numbers keyed per row; the logits are read in place, no host sync.
 
-Elsewhere (torch):
+On the CPU one C call takes every row (pagedllm/kernels/cpu_sampling.c), a row at a time per thread with its passes
+in cache: the argmax, or an inverse-CDF draw after min-p, top-k (over candidates from the tiles with the largest
+maxima) and top-p (by rejection: redrawn among the tokens more likely than a draw outside the nucleus).
+
+Elsewhere (torch; also a CPU without a C compiler):
   - greedy and filtered rows start from the maxima of tiles of 64 logits (pagedllm/sample/tiles.py): on the CPU one
     pass of maxima is several times faster than torch's argmax or topk over the rows, and the rest reads a few tiles;
   - plain rows (temperature, optionally min-p; no top-k / top-p) are drawn by inverse CDF in two levels: a cumsum over
@@ -17,10 +21,10 @@ Elsewhere (torch):
     over those candidates; otherwise (a flat distribution with a large nucleus) from a histogram over the float bits
     of p that narrows the cut to one bin, sorted exactly; sampled over the whole vocabulary. Only top-p rows without
     top-k need p of their whole row (the nucleus is a share of its mass).
-An inverse-CDF row draws with one uniform number, a GPU row with one Philox key. A seeded row's number (key) is a hash
-of (seed, position): it depends on the request alone, so a seeded request gets the same tokens whatever shares its
-batch, before and after preemption. Both paths draw exactly, but differently: the same seed gives different tokens
-on the GPU and on the CPU."""
+An inverse-CDF row draws with one uniform number (a C top-p row's further rounds with numbers hashed from it), a GPU
+row with one Philox key. A seeded row's number (key) is a hash of (seed, position): it depends on the request alone,
+so a seeded request gets the same tokens whatever shares its batch, before and after preemption. Every path draws
+exactly, but differently: the same seed gives different tokens on the GPU, in the C kernels and in torch."""
 
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import numpy as np
 import torch
 
 from pagedllm.device import to_device
-from pagedllm.kernels import triton_available
+from pagedllm.kernels import cpu_kernels, cpu_sampling, triton_available
 from pagedllm.sample import tiles
 
 _EPS = 1e-5
@@ -47,11 +51,13 @@ _BLOCK_BYTES = 8 << 20  # CPU plain rows: logits per block of rows, so that a bl
 @dataclass
 class SamplingMetadata:
     """The sampler's inputs for one step. Which rows sample and which filter is decided on the host, so the
-    sampler needs no device sync for it. Build it with `SamplingMetadata.build`: on a GPU it holds the per-row
-    parameters of the kernel (params, seed_keys) and none of the torch path's fields (None), elsewhere the reverse."""
+    sampler needs no device sync for it. Build it with `SamplingMetadata.build`: for the kernels (a GPU with Triton, a
+    CPU with the C kernels) it holds every row's parameters (params; seed_keys on the GPU, seed_uniforms on the CPU)
+    and none of the torch path's fields (None), elsewhere the reverse."""
 
     all_greedy: bool
-    params: torch.Tensor | None  # GPU: [batch, 4] float32 (row stride 6): temperature (0: greedy), top_k, top_p, min_p
+    params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU: row
+    # stride 6)
     seed_keys: torch.Tensor | None  # GPU: [batch] int64 (stride 3): seeded_key of (seed, position), -1: no seed
     greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
     sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
@@ -63,7 +69,8 @@ class SamplingMetadata:
     max_top_k: int
     min_p: torch.Tensor | None  # [num_sample] float32; None when no row uses it
     seeded: torch.Tensor | None  # [num_sample] bool; None when no row has a seed
-    seed_uniforms: torch.Tensor | None  # [num_sample] float32: seeded_uniform of (seed, position) where seeded
+    seed_uniforms: torch.Tensor | None  # [num_sample] float32: seeded_uniform of (seed, position) where seeded (C
+    # kernels: [batch], -1 where not seeded)
 
     @classmethod
     def build(
@@ -81,6 +88,8 @@ class SamplingMetadata:
         sampling = temperature >= _EPS
         if device.type == "cuda" and triton_available():
             return cls._for_kernel(temperature, top_k, top_p, min_p, seeds, seeded, positions, device)
+        if device.type == "cpu" and cpu_kernels.library() is not None:
+            return cls._for_c_kernels(temperature, top_k, top_p, min_p, seeds, seeded, positions)
         rows = np.nonzero(sampling)[0]
         k, p = top_k[rows], top_p[rows]
         is_filtered = (k > 0) | (p < 1.0)
@@ -125,6 +134,28 @@ class SamplingMetadata:
             min_p=None,
             seeded=None,
             seed_uniforms=None,
+            **none,
+        )
+
+    @classmethod
+    def _for_c_kernels(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions) -> SamplingMetadata:
+        """The CPU kernels' form: every row's parameters as they are, and the uniform of each seeded row."""
+        params = np.stack([temperature, top_k, top_p, min_p], axis=1).astype(np.float32)
+        sampling = temperature >= _EPS
+        uniforms = None
+        if seeded is not None and bool((seeded & sampling).any()):
+            rows = np.nonzero(seeded & sampling)[0]
+            uniforms = np.full(len(temperature), -1.0, dtype=np.float32)
+            uniforms[rows] = seeded_uniform(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
+        none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
+        return cls(
+            all_greedy=not bool(sampling.any()),
+            params=torch.from_numpy(params),
+            seed_keys=None,
+            max_top_k=0,
+            min_p=None,
+            seeded=None,
+            seed_uniforms=None if uniforms is None else torch.from_numpy(uniforms),
             **none,
         )
 
@@ -309,10 +340,17 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.rng = np.random.default_rng(seed)
         self.scratch = _Scratch(device)  # the torch path's large temporaries
+        self.c_scratch = cpu_sampling.Scratch()  # the C kernels' working rows (also lent to the logprobs)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits [batch, vocab] (only read) -> sampled token ids [batch] int64. float32; the model's dtype also
         works on the GPU or when every row is greedy (the argmax and the GPU kernel read it exactly as float32)."""
+        if meta.params is not None and not logits.is_cuda:  # CPU: every row in one C call
+            u = self.rng.random(len(logits), dtype=np.float32)
+            if meta.seed_uniforms is not None:
+                seeded = meta.seed_uniforms.numpy()
+                u = np.where(seeded >= 0, seeded, u)
+            return cpu_sampling.sample(logits.float(), meta.params, u, self.c_scratch)
         if meta.all_greedy:
             return logits.argmax(dim=-1) if logits.is_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
         if meta.params is not None:  # GPU: every row in one kernel

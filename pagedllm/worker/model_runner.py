@@ -21,6 +21,7 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sample_inputs import (
     LogprobTensors,
     adjust_logits,
+    adjusted_rows,
     adjusts_logits,
     logprob_rows,
     logprob_tensors,
@@ -213,7 +214,8 @@ class ModelRunner:
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
         upcast = not self._reads_logits_as_is(sampling, sample_rows, num_tokens, num_top)
         raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
-        lp_rows = logprob_rows(raw_logits, num_top)  # before adjust_logits changes raw_logits in place
+        adjusted = adjusted_rows(self.batch, sample_rows, num_tokens)
+        lp_rows = logprob_rows(raw_logits, num_top, adjusted)  # before adjust_logits changes raw_logits in place
         logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
         sampled = self.sampler(logits, sampling)  # [num_sampled]
         step = StepFuture(
@@ -221,7 +223,7 @@ class ModelRunner:
             [req_ids[i] for i in sample_idx.tolist()],
             sample_rows,
             sampled,
-            logprob_tensors(lp_rows, sampled, num_top),
+            logprob_tensors(lp_rows, sampled, num_top, self.sampler.c_scratch),
             prompt_lps,
         )
         self.last_step = step
@@ -231,7 +233,8 @@ class ModelRunner:
         """Whether the step's logits can stay in the model dtype: on CUDA, where the argmax and the sampling kernel
         read any float dtype exactly, when no row adjusts its logits or wants logprobs."""
         return (
-            sampling.params is not None
+            self.device.type == "cuda"
+            and sampling.params is not None
             and all(k is None for k in num_top)
             and not adjusts_logits(self.batch, rows, num_tokens)
         )
@@ -268,10 +271,12 @@ class ModelRunner:
         if not spans:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
+        num_top = [k for _, count, k in spans.values() for _ in range(count)]
         entries = sampled_logprobs(
-            logits,
+            logprob_rows(logits, num_top, np.zeros(len(num_top), dtype=bool)),  # nothing adjusts them
             torch.tensor(targets, device=self.device),
-            [k for _, count, k in spans.values() for _ in range(count)],
+            num_top,
+            self.sampler.c_scratch,
         )
         out, offset = {}, 0
         for req_id, (first_pos, count, _) in spans.items():

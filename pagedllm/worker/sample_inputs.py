@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.device import to_device
-from pagedllm.kernels import use_triton
+from pagedllm.kernels import cpu_sampling, use_triton
 from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
 from pagedllm.sample.sampler import SamplingMetadata
@@ -24,9 +24,14 @@ def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_tokens: np.nda
     return num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]  # [rows] EOS and stop ids still banned
 
 
+def adjusted_rows(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+    """Which of these rows adjust_logits may change this step. [rows] bool"""
+    return batch.adjusts_logits[rows] | _short_of_min_tokens(batch, rows, num_tokens)
+
+
 def adjusts_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
     """Whether adjust_logits changes anything for these rows this step."""
-    return bool(batch.adjusts_logits[rows].any() or _short_of_min_tokens(batch, rows, num_tokens).any())
+    return bool(adjusted_rows(batch, rows, num_tokens).any())
 
 
 def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
@@ -98,14 +103,40 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarra
     )
 
 
-def logprob_rows(raw_logits: torch.Tensor, num_top: list[int | None]) -> torch.Tensor | None:
-    """A copy of the rows that want logprobs, taken before the logits are adjusted in place. [wanted, vocab]"""
-    wanted = [i for i, k in enumerate(num_top) if k is not None]
-    if not wanted:
+@dataclass
+class LogprobRows:
+    """The logits that the logprobs read, as they were before adjust_logits changed them in place: copies of the
+    wanted rows it may change; with the C kernels (CPU) the other wanted rows are read in place, after sampling."""
+
+    logits: torch.Tensor  # [rows, vocab] the step's logits
+    wanted: np.ndarray  # [wanted] the rows that want logprobs
+    copies: torch.Tensor  # [copied, vocab]
+    copy_of: np.ndarray  # [wanted] each wanted row's place in copies, -1: read in place
+
+    def addresses(self) -> np.ndarray:
+        """Where each wanted row's float32 logits start. [wanted] int64"""
+        in_place = self.logits.data_ptr() + self.wanted * (self.logits.stride(0) * 4)
+        copied = self.copies.data_ptr() + self.copy_of * (self.copies.stride(0) * 4)
+        return np.where(self.copy_of >= 0, copied, in_place)
+
+
+def logprob_rows(
+    raw_logits: torch.Tensor, num_top: list[int | None], adjusted: np.ndarray | None = None
+) -> LogprobRows | None:
+    """Keeps the rows that want logprobs before adjust_logits changes raw_logits in place: all of them as copies,
+    except with the C kernels, which copy only the rows adjust_logits may change (adjusted [rows] bool; None: any)."""
+    wanted = np.array([i for i, k in enumerate(num_top) if k is not None], dtype=np.int64)
+    if not len(wanted):
         return None
-    if len(wanted) == len(num_top):
-        return raw_logits.clone()
-    return raw_logits.index_select(0, to_device(np.array(wanted, dtype=np.int64), raw_logits.device))
+    in_place = cpu_sampling.available(raw_logits)
+    copied = wanted if adjusted is None or not in_place else wanted[adjusted[wanted]]
+    if len(copied) == len(num_top):
+        copies = raw_logits.clone()
+    else:
+        copies = raw_logits.index_select(0, to_device(copied, raw_logits.device))
+    copy_of = np.full(len(wanted), -1, dtype=np.int64)
+    copy_of[np.searchsorted(wanted, copied)] = np.arange(len(copied))
+    return LogprobRows(raw_logits, wanted, copies, copy_of)
 
 
 @dataclass
@@ -135,17 +166,22 @@ class LogprobTensors:
 
 
 def logprob_tensors(
-    raw_logits: torch.Tensor | None,  # [wanted rows, vocab] float32, before any adjustment
+    raw: LogprobRows | None,  # the wanted rows before any adjustment (logprob_rows)
     sampled: torch.Tensor,  # [rows]
     num_top: list[int | None],  # per row: how many top logprobs (None: none wanted)
+    scratch: cpu_sampling.Scratch | None = None,  # the C kernels' working rows
 ) -> LogprobTensors | None:
-    """The chosen tokens' logprobs and ranks and each wanted row's top-k, on the device (no host sync).
-    raw_logits holds only the rows that want logprobs, in order."""
-    wanted = [i for i, k in enumerate(num_top) if k is not None]
-    if not wanted:
+    """The chosen tokens' logprobs and ranks and each wanted row's top-k, on the device (no host sync)."""
+    if raw is None:
         return None
-    chosen = sampled if len(wanted) == len(num_top) else sampled[to_device(np.array(wanted), sampled.device)]
+    wanted = raw.wanted.tolist()
+    chosen = sampled if len(wanted) == len(num_top) else sampled[to_device(raw.wanted, sampled.device)]
     k_max = max(num_top[i] for i in wanted)
+    if cpu_sampling.available(raw.logits):  # one C call
+        vocab = raw.logits.shape[1]
+        tensors = cpu_sampling.logprobs(raw.addresses(), vocab, chosen, k_max, scratch or cpu_sampling.Scratch())
+        return LogprobTensors(num_top, chosen, *tensors)
+    raw_logits = raw.copies  # every wanted row
     if use_triton(raw_logits):  # one kernel
         from pagedllm.kernels.logprobs import logprobs
 
@@ -183,8 +219,11 @@ def _logsumexp_and_ranks(x: torch.Tensor, top: torch.Tensor, chosen: torch.Tenso
 
 
 def sampled_logprobs(
-    raw_logits: torch.Tensor | None, sampled: torch.Tensor, num_top: list[int | None]
+    raw: LogprobRows | None,
+    sampled: torch.Tensor,
+    num_top: list[int | None],
+    scratch: cpu_sampling.Scratch | None = None,
 ) -> list[tuple[list[int], list[float], list[int]] | None]:
     """logprob_tensors read on the host at once: per row (token ids, logprobs, ranks) or None if not wanted."""
-    tensors = logprob_tensors(raw_logits, sampled, num_top)
+    tensors = logprob_tensors(raw, sampled, num_top, scratch)
     return tensors.tolists() if tensors is not None else [None] * len(num_top)

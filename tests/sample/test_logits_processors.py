@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
+
+
+@pytest.fixture(autouse=True)
+def _paths(sampling_path):
+    """Every test here runs on each CPU sampling path."""
+
 
 VOCAB = 50
 

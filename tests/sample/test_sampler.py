@@ -16,6 +16,12 @@ from pagedllm.sample.sampler import (
     seeded_uniform,
 )
 
+
+@pytest.fixture(autouse=True)
+def _paths(sampling_path):
+    """Every test here runs on each CPU sampling path."""
+
+
 VOCAB = 1000
 
 
@@ -324,3 +330,24 @@ def test_a_sampler_reused_over_steps_draws_as_a_fresh_one():
         )
         fresh = Sampler(torch.device("cpu"), seed=1)
         assert torch.equal(reused(logits, meta), fresh(logits, meta))
+
+
+def test_each_path_runs_where_it_should(sampling_path):
+    meta = _meta([0.0, 1.0], top_k=[0, 5])
+    assert (meta.params is not None) == sampling_path.startswith("c")
+    assert (meta.sample_rows is not None) == (sampling_path == "torch")
+
+
+def test_low_top_p_sampling_follows_the_renormalized_softmax():
+    """A flat row whose nucleus holds a third of the mass: most first draws fall outside it (the C kernels redraw)."""
+    logits = torch.linspace(0.0, 1.0, 3000)
+    kept = sorted(_hf_kept(logits, 0, 0.3))
+    rows = 20000
+    tokens = Sampler(torch.device("cpu"), seed=17)(logits.repeat(rows, 1), _meta([1.0] * rows, top_p=[0.3] * rows))
+    assert set(tokens.tolist()) <= set(kept)
+    expected = torch.zeros(3000)
+    expected[kept] = logits[kept].softmax(-1)
+    freq = torch.bincount(tokens, minlength=3000).float() / rows
+    for g in torch.tensor_split(torch.tensor(kept), 5):
+        e, f = expected[g].sum(), freq[g].sum()
+        assert abs(f - e) <= 4 * (e * (1 - e) / rows) ** 0.5, (f, e)

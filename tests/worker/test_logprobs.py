@@ -9,6 +9,11 @@ import torch
 from pagedllm.worker.sample_inputs import logprob_rows, logprob_tensors
 
 
+@pytest.fixture(autouse=True)
+def _paths(sampling_path):
+    """Every test here runs on each CPU sampling path."""
+
+
 @pytest.mark.parametrize("vocab", [50, 20000])  # 20000: the top-k through tiles, with a tail
 def test_logprobs_match_a_float64_log_softmax(vocab):
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,125 @@
+"""The sampler's C kernels on the CPU (cpu_sampling.c, built into the cpu_kernels library): one call draws a token
+for every row of the batch, one computes the logprobs of the rows that want them, one applies the penalties. Each
+runs on torch's threads, a row at a time per thread, with the row's later passes in cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.kernels import cpu_kernels
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernels take x's rows: float32 on the CPU, and a built library."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.library() is not None
+
+
+class Scratch:
+    """Each thread's working rows, kept from call to call (fresh memory costs a page fault per 4 KiB)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
+
+    def take(self, vocab: int, threads: int) -> torch.Tensor:
+        size = threads * cpu_kernels.library().sampling_scratch_floats(vocab)
+        if len(self.buffer) < size:
+            self.buffer = torch.empty(size)
+        return self.buffer
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def sample(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    params: torch.Tensor,  # [rows, 4] float32 contiguous: temperature (below 1e-5: argmax), top_k, top_p, min_p
+    uniforms: np.ndarray,  # [rows] float32 in [0, 1): each sampled row's draw
+    scratch: Scratch,
+    kept: np.ndarray | None = None,  # [rows] int64 out: how many tokens each row could have drawn
+) -> torch.Tensor:
+    """One token per row: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. [rows] int64"""
+    logits = _rows(logits)
+    rows, vocab = logits.shape
+    threads = torch.get_num_threads()
+    out = torch.empty(rows, dtype=torch.int64)
+    uniforms = np.ascontiguousarray(uniforms, dtype=np.float32)
+    assert params.is_contiguous() and params.dtype == torch.float32 and params.shape == (rows, 4)
+    cpu_kernels.library().sample_rows(
+        logits.data_ptr(),
+        logits.stride(0),
+        rows,
+        vocab,
+        params.data_ptr(),
+        uniforms.ctypes.data,
+        out.data_ptr(),
+        None if kept is None else kept.ctypes.data,
+        scratch.take(vocab, threads).data_ptr(),
+        threads,
+    )
+    return out
+
+
+def logprobs(
+    addresses: np.ndarray,  # [rows] int64: where each row's float32 logits start
+    vocab: int,
+    chosen: torch.Tensor,  # [rows] int64
+    num_top: int,
+    scratch: Scratch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logprob [rows], rank [rows] int64, top ids [rows, num_top] int64, top logprobs [rows, num_top])"""
+    rows = len(addresses)
+    threads = torch.get_num_threads()
+    addresses = np.ascontiguousarray(addresses, dtype=np.int64)
+    chosen = chosen.contiguous()
+    chosen_lp, ranks = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    top_ids, top_lp = torch.empty(rows, num_top, dtype=torch.int64), torch.empty(rows, num_top)
+    cpu_kernels.library().logprobs_rows(
+        addresses.ctypes.data,
+        rows,
+        vocab,
+        chosen.data_ptr(),
+        num_top,
+        chosen_lp.data_ptr(),
+        ranks.data_ptr(),
+        top_ids.data_ptr(),
+        top_lp.data_ptr(),
+        scratch.take(vocab, threads).data_ptr(),
+        threads,
+    )
+    return chosen_lp, ranks, top_ids, top_lp
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [batch, vocab] float32, changed in place
+    rows: np.ndarray,  # [n] the batch rows penalized
+    token_ids: np.ndarray,  # [n, max_len] int64: each row's prompt then output tokens
+    num_prompt: np.ndarray,  # [n]
+    num_tokens: np.ndarray,  # [n]
+    repetition: np.ndarray,  # [n] float32
+    presence: np.ndarray,
+    frequency: np.ndarray,
+) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties, in place."""
+    assert logits.stride(-1) == 1
+    threads = torch.get_num_threads()
+    counts = np.zeros(threads * logits.shape[1], dtype=np.int32)
+    tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+    ints = [np.ascontiguousarray(a, dtype=np.int64) for a in (rows, num_prompt, num_tokens)]
+    floats = [np.ascontiguousarray(a, dtype=np.float32) for a in (repetition, presence, frequency)]
+    cpu_kernels.library().apply_penalties(
+        logits.data_ptr(),
+        logits.stride(0),
+        ints[0].ctypes.data,
+        len(rows),
+        tokens.ctypes.data,
+        tokens.shape[1],
+        ints[1].ctypes.data,
+        ints[2].ctypes.data,
+        *(a.ctypes.data for a in floats),
+        logits.shape[1],
+        counts.ctypes.data,
+        threads,
+    )
+    return logits
