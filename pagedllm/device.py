@@ -14,3 +14,9 @@ def to_device(array: np.ndarray, device: torch.device, dtype: np.dtype | None = 
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued on the stream (valid once the stream gets there)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

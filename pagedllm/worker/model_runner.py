@@ -11,7 +11,7 @@ import torch
 from pagedllm.attention import get_backend
 from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
-from pagedllm.device import to_device
+from pagedllm.device import pinned_copy, to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
@@ -303,9 +303,9 @@ class StepFuture:
         self._host = sampled
         self._copied = None
         if sampled.is_cuda:  # start the copies now; result() only waits for them
-            self._host = _pinned_copy(sampled)
+            self._host = pinned_copy(sampled)
             if logprobs is not None:
-                self.logprobs = LogprobTensors(logprobs.num_top, *map(_pinned_copy, logprobs.tensors()))
+                self.logprobs = LogprobTensors(logprobs.num_top, *map(pinned_copy, logprobs.tensors()))
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -322,9 +322,3 @@ class StepFuture:
             self._output = self.runner.commit(self, self._host.tolist())
             self.committed, self.runner = True, None
         return self._output
-
-
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a device tensor in pinned host memory, queued on the stream (valid once the stream gets there)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.device import to_device
+from pagedllm.device import pinned_copy, to_device
 from pagedllm.kernels import cpu_sampling, use_triton
 from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
@@ -154,9 +154,13 @@ class LogprobTensors:
         return self.chosen, self.chosen_lp, self.ranks, self.top_ids, self.top_lp
 
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
-        """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted."""
-        chosen, chosen_lp, ranks = self.chosen.tolist(), self.chosen_lp.tolist(), self.ranks.tolist()
-        top_ids, top_lp = self.top_ids.tolist(), self.top_lp.tolist()
+        """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted.
+        Device tensors are copied to the host together, with one wait."""
+        tensors = self.tensors()
+        if tensors[0].is_cuda:
+            tensors = [pinned_copy(t) for t in tensors]
+            torch.cuda.current_stream().synchronize()
+        chosen, chosen_lp, ranks, top_ids, top_lp = (t.tolist() for t in tensors)
         out: list = [None] * len(self.num_top)
         wanted = [i for i, k in enumerate(self.num_top) if k is not None]
         for j, i in enumerate(wanted):
