@@ -9,8 +9,9 @@
    alone, a row of -inf takes token 0. Weights p = exp(x / T - max) (the largest 1); min-p drops p < min_p. top-k
    keeps the tokens at or above the k-th largest (ties all kept, as HF's TopKLogitsWarper), top-p then keeps the
    tokens whose more likely ones weigh less than top_p of the kept mass (HF's TopPLogitsWarper: the sorted cumsum
-   rule, ties at the cut all kept). The token is an inverse-CDF draw over the kept weights in token order with the
-   row's one uniform number u: the first whose running sum exceeds u times their sum.
+   rule, ties at the cut all kept). The token is an inverse-CDF draw over the kept weights with the row's uniform
+   number u: the first, in token order (a top-k row with top-p: by weight), whose running sum exceeds u times their
+   sum.
    - top-k rows never weigh the whole row: a row's k largest lie in the k tiles of TILE tokens with the largest
      maxima, whose tokens at or above the k-th largest maximum are the candidates (usually a few more than k).
    - top-p rows without top-k draw by rejection (draw_nucleus): a draw over the whole row is kept when it passes the
@@ -44,7 +45,7 @@ typedef struct {
 
 /* One thread's scratch, carved from the caller's buffer (sampling_scratch_floats floats per thread). */
 typedef struct {
-    float *row;     /* [padded] x / T, then the weights */
+    float *row;     /* [padded] the weights of a top-p row */
     float *maxima;  /* [padded / TILE] */
     float *sums;    /* [padded / BLOCK] */
     float *values;  /* [padded] a copy to select in */
@@ -108,7 +109,7 @@ static inline int32_t bits_of(float x) {
 
 /* ---- selection and sorting of small arrays */
 
-/* The k-th largest of a[0..n) (1 <= k <= n, no NaN); a is reordered. A small k keeps the k largest in order, in
+/* The k-th largest of a[0..n) (1 <= k <= n, no NaN); a may be reordered. A small k keeps the k largest in order, in
    registers' reach (most values fail the first comparison); a larger one partitions (quickselect). */
 static float kth_largest(float *a, int64_t n, int64_t k) {
     if (k <= SMALL_K) {

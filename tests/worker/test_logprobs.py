@@ -1,8 +1,9 @@
-"""The CPU logprobs of the sampled tokens (logsumexp and ranks in blocks of rows, the top-k through tiles) against a
-float64 log-softmax."""
+"""The CPU logprobs of the sampled tokens (C kernels, or torch ops: logsumexp and ranks in blocks of rows, the top-k
+through tiles) against a float64 log-softmax."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,3 +41,25 @@ def test_logprobs_match_a_float64_log_softmax(vocab):
         assert torch.equal(raw[i, top], raw[i].topk(num_top[i]).values)
         assert lps[1:] == pytest.approx(ref[i, top].tolist(), abs=1e-4)
         assert ranks[1:] == list(range(1, num_top[i] + 1))
+
+
+def test_logprobs_read_the_rows_as_they_were_before_adjust_logits_changed_them():
+    """Rows that adjust_logits changes are kept as copies; the others may be read in place after sampling."""
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randn(8, 3000, generator=g) * 3
+    before = raw.clone()
+    num_top = [2, None, 3, 1, None, 2, 4, 0]
+    adjusted = np.array([True, True, False, True, False, False, True, False])
+    rows = logprob_rows(raw, num_top, adjusted)
+    raw[adjusted] = raw[adjusted] * 0.5 - 1.0  # what penalties might do, in place
+    sampled = torch.randint(0, 3000, (8,), generator=g)
+    out = logprob_tensors(rows, sampled, num_top).tolists()
+    ref = before.double().log_softmax(dim=-1)
+    for i, entry in enumerate(out):
+        if num_top[i] is None:
+            assert entry is None
+            continue
+        ids, lps, ranks = entry
+        assert lps[0] == pytest.approx(float(ref[i, int(sampled[i])]), abs=1e-4)
+        assert ranks[0] == 1 + int((before[i] > before[i, int(sampled[i])]).sum())
+        assert ids[1:] == before[i].topk(num_top[i]).indices.tolist()
