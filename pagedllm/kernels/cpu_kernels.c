@@ -2,17 +2,28 @@
 
    Cache layout (torch_backend.allocate_kv_cache): K and V each [num_kv_heads, num_blocks, block_size, head_dim], a
    head's part of a block one run of memory. Values are float32 or bfloat16 (`bf16` = 0 / 1; bfloat16 as its raw 16
-   bits); every sum runs in float32. Vectors: vector16.h. */
+   bits); every sum runs in float32. Vectors are GCC (12 and later) / clang vector extensions of 16 floats (one
+   AVX-512 register, two AVX2 ones). */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "vector16.h"
-
+#define LANES 16
 #define MAX_GROUP 16           /* query heads per kv head */
 #define MAX_DIM 256            /* head_dim, a multiple of LANES */
 #define MAX_BLOCK_VALUES 8192  /* block_size * head_dim */
+
+typedef float f32x16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t i32x16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
 
 /* The 16 lane sums of v[0..15] as one vector (lane t: the sum of v[t]), by a tree of shuffles and adds: each level
    halves the lanes every value is spread over, keeping the values side by side. */
@@ -65,6 +76,26 @@ static void from_float(void *restrict dst, const float *restrict src, int64_t n,
     uint16_t *d = dst;
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) d[i] = (uint16_t)(bf16_bits(src[i]) >> 16);
+}
+
+/* exp(x) of 16 values x <= 0 (or -inf), in vector arithmetic (libm's expf is a call per value): 2^n e^r with
+   n = round(x / ln 2) (adding and subtracting 1.5 * 2^23 rounds to nearest), r = x - n ln 2 (ln 2 in two parts,
+   for exactness), e^r by a degree-7 polynomial (relative error about 1e-7, 1-2 float ulps); below -87 it is 0. */
+static inline f32x16 exp16(f32x16 x) {
+    const f32x16 zero = {0}, lowest = zero - 87.0f;
+    const i32x16 under = (i32x16)(x < lowest); /* all ones where x < -87 */
+    const f32x16 y = (f32x16)(((i32x16)x & ~under) | ((i32x16)lowest & under));
+    const f32x16 n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const f32x16 r = (y - n * 0.693359375f) + n * 2.12194440e-4f;
+    f32x16 p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const f32x16 two_n = (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
+    return (f32x16)((i32x16)(p * two_n) & ~under);
 }
 
 /* The running softmax state of one query head over the keys seen so far. */

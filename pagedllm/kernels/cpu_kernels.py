@@ -25,7 +25,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_sampling.c"))
-HEADERS = (Path(__file__).with_name("vector16.h"),)
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
 # refused, generic code (still threaded when OpenMP is there)
 FLAG_SETS = (
@@ -70,7 +69,7 @@ def _cpu_id() -> str:
 def _build(compiler: str) -> Path | None:
     """The kernels' library for this source, compiler and CPU: the cached one, else built now with the first flag
     set that compiles. A flag set that failed leaves a marker, so later starts do not try it again."""
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    source = b"".join(path.read_bytes() for path in SOURCES)
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"|".join([source, " ".join([compiler, *flags]).encode(), _cpu_id().encode()]))
         target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -27,10 +27,28 @@
 #include <omp.h>
 #endif
 
-#include "vector16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+/* Vectors of the CPU's own width: 16 floats with AVX-512, else 8 (one AVX2 register, two SSE or NEON ones). GCC
+   splits vector-extension types wider than the CPU's registers into scalar code. */
+#ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float fvec __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
+
+static inline fvec loadv(const float *p) {
+    fvec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, fvec v) { memcpy(p, &v, sizeof v); }
 
 #define TILE 64      /* tokens per tile: candidates come from the tiles with the largest maxima */
 #define BLOCK 256    /* tokens per partial sum of the inverse-CDF draw */
@@ -78,27 +96,22 @@ static int thread_id(void) {
 #endif
 }
 
-static inline f32x16 select16(i32x16 mask, f32x16 a, f32x16 b) {
-    return (f32x16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
+static inline fvec selectv(ivec mask, fvec a, fvec b) {
+    return (fvec)(((ivec)a & mask) | ((ivec)b & ~mask));
 }
 
-static inline f32x16 max16(f32x16 a, f32x16 b) { return select16((i32x16)(a > b), a, b); }
+static inline fvec maxv(fvec a, fvec b) { return selectv((ivec)(a > b), a, b); }
 
-/* The largest lane and the sum of the lanes, by halving: each step folds the upper half onto the lower one. */
-static inline float largest16(f32x16 v) {
-    v = max16(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = max16(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = max16(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = max16(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return v[0];
+static inline float largestv(fvec v) {
+    float m = v[0];
+    for (int l = 1; l < VL; l++) m = v[l] > m ? v[l] : m;
+    return m;
 }
 
-static inline float total16(f32x16 v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
+static inline float totalv(fvec v) {
+    float s = 0.0f;
+    for (int l = 0; l < VL; l++) s += v[l];
+    return s;
 }
 
 static inline int32_t bits_of(float x) {
@@ -184,34 +197,40 @@ static inline const float *block_of(const Row *r, int64_t start) {
 }
 
 /* s of 16 logits at p */
-static inline f32x16 scaled16(const float *p, float inv_t) {
-    const f32x16 s = load16(p) * inv_t;
-    return select16((i32x16)(s == s), s, (f32x16){0} - INFINITY);
+static inline fvec scaledv(const float *p, float inv_t) {
+    const fvec s = loadv(p) * inv_t;
+    return selectv((ivec)(s == s), s, (fvec){0} - INFINITY);
 }
 
 /* The largest of 4 vectors' lanes, as a vector. */
-static inline f32x16 max4(const f32x16 *v) { return max16(max16(v[0], v[1]), max16(v[2], v[3])); }
+/* The largest of n (even) vectors' lanes, as a vector: two chains. */
+static inline fvec max_of(const fvec *v, int n) {
+    fvec a = v[0], b = v[1];
+    for (int i = 2; i < n; i += 2) a = maxv(a, v[i]), b = maxv(b, v[i + 1]);
+    return maxv(a, b);
+}
 
 /* The row's largest s; with maxima, each tile's. */
 static float row_max(const Row *r, float *maxima, int64_t padded) {
-    f32x16 top = (f32x16){0} - INFINITY;
+    fvec top = (fvec){0} - INFINITY;
     for (int64_t start = 0; start < padded; start += BLOCK) {
         const float *p = block_of(r, start);
-        f32x16 tile[BLOCK / TILE];
+        fvec tile[BLOCK / TILE];
         for (int t = 0; t < BLOCK / TILE; t++) {
-            f32x16 v[TILE / LANES];
-            for (int i = 0; i < TILE / LANES; i++) v[i] = scaled16(p + t * TILE + i * LANES, r->inv_t);
-            tile[t] = max4(v);
-            if (maxima) maxima[start / TILE + t] = largest16(tile[t]);
+            fvec v[TILE / VL];
+            for (int i = 0; i < TILE / VL; i++) v[i] = scaledv(p + t * TILE + i * VL, r->inv_t);
+            tile[t] = max_of(v, TILE / VL);
+            if (maxima) maxima[start / TILE + t] = largestv(tile[t]);
         }
-        top = max16(top, max4(tile));
+        top = maxv(top, max_of(tile, BLOCK / TILE));
     }
-    return largest16(top);
+    return largestv(top);
 }
 
-/* 2^t of 16 values t <= 0 (NaN and -inf: 0). With AVX-512: t = n + f (n an integer, |f| <= 1/2), 2^f by its
-   Taylor polynomial of degree 6 (relative error below 2e-7), scaled by 2^n in one instruction; elsewhere exp16. */
-static inline f32x16 exp2_16(f32x16 t) {
+/* 2^t of a vector of t <= 0 (NaN and -inf: 0): t = n + f (n an integer, |f| <= 1/2), 2^f by its Taylor polynomial
+   of degree 6 (relative error below 2e-7), times 2^n: with AVX-512 by scalef (below 2^-149: 0), elsewhere built in
+   the exponent bits (below 2^-126: 0). */
+static inline fvec exp2v(fvec t) {
 #ifdef __AVX512F__
     const __m512 c = _mm512_max_ps((__m512)t, _mm512_set1_ps(-160.0f)); /* NaN: -160 (max takes its second) */
     const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -223,10 +242,22 @@ static inline f32x16 exp2_16(f32x16 t) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return (f32x16)_mm512_scalef_ps(p, n);
+    return (fvec)_mm512_scalef_ps(p, n);
 #else
-    const f32x16 e = exp16(t * 0.69314718055994531f);
-    return select16((i32x16)(t == t), e, (f32x16){0});
+    const fvec lowest = (fvec){0} - 126.0f;
+    const ivec inside = (ivec)(t > lowest); /* false for NaN, -inf and t <= -126 */
+    const fvec c = selectv(inside, t, lowest);
+    const fvec n = (c + 12582912.0f) - 12582912.0f; /* rounded to the nearest integer (1.5 * 2^23) */
+    const fvec f = c - n;
+    fvec p = (fvec){0} + 1.5403530393e-4f;
+    p = p * f + 1.3333558146e-3f;
+    p = p * f + 9.6181291076e-3f;
+    p = p * f + 5.5504108665e-2f;
+    p = p * f + 2.4022650696e-1f;
+    p = p * f + 6.9314718056e-1f;
+    p = p * f + 1.0f;
+    const fvec two_n = (fvec)((__builtin_convertvector(n, ivec) + 127) << 23);
+    return (fvec)((ivec)(p * two_n) & inside);
 #endif
 }
 
@@ -234,15 +265,15 @@ static inline f32x16 exp2_16(f32x16 t) {
 static inline float block_weights(const Row *r, int64_t start, float top, float min_p, float *w) {
     const float *x = block_of(r, start);
     const float scale = r->inv_t * LOG2E, shift = top * LOG2E;
-    const f32x16 zero = {0};
-    f32x16 acc[4] = {zero, zero, zero, zero};
-    for (int64_t i = 0; i < BLOCK; i += LANES) {
-        f32x16 p = exp2_16(load16(x + i) * scale - shift); /* (x / T - top) * log2(e) */
-        p = select16((i32x16)(p < min_p), zero, p);
-        store16(w + i, p);
-        acc[(i / LANES) % 4] += p;
+    const fvec zero = {0};
+    fvec acc[4] = {zero, zero, zero, zero};
+    for (int64_t i = 0; i < BLOCK; i += VL) {
+        fvec p = exp2v(loadv(x + i) * scale - shift); /* (x / T - top) * log2(e) */
+        p = selectv((ivec)(p < min_p), zero, p);
+        storev(w + i, p);
+        acc[(i / VL) % 4] += p;
     }
-    return total16((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    return totalv((acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
 
 /* sums[b]: the weight of block b; with row, the weights are kept there. */
@@ -255,15 +286,15 @@ static void weigh(const Row *r, float *restrict row, float *restrict sums, int64
 
 /* sums[b]: the weight of block b's kept weights (row[BLOCK * b:][:BLOCK] above lower); returns their total. */
 static float weigh_above(const float *restrict row, float *restrict sums, int64_t padded, float lower) {
-    const f32x16 zero = {0};
+    const fvec zero = {0};
     float total = 0.0f;
     for (int64_t start = 0; start < padded; start += BLOCK) {
-        f32x16 acc = zero;
-        for (int64_t i = start; i < start + BLOCK; i += LANES) {
-            const f32x16 p = load16(row + i);
-            acc += select16((i32x16)(p > lower), p, zero);
+        fvec acc = zero;
+        for (int64_t i = start; i < start + BLOCK; i += VL) {
+            const fvec p = loadv(row + i);
+            acc += selectv((ivec)(p > lower), p, zero);
         }
-        total += sums[start / BLOCK] = total16(acc);
+        total += sums[start / BLOCK] = totalv(acc);
     }
     return total;
 }
@@ -354,8 +385,8 @@ static int64_t candidates(const Row *r, const float *maxima, Scratch *s, int64_t
         memcpy(s->values, maxima, tiles * sizeof(float));
         bound = kth_largest(s->values, tiles, k);
     } else {
-        for (int64_t i = 0; i < padded; i += LANES)
-            store16(s->values + i, scaled16(block_of(r, i / BLOCK * BLOCK) + i % BLOCK, r->inv_t));
+        for (int64_t i = 0; i < padded; i += VL)
+            storev(s->values + i, scaledv(block_of(r, i / BLOCK * BLOCK) + i % BLOCK, r->inv_t));
         bound = kth_largest(s->values, padded, k);
     }
     Entry *e = s->entries;
@@ -363,9 +394,9 @@ static int64_t candidates(const Row *r, const float *maxima, Scratch *s, int64_t
     for (int64_t t = 0; t < tiles; t++) {
         if (maxima[t] < bound) continue;
         const float *p = block_of(r, t * TILE / BLOCK * BLOCK) + t * TILE % BLOCK;
-        for (int64_t i = 0; i < TILE; i += LANES) {
-            const f32x16 v = scaled16(p + i, r->inv_t);
-            for (int l = 0; l < LANES; l++) {
+        for (int64_t i = 0; i < TILE; i += VL) {
+            const fvec v = scaledv(p + i, r->inv_t);
+            for (int l = 0; l < VL; l++) {
                 e[n].value = v[l], e[n].token = (int32_t)(t * TILE + i + l);
                 n += v[l] >= bound;
             }
@@ -423,10 +454,10 @@ static int64_t sample_row(const float *x, Scratch *s, int64_t vocab, float tempe
         return 0;
     }
     if (top == INFINITY) { /* the +inf tokens alone, equally likely: a prepared row of 0 and -inf */
-        const f32x16 none = (f32x16){0} - INFINITY;
-        for (int64_t i = 0; i < padded; i += LANES) {
-            const f32x16 v = scaled16(block_of(&r, i / BLOCK * BLOCK) + i % BLOCK, r.inv_t);
-            store16(s->inf_row + i, select16((i32x16)(v == INFINITY), (f32x16){0}, none));
+        const fvec none = (fvec){0} - INFINITY;
+        for (int64_t i = 0; i < padded; i += VL) {
+            const fvec v = scaledv(block_of(&r, i / BLOCK * BLOCK) + i % BLOCK, r.inv_t);
+            storev(s->inf_row + i, selectv((ivec)(v == INFINITY), (fvec){0}, none));
         }
         r = row_of(s->inf_row, padded, 1.0f);
         top = row_max(&r, top_k > 0 ? s->maxima : NULL, padded);
@@ -453,23 +484,19 @@ static int64_t argmax_row(const float *x, int64_t vocab) {
     const int64_t padded = padded_of(vocab);
     float best = -INFINITY;
     int64_t at = 0;
-    i32x16 nan = {0};
+    ivec nan = {0};
     for (int64_t start = 0; start < padded; start += BLOCK) {
         const float *p = block_of(&r, start);
-        f32x16 m[4];
-        for (int q = 0; q < 4; q++) {
-            f32x16 v[4];
-            for (int i = 0; i < 4; i++) {
-                v[i] = load16(p + (4 * q + i) * LANES);
-                nan |= (i32x16)(v[i] != v[i]);
-            }
-            m[q] = max4(v);
+        fvec v[BLOCK / VL];
+        for (int i = 0; i < BLOCK / VL; i++) {
+            v[i] = loadv(p + i * VL);
+            nan |= (ivec)(v[i] != v[i]);
         }
-        const float bm = largest16(max4(m));
+        const float bm = largestv(max_of(v, BLOCK / VL));
         if (bm > best) best = bm, at = start;
     }
     int any_nan = 0;
-    for (int l = 0; l < LANES; l++) any_nan |= nan[l] != 0;
+    for (int l = 0; l < VL; l++) any_nan |= nan[l] != 0;
     for (int64_t i = any_nan ? 0 : at; i < vocab; i++) /* the first NaN where there is one, else the largest */
         if (x[i] != x[i] || (!any_nan && x[i] == best)) return i;
     return 0; /* every logit -inf */
@@ -509,29 +536,29 @@ void logprobs_rows(const int64_t *rows, int64_t num_rows, int64_t vocab, const i
         const Row r = row_of((const float *)rows[j], vocab, 1.0f);
         float *block_max = s.sums, *block_sum = s.values;
         const float c_raw = r.x[chosen[j]], c = c_raw == c_raw ? fminf(c_raw, FLT_MAX) : -INFINITY;
-        const f32x16 biggest = (f32x16){0} + FLT_MAX;
-        i32x16 larger = {0};
+        const fvec biggest = (fvec){0} + FLT_MAX;
+        ivec larger = {0};
         float top = -INFINITY;
         for (int64_t start = 0; start < padded; start += BLOCK) {
             const float *p = block_of(&r, start);
-            f32x16 v[BLOCK / LANES], tile[BLOCK / TILE];
+            fvec v[BLOCK / VL], tile[BLOCK / TILE];
             for (int t = 0; t < BLOCK / TILE; t++) {
-                for (int i = 0; i < TILE / LANES; i++) {
-                    const int q = t * (TILE / LANES) + i;
-                    v[q] = scaled16(p + q * LANES, 1.0f);
-                    v[q] = select16((i32x16)(v[q] > FLT_MAX), biggest, v[q]);
-                    larger -= (i32x16)(v[q] > c);
+                for (int i = 0; i < TILE / VL; i++) {
+                    const int q = t * (TILE / VL) + i;
+                    v[q] = scaledv(p + q * VL, 1.0f);
+                    v[q] = selectv((ivec)(v[q] > FLT_MAX), biggest, v[q]);
+                    larger -= (ivec)(v[q] > c);
                 }
-                tile[t] = max4(v + t * (TILE / LANES));
-                s.maxima[start / TILE + t] = largest16(tile[t]);
+                tile[t] = max_of(v + t * (TILE / VL), TILE / VL);
+                s.maxima[start / TILE + t] = largestv(tile[t]);
             }
-            const float bm = largest16(max4(tile));
-            const f32x16 zero = {0};
-            f32x16 acc[4] = {zero, zero, zero, zero};
+            const float bm = largestv(max_of(tile, BLOCK / TILE));
+            const fvec zero = {0};
+            fvec acc[4] = {zero, zero, zero, zero};
             if (bm > -INFINITY)
-                for (int q = 0; q < BLOCK / LANES; q++) acc[q % 4] += exp2_16((v[q] - bm) * LOG2E);
+                for (int q = 0; q < BLOCK / VL; q++) acc[q % 4] += exp2v((v[q] - bm) * LOG2E);
             block_max[start / BLOCK] = bm;
-            block_sum[start / BLOCK] = total16((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            block_sum[start / BLOCK] = totalv((acc[0] + acc[1]) + (acc[2] + acc[3]));
             top = bm > top ? bm : top;
         }
         float sum = 0.0f;
@@ -539,7 +566,7 @@ void logprobs_rows(const int64_t *rows, int64_t num_rows, int64_t vocab, const i
             if (block_max[b] > -INFINITY) sum += block_sum[b] * expf(block_max[b] - top);
         const float lse = top == -INFINITY ? -INFINITY : top + logf(sum);
         int64_t count = 0;
-        for (int l = 0; l < LANES; l++) count += larger[l];
+        for (int l = 0; l < VL; l++) count += larger[l];
         chosen_lp[j] = c - lse;
         ranks[j] = count + 1;
         if (num_top <= 0) continue;
