@@ -78,25 +78,59 @@ static void from_float(void *restrict dst, const float *restrict src, int64_t n,
     for (int64_t i = 0; i < n; i++) d[i] = (uint16_t)(bf16_bits(src[i]) >> 16);
 }
 
-/* exp(x) of 16 values x <= 0 (or -inf), in vector arithmetic (libm's expf is a call per value): 2^n e^r with
-   n = round(x / ln 2) (adding and subtracting 1.5 * 2^23 rounds to nearest), r = x - n ln 2 (ln 2 in two parts,
+/* exp(x) of the values x <= 0 (or -inf) of a vector, in vector arithmetic (libm's expf is a call per value): 2^n e^r
+   with n = round(x / ln 2) (adding and subtracting 1.5 * 2^23 rounds to nearest), r = x - n ln 2 (ln 2 in two parts,
    for exactness), e^r by a degree-7 polynomial (relative error about 1e-7, 1-2 float ulps); below -87 it is 0. */
+#define DEFINE_EXP(name, fvec, ivec)                                                    \
+    static inline fvec name(fvec x) {                                                   \
+        const fvec zero = {0}, lowest = zero - 87.0f;                                   \
+        const ivec under = (ivec)(x < lowest); /* all ones where x < -87 */             \
+        const fvec y = (fvec)(((ivec)x & ~under) | ((ivec)lowest & under));             \
+        const fvec n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;         \
+        const fvec r = (y - n * 0.693359375f) + n * 2.12194440e-4f;                     \
+        fvec p = zero + 1.9875691500e-4f;                                               \
+        p = p * r + 1.3981999507e-3f;                                                   \
+        p = p * r + 8.3334519073e-3f;                                                   \
+        p = p * r + 4.1665795894e-2f;                                                   \
+        p = p * r + 1.6666665459e-1f;                                                   \
+        p = p * r + 5.0000001201e-1f;                                                   \
+        p = p * r * r + r + 1.0f;                                                       \
+        const fvec two_n = (fvec)((__builtin_convertvector(n, ivec) + 127) << 23);      \
+        return (fvec)((ivec)(p * two_n) & ~under);                                      \
+    }
+
+/* Without AVX-512, GCC turns comparisons and conversions of 16-float vectors into scalar code: exp16 runs on two
+   halves of 8, and the element-wise kernels use vectors of the CPU's width (fvec, VL floats). FULL_WIDTH: a 16-float
+   vector is one register (the attention kernels' design; elsewhere the torch backend keeps its torch ops). */
+#ifdef __AVX512F__
+#define FULL_WIDTH 1
+#define VL 16
+typedef f32x16 fvec;
+typedef i32x16 ivec;
+DEFINE_EXP(exp16, f32x16, i32x16)
+#define expv exp16
+#else
+#define FULL_WIDTH 0
+#define VL 8
+typedef float fvec __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(8 * sizeof(int32_t))));
+DEFINE_EXP(expv, fvec, ivec)
+
 static inline f32x16 exp16(f32x16 x) {
-    const f32x16 zero = {0}, lowest = zero - 87.0f;
-    const i32x16 under = (i32x16)(x < lowest); /* all ones where x < -87 */
-    const f32x16 y = (f32x16)(((i32x16)x & ~under) | ((i32x16)lowest & under));
-    const f32x16 n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const f32x16 r = (y - n * 0.693359375f) + n * 2.12194440e-4f;
-    f32x16 p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const f32x16 two_n = (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
-    return (f32x16)((i32x16)(p * two_n) & ~under);
+    const fvec lo = expv(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+    const fvec hi = expv(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
+#endif
+
+static inline fvec loadv(const float *p) {
+    fvec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Whether the attention kernels run at full width here (cpu_kernels.supports asks). */
+int full_width_vectors(void) { return FULL_WIDTH; }
 
 /* The running softmax state of one query head over the keys seen so far. */
 typedef struct {
@@ -410,14 +444,15 @@ void silu_and_mul(const void *x, int64_t x_row, void *out, int64_t rows, int64_t
             const int64_t n = d - c < CHUNK ? d - c : CHUNK;
             to_float(a, src + c * width, n, bf16);
             to_float(b, src + (d + c) * width, n, bf16);
-            for (int64_t i = n; i < (n + LANES - 1) / LANES * LANES; i++) a[i] = 0.0f; /* the last vector's tail */
-            for (int64_t i = 0; i < n; i += LANES) {
-                const f32x16 v = load16(a + i), zero = {0};
-                const i32x16 negative = (i32x16)(v < zero);
-                const f32x16 e = exp16((f32x16)((i32x16)v | INT32_MIN)); /* exp(-|v|): the sign bit set */
+            for (int64_t i = n; i < (n + VL - 1) / VL * VL; i++) a[i] = 0.0f; /* the last vector's tail */
+            for (int64_t i = 0; i < n; i += VL) {
+                const fvec v = loadv(a + i), zero = {0};
+                const ivec negative = (ivec)v >> 31; /* the sign bit */
+                const fvec e = expv((fvec)((ivec)v | INT32_MIN)); /* exp(-|v|): the sign bit set */
                 /* sigmoid(v) = 1 / (1 + exp(-v)), as e / (1 + e) for negative v (e = exp(v)) */
-                const f32x16 top = (f32x16)(((i32x16)e & negative) | ((i32x16)(zero + 1.0f) & ~negative));
-                store16(a + i, v * (top / (1.0f + e)));
+                const fvec top = (fvec)(((ivec)e & negative) | ((ivec)(zero + 1.0f) & ~negative));
+                const fvec y = v * (top / (1.0f + e));
+                memcpy(a + i, &y, sizeof y);
             }
             round_all(a, n, bf16);
 #pragma omp simd
