@@ -119,13 +119,13 @@ def metadata(b: dict) -> SamplingMetadata:
 
 def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
     """The model runner's path after compute_logits (adjust_logits inlined, on the batch's token arrays)."""
-    lp_rows = logprob_rows(raw, b["num_top"], b["adjusted"])  # before the logits change in place
+    lp_rows = logprob_rows(raw, b["num_top"], b["adjusted"], sampler.c_scratch)  # before the logits change in place
     logits = apply_token_constraints(raw, {}, {}, {})
     index = b["pen_rows"]
     if len(index):
         apply_penalties(
             logits, index, b["token_ids"], b["num_prompt"], b["num_tokens"], b["repetition"], b["presence"],
-            b["frequency"],
+            b["frequency"], sampler.c_scratch,
         )  # fmt: skip
     sampled = sampler(logits, metadata(b))
     sampled_logprobs(lp_rows, sampled, b["num_top"], sampler.c_scratch)

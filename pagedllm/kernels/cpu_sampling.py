@@ -16,16 +16,31 @@ def available(x: torch.Tensor) -> bool:
 
 
 class Scratch:
-    """Each thread's working rows, kept from call to call (fresh memory costs a page fault per 4 KiB)."""
+    """The kernels' memory, kept from step to step (fresh memory costs a page fault per 4 KiB, which here costs more
+    than the work): each thread's working rows, the penalties' count table (zero between calls) and copies of logits
+    rows for the logprobs."""
 
     def __init__(self) -> None:
-        self.buffer = torch.empty(0)
+        self.working = torch.empty(0)
+        self.counts = np.zeros(0, dtype=np.int32)
+        self.copies = torch.empty(0)
 
     def take(self, vocab: int, threads: int) -> torch.Tensor:
         size = threads * cpu_kernels.library().sampling_scratch_floats(vocab)
-        if len(self.buffer) < size:
-            self.buffer = torch.empty(size)
-        return self.buffer
+        if len(self.working) < size:
+            self.working = torch.empty(size)
+        return self.working
+
+    def count_table(self, vocab: int, threads: int) -> np.ndarray:
+        if len(self.counts) < threads * vocab:
+            self.counts = np.zeros(threads * vocab, dtype=np.int32)
+        return self.counts
+
+    def rows(self, n: int, vocab: int) -> torch.Tensor:
+        """[n, vocab] float32, valid until the next call."""
+        if self.copies.numel() < n * vocab:
+            self.copies = torch.empty(n * vocab)
+        return self.copies[: n * vocab].view(n, vocab)
 
 
 def _rows(logits: torch.Tensor) -> torch.Tensor:
@@ -100,11 +115,12 @@ def apply_penalties(
     repetition: np.ndarray,  # [n] float32
     presence: np.ndarray,
     frequency: np.ndarray,
+    scratch: Scratch | None = None,
 ) -> torch.Tensor:
     """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties, in place."""
     assert logits.stride(-1) == 1
     threads = torch.get_num_threads()
-    counts = np.zeros(threads * logits.shape[1], dtype=np.int32)
+    counts = (scratch or Scratch()).count_table(logits.shape[1], threads)
     tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
     ints = [np.ascontiguousarray(a, dtype=np.int64) for a in (rows, num_prompt, num_tokens)]
     floats = [np.ascontiguousarray(a, dtype=np.float32) for a in (repetition, presence, frequency)]

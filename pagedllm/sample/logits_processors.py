@@ -19,6 +19,7 @@ def apply_penalties(
     repetition: torch.Tensor,  # [n]
     presence: torch.Tensor,  # [n]
     frequency: torch.Tensor,  # [n]
+    scratch: cpu_sampling.Scratch | None = None,  # the C kernels' memory (their count table)
 ) -> torch.Tensor:
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
@@ -34,7 +35,7 @@ def apply_penalties(
         return _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
     if cpu_sampling.available(logits) and logits.stride(-1) == 1:  # one C call over the rows' tokens
         values = (t.numpy() for t in (repetition, presence, frequency))
-        return cpu_sampling.apply_penalties(logits, rows.numpy(), token_ids, num_prompt, num_tokens, *values)
+        return cpu_sampling.apply_penalties(logits, rows.numpy(), token_ids, num_prompt, num_tokens, *values, scratch)
     position = np.arange(max_len)[None, :]
     present = position < num_tokens[:, None]  # [n, max_len]
     is_output = present & (position >= num_prompt[:, None])

@@ -215,15 +215,16 @@ class ModelRunner:
         upcast = not self._reads_logits_as_is(sampling, sample_rows, num_tokens, num_top)
         raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
         adjusted = adjusted_rows(self.batch, sample_rows, num_tokens)
-        lp_rows = logprob_rows(raw_logits, num_top, adjusted)  # before adjust_logits changes raw_logits in place
-        logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
+        scratch = self.sampler.c_scratch
+        lp_rows = logprob_rows(raw_logits, num_top, adjusted, scratch)  # before adjust_logits changes raw_logits
+        logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits, scratch)
         sampled = self.sampler(logits, sampling)  # [num_sampled]
         step = StepFuture(
             self,
             [req_ids[i] for i in sample_idx.tolist()],
             sample_rows,
             sampled,
-            logprob_tensors(lp_rows, sampled, num_top, self.sampler.c_scratch),
+            logprob_tensors(lp_rows, sampled, num_top, scratch),
             prompt_lps,
         )
         self.last_step = step

@@ -34,7 +34,13 @@ def adjusts_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) 
     return bool(adjusted_rows(batch, rows, num_tokens).any())
 
 
-def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+def adjust_logits(
+    batch: InputBatch,
+    rows: np.ndarray,
+    num_tokens: np.ndarray,
+    logits: torch.Tensor,
+    scratch: cpu_sampling.Scratch | None = None,  # the C kernels' memory
+) -> torch.Tensor:
     """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can.
     num_tokens [rows]: each request's tokens including one still on the device (async scheduling); the rows that
     read their output tokens (penalties, bad words, logits processors) have none there."""
@@ -70,6 +76,7 @@ def adjust_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, l
         value("repetition_penalty"),
         value("presence_penalty"),
         value("frequency_penalty"),
+        scratch,
     )
 
 
@@ -121,19 +128,26 @@ class LogprobRows:
 
 
 def logprob_rows(
-    raw_logits: torch.Tensor, num_top: list[int | None], adjusted: np.ndarray | None = None
+    raw_logits: torch.Tensor,
+    num_top: list[int | None],
+    adjusted: np.ndarray | None = None,
+    scratch: cpu_sampling.Scratch | None = None,
 ) -> LogprobRows | None:
     """Keeps the rows that want logprobs before adjust_logits changes raw_logits in place: all of them as copies,
-    except with the C kernels, which copy only the rows adjust_logits may change (adjusted [rows] bool; None: any)."""
+    except with the C kernels, which copy only the rows adjust_logits may change (adjusted [rows] bool; None: any),
+    into the scratch's rows (valid until its next copies)."""
     wanted = np.array([i for i, k in enumerate(num_top) if k is not None], dtype=np.int64)
     if not len(wanted):
         return None
     in_place = cpu_sampling.available(raw_logits)
     copied = wanted if adjusted is None or not in_place else wanted[adjusted[wanted]]
-    if len(copied) == len(num_top):
+    index = to_device(copied, raw_logits.device)
+    if in_place and scratch is not None:
+        copies = torch.index_select(raw_logits, 0, index, out=scratch.rows(len(copied), raw_logits.shape[1]))
+    elif len(copied) == len(num_top):
         copies = raw_logits.clone()
     else:
-        copies = raw_logits.index_select(0, to_device(copied, raw_logits.device))
+        copies = raw_logits.index_select(0, index)
     copy_of = np.full(len(wanted), -1, dtype=np.int64)
     copy_of[np.searchsorted(wanted, copied)] = np.arange(len(copied))
     return LogprobRows(raw_logits, wanted, copies, copy_of)
