@@ -67,15 +67,28 @@ def library_without_avx512(tmp_path_factory) -> ctypes.CDLL:
     return cpu_kernels.declare(ctypes.CDLL(str(out)))
 
 
+def _use_kernels(request, monkeypatch, build: str) -> None:
+    """Points cpu_kernels at the kernels as built here ("c") or built without AVX-512 ("c-no-avx512")."""
+    if cpu_kernels.library() is None:
+        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
+    if build == "c-no-avx512":
+        library = request.getfixturevalue("library_without_avx512")
+        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+
+
+@pytest.fixture(params=["c", "c-no-avx512"])
+def c_build(request, monkeypatch) -> str:
+    """The C kernels as built here, then as built without AVX-512 (vectors of 8 floats)."""
+    _use_kernels(request, monkeypatch, request.param)
+    return request.param
+
+
 @pytest.fixture(params=["c", "c-no-avx512", "torch"])
 def sampling_path(request, monkeypatch) -> str:
     """The CPU sampler, logprobs and penalties run by the C kernels (as built here, then without AVX-512) or by torch
     ops (a machine without a C compiler)."""
-    if request.param.startswith("c") and cpu_kernels.library() is None:
-        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
-    if request.param == "c-no-avx512":
-        library = request.getfixturevalue("library_without_avx512")
-        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    else:
+        _use_kernels(request, monkeypatch, request.param)
     return request.param

@@ -2,28 +2,17 @@
 
    Cache layout (torch_backend.allocate_kv_cache): K and V each [num_kv_heads, num_blocks, block_size, head_dim], a
    head's part of a block one run of memory. Values are float32 or bfloat16 (`bf16` = 0 / 1; bfloat16 as its raw 16
-   bits); every sum runs in float32. Vectors are GCC (12 and later) / clang vector extensions of 16 floats (one
-   AVX-512 register, two AVX2 ones). */
+   bits); every sum runs in float32. Vectors: cpu_vectors.h (the attention in 16-float vectors). */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
+#include "cpu_vectors.h"
+
 #define MAX_GROUP 16           /* query heads per kv head */
 #define MAX_DIM 256            /* head_dim, a multiple of LANES */
 #define MAX_BLOCK_VALUES 8192  /* block_size * head_dim */
-
-typedef float f32x16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t i32x16 __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline f32x16 load16(const float *p) {
-    f32x16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
 
 /* The 16 lane sums of v[0..15] as one vector (lane t: the sum of v[t]), by a tree of shuffles and adds: each level
    halves the lanes every value is spread over, keeping the values side by side. */
@@ -99,21 +88,11 @@ static void from_float(void *restrict dst, const float *restrict src, int64_t n,
         return (fvec)((ivec)(p * two_n) & ~under);                                      \
     }
 
-/* Without AVX-512, GCC turns comparisons and conversions of 16-float vectors into scalar code: exp16 runs on two
-   halves of 8, and the element-wise kernels use vectors of the CPU's width (fvec, VL floats). FULL_WIDTH: a 16-float
-   vector is one register (the attention kernels' design; elsewhere the torch backend keeps its torch ops). */
-#ifdef __AVX512F__
-#define FULL_WIDTH 1
-#define VL 16
-typedef f32x16 fvec;
-typedef i32x16 ivec;
+/* exp16 at full width; without it (cpu_vectors.h), on two halves of 8 (expv: the CPU's width, for SiLU) */
+#if FULL_WIDTH
 DEFINE_EXP(exp16, f32x16, i32x16)
 #define expv exp16
 #else
-#define FULL_WIDTH 0
-#define VL 8
-typedef float fvec __attribute__((vector_size(8 * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(8 * sizeof(int32_t))));
 DEFINE_EXP(expv, fvec, ivec)
 
 static inline f32x16 exp16(f32x16 x) {
@@ -123,13 +102,8 @@ static inline f32x16 exp16(f32x16 x) {
 }
 #endif
 
-static inline fvec loadv(const float *p) {
-    fvec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* Whether the attention kernels run at full width here (cpu_kernels.supports asks). */
+/* Whether the attention kernels run at full width here (cpu_kernels.supports asks; elsewhere the torch backend keeps
+   its torch ops). */
 int full_width_vectors(void) { return FULL_WIDTH; }
 
 /* The running softmax state of one query head over the keys seen so far. */
@@ -451,8 +425,7 @@ void silu_and_mul(const void *x, int64_t x_row, void *out, int64_t rows, int64_t
                 const fvec e = expv((fvec)((ivec)v | INT32_MIN)); /* exp(-|v|): the sign bit set */
                 /* sigmoid(v) = 1 / (1 + exp(-v)), as e / (1 + e) for negative v (e = exp(v)) */
                 const fvec top = (fvec)(((ivec)e & negative) | ((ivec)(zero + 1.0f) & ~negative));
-                const fvec y = v * (top / (1.0f + e));
-                memcpy(a + i, &y, sizeof y);
+                storev(a + i, v * (top / (1.0f + e)));
             }
             round_all(a, n, bf16);
 #pragma omp simd

@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_sampling.c"))
+HEADERS = (Path(__file__).with_name("cpu_vectors.h"),)  # part of the build's key
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
 # refused, generic code (still threaded when OpenMP is there)
 FLAG_SETS = (
@@ -69,7 +70,7 @@ def _cpu_id() -> str:
 def _build(compiler: str) -> Path | None:
     """The kernels' library for this source, compiler and CPU: the cached one, else built now with the first flag
     set that compiles. A flag set that failed leaves a marker, so later starts do not try it again."""
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"|".join([source, " ".join([compiler, *flags]).encode(), _cpu_id().encode()]))
         target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -242,7 +243,7 @@ def decode_attention(
     )
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def contiguous_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, n] with contiguous rows (a view when the strides allow)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -256,8 +257,8 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
     n = x.shape[-1]
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else None
+    x2 = contiguous_rows(x)
+    r2 = contiguous_rows(residual) if residual is not None else None
     weight = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
@@ -279,7 +280,7 @@ def rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     d = x.shape[-1] // 2
-    x2 = _rows(x)
+    x2 = contiguous_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     library().silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], d, _BF16[x.dtype])
     return out

@@ -31,24 +31,7 @@
 #include <immintrin.h>
 #endif
 
-/* Vectors of the CPU's own width: 16 floats with AVX-512, else 8 (one AVX2 register, two SSE or NEON ones). GCC
-   splits vector-extension types wider than the CPU's registers into scalar code. */
-#ifdef __AVX512F__
-#define VL 16
-#else
-#define VL 8
-#endif
-
-typedef float fvec __attribute__((vector_size(VL * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
-
-static inline fvec loadv(const float *p) {
-    fvec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void storev(float *p, fvec v) { memcpy(p, &v, sizeof v); }
+#include "cpu_vectors.h" /* vectors of the CPU's own width: fvec, VL floats */
 
 #define TILE 64      /* tokens per tile: candidates come from the tiles with the largest maxima */
 #define BLOCK 256    /* tokens per partial sum of the inverse-CDF draw */
@@ -196,13 +179,12 @@ static inline const float *block_of(const Row *r, int64_t start) {
     return start + BLOCK <= r->vocab ? r->x + start : r->tail;
 }
 
-/* s of 16 logits at p */
+/* s of VL logits at p */
 static inline fvec scaledv(const float *p, float inv_t) {
     const fvec s = loadv(p) * inv_t;
     return selectv((ivec)(s == s), s, (fvec){0} - INFINITY);
 }
 
-/* The largest of 4 vectors' lanes, as a vector. */
 /* The largest of n (even) vectors' lanes, as a vector: two chains. */
 static inline fvec max_of(const fvec *v, int n) {
     fvec a = v[0], b = v[1];
@@ -464,9 +446,8 @@ static int64_t sample_row(const float *x, Scratch *s, int64_t vocab, float tempe
     }
     if (top_k > 0) return draw_top_k(&r, s->maxima, s, padded, top, top_k, top_p, min_p, u, kept);
     if (top_p >= 1.0f) {
-        weigh(&r, NULL, s->sums, padded, top, min_p);
+        weigh(&r, kept ? s->row : NULL, s->sums, padded, top, min_p);
         if (kept) {
-            weigh(&r, s->row, s->sums, padded, top, min_p);
             *kept = 0;
             for (int64_t i = 0; i < padded; i++) *kept += s->row[i] > 0.0f;
         }

@@ -43,10 +43,6 @@ class Scratch:
         return self.copies[: n * vocab].view(n, vocab)
 
 
-def _rows(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
-
-
 def sample(
     logits: torch.Tensor,  # [rows, vocab] float32
     params: torch.Tensor,  # [rows, 4] float32 contiguous: temperature (below 1e-5: argmax), top_k, top_p, min_p
@@ -55,7 +51,7 @@ def sample(
     kept: np.ndarray | None = None,  # [rows] int64 out: how many tokens each row could have drawn
 ) -> torch.Tensor:
     """One token per row: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. [rows] int64"""
-    logits = _rows(logits)
+    logits = cpu_kernels.contiguous_rows(logits)
     rows, vocab = logits.shape
     threads = torch.get_num_threads()
     out = torch.empty(rows, dtype=torch.int64)

@@ -22,7 +22,6 @@ from pagedllm.worker.sample_inputs import (
     LogprobTensors,
     adjust_logits,
     adjusted_rows,
-    adjusts_logits,
     logprob_rows,
     logprob_tensors,
     sampled_logprobs,
@@ -212,9 +211,9 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
-        upcast = not self._reads_logits_as_is(sampling, sample_rows, num_tokens, num_top)
-        raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
         adjusted = adjusted_rows(self.batch, sample_rows, num_tokens)
+        upcast = not self._reads_logits_as_is(sampling, adjusted, num_top)
+        raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
         scratch = self.sampler.c_scratch
         lp_rows = logprob_rows(raw_logits, num_top, adjusted, scratch)  # before adjust_logits changes raw_logits
         logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits, scratch)
@@ -230,14 +229,14 @@ class ModelRunner:
         self.last_step = step
         return step
 
-    def _reads_logits_as_is(self, sampling, rows: np.ndarray, num_tokens: np.ndarray, num_top: list) -> bool:
+    def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: list) -> bool:
         """Whether the step's logits can stay in the model dtype: on CUDA, where the argmax and the sampling kernel
         read any float dtype exactly, when no row adjusts its logits or wants logprobs."""
         return (
             self.device.type == "cuda"
             and sampling.params is not None
             and all(k is None for k in num_top)
-            and not adjusts_logits(self.batch, rows, num_tokens)
+            and not adjusted.any()
         )
 
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:

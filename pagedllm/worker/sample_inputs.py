@@ -112,12 +112,11 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarra
 
 @dataclass
 class LogprobRows:
-    """The logits that the logprobs read, as they were before adjust_logits changed them in place: copies of the
-    wanted rows it may change; with the C kernels (CPU) the other wanted rows are read in place, after sampling."""
+    """The logits that the logprobs read, as they were before adjust_logits changed them in place (logprob_rows)."""
 
     logits: torch.Tensor  # [rows, vocab] the step's logits
     wanted: np.ndarray  # [wanted] the rows that want logprobs
-    copies: torch.Tensor  # [copied, vocab]
+    copies: torch.Tensor  # [copied, vocab]: every wanted row (Triton and torch paths); those that change (C kernels)
     copy_of: np.ndarray  # [wanted] each wanted row's place in copies, -1: read in place
 
     def addresses(self) -> np.ndarray:
@@ -133,21 +132,24 @@ def logprob_rows(
     adjusted: np.ndarray | None = None,
     scratch: cpu_sampling.Scratch | None = None,
 ) -> LogprobRows | None:
-    """Keeps the rows that want logprobs before adjust_logits changes raw_logits in place: all of them as copies,
-    except with the C kernels, which copy only the rows adjust_logits may change (adjusted [rows] bool; None: any),
-    into the scratch's rows (valid until its next copies)."""
+    """Keeps the rows that want logprobs as they are before adjust_logits changes raw_logits in place (adjusted
+    [rows] bool: the rows it may change; None: any). The Triton and torch paths read one tensor of every wanted row:
+    raw_logits itself where that is all of them and none changes, else a copy. The C kernels read rows by address and
+    copy only the wanted rows that may change (into the scratch's rows, valid until its next copies)."""
     wanted = np.array([i for i, k in enumerate(num_top) if k is not None], dtype=np.int64)
     if not len(wanted):
         return None
-    in_place = cpu_sampling.available(raw_logits)
-    copied = wanted if adjusted is None or not in_place else wanted[adjusted[wanted]]
-    index = to_device(copied, raw_logits.device)
-    if in_place and scratch is not None:
-        copies = torch.index_select(raw_logits, 0, index, out=scratch.rows(len(copied), raw_logits.shape[1]))
-    elif len(copied) == len(num_top):
-        copies = raw_logits.clone()
-    else:
-        copies = raw_logits.index_select(0, index)
+    if not cpu_sampling.available(raw_logits):
+        if len(wanted) < len(num_top):
+            copies = raw_logits.index_select(0, to_device(wanted, raw_logits.device))
+        elif adjusted is None or adjusted.any():
+            copies = raw_logits.clone()
+        else:
+            copies = raw_logits
+        return LogprobRows(raw_logits, wanted, copies, np.arange(len(wanted)))
+    copied = wanted if adjusted is None else wanted[adjusted[wanted]]
+    out = scratch.rows(len(copied), raw_logits.shape[1]) if scratch is not None else None
+    copies = torch.index_select(raw_logits, 0, to_device(copied, raw_logits.device), out=out)
     copy_of = np.full(len(wanted), -1, dtype=np.int64)
     copy_of[np.searchsorted(wanted, copied)] = np.arange(len(copied))
     return LogprobRows(raw_logits, wanted, copies, copy_of)

@@ -15,14 +15,9 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
 
 
-@pytest.fixture(autouse=True, params=["c", "c-no-avx512"])
-def built(request, monkeypatch):
+@pytest.fixture(autouse=True)
+def built(c_build):
     """Each test runs on the kernels as built here and as built without AVX-512 (vectors of 8 floats)."""
-    if cpu_kernels.library() is None:
-        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
-    if request.param == "c-no-avx512":
-        library = request.getfixturevalue("library_without_avx512")
-        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
 
 
 def torch_path(monkeypatch, fn):

@@ -9,16 +9,12 @@ import pytest
 import torch
 from sampling_reference import hf_kept
 
-from pagedllm.kernels import cpu_kernels, cpu_sampling
+from pagedllm.kernels import cpu_sampling
 
 
-@pytest.fixture(autouse=True, params=["c", "c-no-avx512"])
-def _builds(request, monkeypatch):
-    if cpu_kernels.library() is None:
-        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
-    if request.param == "c-no-avx512":
-        library = request.getfixturevalue("library_without_avx512")
-        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+@pytest.fixture(autouse=True)
+def _builds(c_build):
+    """Each test runs on the kernels as built here and as built without AVX-512."""
 
 
 def _sample(x: torch.Tensor, t: float, k: int, p: float, min_p: float, u: np.ndarray):

@@ -15,6 +15,22 @@ def _paths(sampling_path):
     """Every test here runs on each CPU sampling path."""
 
 
+def _wanted_entries(out, raw, sampled, num_top):
+    """Asserts each row's entry: None where no logprobs are wanted, else the sampled token first, with its rank in
+    raw and its float64 log-softmax logprob. Yields (row, top ids, top logprobs, top ranks, the log-softmax) of the
+    wanted rows."""
+    ref = raw.double().log_softmax(dim=-1)
+    for i, entry in enumerate(out):
+        if num_top[i] is None:
+            assert entry is None
+            continue
+        ids, lps, ranks = entry
+        chosen = int(sampled[i])
+        assert ids[0] == chosen and ranks[0] == 1 + int((raw[i] > raw[i, chosen]).sum())
+        assert lps[0] == pytest.approx(float(ref[i, chosen]), abs=1e-4)
+        yield i, ids[1:], lps[1:], ranks[1:], ref
+
+
 @pytest.mark.parametrize("vocab", [50, 20000])  # 20000: the top-k through tiles, with a tail
 def test_logprobs_match_a_float64_log_softmax(vocab):
     g = torch.Generator().manual_seed(0)
@@ -27,20 +43,11 @@ def test_logprobs_match_a_float64_log_softmax(vocab):
     sampled[5] = vocab - 1
     rows = logprob_rows(raw, num_top)
     out = logprob_tensors(rows, sampled, num_top).tolists()
-    ref = raw.double().log_softmax(dim=-1)
-    for i, entry in enumerate(out):
-        if num_top[i] is None:
-            assert entry is None
-            continue
-        ids, lps, ranks = entry
-        chosen = int(sampled[i])
-        assert ids[0] == chosen and ranks[0] == 1 + int((raw[i] > raw[i, chosen]).sum())
-        assert lps[0] == pytest.approx(float(ref[i, chosen]), abs=1e-4)
-        top = ids[1:]
+    for i, top, top_lps, top_ranks, ref in _wanted_entries(out, raw, sampled, num_top):
         assert len(top) == num_top[i] and len(set(top)) == len(top)
         assert torch.equal(raw[i, top], raw[i].topk(num_top[i]).values)
-        assert lps[1:] == pytest.approx(ref[i, top].tolist(), abs=1e-4)
-        assert ranks[1:] == list(range(1, num_top[i] + 1))
+        assert top_lps == pytest.approx(ref[i, top].tolist(), abs=1e-4)
+        assert top_ranks == list(range(1, num_top[i] + 1))
 
 
 def test_logprobs_read_the_rows_as_they_were_before_adjust_logits_changed_them():
@@ -54,12 +61,5 @@ def test_logprobs_read_the_rows_as_they_were_before_adjust_logits_changed_them()
     raw[adjusted] = raw[adjusted] * 0.5 - 1.0  # what penalties might do, in place
     sampled = torch.randint(0, 3000, (8,), generator=g)
     out = logprob_tensors(rows, sampled, num_top).tolists()
-    ref = before.double().log_softmax(dim=-1)
-    for i, entry in enumerate(out):
-        if num_top[i] is None:
-            assert entry is None
-            continue
-        ids, lps, ranks = entry
-        assert lps[0] == pytest.approx(float(ref[i, int(sampled[i])]), abs=1e-4)
-        assert ranks[0] == 1 + int((before[i] > before[i, int(sampled[i])]).sum())
-        assert ids[1:] == before[i].topk(num_top[i]).indices.tolist()
+    for i, top, _, _, _ in _wanted_entries(out, before, sampled, num_top):
+        assert top == before[i].topk(num_top[i]).indices.tolist()
