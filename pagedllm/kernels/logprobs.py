@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.sampling import _LOG2E, _gather, _key, _search, _tokens
+from pagedllm.kernels.sampling import _LOG2E, _gather, _key, _kth_largest, _search, _tokens
 
 _TILE = 1024  # tokens per iteration
 _LIST = 128  # top-n candidates sorted in registers
@@ -59,8 +59,7 @@ def logprobs_kernel(
     if num_top > 0:
         vals, ids = vals_ptr + row * LIST, ids_ptr + row * LIST
         hi = _key(top).to(tl.int64) + 1
-        bound = tl.sum(tl.where(lanes == num_top - 1, tl.sort(lane_top, descending=True), 0.0), 0)
-        lo = _key(bound).to(tl.int64)  # at least num_top tokens are at or above it
+        lo = _kth_largest(lane_top, num_top, TILE)  # at least num_top tokens are at or above it
         count, _ = _gather(row_ptr, vocab, 1.0, top, lo, hi, hi, vals, ids, LIST, False, TILE)
         if count > LIST:  # many equal values: the num_top-th largest exactly, then the tokens above and at it
             lo = _search(row_ptr, vocab, 1.0, top, lo, hi, num_top, False, False, TILE, PIVOTS)

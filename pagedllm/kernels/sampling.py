@@ -1,31 +1,37 @@
 """The whole sampler on the GPU in one launch: one program per batch row takes the argmax (greedy rows) or draws a
 token after min-p, top-k and top-p, reading the logits in place, with no host sync.
 
-Filters as thresholds. min-p keeps x / T >= max(x / T) + log(min_p). top-k and top-p each keep the tokens at or
-above a threshold value: top-k the k-th largest (ties all kept, as HF's TopKLogitsWarper), top-p the largest value
-whose tokens from the top down reach top_p of the mass that min-p and top-k left (a token stays when the mass of the
-more likely ones is below it: the sorted cumsum rule of HF's TopPLogitsWarper). Each threshold is found without a
-sort by a multi-way search over float32 values (as order-preserving int32 keys): a pass over the row counts the
-tokens (top-k) or sums their mass (top-p) at PIVOTS points of the remaining interval at once, which narrows it
-PIVOTS + 1 times; about 8 passes pin a 32-bit key. The row stays in L2 between passes.
+Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
+at the end: a row is read from memory once, its later passes hit L2.
 
-The draw is the exponential race: with p_i = softmax(x / T)_i over the kept tokens and independent E_i ~ Exp(1),
-argmax_i p_i / E_i is a draw from p exactly (P(i wins) = p_i / sum_j p_j). In log space that is argmax_i (x_i / T -
-log E_i) (the Gumbel-max trick): one pass, a running (best score, best index) per lane, then a reduction over lanes.
-E_i = -log(1 - u_i) with u_i from Triton's Philox, keyed by the row's 64-bit key and counted by token, so a row's
-draw depends only on its logits, parameters and key (a seeded request keys by (seed, position): the same token
-whatever shares its batch; the others by the step's key plus the row). The race is won by small E (the winner's E
-is about p_i / sum p), so E is made precise there: u = bits / 2**32 keeps full float precision near 0 and
--log(1 - u) is a series for u < 2**-5.
+The draw is by inverse CDF over the lanes: one pass keeps each lane's max and sum of exp(x / T - max) over the tokens
+the row keeps (online, as a softmax), then the lane where a uniform share of the total falls is picked from the
+lanes' running sums, and the token inside it from the running sum of its own few tokens. One uniform number per draw
+(Philox, keyed by the row's 64-bit key: a seeded request keys by (seed, position), so it gets the same token whatever
+shares its batch; the others by the step's key plus the row).
+
+Filters. min-p keeps x / T >= max(x / T) + log(min_p): a threshold after a pass for the max. top-p is drawn by
+rejection: a draw is kept when the tokens more likely than it weigh less than top_p of the kept mass (the sorted
+cumsum rule of HF's TopPLogitsWarper); otherwise the row is drawn again among the tokens more likely than the
+rejected one. Every round draws from a set that holds the whole nucleus, so the kept draw follows the renormalized
+nucleus exactly, and the first round is kept with probability >= top_p. The pass that weighs the tokens above a draw
+is also the next round's weighing pass: a round costs one pass over the row (in L2).
+
+top-k keeps the tokens at or above the k-th largest value (ties all kept, as HF's TopKLogitsWarper). At least k
+tokens reach the k-th largest lane maximum, so a pass lists the tokens at or above it (a few more than k) with their
+x / T; the k-th largest value and then top-p's cut over the list are found by a multi-way search over float32 values
+(as order-preserving int32 keys: each pass counts the entries, or sums their mass, at PIVOTS points of the remaining
+interval at once), and the token is drawn from the list by the exponential race (Gumbel-max: argmax_i x_i / T -
+log E_i with E_i ~ Exp(1) from Philox, counted by token). Where the list would be too long (many equal values, or k
+beyond the lanes), the k-th largest value is searched over the row itself and top-p drawn by rejection over the row.
 
 As the torch path: NaN logits are never drawn (nor taken by the argmax), +inf counts as the largest float (it wins),
-a row with every token at -inf takes token 0. Exact up to float32 rounding of x / T - log E and of the masses: where
-|x / T| is so large (beyond ~1e6) that the noise is lost in it, equal scores go to the lowest token (several +inf
-logits: the first), where the torch path draws among them uniformly. The draws depend on BLOCK (it lays out the
-Philox counters)."""
+a row with every token at -inf takes token 0. Exact up to float32 rounding of the sums and of the uniform (2**-24 of
+the mass). The draws depend on BLOCK (it lays out the lanes)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -33,9 +39,11 @@ import triton.language as tl
 _FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # +inf logits become this
 _LOG2E = tl.constexpr(1.4426950408889634)
 _GREEDY_BELOW = tl.constexpr(1e-5)  # a temperature below this takes the argmax (as SamplingMetadata)
-_BLOCK = 2048  # tokens per race iteration: 4 streams of _BLOCK // 4 Philox counters; the other passes use _BLOCK // 4
+_BLOCK = 1024  # lanes: tokens per iteration of a pass over a row
 _PIVOTS = 16  # points per threshold-search pass
-_CAP = 8192  # candidates listed per filtered row: more, and the row itself is searched
+_SMALL = 256  # entries per tile of a candidate list
+_CAP = 8192  # candidates listed per top-k row: more, and the row itself is searched
+_ROUND = tl.constexpr(1 << 30)  # the Philox counter of a draw's uniform, plus the round (counters by token stay below)
 
 
 @triton.jit
@@ -171,98 +179,131 @@ def _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, CAP, W
 
 
 @triton.jit
-def _narrow(row_ptr, vocab, inv_t, top, lo, hi, above, anchor, top_p, TILE: tl.constexpr, PIVOTS: tl.constexpr):
-    """One pass of the top-p search over the row that also weighs the kept set (the tokens at or above anchor) and
-    counts the tokens at each pivot. above: the mass at or above hi. Returns the narrowed (lo, hi), how many tokens
-    lie in it (or more), the mass at or above the new hi, and the nucleus's target mass (top_p times the kept)."""
-    j = tl.arange(0, PIVOTS)
-    pivots = tl.where(j == 0, anchor, _pivots(lo, hi, PIVOTS))  # slot 0 weighs the kept set
-    at = pivots.to(tl.int32)[:, None]
-    mass = tl.zeros([PIVOTS, TILE], tl.float32)
-    count = tl.zeros([PIVOTS, TILE], tl.int32)
+def _hash32(x):
+    """A 32-bit integer mix (int64 holding a value < 2**32; every product stays below 2**63)."""
+    mask = tl.full([], 0xFFFFFFFF, tl.int64)
+    x = ((x >> 16) ^ x) * 0x45D9F3B & mask
+    x = ((x >> 16) ^ x) * 0x45D9F3B & mask
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _seeded_key(low, high, position):
+    """The 63-bit Philox key of a seeded row from its seed's two 32-bit words and its position (int32 each):
+    the same whatever else is in the batch."""
+    mask = tl.full([], 0xFFFFFFFF, tl.int64)
+    lo, hi, pos = low.to(tl.int64) & mask, high.to(tl.int64) & mask, position.to(tl.int64) & mask
+    seed = _hash32(lo ^ _hash32(hi + 0x9E3779B9))
+    top = _hash32(seed ^ _hash32(pos + 0x2545F491)) & 0x7FFFFFFF
+    return (top << 32) | _hash32(seed ^ _hash32(pos + 0x7F4A7C15))
+
+
+@triton.jit
+def _kth_largest(values, k, TILE: tl.constexpr):
+    """The key of the k-th largest of values [TILE] (1 <= k <= TILE, no NaN). int64 scalar"""
+    kth = tl.sum(tl.where(tl.arange(0, TILE) == k - 1, tl.sort(values, descending=True), 0.0), 0)
+    return _key(kth).to(tl.int64)
+
+
+@triton.jit
+def _weigh(row_ptr, vocab, inv_t, floor, TILE: tl.constexpr):
+    """Per lane: the max m of x / T over its tokens with a key >= floor (int32) and the sum z of exp(x / T - m) over
+    them (m = -inf and z = 0 where none), as an online softmax. ([TILE], [TILE])"""
+    m = tl.full([TILE], float("-inf"), tl.float32)
+    z = tl.zeros([TILE], tl.float32)
     for start in range(0, vocab, TILE):
         s = _tokens(row_ptr, start + tl.arange(0, TILE), vocab, inv_t)
-        hit = _key(s)[None, :] >= at
-        mass += tl.where(hit, tl.exp2((s - top) * _LOG2E)[None, :], 0.0)
-        count += hit.to(tl.int32)
-    mass, count = tl.sum(mass, axis=1), tl.sum(count, axis=1)
-    target = top_p * tl.sum(tl.where(j == 0, mass, 0.0), 0)
-    probe = (j > 0) & (hi - lo > 1)
-    reach = probe & (mass >= target)
-    short = probe & (mass < target)
-    new_lo = tl.maximum(lo, tl.max(tl.where(reach, pivots, lo), 0))
-    new_hi = tl.minimum(hi, tl.min(tl.where(short, pivots, hi), 0))
-    at_hi = short & (pivots == new_hi)  # none where hi stays
-    moved = tl.max(at_hi.to(tl.int32), 0) > 0
-    above = tl.where(moved, tl.max(tl.where(at_hi, mass, 0.0), 0), above)
-    # tokens in [new_lo, new_hi): those at or above new_lo less those at or above new_hi, each counted at a pivot
-    # (where lo or hi stays: every token, and none)
-    inside_count = tl.min(tl.where(reach & (pivots == new_lo), count, vocab), 0) - tl.max(tl.where(at_hi, count, 0), 0)
-    return new_lo, new_hi, inside_count, above, target
+        s = tl.where(_key(s) >= floor, s, float("-inf"))
+        new_m = tl.maximum(m, s)
+        safe = tl.where(new_m == float("-inf"), 0.0, new_m)  # no -inf - -inf
+        z = z * tl.exp2((m - safe) * _LOG2E) + tl.exp2((s - safe) * _LOG2E)
+        m = new_m
+    return m, z
 
 
 @triton.jit
-def _race(best, best_idx, row_ptr, idx, bits, inv_t, floor, vocab):
-    """One quarter tile: the running best (score, token) per lane, updated with tokens idx [QUARTER]; tokens with a
-    key below floor are out."""
-    s = _tokens(row_ptr, idx, vocab, inv_t)
+def _lane_mass(m, z, top):
+    """Each lane's sum in units of exp(x / T - top) (top >= every m, finite). [TILE]"""
+    return tl.where(m == float("-inf"), 0.0, z * tl.exp2((m - top) * _LOG2E))
+
+
+@triton.jit
+def _draw(row_ptr, vocab, inv_t, floor, m, z, top, u, TILE: tl.constexpr, PER_LANE: tl.constexpr):
+    """The inverse-CDF draw of a token with a key >= floor (int32) from the lanes' (m, z) of _weigh (top: max m, finite;
+    u in [0, 1)): the lane where u of the total mass falls, then the token within the lane. Where rounding puts u past
+    a sum, the last lane or token of some mass is taken. int32 scalar"""
+    lanes = tl.arange(0, TILE)
+    w = _lane_mass(m, z, top)
+    cum = tl.cumsum(w, 0)
+    target = u * tl.max(cum, 0)
+    lane = tl.min(tl.where(cum > target, lanes, TILE), 0)
+    lane = tl.minimum(lane, tl.max(tl.where(w > 0, lanes, 0), 0))
+    rest = target - tl.sum(tl.where(lanes == lane, cum - w, 0.0), 0)  # the share left for the lane's tokens
+    i = tl.arange(0, PER_LANE)
+    s = _tokens(row_ptr, lane + i * TILE, vocab, inv_t)
     s = tl.where(_key(s) >= floor, s, float("-inf"))
-    score = s - _log_exp1(bits)  # -inf stays -inf: dropped tokens never win
-    better = score > best  # strict: the first of equal scores stays (a row of -inf keeps token 0)
-    return tl.where(better, score, best), tl.where(better, idx, best_idx)
+    ws = tl.exp2((s - top) * _LOG2E)
+    at = tl.min(tl.where(tl.cumsum(ws, 0) > rest, i, PER_LANE), 0)
+    at = tl.minimum(at, tl.max(tl.where(ws > 0, i, 0), 0))
+    return lane + at * TILE
 
 
 @triton.jit
-def _filter(
-    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, cap, TILE: tl.constexpr,
-    PIVOTS: tl.constexpr,
-):  # fmt: skip
-    """top-k, then top-p over what it keeps, of the tokens with a key >= floor (min-p's). Returns the key of the last
-    kept token and how many candidates the list holds (-1 when it does not hold every kept token: the race is then
-    run over the row).
+def _uniform(key, draw):
+    """A float32 in [0, 1) from Philox, one per (key, draw)."""
+    u = tl.rand(key, tl.full([1], _ROUND, tl.int32) + draw)
+    return tl.minimum(tl.sum(u, 0), 0.99999994)
 
-    The candidates are the tokens at or above a bound the threshold cannot fall below: for top-k (k <= TILE) the
-    k-th largest lane maximum (at least k tokens reach it); for top-p top + log((1 - top_p) / vocab) - 1 (the tokens
-    below it weigh less than (1 - top_p) times the kept mass, which is >= 1, the top token's weight)."""
+
+@triton.jit
+def _draw_by_rejection(row_ptr, vocab, inv_t, floor, top_p, key, TILE: tl.constexpr, PER_LANE: tl.constexpr):
+    """A token with a key >= floor (int32) drawn from softmax(x / T) over them, after top-p by rejection (top_p 1: the
+    first draw); token 0 where every token is out."""
+    m, z = _weigh(row_ptr, vocab, inv_t, floor, TILE)
+    top = tl.max(m, 0)
+    token = tl.zeros([], tl.int32)
+    if top > float("-inf"):
+        kept = tl.sum(_lane_mass(m, z, top), 0)
+        token = _draw(row_ptr, vocab, inv_t, floor, m, z, top, _uniform(key, 0), TILE, PER_LANE)
+        rounds = 1
+        outside = top_p < 1.0  # whether the draw may lie outside the nucleus
+        while outside:
+            above = _key(_tokens(row_ptr, token, vocab, inv_t)) + 1  # the tokens more likely than the draw
+            m, z = _weigh(row_ptr, vocab, inv_t, above, TILE)
+            outside = tl.sum(_lane_mass(m, z, top), 0) >= top_p * kept
+            if outside:  # the nucleus lies among the tokens above the draw: draw there
+                token = _draw(row_ptr, vocab, inv_t, above, m, z, top, _uniform(key, rounds), TILE, PER_LANE)
+                rounds += 1
+    return token
+
+
+@triton.jit
+def _top_k(
+    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, cap, TILE: tl.constexpr,
+    SMALL: tl.constexpr, PIVOTS: tl.constexpr,
+):  # fmt: skip
+    """top-k of the tokens with a key >= floor (min-p's), then top-p over what it keeps when the candidates are
+    listed. Returns the key of the last kept token and how many candidates the list holds (-1 when it does not hold
+    every kept token: top-p is then left to the draw over the row).
+
+    The candidates are the tokens at or above the k-th largest lane maximum (for k <= TILE; at least k tokens
+    reach it)."""
     hi = _key(top).to(tl.int64) + 1
     lo = floor
-    if top_k > 0:
-        if top_k <= TILE:
-            kth = tl.sum(tl.where(tl.arange(0, TILE) == top_k - 1, tl.sort(lane_top, descending=True), 0.0), 0)
-            lo = tl.maximum(lo, _key(kth).to(tl.int64))
-    else:
-        lo = tl.maximum(lo, _key(top + tl.log((1.0 - top_p) / vocab) - 1.0).to(tl.int64))
+    if top_k <= TILE:
+        lo = tl.maximum(lo, _kth_largest(lane_top, top_k, TILE))
     count = cap + 1
     kept = 0.0
     if tl.sum((_key(lane_top) >= lo).to(tl.int32), 0) <= TILE // 2:  # else far too many to list: do not try
         count, kept = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, True, TILE)
     if count <= cap:  # search the list
-        if top_k > 0:
-            floor = _search(vals_ptr, count, 1.0, top, lo, hi, top_k, False, True, TILE, PIVOTS)
+        floor = _search(vals_ptr, count, 1.0, top, lo, hi, top_k, False, True, SMALL, PIVOTS)
+        if top_p < 1:
             at_floor = tl.full([1], 0, tl.int32) + floor.to(tl.int32)
-            kept = tl.max(_at_or_above(vals_ptr, count, 1.0, top, at_floor, True, True, TILE, 1), 0)
-        if top_p < 1:
-            lo = tl.maximum(floor, lo)
-            floor = _search(vals_ptr, count, 1.0, top, lo, hi, top_p * kept, True, True, TILE, PIVOTS)
-    else:  # search the row, or list what one pass over it narrows the top-p search to
-        if top_k > 0:
-            floor = _search(row_ptr, vocab, inv_t, top, lo, hi, top_k, False, False, TILE, PIVOTS)
-        if top_p < 1:
-            lo = tl.maximum(floor, lo)
-            above = tl.zeros([], tl.float32)  # nothing is at or above hi = key(top) + 1
-            target = tl.zeros([], tl.float32)
-            inside = cap + 1
-            rounds = 0
-            while (inside > cap) & (rounds < 4):  # each pass narrows the nucleus's cut PIVOTS // 2 + 1 times or more
-                lo, hi, inside, above, target = _narrow(
-                    row_ptr, vocab, inv_t, top, lo, hi, above, floor, top_p, TILE, PIVOTS
-                )  # fmt: skip
-                rounds += 1
-            if inside <= cap:  # list them; the list lacks the tokens at or above hi: their mass is off the target
-                count, _ = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, False, TILE)
-                floor = _search(vals_ptr, count, 1.0, top, lo, hi, target - above, True, True, TILE, PIVOTS)
-            else:
-                floor = _search(row_ptr, vocab, inv_t, top, lo, hi, target, True, False, TILE, PIVOTS)
+            kept = tl.max(_at_or_above(vals_ptr, count, 1.0, top, at_floor, True, True, SMALL, 1), 0)
+            floor = _search(vals_ptr, count, 1.0, top, floor, hi, top_p * kept, True, True, SMALL, PIVOTS)
+    else:  # search the row
+        floor = _search(row_ptr, vocab, inv_t, top, lo, hi, top_k, False, False, SMALL, PIVOTS)
         count = -1
     return floor, count
 
@@ -287,107 +328,124 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["step_key"])
 def sample_kernel(
     logits_ptr,  # [batch, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary
-    params_ptr,  # [batch, 4] float32, unit column stride: temperature (below _GREEDY_BELOW: argmax), top_k (0 = off),
-    # top_p, min_p
-    seed_keys_ptr,  # [batch] int64: the Philox key of a seeded row, -1 for the others
+    params_ptr,  # [batch, 8] 32-bit words, unit column stride (pack_params): float32 temperature (below
+    # _GREEDY_BELOW: argmax), top_k (0 = off), top_p, min_p; then the seed's low and high words, the position and
+    # whether the row is seeded (int32 bits)
     out_ptr,  # [batch] int64
-    vals_ptr,  # [batch, cap] float32 scratch: each filtered row's candidates (x / T)
+    vals_ptr,  # [batch, cap] float32 scratch: each top-k row's candidates (x / T)
     ids_ptr,  # [batch, cap] int32 scratch: their tokens
     vocab,
     stride_row,
     stride_params,
-    stride_keys,
     cap,
     step_key,  # int64: the key of unseeded rows is step_key + row
     BLOCK: tl.constexpr,
+    PER_LANE: tl.constexpr,  # a power of 2 >= the tokens per lane (vocab / BLOCK)
+    SMALL: tl.constexpr,  # entries per tile of a top-k row's candidate list (and of its search over the row)
     PIVOTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    QUARTER: tl.constexpr = BLOCK // 4
-    lanes = tl.arange(0, QUARTER)
+    lanes = tl.arange(0, BLOCK)
     params_ptr += row * stride_params
     temperature = tl.load(params_ptr)
-    best = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_idx = tl.zeros([QUARTER], tl.int32)
     if temperature < _GREEDY_BELOW:  # the first largest logit
-        for start in range(0, vocab, QUARTER):
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
             idx = start + lanes
             s = _tokens(row_ptr, idx, vocab, 1.0)
-            better = s > best
+            better = s > best  # strict: the first of equal values stays (a row of -inf keeps token 0)
             best, best_idx = tl.where(better, s, best), tl.where(better, idx, best_idx)
+        token = tl.min(tl.where(best == tl.max(best, 0), best_idx, vocab), 0)
     else:
         inv_t = 1.0 / temperature
-        top_k = tl.load(params_ptr + 1)
+        top_k = tl.load(params_ptr + 1).to(tl.int32)
         top_p = tl.load(params_ptr + 2)
         min_p = tl.load(params_ptr + 3)
-        key = tl.load(seed_keys_ptr + row * stride_keys)
-        key = tl.where(key >= 0, key, step_key + row)
+        words = (params_ptr + 4).to(tl.pointer_type(tl.int32))
+        key = step_key.to(tl.int64) + row
+        if tl.load(words + 3) != 0:  # seeded: the key of (seed, position)
+            key = _seeded_key(tl.load(words), tl.load(words + 1), tl.load(words + 2))
         floor = tl.full([], -2147483648, tl.int64)  # the smallest key: every token is in
         listed = tl.full([], -1, tl.int32)  # how many candidates the list holds (-1: none listed)
-        if (min_p > 0) | (top_k > 0) | (top_p < 1):
-            lane_top = _lane_max(row_ptr, vocab, inv_t, QUARTER)
+        if (min_p > 0) | (top_k > 0):
+            lane_top = _lane_max(row_ptr, vocab, inv_t, BLOCK)
             top = tl.max(lane_top, 0)
             if top > float("-inf"):  # else every token is banned: token 0
                 floor = _key(top + tl.log(min_p)).to(tl.int64)  # min_p 0: the key of -inf
-                if (top_k > 0) | (top_p < 1):
-                    floor, listed = _filter(
+                if top_k > 0:
+                    floor, listed = _top_k(
                         row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr + row * cap,
-                        ids_ptr + row * cap, cap, QUARTER, PIVOTS,
+                        ids_ptr + row * cap, cap, BLOCK, SMALL, PIVOTS,
                     )  # fmt: skip
         if listed >= 0:
-            vals, ids = vals_ptr + row * cap, ids_ptr + row * cap
-            best, best_idx = _race_listed(vals, ids, listed, key, floor.to(tl.int32), QUARTER)
+            best, best_idx = _race_listed(
+                vals_ptr + row * cap, ids_ptr + row * cap, listed, key, floor.to(tl.int32), SMALL
+            )
+            token = tl.min(tl.where(best == tl.max(best, 0), best_idx, vocab), 0)  # the first of the best
         else:
-            cut = floor.to(tl.int32)
-            for start in range(0, vocab, BLOCK):
-                b0, b1, b2, b3 = tl.randint4x(key, start // 4 + lanes)  # counters unique per (row, tile, lane)
-                idx = start + lanes
-                best, best_idx = _race(best, best_idx, row_ptr, idx, b0, inv_t, cut, vocab)
-                best, best_idx = _race(best, best_idx, row_ptr, idx + QUARTER, b1, inv_t, cut, vocab)
-                best, best_idx = _race(best, best_idx, row_ptr, idx + 2 * QUARTER, b2, inv_t, cut, vocab)
-                best, best_idx = _race(best, best_idx, row_ptr, idx + 3 * QUARTER, b3, inv_t, cut, vocab)
-    top_score = tl.max(best, 0)
-    token = tl.min(tl.where(best == top_score, best_idx, vocab), 0)  # the first of the best (all -inf: token 0)
+            token = _draw_by_rejection(row_ptr, vocab, inv_t, floor.to(tl.int32), top_p, key, BLOCK, PER_LANE)
     tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def pack_params(
+    temperature: np.ndarray,  # [batch] float32
+    top_k: np.ndarray,  # [batch] int64, 0 = off
+    top_p: np.ndarray,  # [batch] float32, 1 = off
+    min_p: np.ndarray,  # [batch] float32, 0 = off
+    seeds: np.ndarray | None = None,  # [batch] int64
+    seeded: np.ndarray | None = None,  # [batch] bool
+    positions: np.ndarray | None = None,  # [batch] int64: the draw's counter of a seeded row
+) -> np.ndarray:
+    """The kernel's parameters of every row, one row of 8 32-bit words each. [batch, 8] float32"""
+    packed = np.zeros((len(temperature), 8), dtype=np.float32)
+    packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] = temperature, top_k, top_p, min_p
+    if seeded is not None and seeded.any():
+        words = packed.view(np.int32)
+        words[:, 4:6] = seeds.astype(np.int64).reshape(-1, 1).view(np.int32)  # low word, high word
+        words[:, 6] = positions
+        words[:, 7] = seeded
+    return packed
 
 
 def sample(
     logits: torch.Tensor,  # [batch, vocab]
-    params: torch.Tensor,  # [batch, 4] float32, unit column stride: temperature, top_k, top_p, min_p
-    seed_keys: torch.Tensor,  # [batch] int64: a seeded row's key, -1 for the others
+    params: torch.Tensor,  # [batch, 8] float32, unit column stride: pack_params
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
     out: torch.Tensor | None = None,  # [batch] int64
     block: int = _BLOCK,
     pivots: int = _PIVOTS,
     cap: int = _CAP,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. Launches
-    one kernel and never waits for the device. block: tokens per race iteration (a power of 2 >= 4; the draws depend
-    on it); pivots: a power of 2."""
+    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it);
+    pivots: a power of 2."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if logits.shape[0]:
-        cap = min(cap, logits.shape[1])
+        vocab = logits.shape[1]
+        cap = min(cap, vocab)
         vals = torch.empty(logits.shape[0], cap, dtype=torch.float32, device=logits.device)
         ids = torch.empty(logits.shape[0], cap, dtype=torch.int32, device=logits.device)
         sample_kernel[(logits.shape[0],)](
             logits,
             params,
-            seed_keys,
             out,
             vals,
             ids,
-            logits.shape[1],
+            vocab,
             logits.stride(0),
             params.stride(0),
-            seed_keys.stride(0),
             cap,
             step_key,
             BLOCK=block,
+            PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)),
+            SMALL=min(block, _SMALL),
             PIVOTS=pivots,
-            num_warps=16 if block >= 2048 else 4,
+            num_warps=num_warps or (8 if block >= 1024 else 4),
         )
     return out

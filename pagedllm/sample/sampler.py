@@ -52,13 +52,12 @@ _BLOCK_BYTES = 8 << 20  # CPU plain rows: logits per block of rows, so that a bl
 class SamplingMetadata:
     """The sampler's inputs for one step. Which rows sample and which filter is decided on the host, so the
     sampler needs no device sync for it. Build it with `SamplingMetadata.build`: for the kernels (a GPU with Triton, a
-    CPU with the C kernels) it holds every row's parameters (params; seed_keys on the GPU, seed_uniforms on the CPU)
+    CPU with the C kernels) it holds every row's parameters (params; on the CPU also seed_uniforms)
     and none of the torch path's fields (None), elsewhere the reverse."""
 
     all_greedy: bool
-    params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU: row
-    # stride 6)
-    seed_keys: torch.Tensor | None  # GPU: [batch] int64 (stride 3): seeded_key of (seed, position), -1: no seed
+    params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU:
+    # [batch, 8], then each seeded row's seed and position: pagedllm/kernels/sampling.py's pack_params)
     greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
     sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
     plain: torch.Tensor | None  # [num_plain] int64: positions in sample_rows without top-k / top-p
@@ -107,29 +106,23 @@ class SamplingMetadata:
         return cls(
             all_greedy=not bool(sampling.any()),
             params=None,
-            seed_keys=None,
             max_top_k=int(k[filtered].max()) if len(filtered) else 0,
             **tensors,
         )
 
     @classmethod
     def _for_kernel(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions, device) -> SamplingMetadata:
-        """The GPU kernel's form: every row's parameters as they are, in one host-to-device copy."""
-        batch = len(temperature)
-        packed = np.empty((batch, 6), dtype=np.float32)  # per row: temperature, top_k, top_p, min_p, 64-bit key
-        packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] = temperature, top_k, top_p, min_p
-        keys = packed[:, 4:].view(np.int64)  # [batch, 1]
-        keys[:] = -1
+        """The GPU kernel's form: every row's parameters as they are, in one host-to-device copy (the kernel hashes
+        a seeded row's key from its seed and position)."""
+        from pagedllm.kernels.sampling import pack_params
+
+        sampling = temperature >= _EPS
         if seeded is not None:
-            rows = np.nonzero(seeded & (temperature >= _EPS))[0]  # greedy rows draw nothing
-            if len(rows):
-                keys[rows, 0] = seeded_key(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
-        whole = to_device(packed, device)
+            seeded = seeded & sampling  # greedy rows draw nothing
         none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
         return cls(
-            all_greedy=not bool((temperature >= _EPS).any()),
-            params=whole[:, :4],
-            seed_keys=whole[:, 4:].view(torch.int64).squeeze(1),
+            all_greedy=not bool(sampling.any()),
+            params=to_device(pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions), device),
             max_top_k=0,
             min_p=None,
             seeded=None,
@@ -151,7 +144,6 @@ class SamplingMetadata:
         return cls(
             all_greedy=not bool(sampling.any()),
             params=torch.from_numpy(params),
-            seed_keys=None,
             max_top_k=0,
             min_p=None,
             seeded=None,
@@ -191,12 +183,6 @@ def _seeded_bits(seeds: np.ndarray, positions: np.ndarray, salt: int) -> np.ndar
 def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """One number in [0, 1) per (seed, position) (int64 arrays), whatever else is in the batch. [rows] float32"""
     return ((_seeded_bits(seeds, positions, 0x7F4A7C15) >> 8) * (1.0 / (1 << 24))).astype(np.float32)
-
-
-def seeded_key(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """A 63-bit Philox key per (seed, position) for the GPU kernel, whatever else is in the batch. [rows] int64"""
-    hi = _seeded_bits(seeds, positions, 0x2545F491) & 0x7FFFFFFF
-    return (hi << 32) | _seeded_bits(seeds, positions, 0x7F4A7C15)
 
 
 def _nucleus(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor | None = None):
@@ -356,7 +342,7 @@ class Sampler:
         if meta.params is not None:  # GPU: every row in one kernel
             from pagedllm.kernels.sampling import sample
 
-            return sample(logits, meta.params, meta.seed_keys, int(self.rng.integers(1 << 62)))
+            return sample(logits, meta.params, int(self.rng.integers(1 << 62)))
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         greedy, filtered = meta.greedy_rows, meta.filtered
         # their rows start from the maxima of tiles (tiles.py): one pass over the whole batch where they are most

@@ -12,7 +12,7 @@ import pytest
 import torch
 from sampling_reference import hf_kept
 
-from pagedllm.sample.sampler import Sampler, SamplingMetadata, seeded_key
+from pagedllm.sample.sampler import Sampler, SamplingMetadata
 
 stats = pytest.importorskip("scipy.stats")
 pytest.importorskip("triton")
@@ -26,19 +26,23 @@ if not GPU and type(sampling.sample_kernel).__name__ != "InterpretedFunction":
     sampling = importlib.reload(sampling)  # imported before the interpreter was switched on
 
 
-def draw(logits, temperature, keys, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK, cap=None) -> torch.Tensor:
-    """The kernel's token for each row of logits [batch, vocab]; parameters are one value or one per row, keys the
-    rows' Philox keys (as seeded rows: >= 0); cap: candidates listed per filtered row (default the kernel's)."""
+def draw(logits, temperature, seeds, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK, cap=None, positions=0):
+    """The kernel's token for each row of logits [batch, vocab]; parameters are one value or one per row, every row
+    seeded by its seed (and position); cap: candidates listed per top-k row (default the kernel's)."""
     n = logits.shape[0]
-    column = lambda v: torch.as_tensor(v, dtype=torch.float32).expand(n)  # noqa: E731
-    params = torch.stack([column(temperature), column(top_k), column(top_p), column(min_p)], dim=1)
-    keys = torch.as_tensor(keys, dtype=torch.int64)
+    column = lambda v, dtype=np.float32: np.broadcast_to(np.asarray(v, dtype=dtype), (n,))  # noqa: E731
+    params = sampling.pack_params(
+        column(temperature), column(top_k), column(top_p), column(min_p), column(seeds, np.int64),
+        np.ones(n, dtype=bool), column(positions, np.int64),
+    )  # fmt: skip
     cap = sampling._CAP if cap is None else cap
-    return sampling.sample(logits.to(DEVICE), params.to(DEVICE), keys.to(DEVICE), 0, block=block, cap=cap).cpu()
+    params = torch.from_numpy(params).to(DEVICE)
+    return sampling.sample(logits.to(DEVICE), params, 0, block=block, cap=cap).cpu()
 
 
-def random_keys(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(1 << 62, (n,), generator=torch.Generator().manual_seed(seed))
+def random_seeds(n: int, seed: int) -> np.ndarray:
+    """n random seeds."""
+    return np.random.default_rng(seed).integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
 
 
 def expected_probs(x: torch.Tensor, temperature: float, min_p=0.0, top_k=0, top_p=1.0) -> torch.Tensor:
@@ -77,7 +81,7 @@ def logits_over_two_tiles() -> torch.Tensor:
 def test_frequencies_follow_the_softmax(min_p):
     x, temperature = logits_over_two_tiles(), 0.7
     n = 100_000 if GPU else 300
-    tokens = draw(x.expand(n, -1), temperature, random_keys(n, 1), min_p=min_p)
+    tokens = draw(x.expand(n, -1), temperature, random_seeds(n, 1), min_p=min_p)
     p = expected_probs(x, temperature, min_p)
     assert chi_square_pvalue(tokens, p) > 1e-3
     if min_p:  # the cut: p >= min_p * max p keeps exactly these
@@ -97,7 +101,7 @@ def test_filters_keep_exactly_what_hf_keeps(top_k, top_p, min_p, cap):
     temperature = 0.8
     p = expected_probs(x, temperature, min_p, top_k, top_p)
     n = 100_000 if GPU else 100
-    tokens = draw(x.expand(n, -1), temperature, random_keys(n, 11), min_p, top_k, top_p, BLOCK if GPU else 64, cap)
+    tokens = draw(x.expand(n, -1), temperature, random_seeds(n, 11), min_p, top_k, top_p, BLOCK if GPU else 64, cap)
     drawn = torch.bincount(tokens, minlength=len(x)) > 0
     assert not drawn[p == 0].any(), "a token HF drops was drawn"
     assert drawn[p >= 0.04].all(), "a token HF keeps was never drawn"
@@ -112,7 +116,7 @@ def test_rows_use_their_own_parameters():
     logits = torch.stack([x, x, -x]).repeat(n, 1)  # [3n, vocab]
     temperature = torch.tensor([2.0, 0.0, 0.5]).repeat(n)
     top_k = torch.tensor([4, 0, 0]).repeat(n)
-    tokens = draw(logits, temperature, random_keys(3 * n, 2), top_k=top_k)
+    tokens = draw(logits, temperature, random_seeds(3 * n, 2), top_k=top_k)
     assert (tokens[1::3] == x.argmax()).all()
     assert chi_square_pvalue(tokens[0::3], expected_probs(x, 2.0, top_k=4)) > 1e-3
     assert chi_square_pvalue(tokens[2::3], expected_probs(-x, 0.5)) > 1e-3
@@ -120,14 +124,28 @@ def test_rows_use_their_own_parameters():
 
 def test_seeded_rows_draw_the_same_token_alone_and_in_another_batch():
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
-    keys = torch.from_numpy(seeded_key(np.array([7, 7, 7, 11, 11, 99]), np.array([0, 1, 2, 0, 1, 5])))
-    together = draw(x, 1.0, keys)
-    alone = torch.stack([draw(x[i : i + 1], 1.0, keys[i : i + 1])[0] for i in range(6)])
+    seeds, positions = np.array([7, 7, 7, 11, 11, 99]), np.array([0, 1, 2, 0, 1, 5])
+    together = draw(x, 1.0, seeds, positions=positions)
+    alone = torch.stack(
+        [draw(x[i : i + 1], 1.0, seeds[i : i + 1], positions=positions[i : i + 1])[0] for i in range(6)]
+    )
     assert torch.equal(together, alone)
-    order = torch.tensor([5, 2, 0, 4, 1, 3])  # another batch: reordered, next to other rows
+    order = np.array([5, 2, 0, 4, 1, 3])  # another batch: reordered, next to other rows
     mixed = torch.cat([torch.randn(2, 40), x[order]])
-    shuffled = draw(mixed, 1.0, torch.cat([random_keys(2, 4), keys[order]]))
-    assert torch.equal(shuffled[2:], together[order])
+    other = random_seeds(2, 4)
+    shuffled = draw(mixed, 1.0, np.concatenate([other, seeds[order]]), positions=np.r_[0, 0, positions[order]])
+    assert torch.equal(shuffled[2:], together[torch.from_numpy(order)])
+
+
+def test_draws_vary_with_seed_and_position():
+    """Over a flat row of 16 tokens, the draws of 5 seeds (the extremes of 64 bits among them) x 40 positions are
+    uniform: every (seed, position) keys its own numbers."""
+    seeds = np.repeat(np.array([0, 1, -1, 2**63 - 1, -(2**63)], dtype=np.int64), 40)
+    positions = np.tile(np.arange(40), 5)
+    tokens = draw(torch.zeros(len(seeds), 16), 1.0, seeds, positions=positions)
+    assert chi_square_pvalue(tokens, torch.full((16,), 1 / 16, dtype=torch.float64)) > 1e-3
+    for i in range(5):  # each seed's positions alone, too
+        assert len(set(tokens[40 * i : 40 * (i + 1)].tolist())) >= 8
 
 
 def test_nan_is_never_drawn_and_inf_wins():
@@ -143,7 +161,7 @@ def test_nan_is_never_drawn_and_inf_wins():
     x = torch.tensor(rows).repeat(8, 1)  # 8 draws of each row
     settings = ((0.5, 0.0, 0, 1.0), (0.5, 0.1, 0, 1.0), (0.5, 0.0, 3, 0.9), (0.0, 0, 0, 1))  # T, min-p, top-k, top-p
     for temperature, min_p, top_k, top_p in settings:
-        tokens = draw(x, temperature, random_keys(len(x), 5), min_p, top_k, top_p).view(8, len(rows))
+        tokens = draw(x, temperature, random_seeds(len(x), 5), min_p, top_k, top_p).view(8, len(rows))
         assert (tokens == torch.tensor([2, 17, 0, 0, 5, 16])).all(), (temperature, min_p, top_k, top_p, tokens)
 
 
@@ -151,7 +169,7 @@ def test_nan_is_never_drawn_and_inf_wins():
 def test_min_p_zero_keeps_every_token_and_overflowing_logits_win():
     x = torch.tensor([[1e38, 1.0, -1e38] + [0.0] * 13, [-3.0] * 15 + [-2.5]])
     temperature = torch.tensor([1e-3, 1.0]).repeat(20)  # row 0: 1e38 / 1e-3 overflows to +inf, the largest float
-    tokens = draw(x.repeat(20, 1), temperature, random_keys(40, 6), min_p=[0.0] * 40).view(20, 2)
+    tokens = draw(x.repeat(20, 1), temperature, random_seeds(40, 6), min_p=[0.0] * 40).view(20, 2)
     assert (tokens[:, 0] == 0).all()
     assert tokens[:, 1].unique().numel() > 1  # min_p 0 drops nothing: not always the top token
 
@@ -165,7 +183,7 @@ def test_full_vocabulary_frequencies_on_the_gpu():
     x[torch.randperm(vocab, generator=torch.Generator().manual_seed(8))[:head]] += 6.0  # 40 likely tokens
     logits = x.to(DEVICE)[None, :].expand(n, vocab)  # stride 0: every program reads the same row
     for min_p in (0.0, 1e-3):  # min-p 1e-3 keeps 68 tokens
-        tokens = draw(logits, temperature, random_keys(n, 9), min_p=min_p, block=sampling._BLOCK)
+        tokens = draw(logits, temperature, random_seeds(n, 9), min_p=min_p, block=sampling._BLOCK)
         p = expected_probs(x, temperature, min_p)
         order = p.argsort(descending=True)
         counts = torch.bincount(tokens, minlength=vocab).double()[order]
@@ -186,7 +204,7 @@ def test_filters_over_a_full_vocabulary_on_the_gpu(top_k, top_p, spread):
     groups of equal expected mass)."""
     vocab, n, temperature = 151_936, 200_000, 1.0
     x = torch.randn(vocab, generator=torch.Generator().manual_seed(12)) * spread
-    tokens = draw(x.to(DEVICE)[None, :].expand(n, vocab), temperature, random_keys(n, 13), 0.0, top_k, top_p)
+    tokens = draw(x.to(DEVICE)[None, :].expand(n, vocab), temperature, random_seeds(n, 13), 0.0, top_k, top_p)
     p = expected_probs(x, temperature, top_k=top_k, top_p=top_p)
     counts = torch.bincount(tokens, minlength=vocab).double()
     assert counts[p == 0].sum() == 0, "a token HF drops was drawn"
@@ -205,14 +223,14 @@ def test_sampler_on_the_gpu_never_syncs_and_keeps_seeds():
     vocab = 151_936
     x = torch.randn(8, vocab, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0)) * 2
 
-    def meta(temperature, top_k, top_p, seeded_rows):
+    def meta(temperature, top_k, top_p, seeded_rows, seeds=None):
         n = len(temperature)
         return SamplingMetadata.build(
             np.array(temperature, dtype=np.float32),
             np.array(top_k, dtype=np.int64),
             np.array(top_p, dtype=np.float32),
             np.full(n, 0.01, dtype=np.float32),
-            seeds=np.arange(n, dtype=np.int64) + 1000,
+            seeds=np.arange(n, dtype=np.int64) + 1000 if seeds is None else np.array(seeds, dtype=np.int64),
             seeded=np.isin(np.arange(n), seeded_rows),
             positions=np.full(n, 3, dtype=np.int64),
             device=DEVICE,
@@ -228,8 +246,7 @@ def test_sampler_on_the_gpu_never_syncs_and_keeps_seeds():
         torch.cuda.set_sync_debug_mode("default")
     assert out[0] == x[0].argmax()
     # rows 2 and 5 alone (seeds 1002 and 1005, position 3) draw what they drew in the batch
-    alone = meta([0.6, 0.6], [20, 0], [0.9, 0.95], [0, 1])
-    alone.seed_keys[:] = torch.from_numpy(seeded_key(np.array([1002, 1005]), np.array([3, 3])))
+    alone = meta([0.6, 0.6], [20, 0], [0.9, 0.95], [0, 1], seeds=[1002, 1005])
     assert torch.equal(Sampler(DEVICE, seed=2)(x[[2, 5]].clone(), alone), out[[2, 5]])
 
 
@@ -238,6 +255,6 @@ def test_negative_zero_ties_with_zero():
     when they tie at the top."""
     x = torch.full((40, 20), -5.0)
     x[:, 3] = -0.0
-    assert (draw(x, 1.0, random_keys(40, 14), min_p=1.0) == 3).all()
+    assert (draw(x, 1.0, random_seeds(40, 14), min_p=1.0) == 3).all()
     x[:, 4] = 0.0
-    assert set(draw(x, 1.0, random_keys(40, 15), top_k=1).tolist()) == {3, 4}
+    assert set(draw(x, 1.0, random_seeds(40, 15), top_k=1).tolist()) == {3, 4}

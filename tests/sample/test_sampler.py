@@ -12,7 +12,6 @@ from pagedllm.sample.sampler import (
     CANDIDATES,
     Sampler,
     SamplingMetadata,
-    seeded_key,
     seeded_uniform,
 )
 
@@ -177,17 +176,6 @@ def test_seeded_uniforms_are_uniform_and_differ_by_seed_and_position():
     assert len(set(u.tolist())) > 0.99 * len(u)
     extremes = seeded_uniform(np.array([2**63 - 1, -(2**63), -1, 0]), np.zeros(4, dtype=np.int64))
     assert ((extremes >= 0) & (extremes < 1)).all() and len(set(extremes.tolist())) == 4
-
-
-def test_seeded_keys_differ_by_seed_and_position_and_fit_63_bits():
-    seeds = np.repeat(np.array([0, 1, -1, 2**63 - 1, -(2**63)], dtype=np.int64), 1000)
-    positions = np.tile(np.arange(1000, dtype=np.int64), 5)
-    keys = seeded_key(seeds, positions)
-    assert keys.dtype == np.int64 and (keys >= 0).all()
-    assert len(set(keys.tolist())) == len(keys)
-    assert len(set((keys >> 32).tolist())) > 0.99 * len(keys)  # the high half varies too
-    # the low half is the uniform's stream: its top 24 bits are seeded_uniform's number
-    assert np.array_equal(((keys & 0xFFFFFFFF) >> 8) / (1 << 24), seeded_uniform(seeds, positions).astype(np.float64))
 
 
 def _hf_kept(logits: torch.Tensor, k: int, p: float, min_p: float = 0.0) -> set[int]:
