@@ -24,7 +24,7 @@ def apply_penalties(
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
 
-    Only the tokens that occur are touched: on the GPU by two Triton launches, on the CPU by one C call (a row at a
+    Only the tokens that occur are touched: on the GPU by one Triton launch, on the CPU by one C call (a row at a
     time per thread); elsewhere the (row, token) pairs are told apart on the host (a sort of each row's tokens), then
     one gather and one scatter over the flat logits (contiguous), none over the vocabulary."""
     n, max_len = token_ids.shape
@@ -63,7 +63,7 @@ def apply_penalties(
 
 
 def _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
-    """apply_penalties on a GPU: one host-to-device copy of the tokens, then two Triton launches over them
+    """apply_penalties on a GPU: one host-to-device copy of the tokens, then one Triton launch over them
     (pagedllm/kernels/penalties.py): no sort and no host sync."""
     from pagedllm.kernels.penalties import apply_penalties as on_gpu
 

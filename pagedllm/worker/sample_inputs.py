@@ -118,6 +118,7 @@ class LogprobRows:
     wanted: np.ndarray  # [wanted] the rows that want logprobs
     copies: torch.Tensor  # [copied, vocab]: every wanted row (Triton and torch paths); those that change (C kernels)
     copy_of: np.ndarray  # [wanted] each wanted row's place in copies, -1: read in place
+    wanted_index: torch.Tensor | None = None  # wanted on the logits' device, where it was uploaded (None: not)
 
     def addresses(self) -> np.ndarray:
         """Where each wanted row's float32 logits start. [wanted] int64"""
@@ -140,13 +141,15 @@ def logprob_rows(
     if not len(wanted):
         return None
     if not cpu_sampling.available(raw_logits):
+        index = None
         if len(wanted) < len(num_top):
-            copies = raw_logits.index_select(0, to_device(wanted, raw_logits.device))
+            index = to_device(wanted, raw_logits.device)
+            copies = raw_logits.index_select(0, index)
         elif adjusted is None or adjusted.any():
             copies = raw_logits.clone()
         else:
             copies = raw_logits
-        return LogprobRows(raw_logits, wanted, copies, np.arange(len(wanted)))
+        return LogprobRows(raw_logits, wanted, copies, np.arange(len(wanted)), index)
     copied = wanted if adjusted is None else wanted[adjusted[wanted]]
     out = scratch.rows(len(copied), raw_logits.shape[1]) if scratch is not None else None
     copies = torch.index_select(raw_logits, 0, to_device(copied, raw_logits.device), out=out)
@@ -195,7 +198,11 @@ def logprob_tensors(
     if raw is None:
         return None
     wanted = raw.wanted.tolist()
-    chosen = sampled if len(wanted) == len(num_top) else sampled[to_device(raw.wanted, sampled.device)]
+    if len(wanted) == len(num_top):
+        chosen = sampled
+    else:
+        index = raw.wanted_index if raw.wanted_index is not None else to_device(raw.wanted, sampled.device)
+        chosen = sampled.index_select(0, index)
     k_max = max(num_top[i] for i in wanted)
     if cpu_sampling.available(raw.logits):  # one C call
         vocab = raw.logits.shape[1]
