@@ -126,7 +126,7 @@ def prefill(args, gen: torch.Generator, paged_prefill_len: int | None) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if cpu_kernels.library() is None:
+    if cpu_kernels.compiled() is None:
         raise SystemExit("the C kernels did not build (no C compiler?): nothing to compare")
     gen = torch.Generator().manual_seed(0)
     machine, commit = machine_description(), git_commit()

@@ -57,23 +57,31 @@ def minilm() -> str:
 
 
 @pytest.fixture(scope="session")
-def library_without_avx512(tmp_path_factory) -> ctypes.CDLL:
-    """The CPU kernels built without AVX-512: the code that CPUs without it run."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("AVX-512 is an x86 extension")
-    out = tmp_path_factory.mktemp("no_avx512") / "cpu_kernels.so"
-    proc = cpu_kernels.compile_source(cpu_kernels.find_compiler(), [*cpu_kernels.FLAG_SETS[0], "-mno-avx512f"], out)
-    assert proc.returncode == 0, proc.stderr
-    return cpu_kernels.declare(ctypes.CDLL(str(out)))
+def kernels_without(tmp_path_factory):
+    """A builder of the CPU kernels without one x86 extension (a compiler flag such as -mno-avx512f): the code of
+    CPUs that lack it. Each build is made once per session."""
+    builds: dict[str, ctypes.CDLL] = {}
+
+    def build(flag: str) -> ctypes.CDLL:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the kernels' variants are x86 extensions")
+        if flag not in builds:
+            out = tmp_path_factory.mktemp(flag.strip("-").replace("-", "_")) / "cpu_kernels.so"
+            proc = cpu_kernels.compile_source(cpu_kernels.find_compiler(), [*cpu_kernels.FLAG_SETS[0], flag], out)
+            assert proc.returncode == 0, proc.stderr
+            builds[flag] = cpu_kernels.declare(ctypes.CDLL(str(out)))
+        return builds[flag]
+
+    return build
 
 
 def _use_kernels(request, monkeypatch, build: str) -> None:
     """Points cpu_kernels at the kernels as built here ("c") or built without AVX-512 ("c-no-avx512")."""
-    if cpu_kernels.library() is None:
+    if cpu_kernels.compiled() is None:
         pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
     if build == "c-no-avx512":
-        library = request.getfixturevalue("library_without_avx512")
-        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+        without = request.getfixturevalue("kernels_without")("-mno-avx512f")
+        monkeypatch.setattr(cpu_kernels, "compiled", lambda: without)
 
 
 @pytest.fixture(params=["c", "c-no-avx512"])
@@ -88,7 +96,7 @@ def sampling_path(request, monkeypatch) -> str:
     """The CPU sampler, logprobs and penalties run by the C kernels (as built here, then without AVX-512) or by torch
     ops (a machine without a C compiler)."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "compiled", lambda: None)
     else:
         _use_kernels(request, monkeypatch, request.param)
     return request.param

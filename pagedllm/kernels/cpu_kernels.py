@@ -4,8 +4,8 @@ the sampler's draw, logprobs and penalties in cpu_sampling.c (wrapped by cpu_sam
 
 Built on first use with the system C compiler (`cc -O3 -march=native`, with OpenMP when the compiler has it) into a
 per-user cache directory, keyed by the source, the compiler, the flags and the CPU, and loaded with ctypes: a build
-takes about a second once, later starts only load it. Without a compiler `library()` is None and the torch backend keeps
-its torch-op path, which computes the same thing."""
+takes about a second once, later starts only load it. Without a compiler `compiled()` is None and the torch backend
+keeps its torch-op path, which computes the same thing."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def compile_source(compiler: str, flags: list[str], out: Path) -> subprocess.Com
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def compiled() -> ctypes.CDLL | None:
     """The built kernels, or None when no C compiler can build them (the torch-op path runs instead)."""
     compiler = find_compiler()
     if compiler is None:
@@ -140,7 +140,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def runs(x: torch.Tensor) -> bool:
     """Whether the element-wise C kernels take `x`: a float32 or bfloat16 CPU tensor, and a built library."""
-    return x.device.type == "cpu" and x.dtype in _BF16 and library() is not None
+    return x.device.type == "cpu" and x.dtype in _BF16 and compiled() is not None
 
 
 def supports(q: torch.Tensor, num_kv_heads: int, block_size: int) -> bool:
@@ -158,8 +158,8 @@ def _supports(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int
         and head_dim <= MAX_DIM
         and head_dim % LANES == 0
         and block_size * head_dim <= MAX_BLOCK_VALUES
-        and library() is not None
-        and bool(library().full_width_vectors())
+        and compiled() is not None
+        and bool(compiled().full_width_vectors())
     )
 
 
@@ -185,7 +185,7 @@ def write_kv(
     k, v = _heads_contiguous(k), _heads_contiguous(v)
     assert slots.dtype == torch.int64 and slots.is_contiguous()
     _check_cache(k_cache, v_cache, k.dtype)
-    library().write_kv(
+    compiled().write_kv(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -218,7 +218,7 @@ def decode_attention(
     for index in (token_rows, block_table, seq_lens):
         assert index.dtype == torch.int64 and index.stride(-1) == 1
     _check_cache(k_cache, v_cache, q.dtype)
-    library().decode_attention(
+    compiled().decode_attention(
         q.data_ptr(),
         q.stride(0),
         q.stride(1),
@@ -262,7 +262,7 @@ def rms_norm(
     weight = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
-    library().rms_norm(
+    compiled().rms_norm(
         x2.data_ptr(),
         x2.stride(0),
         r2.data_ptr() if r2 is not None else None,
@@ -282,7 +282,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     d = x.shape[-1] // 2
     x2 = contiguous_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    library().silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], d, _BF16[x.dtype])
+    compiled().silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], d, _BF16[x.dtype])
     return out
 
 
@@ -303,7 +303,7 @@ def qk_rotary(
     if norm_weights is not None:
         q_norm, k_norm = (w.to(q.dtype).contiguous() for w in norm_weights)
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-    library().qk_rotary(
+    compiled().qk_rotary(
         q.data_ptr(),
         q.stride(0),
         k.data_ptr(),

@@ -258,12 +258,13 @@ static inline float block_weights(const Row *r, int64_t start, float top, float 
     return totalv((acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
 
-/* sums[b]: the weight of block b; with row, the weights are kept there. */
-static void weigh(const Row *r, float *restrict row, float *restrict sums, int64_t padded, float top, float min_p) {
-    float w[BLOCK];
+/* sums[b]: the weight of block b; with row, the weights are kept there. Returns their total. */
+static float weigh(const Row *r, float *restrict row, float *restrict sums, int64_t padded, float top, float min_p) {
+    float w[BLOCK], total = 0.0f;
     for (int64_t start = 0; start < padded; start += BLOCK) {
-        sums[start / BLOCK] = block_weights(r, start, top, min_p, row ? row + start : w);
+        total += sums[start / BLOCK] = block_weights(r, start, top, min_p, row ? row + start : w);
     }
+    return total;
 }
 
 /* sums[b]: the weight of block b's kept weights (row[BLOCK * b:][:BLOCK] above lower); returns their total. */
@@ -281,13 +282,12 @@ static float weigh_above(const float *restrict row, float *restrict sums, int64_
     return total;
 }
 
-/* The inverse-CDF draw with u over the weights above lower, given each block's sum of them: the first token whose
-   running sum exceeds u times the total. Weights come from row where given, else are computed again from x. */
-static int64_t draw(const Row *r, const float *row, const float *sums, int64_t padded, float top, float min_p,
-                    float lower, float u) {
+/* The inverse-CDF draw with u over the weights above lower, given each block's sum of them and their total: the
+   first token whose running sum exceeds u times the total. Weights come from row where given, else are computed
+   again from x. */
+static int64_t draw(const Row *r, const float *row, const float *sums, int64_t padded, float total, float top,
+                    float min_p, float lower, float u) {
     const int64_t blocks = padded / BLOCK;
-    float total = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) total += sums[b];
     const float target = u * total;
     float acc = 0.0f, w[BLOCK];
     int64_t b = 0, last = -1; /* the block of the target, else the last with weight */
@@ -321,20 +321,19 @@ static float next_uniform(float u, int round) {
     return (float)(h >> 8) * (1.0f / 16777216.0f);
 }
 
-/* A top-p row without top-k, its weights in row and each block's sum in sums: a token is kept when the tokens more
-   likely than it weigh less than top_p of the total. Drawn by rejection: a draw over the weights above `lower`
-   (first all) is kept if it passes; else no token as likely as it passes and lower rises to its weight. The kept
-   draw is one from the kept tokens, renormalized: every round draws from a set that holds them all. Each round is
-   one pass over the row, the first usually the last (the kept tokens weigh at least top_p of the total). */
-static int64_t draw_nucleus(float *row, float *sums, int64_t padded, float top_p, float u) {
-    float total = 0.0f;
-    for (int64_t b = 0; b < padded / BLOCK; b++) total += sums[b];
+/* A top-p row without top-k, its weights in row, each block's sum in sums and their total: a token is kept when the
+   tokens more likely than it weigh less than top_p of the total. Drawn by rejection: a draw over the weights above
+   `lower` (first all) is kept if it passes; else no token as likely as it passes and lower rises to its weight. The
+   kept draw is one from the kept tokens, renormalized: every round draws from a set that holds them all. Each round
+   is one pass over the row, the first usually the last (the kept tokens weigh at least top_p of the total). */
+static int64_t draw_nucleus(float *row, float *sums, int64_t padded, float total, float top_p, float u) {
     const float target = top_p * total;
-    float lower = 0.0f;
+    float lower = 0.0f, above = total;
     for (int round = 0;; round++) {
-        const int64_t token = draw(NULL, row, sums, padded, 0.0f, 0.0f, lower, u);
+        const int64_t token = draw(NULL, row, sums, padded, above, 0.0f, 0.0f, lower, u);
         lower = row[token];
-        if (weigh_above(row, sums, padded, lower) < target || lower >= 1.0f) return token;
+        above = weigh_above(row, sums, padded, lower); /* the next round's blocks and total */
+        if (above < target || lower >= 1.0f) return token;
         u = next_uniform(u, round);
     }
 }
@@ -446,16 +445,16 @@ static int64_t sample_row(const float *x, Scratch *s, int64_t vocab, float tempe
     }
     if (top_k > 0) return draw_top_k(&r, s->maxima, s, padded, top, top_k, top_p, min_p, u, kept);
     if (top_p >= 1.0f) {
-        weigh(&r, kept ? s->row : NULL, s->sums, padded, top, min_p);
+        const float total = weigh(&r, kept ? s->row : NULL, s->sums, padded, top, min_p);
         if (kept) {
             *kept = 0;
             for (int64_t i = 0; i < padded; i++) *kept += s->row[i] > 0.0f;
         }
-        return draw(&r, NULL, s->sums, padded, top, min_p, 0.0f, u);
+        return draw(&r, NULL, s->sums, padded, total, top, min_p, 0.0f, u);
     }
-    weigh(&r, s->row, s->sums, padded, top, min_p);
+    const float total = weigh(&r, s->row, s->sums, padded, top, min_p);
     if (kept) *kept = nucleus_size(s->row, s->values, padded, top_p);
-    return draw_nucleus(s->row, s->sums, padded, top_p, u);
+    return draw_nucleus(s->row, s->sums, padded, total, top_p, u);
 }
 
 /* torch.argmax of a row: the first largest, NaN counting as the largest. Blocks' maxima first, then the first

@@ -12,7 +12,7 @@ from pagedllm.kernels import cpu_kernels
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels take x's rows: float32 on the CPU, and a built library."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.library() is not None
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.compiled() is not None
 
 
 class Scratch:
@@ -26,7 +26,7 @@ class Scratch:
         self.copies = torch.empty(0)
 
     def take(self, vocab: int, threads: int) -> torch.Tensor:
-        size = threads * cpu_kernels.library().sampling_scratch_floats(vocab)
+        size = threads * cpu_kernels.compiled().sampling_scratch_floats(vocab)
         if len(self.working) < size:
             self.working = torch.empty(size)
         return self.working
@@ -57,7 +57,7 @@ def sample(
     out = torch.empty(rows, dtype=torch.int64)
     uniforms = np.ascontiguousarray(uniforms, dtype=np.float32)
     assert params.is_contiguous() and params.dtype == torch.float32 and params.shape == (rows, 4)
-    cpu_kernels.library().sample_rows(
+    cpu_kernels.compiled().sample_rows(
         logits.data_ptr(),
         logits.stride(0),
         rows,
@@ -86,7 +86,7 @@ def logprobs(
     chosen = chosen.contiguous()
     chosen_lp, ranks = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
     top_ids, top_lp = torch.empty(rows, num_top, dtype=torch.int64), torch.empty(rows, num_top)
-    cpu_kernels.library().logprobs_rows(
+    cpu_kernels.compiled().logprobs_rows(
         addresses.ctypes.data,
         rows,
         vocab,
@@ -120,7 +120,7 @@ def apply_penalties(
     tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
     ints = [np.ascontiguousarray(a, dtype=np.int64) for a in (rows, num_prompt, num_tokens)]
     floats = [np.ascontiguousarray(a, dtype=np.float32) for a in (repetition, presence, frequency)]
-    cpu_kernels.library().apply_penalties(
+    cpu_kernels.compiled().apply_penalties(
         logits.data_ptr(),
         logits.stride(0),
         ints[0].ctypes.data,

@@ -7,19 +7,20 @@
 #include <stdint.h>
 #include <string.h>
 
+/* A float and an int32 vector type of n lanes with their unaligned load and store. */
+#define VECTOR_TYPES(f, i, n, load, store)                                 \
+    typedef float f __attribute__((vector_size((n) * sizeof(float))));     \
+    typedef int32_t i __attribute__((vector_size((n) * sizeof(int32_t)))); \
+    static inline f load(const float *p) {                                  \
+        f v;                                                                \
+        memcpy(&v, p, sizeof v);                                            \
+        return v;                                                           \
+    }                                                                       \
+    static inline void store(float *p, f v) { memcpy(p, &v, sizeof v); }
+
 /* 16 floats, the attention kernels' unit: one AVX-512 register, two AVX2 ones. */
 #define LANES 16
-
-typedef float f32x16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t i32x16 __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline f32x16 load16(const float *p) {
-    f32x16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+VECTOR_TYPES(f32x16, i32x16, LANES, load16, store16)
 
 /* Vectors of the CPU's own width (VL floats): 16 with AVX-512, else 8 (one AVX2 register, two SSE or NEON ones).
    Without AVX-512, GCC turns comparisons and conversions of 16-float vectors into scalar code. FULL_WIDTH: a 16-float
@@ -31,16 +32,6 @@ static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
 #define FULL_WIDTH 0
 #define VL 8
 #endif
-
-typedef float fvec __attribute__((vector_size(VL * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
-
-static inline fvec loadv(const float *p) {
-    fvec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void storev(float *p, fvec v) { memcpy(p, &v, sizeof v); }
+VECTOR_TYPES(fvec, ivec, VL, loadv, storev)
 
 #endif

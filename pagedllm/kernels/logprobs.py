@@ -60,13 +60,11 @@ def logprobs_kernel(
         vals, ids = vals_ptr + row * LIST, ids_ptr + row * LIST
         hi = _key(top).to(tl.int64) + 1
         lo = _kth_largest(lane_top, num_top, TILE)  # at least num_top tokens are at or above it
-        count, _ = _gather(row_ptr, vocab, 1.0, top, lo, hi, hi, vals, ids, LIST, False, TILE)
+        count = _gather(row_ptr, vocab, 1.0, lo, hi, vals, ids, LIST, TILE)
         if count > LIST:  # many equal values: the num_top-th largest exactly, then the tokens above and at it
             lo = _search(row_ptr, vocab, 1.0, top, lo, hi, num_top, False, False, TILE, PIVOTS)
-            count, _ = _gather(row_ptr, vocab, 1.0, top, lo + 1, hi, hi, vals, ids, LIST, False, TILE)
-            ties, _ = _gather(
-                row_ptr, vocab, 1.0, top, lo, lo + 1, hi, vals + count, ids + count, LIST - count, False, TILE
-            )
+            count = _gather(row_ptr, vocab, 1.0, lo + 1, hi, vals, ids, LIST, TILE)
+            ties = _gather(row_ptr, vocab, 1.0, lo, lo + 1, vals + count, ids + count, LIST - count, TILE)
             count = tl.minimum(count + ties, LIST)
         at = tl.arange(0, LIST)
         v = tl.load(vals + at, mask=at < count, other=float("-inf"))

@@ -155,18 +155,14 @@ def _search(
 
 
 @triton.jit
-def _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, CAP, WEIGH: tl.constexpr, TILE: tl.constexpr):
-    """Lists x / T and the token of every token with a key in [lo, hi), in token order (the first CAP of them), and
-    (WEIGH) sums the weights exp(x / T - top) of the tokens with a key >= floor. Returns (how many there are, the
-    sum)."""
+def _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, CAP, TILE: tl.constexpr):
+    """Lists x / T and the token of every token with a key in [lo, hi), in token order (the first CAP of them).
+    Returns how many there are."""
     count = tl.zeros([], tl.int32)
-    mass = tl.zeros([TILE], tl.float32)
     for start in range(0, vocab, TILE):
         idx = start + tl.arange(0, TILE)
         s = _tokens(row_ptr, idx, vocab, inv_t)
         key = _key(s)
-        if WEIGH:
-            mass += tl.where(key >= floor, tl.exp2((s - top) * _LOG2E), 0.0)
         take = (key >= lo) & (key < hi) & (idx < vocab)
         found = tl.sum(take.to(tl.int32), 0)
         if found > 0:
@@ -175,7 +171,7 @@ def _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, CAP, W
             tl.store(ids_ptr + at, idx, mask=take & (at < CAP))
             count += found
     tl.debug_barrier()  # the list is read by other threads of the program than wrote it
-    return count, tl.sum(mass, 0)
+    return count
 
 
 @triton.jit
@@ -293,9 +289,8 @@ def _top_k(
     if top_k <= TILE:
         lo = tl.maximum(lo, _kth_largest(lane_top, top_k, TILE))
     count = cap + 1
-    kept = 0.0
     if tl.sum((_key(lane_top) >= lo).to(tl.int32), 0) <= TILE // 2:  # else far too many to list: do not try
-        count, kept = _gather(row_ptr, vocab, inv_t, top, lo, hi, floor, vals_ptr, ids_ptr, cap, True, TILE)
+        count = _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, cap, TILE)
     if count <= cap:  # search the list
         floor = _search(vals_ptr, count, 1.0, top, lo, hi, top_k, False, True, SMALL, PIVOTS)
         if top_p < 1:
@@ -311,7 +306,7 @@ def _top_k(
 @triton.jit
 def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
     """The exponential race over a candidate list (entries with a key below floor are out), one Philox number per
-    token counted by its id. Returns the per-lane best (score, token)."""
+    token counted by its id. Returns the winner (of equal scores the lowest token; an empty list: 0)."""
     best = tl.full([TILE], float("-inf"), tl.float32)
     best_idx = tl.zeros([TILE], tl.int32)
     for start in range(0, n, TILE):
@@ -322,7 +317,7 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
         score = s - _log_exp1(tl.randint(key, token))
         better = score > best  # the list is in token order: the first of equal scores is the lowest token
         best, best_idx = tl.where(better, score, best), tl.where(better, token, best_idx)
-    return best, best_idx
+    return tl.min(tl.where(best == tl.max(best, 0), best_idx, 2147483647), 0)
 
 
 @triton.jit(do_not_specialize=["step_key"])
@@ -380,10 +375,7 @@ def sample_kernel(
                         ids_ptr + row * cap, cap, BLOCK, SMALL, PIVOTS,
                     )  # fmt: skip
         if listed >= 0:
-            best, best_idx = _race_listed(
-                vals_ptr + row * cap, ids_ptr + row * cap, listed, key, floor.to(tl.int32), SMALL
-            )
-            token = tl.min(tl.where(best == tl.max(best, 0), best_idx, vocab), 0)  # the first of the best
+            token = _race_listed(vals_ptr + row * cap, ids_ptr + row * cap, listed, key, floor.to(tl.int32), SMALL)
         else:
             token = _draw_by_rejection(row_ptr, vocab, inv_t, floor.to(tl.int32), top_p, key, BLOCK, PER_LANE)
     tl.store(out_ptr + row, token.to(tl.int64))
@@ -413,19 +405,14 @@ def sample(
     logits: torch.Tensor,  # [batch, vocab]
     params: torch.Tensor,  # [batch, 8] float32, unit column stride: pack_params
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
-    out: torch.Tensor | None = None,  # [batch] int64
     block: int = _BLOCK,
-    pivots: int = _PIVOTS,
     cap: int = _CAP,
-    num_warps: int | None = None,
 ) -> torch.Tensor:
     """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. Launches
-    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it);
-    pivots: a power of 2."""
+    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    if out is None:
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if logits.shape[0]:
         vocab = logits.shape[1]
         cap = min(cap, vocab)
@@ -445,7 +432,7 @@ def sample(
             BLOCK=block,
             PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)),
             SMALL=min(block, _SMALL),
-            PIVOTS=pivots,
-            num_warps=num_warps or (8 if block >= 1024 else 4),
+            PIVOTS=_PIVOTS,
+            num_warps=8 if block >= 1024 else 4,
         )
     return out

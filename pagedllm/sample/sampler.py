@@ -87,7 +87,7 @@ class SamplingMetadata:
         sampling = temperature >= _EPS
         if device.type == "cuda" and triton_available():
             return cls._for_kernel(temperature, top_k, top_p, min_p, seeds, seeded, positions, device)
-        if device.type == "cpu" and cpu_kernels.library() is not None:
+        if device.type == "cpu" and cpu_kernels.compiled() is not None:
             return cls._for_c_kernels(temperature, top_k, top_p, min_p, seeds, seeded, positions)
         rows = np.nonzero(sampling)[0]
         k, p = top_k[rows], top_p[rows]
@@ -119,35 +119,32 @@ class SamplingMetadata:
         sampling = temperature >= _EPS
         if seeded is not None:
             seeded = seeded & sampling  # greedy rows draw nothing
-        none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
-        return cls(
-            all_greedy=not bool(sampling.any()),
-            params=to_device(pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions), device),
-            max_top_k=0,
-            min_p=None,
-            seeded=None,
-            seed_uniforms=None,
-            **none,
-        )
+        params = pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions)
+        return cls._every_row(sampling, to_device(params, device))
 
     @classmethod
     def _for_c_kernels(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions) -> SamplingMetadata:
         """The CPU kernels' form: every row's parameters as they are, and the uniform of each seeded row."""
         params = np.stack([temperature, top_k, top_p, min_p], axis=1).astype(np.float32)
         sampling = temperature >= _EPS
-        uniforms = None
-        if seeded is not None and bool((seeded & sampling).any()):
-            rows = np.nonzero(seeded & sampling)[0]
-            uniforms = np.full(len(temperature), -1.0, dtype=np.float32)
-            uniforms[rows] = seeded_uniform(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
+        rows = np.nonzero(seeded & sampling)[0] if seeded is not None else []
+        if not len(rows):
+            return cls._every_row(sampling, torch.from_numpy(params))
+        uniforms = np.full(len(temperature), -1.0, dtype=np.float32)
+        uniforms[rows] = seeded_uniform(seeds[rows].astype(np.int64), positions[rows].astype(np.int64))
+        return cls._every_row(sampling, torch.from_numpy(params), torch.from_numpy(uniforms))
+
+    @classmethod
+    def _every_row(cls, sampling: np.ndarray, params: torch.Tensor, seed_uniforms=None) -> SamplingMetadata:
+        """The kernels' form (params of every row), none of the torch path's fields."""
         none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
         return cls(
             all_greedy=not bool(sampling.any()),
-            params=torch.from_numpy(params),
+            params=params,
             max_top_k=0,
             min_p=None,
             seeded=None,
-            seed_uniforms=None if uniforms is None else torch.from_numpy(uniforms),
+            seed_uniforms=seed_uniforms,
             **none,
         )
 

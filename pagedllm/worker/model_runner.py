@@ -216,7 +216,7 @@ class ModelRunner:
         raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
         scratch = self.sampler.c_scratch
         lp_rows = logprob_rows(raw_logits, num_top, adjusted, scratch)  # before adjust_logits changes raw_logits
-        logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits, scratch)
+        logits = adjust_logits(self.batch, sample_rows, num_tokens, adjusted, raw_logits, scratch)
         sampled = self.sampler(logits, sampling)  # [num_sampled]
         step = StepFuture(
             self,

@@ -29,22 +29,18 @@ def adjusted_rows(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -
     return batch.adjusts_logits[rows] | _short_of_min_tokens(batch, rows, num_tokens)
 
 
-def adjusts_logits(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
-    """Whether adjust_logits changes anything for these rows this step."""
-    return bool(adjusted_rows(batch, rows, num_tokens).any())
-
-
 def adjust_logits(
     batch: InputBatch,
     rows: np.ndarray,
     num_tokens: np.ndarray,
+    adjusted: np.ndarray,  # adjusted_rows of these rows
     logits: torch.Tensor,
     scratch: cpu_sampling.Scratch | None = None,  # the C kernels' memory
 ) -> torch.Tensor:
     """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can.
     num_tokens [rows]: each request's tokens including one still on the device (async scheduling); the rows that
     read their output tokens (penalties, bad words, logits processors) have none there."""
-    if not adjusts_logits(batch, rows, num_tokens):
+    if not adjusted.any():
         return logits
     params = [batch.params[int(r)] for r in rows]
     allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}

@@ -3,7 +3,6 @@ over the same paged cache."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -80,29 +79,20 @@ def has_bf16_dot() -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def generic_library(tmp_path_factory) -> ctypes.CDLL:
-    """The kernels built without bfloat16 dot products: the decode path of CPUs that lack them, which converts each
-    block to float32 (on such CPUs every C-path test runs it already)."""
-    out = tmp_path_factory.mktemp("generic") / "cpu_kernels.so"
-    flags = [*cpu_kernels.FLAG_SETS[0], "-mno-avx512bf16"]
-    proc = cpu_kernels.compile_source(cpu_kernels.find_compiler(), flags, out)
-    assert proc.returncode == 0, proc.stderr
-    return cpu_kernels.declare(ctypes.CDLL(str(out)))
-
-
 @pytest.fixture(params=["c", "c-generic", "torch"])
 def path(request, monkeypatch):
     if request.param.startswith("c"):
-        if cpu_kernels.library() is None:
+        if cpu_kernels.compiled() is None:
             pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
-        if not cpu_kernels.library().full_width_vectors():
+        if not cpu_kernels.compiled().full_width_vectors():
             pytest.skip("without AVX-512 the backend keeps its torch ops (the kernels' own tests still run them)")
         if request.param == "c-generic":
             if not has_bf16_dot():
                 pytest.skip("this CPU has no bfloat16 dot products: the 'c' runs are the generic path")
-            generic = request.getfixturevalue("generic_library")
-            monkeypatch.setattr(cpu_kernels, "library", lambda: generic)
+            # the decode path of CPUs without bfloat16 dot products, which converts each block to float32 (on such
+            # CPUs every C-path test runs it already)
+            generic = request.getfixturevalue("kernels_without")("-mno-avx512bf16")
+            monkeypatch.setattr(cpu_kernels, "compiled", lambda: generic)
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *a: False)
     return request.param
