@@ -66,7 +66,7 @@ def build_batch(n: int, vocab: int, seed: int, workload: str = "mixed") -> dict:
     greedy = rng.random(n) < 0.5
     seeded, penalized, wants_lp = quarter(), quarter(), quarter()
     pen = np.nonzero(penalized)[0]
-    floats = lambda lo, hi: torch.from_numpy(rng.uniform(lo, hi, len(pen)).astype(np.float32))  # noqa: E731
+    floats = lambda lo, hi: rng.uniform(lo, hi, len(pen)).astype(np.float32)  # noqa: E731
     return {
         "temperature": np.where(greedy, 0.0, rng.uniform(0.5, 1.5, n)).astype(np.float32),
         "top_k": rng.choice([0, 20, 50], n).astype(np.int64),
@@ -75,7 +75,7 @@ def build_batch(n: int, vocab: int, seed: int, workload: str = "mixed") -> dict:
         "seeded": seeded,
         "seeds": rng.integers(2**31, size=n).astype(np.int64),
         "positions": rng.integers(100, size=n).astype(np.int64),
-        "pen_rows": torch.from_numpy(pen),
+        "pen_rows": pen,
         "adjusted": penalized,
         "token_ids": rng.integers(vocab, size=(len(pen), 300)).astype(np.int64),  # as the batch holds them
         "num_prompt": np.full(len(pen), 200),
@@ -98,14 +98,14 @@ def plain_batch(n: int) -> dict:
         "seeded": np.zeros(n, dtype=bool),
         "seeds": np.zeros(n, dtype=np.int64),
         "positions": np.zeros(n, dtype=np.int64),
-        "pen_rows": torch.zeros(0, dtype=torch.int64),
+        "pen_rows": np.zeros(0, dtype=np.int64),
         "adjusted": np.zeros(n, dtype=bool),
         "token_ids": empty,
         "num_prompt": np.zeros(0, dtype=np.int64),
         "num_tokens": np.zeros(0, dtype=np.int64),
-        "repetition": torch.zeros(0),
-        "presence": torch.zeros(0),
-        "frequency": torch.zeros(0),
+        "repetition": np.zeros(0, dtype=np.float32),
+        "presence": np.zeros(0, dtype=np.float32),
+        "frequency": np.zeros(0, dtype=np.float32),
         "num_top": [None] * n,
     }
 
@@ -117,16 +117,20 @@ def metadata(b: dict) -> SamplingMetadata:
     )
 
 
+def penalize(logits: torch.Tensor, b: dict, sampler: Sampler) -> None:
+    """adjust_logits' penalties, from the batch's host arrays as the model runner holds them."""
+    if len(b["pen_rows"]):
+        apply_penalties(
+            logits, b["pen_rows"], b["token_ids"], b["num_prompt"], b["num_tokens"], b["repetition"], b["presence"],
+            b["frequency"], sampler.c_scratch,
+        )  # fmt: skip
+
+
 def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
     """The model runner's path after compute_logits (adjust_logits inlined, on the batch's token arrays)."""
     lp_rows = logprob_rows(raw, b["num_top"], b["adjusted"], sampler.c_scratch)  # before the logits change in place
     logits = apply_token_constraints(raw, {}, {}, {})
-    index = b["pen_rows"]
-    if len(index):
-        apply_penalties(
-            logits, index, b["token_ids"], b["num_prompt"], b["num_tokens"], b["repetition"], b["presence"],
-            b["frequency"], sampler.c_scratch,
-        )  # fmt: skip
+    penalize(logits, b, sampler)
     sampled = sampler(logits, metadata(b))
     sampled_logprobs(lp_rows, sampled, b["num_top"], sampler.c_scratch)
     return sampled
@@ -148,8 +152,6 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     device = torch.device(args.device)
     b = build_batch(args.batch, args.vocab, args.seed, args.workload)
     b["device"] = device
-    for key in ("pen_rows", "repetition", "presence", "frequency"):
-        b[key] = b[key].to(device)
     sampler = Sampler(device, args.seed)
     logits_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     greedy = dict(b, temperature=np.zeros_like(b["temperature"]))

@@ -2,7 +2,8 @@
 token after min-p, top-k and top-p, reading the logits in place, with no host sync.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
-at the end: a row is read from memory once, its later passes hit L2.
+at the end: a row is read from memory once, its later passes hit L2. An iteration reads DEPTH blocks (a tile of
+DEPTH x BLOCK tokens, each lane's along its column), so that more loads are in flight.
 
 The draw is by inverse CDF over the lanes: one pass keeps each lane's max and sum of exp(x / T - max) over the tokens
 the row keeps (online, as a softmax), then the lane where a uniform share of the total falls is picked from the
@@ -19,11 +20,14 @@ is also the next round's weighing pass: a round costs one pass over the row (in 
 
 top-k keeps the tokens at or above the k-th largest value (ties all kept, as HF's TopKLogitsWarper). At least k
 tokens reach the k-th largest lane maximum, so a pass lists the tokens at or above it (a few more than k) with their
-x / T; the k-th largest value and then top-p's cut over the list are found by a multi-way search over float32 values
-(as order-preserving int32 keys: each pass counts the entries, or sums their mass, at PIVOTS points of the remaining
-interval at once), and the token is drawn from the list by the exponential race (Gumbel-max: argmax_i x_i / T -
-log E_i with E_i ~ Exp(1) from Philox, counted by token). Where the list would be too long (many equal values, or k
-beyond the lanes), the k-th largest value is searched over the row itself and top-p drawn by rejection over the row.
+x / T. A list of up to SMALL entries is sorted in registers: the k-th entry, then top-p's cut (the first entry
+whose running mass reaches top_p of what top-k keeps) are read off it, and the token drawn by inverse CDF over it.
+On a longer list (many equal values) the k-th largest value and then top-p's cut are found by a multi-way search
+over float32 values (as order-preserving int32 keys: each pass counts the entries, or sums their mass, at PIVOTS
+points of the remaining interval at once), and the token is drawn from the list by the exponential race (Gumbel-max:
+argmax_i x_i / T - log E_i with E_i ~ Exp(1) from Philox, counted by token). Where the list would be too long to
+store (or k is beyond the lanes), the k-th largest value is searched over the row itself and top-p drawn by
+rejection over the row.
 
 As the torch path: NaN logits are never drawn (nor taken by the argmax), +inf counts as the largest float (it wins),
 a row with every token at -inf takes token 0. Exact up to float32 rounding of the sums and of the uniform (2**-24 of
@@ -39,7 +43,8 @@ import triton.language as tl
 _FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # +inf logits become this
 _LOG2E = tl.constexpr(1.4426950408889634)
 _GREEDY_BELOW = tl.constexpr(1e-5)  # a temperature below this takes the argmax (as SamplingMetadata)
-_BLOCK = 1024  # lanes: tokens per iteration of a pass over a row
+_BLOCK = 1024  # lanes of a pass over a row
+_DEPTH = 2  # blocks of tokens per iteration of a pass (more loads in flight)
 _PIVOTS = 16  # points per threshold-search pass
 _SMALL = 256  # entries per tile of a candidate list
 _CAP = 8192  # candidates listed per top-k row: more, and the row itself is searched
@@ -60,6 +65,15 @@ def _scaled(x, inv_t):
 def _tokens(row_ptr, idx, vocab, inv_t):
     """x / T of tokens idx, -inf past the vocabulary."""
     return _scaled(tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")), inv_t)
+
+
+@triton.jit
+def _tile(row_ptr, start, vocab, inv_t, TILE: tl.constexpr, DEPTH: tl.constexpr):
+    """x / T of the DEPTH x TILE tokens from start on, row r lane l holding token start + r TILE + l: each lane's
+    tokens lie along its column, so a pass reduces a tile along axis 0 into its per-lane values. Returns the values
+    and the tokens. ([DEPTH, TILE], [DEPTH, TILE])"""
+    idx = start + tl.arange(0, DEPTH)[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    return _tokens(row_ptr, idx, vocab, inv_t), idx
 
 
 @triton.jit
@@ -84,12 +98,26 @@ def _value(key):
 
 
 @triton.jit
-def _lane_max(row_ptr, vocab, inv_t, TILE: tl.constexpr):
+def _lane_max(row_ptr, vocab, inv_t, TILE: tl.constexpr, DEPTH: tl.constexpr):
     """The largest x / T of each lane (tokens lane, lane + TILE, ...). [TILE]"""
     top = tl.full([TILE], float("-inf"), tl.float32)
-    for start in range(0, vocab, TILE):
-        top = tl.maximum(top, _tokens(row_ptr, start + tl.arange(0, TILE), vocab, inv_t))
+    for start in range(0, vocab, TILE * DEPTH):
+        top = tl.maximum(top, tl.max(_tile(row_ptr, start, vocab, inv_t, TILE, DEPTH)[0], 0))
     return top
+
+
+@triton.jit
+def _argmax(row_ptr, vocab, TILE: tl.constexpr, DEPTH: tl.constexpr):
+    """The first largest logit's token (NaN never; a row of -inf: token 0). int32 scalar"""
+    best = tl.full([TILE], float("-inf"), tl.float32)
+    best_idx = tl.zeros([TILE], tl.int32)
+    for start in range(0, vocab, TILE * DEPTH):
+        s, idx = _tile(row_ptr, start, vocab, 1.0, TILE, DEPTH)
+        tile_best = tl.max(s, 0)
+        first = tl.min(tl.where(s == tile_best[None, :], idx, 2147483647), 0)  # the lane's first at its max
+        better = tile_best > best  # strict: the first of equal values stays (a row of -inf keeps token 0)
+        best, best_idx = tl.where(better, tile_best, best), tl.where(better, first, best_idx)
+    return tl.min(tl.where(best == tl.max(best, 0), best_idx, vocab), 0)
 
 
 @triton.jit
@@ -155,20 +183,21 @@ def _search(
 
 
 @triton.jit
-def _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, CAP, TILE: tl.constexpr):
+def _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, CAP, TILE: tl.constexpr, DEPTH: tl.constexpr):
     """Lists x / T and the token of every token with a key in [lo, hi), in token order (the first CAP of them).
     Returns how many there are."""
     count = tl.zeros([], tl.int32)
-    for start in range(0, vocab, TILE):
-        idx = start + tl.arange(0, TILE)
-        s = _tokens(row_ptr, idx, vocab, inv_t)
+    for start in range(0, vocab, TILE * DEPTH):
+        s, idx = _tile(row_ptr, start, vocab, inv_t, TILE, DEPTH)
         key = _key(s)
-        take = (key >= lo) & (key < hi) & (idx < vocab)
-        found = tl.sum(take.to(tl.int32), 0)
-        if found > 0:
-            at = count + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(vals_ptr + at, s, mask=take & (at < CAP))
-            tl.store(ids_ptr + at, idx, mask=take & (at < CAP))
+        take = ((key >= lo) & (key < hi) & (idx < vocab)).to(tl.int32)
+        found = tl.sum(tl.sum(take, 1), 0)
+        if found > 0:  # places in token order: the tile's rows one after another
+            per_row = tl.sum(take, 1)
+            at = count + (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(take, 1) - 1
+            take_it = take != 0
+            tl.store(vals_ptr + at, s, mask=take_it & (at < CAP))
+            tl.store(ids_ptr + at, idx, mask=take_it & (at < CAP))
             count += found
     tl.debug_barrier()  # the list is read by other threads of the program than wrote it
     return count
@@ -202,17 +231,17 @@ def _kth_largest(values, k, TILE: tl.constexpr):
 
 
 @triton.jit
-def _weigh(row_ptr, vocab, inv_t, floor, TILE: tl.constexpr):
+def _weigh(row_ptr, vocab, inv_t, floor, TILE: tl.constexpr, DEPTH: tl.constexpr):
     """Per lane: the max m of x / T over its tokens with a key >= floor (int32) and the sum z of exp(x / T - m) over
     them (m = -inf and z = 0 where none), as an online softmax. ([TILE], [TILE])"""
     m = tl.full([TILE], float("-inf"), tl.float32)
     z = tl.zeros([TILE], tl.float32)
-    for start in range(0, vocab, TILE):
-        s = _tokens(row_ptr, start + tl.arange(0, TILE), vocab, inv_t)
+    for start in range(0, vocab, TILE * DEPTH):
+        s = _tile(row_ptr, start, vocab, inv_t, TILE, DEPTH)[0]
         s = tl.where(_key(s) >= floor, s, float("-inf"))
-        new_m = tl.maximum(m, s)
+        new_m = tl.maximum(m, tl.max(s, 0))
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)  # no -inf - -inf
-        z = z * tl.exp2((m - safe) * _LOG2E) + tl.exp2((s - safe) * _LOG2E)
+        z = z * tl.exp2((m - safe) * _LOG2E) + tl.sum(tl.exp2((s - safe[None, :]) * _LOG2E), 0)
         m = new_m
     return m, z
 
@@ -252,10 +281,12 @@ def _uniform(key, draw):
 
 
 @triton.jit
-def _draw_by_rejection(row_ptr, vocab, inv_t, floor, top_p, key, TILE: tl.constexpr, PER_LANE: tl.constexpr):
+def _draw_by_rejection(
+    row_ptr, vocab, inv_t, floor, top_p, key, TILE: tl.constexpr, DEPTH: tl.constexpr, PER_LANE: tl.constexpr
+):
     """A token with a key >= floor (int32) drawn from softmax(x / T) over them, after top-p by rejection (top_p 1: the
     first draw); token 0 where every token is out."""
-    m, z = _weigh(row_ptr, vocab, inv_t, floor, TILE)
+    m, z = _weigh(row_ptr, vocab, inv_t, floor, TILE, DEPTH)
     top = tl.max(m, 0)
     token = tl.zeros([], tl.int32)
     if top > float("-inf"):
@@ -265,7 +296,7 @@ def _draw_by_rejection(row_ptr, vocab, inv_t, floor, top_p, key, TILE: tl.conste
         outside = top_p < 1.0  # whether the draw may lie outside the nucleus
         while outside:
             above = _key(_tokens(row_ptr, token, vocab, inv_t)) + 1  # the tokens more likely than the draw
-            m, z = _weigh(row_ptr, vocab, inv_t, above, TILE)
+            m, z = _weigh(row_ptr, vocab, inv_t, above, TILE, DEPTH)
             outside = tl.sum(_lane_mass(m, z, top), 0) >= top_p * kept
             if outside:  # the nucleus lies among the tokens above the draw: draw there
                 token = _draw(row_ptr, vocab, inv_t, above, m, z, top, _uniform(key, rounds), TILE, PER_LANE)
@@ -276,7 +307,7 @@ def _draw_by_rejection(row_ptr, vocab, inv_t, floor, top_p, key, TILE: tl.conste
 @triton.jit
 def _top_k(
     row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, cap, TILE: tl.constexpr,
-    SMALL: tl.constexpr, PIVOTS: tl.constexpr,
+    DEPTH: tl.constexpr, SMALL: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
     """top-k of the tokens with a key >= floor (min-p's), then top-p over what it keeps when the candidates are
     listed. Returns the key of the last kept token and how many candidates the list holds (-1 when it does not hold
@@ -290,8 +321,10 @@ def _top_k(
         lo = tl.maximum(lo, _kth_largest(lane_top, top_k, TILE))
     count = cap + 1
     if tl.sum((_key(lane_top) >= lo).to(tl.int32), 0) <= TILE // 2:  # else far too many to list: do not try
-        count = _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, cap, TILE)
-    if count <= cap:  # search the list
+        count = _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, cap, TILE, DEPTH)
+    if count <= tl.minimum(cap, SMALL):  # few enough to sort: _draw_sorted cuts them
+        floor = lo
+    elif count <= cap:  # search the list
         floor = _search(vals_ptr, count, 1.0, top, lo, hi, top_k, False, True, SMALL, PIVOTS)
         if top_p < 1:
             at_floor = tl.full([1], 0, tl.int32) + floor.to(tl.int32)
@@ -301,6 +334,38 @@ def _top_k(
         floor = _search(row_ptr, vocab, inv_t, top, lo, hi, top_k, False, False, SMALL, PIVOTS)
         count = -1
     return floor, count
+
+
+@triton.jit
+def _sorted_list(vals_ptr, ids_ptr, count, LIST: tl.constexpr):
+    """The first count (<= LIST) entries of a candidate list, the largest value first and of equal values the lowest
+    token first; -inf and token 0 past count. ([LIST] float32, [LIST] int32)"""
+    at = tl.arange(0, LIST)
+    v = tl.load(vals_ptr + at, mask=at < count, other=float("-inf"))
+    token = tl.load(ids_ptr + at, mask=at < count, other=0)
+    # the key in the high half, the token reversed in the low half
+    order = tl.sort((_key(v).to(tl.int64) << 32) | (0x7FFFFFFF - token).to(tl.int64), descending=True)
+    return _value((order >> 32).to(tl.int32)), (0x7FFFFFFF - (order & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def _draw_sorted(vals_ptr, ids_ptr, count, top, top_k, top_p, u, LIST: tl.constexpr):
+    """The inverse-CDF draw (u in [0, 1)) from a candidate list of count <= LIST entries that holds every token the
+    row keeps (top: the row's max x / T), sorted: top-k keeps the entries at or above the k-th (ties all kept), top-p
+    those at or above the first whose running mass reaches top_p of what top-k keeps. int32 scalar"""
+    v, token = _sorted_list(vals_ptr, ids_ptr, count, LIST)
+    at = tl.arange(0, LIST)
+    key = _key(v)
+    kth = tl.sum(tl.where(at == tl.minimum(top_k, count) - 1, key, 0), 0)  # fewer than k listed: every one
+    w = tl.where((key >= kth) & (at < count), tl.exp2((v - top) * _LOG2E), 0.0)
+    if top_p < 1:
+        cum = tl.cumsum(w, 0)
+        last = tl.minimum(tl.min(tl.where(cum >= top_p * tl.sum(w, 0), at, LIST), 0), count - 1)
+        w = tl.where(key >= tl.sum(tl.where(at == last, key, 0), 0), w, 0.0)
+    cum = tl.cumsum(w, 0)
+    pick = tl.min(tl.where(cum > u * tl.max(cum, 0), at, LIST), 0)
+    pick = tl.minimum(pick, tl.max(tl.where(w > 0, at, 0), 0))  # rounding past the total: the last of some mass
+    return tl.sum(tl.where(at == pick, token, 0), 0)
 
 
 @triton.jit
@@ -335,24 +400,17 @@ def sample_kernel(
     cap,
     step_key,  # int64: the key of unseeded rows is step_key + row
     BLOCK: tl.constexpr,
+    DEPTH: tl.constexpr,  # a pass reads DEPTH x BLOCK tokens per iteration (the same lanes; more loads in flight)
     PER_LANE: tl.constexpr,  # a power of 2 >= the tokens per lane (vocab / BLOCK)
     SMALL: tl.constexpr,  # entries per tile of a top-k row's candidate list (and of its search over the row)
     PIVOTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    lanes = tl.arange(0, BLOCK)
     params_ptr += row * stride_params
     temperature = tl.load(params_ptr)
-    if temperature < _GREEDY_BELOW:  # the first largest logit
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            idx = start + lanes
-            s = _tokens(row_ptr, idx, vocab, 1.0)
-            better = s > best  # strict: the first of equal values stays (a row of -inf keeps token 0)
-            best, best_idx = tl.where(better, s, best), tl.where(better, idx, best_idx)
-        token = tl.min(tl.where(best == tl.max(best, 0), best_idx, vocab), 0)
+    if temperature < _GREEDY_BELOW:
+        token = _argmax(row_ptr, vocab, BLOCK, DEPTH)
     else:
         inv_t = 1.0 / temperature
         top_k = tl.load(params_ptr + 1).to(tl.int32)
@@ -364,20 +422,27 @@ def sample_kernel(
             key = _seeded_key(tl.load(words), tl.load(words + 1), tl.load(words + 2))
         floor = tl.full([], -2147483648, tl.int64)  # the smallest key: every token is in
         listed = tl.full([], -1, tl.int32)  # how many candidates the list holds (-1: none listed)
+        top = tl.zeros([], tl.float32)  # the row's max x / T, where listed
         if (min_p > 0) | (top_k > 0):
-            lane_top = _lane_max(row_ptr, vocab, inv_t, BLOCK)
+            lane_top = _lane_max(row_ptr, vocab, inv_t, BLOCK, DEPTH)
             top = tl.max(lane_top, 0)
             if top > float("-inf"):  # else every token is banned: token 0
                 floor = _key(top + tl.log(min_p)).to(tl.int64)  # min_p 0: the key of -inf
                 if top_k > 0:
                     floor, listed = _top_k(
                         row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr + row * cap,
-                        ids_ptr + row * cap, cap, BLOCK, SMALL, PIVOTS,
+                        ids_ptr + row * cap, cap, BLOCK, DEPTH, SMALL, PIVOTS,
                     )  # fmt: skip
-        if listed >= 0:
+        if listed > SMALL:
             token = _race_listed(vals_ptr + row * cap, ids_ptr + row * cap, listed, key, floor.to(tl.int32), SMALL)
+        elif listed >= 0:
+            token = _draw_sorted(
+                vals_ptr + row * cap, ids_ptr + row * cap, listed, top, top_k, top_p, _uniform(key, 0), SMALL
+            )  # fmt: skip
         else:
-            token = _draw_by_rejection(row_ptr, vocab, inv_t, floor.to(tl.int32), top_p, key, BLOCK, PER_LANE)
+            token = _draw_by_rejection(
+                row_ptr, vocab, inv_t, floor.to(tl.int32), top_p, key, BLOCK, DEPTH, PER_LANE
+            )  # fmt: skip
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -407,9 +472,11 @@ def sample(
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
     block: int = _BLOCK,
     cap: int = _CAP,
+    depth: int = _DEPTH,
 ) -> torch.Tensor:
     """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. Launches
-    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it)."""
+    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it);
+    depth: blocks read per iteration of a pass (a power of 2; the draws depend on it only through rounding)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -430,6 +497,7 @@ def sample(
             cap,
             step_key,
             BLOCK=block,
+            DEPTH=depth,
             PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)),
             SMALL=min(block, _SMALL),
             PIVOTS=_PIVOTS,

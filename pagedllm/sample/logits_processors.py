@@ -12,21 +12,22 @@ from pagedllm.kernels import cpu_sampling
 
 def apply_penalties(
     logits: torch.Tensor,  # [batch, vocab], changed in place
-    rows: torch.Tensor,  # [n] the batch rows the next arguments describe
+    rows: np.ndarray,  # [n] the batch rows the next arguments describe
     token_ids: np.ndarray,  # [n, max_len] int64: each row's prompt then output tokens
     num_prompt: np.ndarray,  # [n]
     num_tokens: np.ndarray,  # [n]
-    repetition: torch.Tensor,  # [n]
-    presence: torch.Tensor,  # [n]
-    frequency: torch.Tensor,  # [n]
+    repetition: np.ndarray,  # [n] float32
+    presence: np.ndarray,  # [n] float32
+    frequency: np.ndarray,  # [n] float32
     scratch: cpu_sampling.Scratch | None = None,  # the C kernels' memory (their count table)
 ) -> torch.Tensor:
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
 
-    Only the tokens that occur are touched: on the GPU by one Triton launch, on the CPU by one C call (a row at a
-    time per thread); elsewhere the (row, token) pairs are told apart on the host (a sort of each row's tokens), then
-    one gather and one scatter over the flat logits (contiguous), none over the vocabulary."""
+    Only the tokens that occur are touched: on the GPU by one Triton launch after one host-to-device copy of every
+    input, on the CPU by one C call (a row at a time per thread); elsewhere the (row, token) pairs are told apart on
+    the host (a sort of each row's tokens), then one gather and one scatter over the flat logits (contiguous), none
+    over the vocabulary."""
     n, max_len = token_ids.shape
     vocab = logits.shape[1]
     if not n * max_len:
@@ -34,8 +35,9 @@ def apply_penalties(
     if logits.is_cuda:
         return _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
     if cpu_sampling.available(logits) and logits.stride(-1) == 1:  # one C call over the rows' tokens
-        values = (t.numpy() for t in (repetition, presence, frequency))
-        return cpu_sampling.apply_penalties(logits, rows.numpy(), token_ids, num_prompt, num_tokens, *values, scratch)
+        return cpu_sampling.apply_penalties(
+            logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency, scratch
+        )  # fmt: skip
     position = np.arange(max_len)[None, :]
     present = position < num_tokens[:, None]  # [n, max_len]
     is_output = present & (position >= num_prompt[:, None])
@@ -51,25 +53,25 @@ def apply_penalties(
     count = outputs[last] - outputs[first] + (key[first] & 1)  # occurrences among the outputs
     device = logits.device
     local = to_device(first // max_len, device)
-    of_row = lambda per_row: per_row.to(device).index_select(0, local)  # noqa: E731 (index_select: faster than [])
-    flat = of_row(rows * vocab) + to_device(token[first], device)  # places in the flat logits
+    of_row = lambda per_row: to_device(per_row, device).index_select(0, local)  # noqa: E731 (faster than [])
+    flat = of_row(np.asarray(rows, dtype=np.int64) * vocab) + to_device(token[first], device)  # flat places
     count = to_device(count, device).to(logits.dtype)
     values = logits.view(-1).index_select(0, flat)
-    rep = of_row(repetition)
+    rep, presence, frequency = (of_row(np.asarray(v, dtype=np.float32)) for v in (repetition, presence, frequency))
     values = torch.where(values > 0, values / rep, values * rep)
-    values = values - of_row(frequency) * count - of_row(presence) * (count > 0).to(values.dtype)
+    values = values - frequency * count - presence * (count > 0).to(values.dtype)
     logits.view(-1).index_copy_(0, flat, values.to(logits.dtype))
     return logits
 
 
 def _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
-    """apply_penalties on a GPU: one host-to-device copy of the tokens, then one Triton launch over them
+    """apply_penalties on a GPU: one host-to-device copy of every input, then one Triton launch over the tokens
     (pagedllm/kernels/penalties.py): no sort and no host sync."""
     from pagedllm.kernels.penalties import apply_penalties as on_gpu
+    from pagedllm.kernels.penalties import pack_rows
 
-    lengths = np.stack([num_prompt, num_tokens], axis=1).astype(np.int64)
-    tokens = to_device(np.concatenate([token_ids.astype(np.int64, copy=False), lengths], axis=1), logits.device)
-    return on_gpu(logits, rows, tokens, repetition.float(), presence.float(), frequency.float())
+    packed = pack_rows(rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
+    return on_gpu(logits, to_device(packed, logits.device))
 
 
 def apply_token_constraints(

@@ -68,10 +68,10 @@ def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
         np.full(num_rows, 1e-6, dtype=np.float32),
         device=dev,
     )
-    one = torch.ones(num_rows, device=dev)
+    one = np.ones(num_rows, dtype=np.float32)
     apply_penalties(
         flat,
-        torch.arange(num_rows, device=dev),
+        np.arange(num_rows),
         np.zeros((num_rows, 1), dtype=np.int64),
         np.zeros(num_rows, dtype=np.int64),
         np.ones(num_rows, dtype=np.int64),

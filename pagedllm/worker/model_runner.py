@@ -305,7 +305,7 @@ class StepFuture:
         if sampled.is_cuda:  # start the copies now; result() only waits for them
             self._host = pinned_copy(sampled)
             if logprobs is not None:
-                self.logprobs = LogprobTensors(logprobs.num_top, *map(pinned_copy, logprobs.tensors()))
+                self.logprobs = LogprobTensors(logprobs.num_top, pinned_copy(logprobs.packed))
             self._copied = torch.cuda.Event()
             self._copied.record()
 

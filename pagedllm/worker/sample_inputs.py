@@ -58,14 +58,11 @@ def adjust_logits(
     if not penalized:
         return logits
     sel = rows[penalized]
-    value = lambda name: to_device(  # noqa: E731
-        np.array([getattr(params[i], name) for i in penalized], dtype=np.float32), logits.device
-    )
-    index = to_device(np.array(penalized), logits.device)
+    value = lambda name: np.array([getattr(params[i], name) for i in penalized], dtype=np.float32)  # noqa: E731
     width = int(batch.num_tokens[sel].max())
     return apply_penalties(
         logits,
-        index,
+        np.array(penalized, dtype=np.int64),
         batch.token_ids[sel, :width],
         batch.num_prompt[sel],
         batch.num_tokens[sel],
@@ -154,33 +151,39 @@ def logprob_rows(
     return LogprobRows(raw_logits, wanted, copies, copy_of)
 
 
+def pack_logprobs(chosen, ranks, chosen_lp, top_ids, top_lp) -> torch.Tensor:
+    """One row of 32-bit words per wanted row: the chosen token, its rank (1 = the most likely token), its logprob
+    (float32 bits), then the top-k tokens, then their logprobs (float32 bits); one tensor, one copy to the host.
+    chosen, ranks, chosen_lp [wanted], top_ids, top_lp [wanted, k] -> [wanted, 3 + 2 k] int32"""
+    bits = lambda t: t.float().contiguous().view(torch.int32)  # noqa: E731
+    columns = [chosen.int()[:, None], ranks.int()[:, None], bits(chosen_lp[:, None]), top_ids.int(), bits(top_lp)]
+    return torch.cat(columns, dim=1)
+
+
 @dataclass
 class LogprobTensors:
     """The logprobs of the rows that want them, still on the device; `tolists` reads them on the host."""
 
     num_top: list[int | None]  # per row: how many top logprobs (None: none wanted)
-    chosen: torch.Tensor  # [wanted] the sampled (or given) token
-    chosen_lp: torch.Tensor  # [wanted]
-    ranks: torch.Tensor  # [wanted] 1 = the most likely token
-    top_ids: torch.Tensor  # [wanted, max k]
-    top_lp: torch.Tensor  # [wanted, max k]
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.chosen, self.chosen_lp, self.ranks, self.top_ids, self.top_lp
+    packed: torch.Tensor  # [wanted, 3 + 2 max k] int32: pack_logprobs
 
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
         """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted.
-        Device tensors are copied to the host together, with one wait."""
-        tensors = self.tensors()
-        if tensors[0].is_cuda:
-            tensors = [pinned_copy(t) for t in tensors]
+        A device tensor is copied to the host with one wait."""
+        packed = self.packed
+        if packed.is_cuda:
+            packed = pinned_copy(packed)
             torch.cuda.current_stream().synchronize()
-        chosen, chosen_lp, ranks, top_ids, top_lp = (t.tolist() for t in tensors)
+        words = packed.numpy()
+        k_max = (words.shape[1] - 3) // 2
+        ids = np.delete(words, [1, 2] + list(range(3 + k_max, words.shape[1])), axis=1).tolist()
+        logprobs = words[:, [2] + list(range(3 + k_max, words.shape[1]))].view(np.float32).tolist()
+        ranks = words[:, 1].tolist()
         out: list = [None] * len(self.num_top)
         wanted = [i for i, k in enumerate(self.num_top) if k is not None]
         for j, i in enumerate(wanted):
             k = self.num_top[i]
-            out[i] = ([chosen[j]] + top_ids[j][:k], [chosen_lp[j]] + top_lp[j][:k], [ranks[j]] + list(range(1, k + 1)))
+            out[i] = (ids[j][: k + 1], logprobs[j][: k + 1], [ranks[j]] + list(range(1, k + 1)))
         return out
 
 
@@ -194,21 +197,22 @@ def logprob_tensors(
     if raw is None:
         return None
     wanted = raw.wanted.tolist()
-    if len(wanted) == len(num_top):
-        chosen = sampled
-    else:
+    index = None
+    if len(wanted) < len(num_top):
         index = raw.wanted_index if raw.wanted_index is not None else to_device(raw.wanted, sampled.device)
-        chosen = sampled.index_select(0, index)
     k_max = max(num_top[i] for i in wanted)
-    if cpu_sampling.available(raw.logits):  # one C call
-        vocab = raw.logits.shape[1]
-        tensors = cpu_sampling.logprobs(raw.addresses(), vocab, chosen, k_max, scratch or cpu_sampling.Scratch())
-        return LogprobTensors(num_top, chosen, *tensors)
-    raw_logits = raw.copies  # every wanted row
-    if use_triton(raw_logits):  # one kernel
+    raw_logits = raw.copies  # every wanted row (not on the C kernels' path)
+    if use_triton(raw_logits):  # one kernel, which picks the chosen tokens itself
         from pagedllm.kernels.logprobs import logprobs
 
-        return LogprobTensors(num_top, chosen, *logprobs(raw_logits, chosen, k_max))
+        return LogprobTensors(num_top, logprobs(raw_logits, sampled, index, k_max))
+    chosen = sampled if index is None else sampled.index_select(0, index)
+    if cpu_sampling.available(raw.logits):  # one C call
+        vocab = raw.logits.shape[1]
+        chosen_lp, ranks, top_ids, top_lp = cpu_sampling.logprobs(
+            raw.addresses(), vocab, chosen, k_max, scratch or cpu_sampling.Scratch()
+        )  # fmt: skip
+        return LogprobTensors(num_top, pack_logprobs(chosen, ranks, chosen_lp, top_ids, top_lp))
     chosen_logit = raw_logits.gather(1, chosen[:, None])
     if raw_logits.is_cuda:
         lse = raw_logits.logsumexp(dim=-1, keepdim=True)  # [wanted, 1]
@@ -218,7 +222,8 @@ def logprob_tensors(
         maxima = tiles.tile_maxima(raw_logits)
         lse, ranks = _logsumexp_and_ranks(raw_logits, maxima.amax(dim=-1, keepdim=True), chosen_logit)
         top_logits, top_ids = tiles.topk(raw_logits, k_max, maxima)
-    return LogprobTensors(num_top, chosen, (chosen_logit - lse).squeeze(1), ranks, top_ids, top_logits - lse)
+    packed = pack_logprobs(chosen, ranks, (chosen_logit - lse).squeeze(1), top_ids, top_logits - lse)
+    return LogprobTensors(num_top, packed)
 
 
 def _logsumexp_and_ranks(x: torch.Tensor, top: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

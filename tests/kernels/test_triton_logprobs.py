@@ -29,7 +29,18 @@ def test_logprobs_match_a_float64_log_softmax(vocab, num_top):
     chosen = torch.randint(0, vocab, (6,), generator=g)
     chosen[0] = raw[0].argmax()
     chosen[1] = vocab - 1
-    lp, ranks, top_ids, top_lp = (t.cpu() for t in logprobs.logprobs(raw.to(DEVICE), chosen.to(DEVICE), num_top))
+    index = None
+    if num_top % 2:  # the chosen tokens among others, picked by index
+        pool = torch.randint(0, vocab, (9,), generator=g)
+        index = torch.tensor([8, 0, 5, 1, 2, 7])
+        pool[index] = chosen
+        out = logprobs.logprobs(raw.to(DEVICE), pool.to(DEVICE), index.to(DEVICE), num_top).cpu()
+    else:
+        out = logprobs.logprobs(raw.to(DEVICE), chosen.to(DEVICE), None, num_top).cpu()
+    assert out.shape == (6, 3 + 2 * num_top)
+    assert torch.equal(out[:, 0], chosen.int())
+    ranks, lp = out[:, 1], out[:, 2].contiguous().view(torch.float32)
+    top_ids, top_lp = out[:, 3 : 3 + num_top], out[:, 3 + num_top :].contiguous().view(torch.float32)
     ref = raw.double().log_softmax(dim=-1)
     for i in range(6):
         c = int(chosen[i])

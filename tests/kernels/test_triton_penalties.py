@@ -26,11 +26,10 @@ def test_kernels_equal_the_torch_path(vocab):
     lengths = np.array([(5, 12), (0, 0), (3, 3), (8, 300), (1, 2)])  # (prompt, all tokens) per penalized row
     token_ids = torch.randint(0, 6, (5, 300), generator=gen).numpy()  # few distinct tokens: many repeats
     token_ids[3, :200] = torch.randint(0, vocab, (200,), generator=gen).numpy()  # over two blocks of places
-    rows = torch.tensor([4, 0, 2, 6, 1])
-    rep = torch.tensor([1.3, 0.7, 2.0, 1.1, 1.0])
-    pres, freq = torch.rand(5, generator=gen) * 2 - 1, torch.rand(5, generator=gen) * 2 - 1
+    rows = np.array([4, 0, 2, 6, 1])
+    rep = np.array([1.3, 0.7, 2.0, 1.1, 1.0], dtype=np.float32)
+    pres, freq = ((torch.rand(5, generator=gen) * 2 - 1).numpy() for _ in range(2))
     expected = apply_penalties(logits.clone(), rows, token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq)
     assert not torch.equal(expected, logits)
-    tokens = torch.from_numpy(np.concatenate([token_ids, lengths], axis=1))
-    on = [t.to(DEVICE) for t in (logits.clone(), rows, tokens, rep, pres, freq)]
-    torch.testing.assert_close(penalties.apply_penalties(*on).cpu(), expected)
+    packed = torch.from_numpy(penalties.pack_rows(rows, token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq))
+    torch.testing.assert_close(penalties.apply_penalties(logits.clone().to(DEVICE), packed.to(DEVICE)).cpu(), expected)

@@ -92,16 +92,19 @@ def test_frequencies_follow_the_softmax(min_p):
     "top_k, top_p, min_p",
     [(3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.7, 0.0), (0, 0.9, 0.1), (4, 0.95, 0.05), (1, 1.0, 0.0), (40, 0.8, 0.0)],
 )
-@pytest.mark.parametrize("cap", [None, 2], ids=["listed", "row-searched"])
-def test_filters_keep_exactly_what_hf_keeps(top_k, top_p, min_p, cap):
+@pytest.mark.parametrize("cap, small", [(None, None), (None, 2), (2, None)], ids=["sorted", "searched", "row"])
+def test_filters_keep_exactly_what_hf_keeps(top_k, top_p, min_p, cap, small, monkeypatch):
     """Over a few tiles of tokens (two tied near the top), no token HF drops is drawn, every kept one of some mass
-    is, at the renormalized softmax's frequencies; with the candidates listed, and with too many to list (cap 2)."""
+    is, at the renormalized softmax's frequencies: with the candidates listed and sorted, listed but too many to sort
+    (searched: lists of more than 2 entries), and too many to list (cap 2: the row itself is searched)."""
+    if small is not None:
+        monkeypatch.setattr(sampling, "_SMALL", small)
     x = torch.randn(37, generator=torch.Generator().manual_seed(top_k + int(100 * top_p))) * 1.2
     x[[3, 30]] = x.max() - 0.3  # a tie near the top
     temperature = 0.8
     p = expected_probs(x, temperature, min_p, top_k, top_p)
     n = 100_000 if GPU else 100
-    tokens = draw(x.expand(n, -1), temperature, random_seeds(n, 11), min_p, top_k, top_p, BLOCK if GPU else 64, cap)
+    tokens = draw(x.expand(n, -1), temperature, random_seeds(n, 11), min_p, top_k, top_p, BLOCK, cap)
     drawn = torch.bincount(tokens, minlength=len(x)) > 0
     assert not drawn[p == 0].any(), "a token HF drops was drawn"
     assert drawn[p >= 0.04].all(), "a token HF keeps was never drawn"

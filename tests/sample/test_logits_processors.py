@@ -27,14 +27,14 @@ def _case(seed: int):
 
 
 def _ours(logits, prompts, outputs, rep, pres, freq):
-    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    f = lambda v: np.array(v, dtype=np.float32)  # noqa: E731
     rows = [p + o for p, o in zip(prompts, outputs)]
     token_ids = np.full((len(rows), max(map(len, rows)) + 2), 7, dtype=np.int64)  # padding past the end: ignored
     for i, r in enumerate(rows):
         token_ids[i, : len(r)] = r
     num_prompt = np.array([len(p) for p in prompts])
     num_tokens = np.array([len(r) for r in rows])
-    index = torch.arange(len(rows))
+    index = np.arange(len(rows))
     return apply_penalties(logits.clone(), index, token_ids, num_prompt, num_tokens, f(rep), f(pres), f(freq))
 
 
@@ -81,9 +81,9 @@ def test_penalties_reach_only_the_given_batch_rows():
     token_ids = np.zeros((3, max(map(len, rows))), dtype=np.int64)
     for i, r in enumerate(rows):
         token_ids[i, : len(r)] = r
-    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    f = lambda v: np.array(v, dtype=np.float32)  # noqa: E731
     out = apply_penalties(
-        batch.clone(), torch.tensor([3, 1, 5]), token_ids, np.array([len(p) for p in prompts]),
+        batch.clone(), np.array([3, 1, 5]), token_ids, np.array([len(p) for p in prompts]),
         np.array([len(r) for r in rows]), f([1.5, 1.2, 0.8]), f([0.3, 0.0, 1.0]), f([0.2, 0.5, 0.0]),
     )  # fmt: skip
     torch.testing.assert_close(out[[3, 1, 5]], penalized)  # batch rows 3, 1, 5 hold the case's rows 0, 1, 2
