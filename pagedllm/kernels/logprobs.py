@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.sampling import _LOG2E, _gather, _key, _kth_largest, _search, _sorted_list, _tile, _tokens
+from pagedllm.kernels.row_passes import _LOG2E, _gather, _key, _kth_largest, _search, _sorted_list, _tile, _tokens
 
 _TILE = 1024  # lanes of a pass over a row
 _DEPTH = 1  # tiles per iteration of a pass

@@ -21,9 +21,9 @@ _EXTRA = 6  # words after a row's tokens (pack_rows)
 
 
 @triton.jit
-def _places(rows_ptr, row, chunk, max_len, BLOCK: tl.constexpr):
+def _places(rows_ptr, row, chunk, max_len, stride, BLOCK: tl.constexpr):
     """The tokens at one block of a row's places, whether each is held and whether it is an output. [BLOCK] each"""
-    row_ptr = rows_ptr + row * (max_len + 6)  # the row's tokens, then its prompt length and its length (pack_rows)
+    row_ptr = rows_ptr + row * stride  # the row's tokens, then its prompt length and its length (pack_rows)
     pos = chunk * BLOCK + tl.arange(0, BLOCK)
     num_prompt = tl.load(row_ptr + max_len)
     held = pos < tl.load(row_ptr + max_len + 1)
@@ -37,6 +37,7 @@ def penalize_kernel(
     rows_ptr,  # [n, max_len + 6] int64: pack_rows
     table_ptr,  # [n, vocab] int32 scratch: 2 x occurrences among the outputs, + 1 once claimed
     max_len,
+    stride,  # rows_ptr's row stride (max_len + 6)
     vocab,
     stride_row,
     BLOCK: tl.constexpr,
@@ -44,20 +45,20 @@ def penalize_kernel(
     row = tl.program_id(0)
     table_ptr += row.to(tl.int64) * vocab
     for chunk in range(0, tl.cdiv(max_len, BLOCK)):  # the entries this row touches start at 0
-        token, held, _ = _places(rows_ptr, row, chunk, max_len, BLOCK)
+        token, held, _ = _places(rows_ptr, row, chunk, max_len, stride, BLOCK)
         tl.store(table_ptr + token, tl.zeros([BLOCK], tl.int32), mask=held)
     tl.debug_barrier()
     for chunk in range(0, tl.cdiv(max_len, BLOCK)):
-        token, held, output = _places(rows_ptr, row, chunk, max_len, BLOCK)
+        token, held, output = _places(rows_ptr, row, chunk, max_len, stride, BLOCK)
         tl.atomic_add(table_ptr + token, 2 * output.to(tl.int32), mask=held)
     tl.debug_barrier()
-    extra = rows_ptr + row * (max_len + 6) + max_len + 2
+    extra = rows_ptr + row * stride + max_len + 2
     logits_ptr += tl.load(extra) * stride_row
     rep = tl.load(extra + 1).to(tl.int32).to(tl.float32, bitcast=True)
     presence = tl.load(extra + 2).to(tl.int32).to(tl.float32, bitcast=True)
     frequency = tl.load(extra + 3).to(tl.int32).to(tl.float32, bitcast=True)
     for chunk in range(0, tl.cdiv(max_len, BLOCK)):
-        token, held, _ = _places(rows_ptr, row, chunk, max_len, BLOCK)
+        token, held, _ = _places(rows_ptr, row, chunk, max_len, stride, BLOCK)
         entry = tl.atomic_or(table_ptr + token, 1, mask=held)  # masked: unused
         go = held & ((entry & 1) == 0)  # one place of each token claims it
         count = (entry >> 1).to(tl.float32)
@@ -94,5 +95,5 @@ def apply_penalties(
     n, max_len = packed.shape[0], packed.shape[1] - _EXTRA
     vocab = logits.shape[1]
     table = torch.empty(n, vocab, dtype=torch.int32, device=logits.device)
-    penalize_kernel[(n,)](logits, packed, table, max_len, vocab, logits.stride(0), BLOCK=_BLOCK)
+    penalize_kernel[(n,)](logits, packed, table, max_len, packed.stride(0), vocab, logits.stride(0), BLOCK=_BLOCK)
     return logits

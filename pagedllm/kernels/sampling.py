@@ -2,8 +2,7 @@
 token after min-p, top-k and top-p, reading the logits in place, with no host sync.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
-at the end: a row is read from memory once, its later passes hit L2. An iteration reads DEPTH blocks (a tile of
-DEPTH x BLOCK tokens, each lane's along its column), so that more loads are in flight.
+at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
 
 The draw is by inverse CDF over the lanes: one pass keeps each lane's max and sum of exp(x / T - max) over the tokens
 the row keeps (online, as a softmax), then the lane where a uniform share of the total falls is picked from the
@@ -40,8 +39,19 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # +inf logits become this
-_LOG2E = tl.constexpr(1.4426950408889634)
+from pagedllm.kernels.row_passes import (
+    _LOG2E,
+    _at_or_above,
+    _gather,
+    _key,
+    _kth_largest,
+    _lane_max,
+    _search,
+    _sorted_list,
+    _tile,
+    _tokens,
+)
+
 _GREEDY_BELOW = tl.constexpr(1e-5)  # a temperature below this takes the argmax (as SamplingMetadata)
 _BLOCK = 1024  # lanes of a pass over a row
 _DEPTH = 2  # blocks of tokens per iteration of a pass (more loads in flight)
@@ -52,58 +62,11 @@ _ROUND = tl.constexpr(1 << 30)  # the Philox counter of a draw's uniform, plus t
 
 
 @triton.jit
-def _scaled(x, inv_t):
-    """x / T in float32 with NaN -> -inf (never drawn), +inf -> the largest float and -0 -> +0 (equal floats, but
-    their keys differ)."""
-    s = x.to(tl.float32) * inv_t
-    s = tl.where(s == s, s, float("-inf"))
-    s = tl.where(s == 0.0, 0.0, s)
-    return tl.minimum(s, _FLOAT_MAX)
-
-
-@triton.jit
-def _tokens(row_ptr, idx, vocab, inv_t):
-    """x / T of tokens idx, -inf past the vocabulary."""
-    return _scaled(tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")), inv_t)
-
-
-@triton.jit
-def _tile(row_ptr, start, vocab, inv_t, TILE: tl.constexpr, DEPTH: tl.constexpr):
-    """x / T of the DEPTH x TILE tokens from start on, row r lane l holding token start + r TILE + l: each lane's
-    tokens lie along its column, so a pass reduces a tile along axis 0 into its per-lane values. Returns the values
-    and the tokens. ([DEPTH, TILE], [DEPTH, TILE])"""
-    idx = start + tl.arange(0, DEPTH)[:, None] * TILE + tl.arange(0, TILE)[None, :]
-    return _tokens(row_ptr, idx, vocab, inv_t), idx
-
-
-@triton.jit
-def _key(s):
-    """An int32 that orders as the float32 s does (s not NaN)."""
-    bits = s.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-
-@triton.jit
 def _log_exp1(bits):
     """log E for E ~ Exp(1) from uint32 random bits: E = -log(1 - u), u = (bits + 1/2) / 2**32 in (0, 1)."""
     u = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
     series = u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25)))  # -log(1 - u), relative error < 2e-7 below 2**-5
     return tl.log(tl.where(u < 0.03125, series, -tl.log(1.0 - u)))
-
-
-@triton.jit
-def _value(key):
-    """The float32 of an int32 key (the inverse of _key)."""
-    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _lane_max(row_ptr, vocab, inv_t, TILE: tl.constexpr, DEPTH: tl.constexpr):
-    """The largest x / T of each lane (tokens lane, lane + TILE, ...). [TILE]"""
-    top = tl.full([TILE], float("-inf"), tl.float32)
-    for start in range(0, vocab, TILE * DEPTH):
-        top = tl.maximum(top, tl.max(_tile(row_ptr, start, vocab, inv_t, TILE, DEPTH)[0], 0))
-    return top
 
 
 @triton.jit
@@ -118,89 +81,6 @@ def _argmax(row_ptr, vocab, TILE: tl.constexpr, DEPTH: tl.constexpr):
         better = tile_best > best  # strict: the first of equal values stays (a row of -inf keeps token 0)
         best, best_idx = tl.where(better, tile_best, best), tl.where(better, first, best_idx)
     return tl.min(tl.where(best == tl.max(best, 0), best_idx, vocab), 0)
-
-
-@triton.jit
-def _scores(ptr, idx, n, inv_t, LISTED: tl.constexpr):
-    """x / T of entries idx: a row of logits, or (LISTED) a candidate list that holds them already."""
-    if LISTED:
-        return tl.load(ptr + idx, mask=idx < n, other=float("-inf"))
-    return _tokens(ptr, idx, n, inv_t)
-
-
-@triton.jit
-def _at_or_above(
-    ptr, n, inv_t, top, pivots, MASS: tl.constexpr, LISTED: tl.constexpr, TILE: tl.constexpr, PIVOTS: tl.constexpr
-):
-    """For each pivot key: how many entries (MASS: their exp(x / T - top)) have a key >= it. [PIVOTS] float32"""
-    acc = tl.zeros([PIVOTS, TILE], tl.float32)  # summed over the lanes once, at the end
-    for start in range(0, n, TILE):
-        idx = start + tl.arange(0, TILE)
-        s = _scores(ptr, idx, n, inv_t, LISTED)
-        if MASS:
-            w = tl.exp2((s - top) * _LOG2E)  # -inf (and past the end): 0
-        else:
-            w = tl.where(idx < n, 1.0, 0.0)
-        acc += tl.where(_key(s)[None, :] >= pivots[:, None], w[None, :], 0.0)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _pivots(lo, hi, PIVOTS: tl.constexpr):
-    """PIVOTS keys inside (lo, hi) (int64, hi - lo > 1): half split the interval evenly in value (fast where it spans
-    zero, whose keys are dense), half evenly in key (fast where it spans binades). [PIVOTS] int64"""
-    j = tl.arange(0, PIVOTS)
-    HALF: tl.constexpr = PIVOTS // 2
-    share = (j % HALF + 1).to(tl.int64)  # 1 .. HALF in each half
-    lo_v, hi_v = _value(lo.to(tl.int32)), _value((hi - 1).to(tl.int32))
-    by_value = _key(lo_v + (hi_v - lo_v) * (share.to(tl.float32) / (HALF + 1))).to(tl.int64)
-    by_key = lo + (hi - lo) * share // (HALF + 1)
-    return tl.minimum(tl.maximum(tl.where(j < HALF, by_value, by_key), lo + 1), hi - 1)
-
-
-@triton.jit
-def _search(
-    ptr,
-    n,
-    inv_t,
-    top,
-    lo,
-    hi,
-    target,
-    MASS: tl.constexpr,
-    LISTED: tl.constexpr,
-    TILE: tl.constexpr,
-    PIVOTS: tl.constexpr,
-):
-    """The largest key in [lo, hi) whose entries at or above reach target (lo when none above it does; at hi they do
-    not). lo, hi int64 scalars."""
-    while hi - lo > 1:
-        pivots = _pivots(lo, hi, PIVOTS)
-        reach = _at_or_above(ptr, n, inv_t, top, pivots.to(tl.int32), MASS, LISTED, TILE, PIVOTS) >= target
-        lo = tl.maximum(lo, tl.max(tl.where(reach, pivots, lo), 0))
-        hi = tl.minimum(hi, tl.min(tl.where(reach, hi, pivots), 0))
-    return lo
-
-
-@triton.jit
-def _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, CAP, TILE: tl.constexpr, DEPTH: tl.constexpr):
-    """Lists x / T and the token of every token with a key in [lo, hi), in token order (the first CAP of them).
-    Returns how many there are."""
-    count = tl.zeros([], tl.int32)
-    for start in range(0, vocab, TILE * DEPTH):
-        s, idx = _tile(row_ptr, start, vocab, inv_t, TILE, DEPTH)
-        key = _key(s)
-        take = ((key >= lo) & (key < hi) & (idx < vocab)).to(tl.int32)
-        found = tl.sum(tl.sum(take, 1), 0)
-        if found > 0:  # places in token order: the tile's rows one after another
-            per_row = tl.sum(take, 1)
-            at = count + (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(take, 1) - 1
-            take_it = take != 0
-            tl.store(vals_ptr + at, s, mask=take_it & (at < CAP))
-            tl.store(ids_ptr + at, idx, mask=take_it & (at < CAP))
-            count += found
-    tl.debug_barrier()  # the list is read by other threads of the program than wrote it
-    return count
 
 
 @triton.jit
@@ -221,13 +101,6 @@ def _seeded_key(low, high, position):
     seed = _hash32(lo ^ _hash32(hi + 0x9E3779B9))
     top = _hash32(seed ^ _hash32(pos + 0x2545F491)) & 0x7FFFFFFF
     return (top << 32) | _hash32(seed ^ _hash32(pos + 0x7F4A7C15))
-
-
-@triton.jit
-def _kth_largest(values, k, TILE: tl.constexpr):
-    """The key of the k-th largest of values [TILE] (1 <= k <= TILE, no NaN). int64 scalar"""
-    kth = tl.sum(tl.where(tl.arange(0, TILE) == k - 1, tl.sort(values, descending=True), 0.0), 0)
-    return _key(kth).to(tl.int64)
 
 
 @triton.jit
@@ -334,18 +207,6 @@ def _top_k(
         floor = _search(row_ptr, vocab, inv_t, top, lo, hi, top_k, False, False, SMALL, PIVOTS)
         count = -1
     return floor, count
-
-
-@triton.jit
-def _sorted_list(vals_ptr, ids_ptr, count, LIST: tl.constexpr):
-    """The first count (<= LIST) entries of a candidate list, the largest value first and of equal values the lowest
-    token first; -inf and token 0 past count. ([LIST] float32, [LIST] int32)"""
-    at = tl.arange(0, LIST)
-    v = tl.load(vals_ptr + at, mask=at < count, other=float("-inf"))
-    token = tl.load(ids_ptr + at, mask=at < count, other=0)
-    # the key in the high half, the token reversed in the low half
-    order = tl.sort((_key(v).to(tl.int64) << 32) | (0x7FFFFFFF - token).to(tl.int64), descending=True)
-    return _value((order >> 32).to(tl.int32)), (0x7FFFFFFF - (order & 0xFFFFFFFF)).to(tl.int32)
 
 
 @triton.jit
@@ -472,11 +333,9 @@ def sample(
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
     block: int = _BLOCK,
     cap: int = _CAP,
-    depth: int = _DEPTH,
 ) -> torch.Tensor:
     """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. Launches
-    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it);
-    depth: blocks read per iteration of a pass (a power of 2; the draws depend on it only through rounding)."""
+    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -497,7 +356,7 @@ def sample(
             cap,
             step_key,
             BLOCK=block,
-            DEPTH=depth,
+            DEPTH=_DEPTH,
             PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)),
             SMALL=min(block, _SMALL),
             PIVOTS=_PIVOTS,

@@ -176,8 +176,8 @@ class LogprobTensors:
             torch.cuda.current_stream().synchronize()
         words = packed.numpy()
         k_max = (words.shape[1] - 3) // 2
-        ids = np.delete(words, [1, 2] + list(range(3 + k_max, words.shape[1])), axis=1).tolist()
-        logprobs = words[:, [2] + list(range(3 + k_max, words.shape[1]))].view(np.float32).tolist()
+        ids = np.concatenate([words[:, :1], words[:, 3 : 3 + k_max]], axis=1).tolist()  # the chosen token first
+        logprobs = np.concatenate([words[:, 2:3], words[:, 3 + k_max :]], axis=1).view(np.float32).tolist()
         ranks = words[:, 1].tolist()
         out: list = [None] * len(self.num_top)
         wanted = [i for i, k in enumerate(self.num_top) if k is not None]

@@ -13,8 +13,9 @@ pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 logprobs = importlib.import_module("pagedllm.kernels.logprobs")
-if DEVICE.type == "cpu" and type(logprobs.logprobs_kernel).__name__ != "InterpretedFunction":
-    importlib.reload(importlib.import_module("pagedllm.kernels.sampling"))  # its helpers, interpreted too
+row_passes = importlib.import_module("pagedllm.kernels.row_passes")
+if DEVICE.type == "cpu" and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before it was on
+    importlib.reload(row_passes)  # the helpers first, then the kernel that imports them
     logprobs = importlib.reload(logprobs)
 
 

@@ -22,8 +22,10 @@ GPU = DEVICE.type == "cuda"
 BLOCK = 4096 if GPU else 16  # the interpreter runs every op of every program in Python: keep the tiles tiny
 
 sampling = importlib.import_module("pagedllm.kernels.sampling")
-if not GPU and type(sampling.sample_kernel).__name__ != "InterpretedFunction":
-    sampling = importlib.reload(sampling)  # imported before the interpreter was switched on
+row_passes = importlib.import_module("pagedllm.kernels.row_passes")
+if not GPU and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before the interpreter was on
+    importlib.reload(row_passes)  # the helpers first, then the kernel that imports them
+    sampling = importlib.reload(sampling)
 
 
 def draw(logits, temperature, seeds, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK, cap=None, positions=0):
