@@ -7,9 +7,10 @@ fixed --seed each request draws greedy or temperature in [0.5, 1.5], top_k in {0
   greedy        the engine's greedy step: SamplingMetadata of the batch with every request greedy + the Sampler call
   argmax        torch's logits.argmax(-1) alone (slower than the sampler's greedy step on the CPU)
   filters_only  SamplingMetadata + the Sampler call
-  full          all the model runner does after the LM head: copy of the logprobs rows that the penalties change (all
-                of them off the CPU kernels), apply_token_constraints (no-op inputs), apply_penalties on the
-                penalized rows, SamplingMetadata, Sampler, sampled_logprobs
+  full          all the model runner does after the LM head: SamplingMetadata with the penalties and the logprobs
+                requests, the copy of the logprobs rows that the penalties change in place (none in the GPU kernel,
+                which penalizes copies; all of them on the torch path), apply_token_constraints (no-op inputs), the
+                Sampler (penalties, draws; on the GPU the logprobs too), sampled_logprobs (read on the host)
 Medians after --warmup go out as one JSON line (appended to benchmarks/results.jsonl unless --no-append) with
 ratio = full / greedy (the issue's target: <= 3) and ratio_vs_argmax = full / argmax (the ratio of earlier records,
 whose greedy was torch's argmax).   e.g. python benchmarks/sampler_bench.py --steps 5 --no-append
@@ -29,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
+from pagedllm.sample.logits_processors import Penalties, apply_token_constraints
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.worker.sample_inputs import logprob_rows, sampled_logprobs
 
@@ -84,6 +85,7 @@ def build_batch(n: int, vocab: int, seed: int, workload: str = "mixed") -> dict:
         "presence": floats(0.0, 0.5),
         "frequency": floats(0.0, 0.5),
         "num_top": [5 if w else None for w in wants_lp],
+        "num_logprobs": np.where(wants_lp, 5, -1),  # the same, as the batch holds it
     }
 
 
@@ -107,32 +109,35 @@ def plain_batch(n: int) -> dict:
         "presence": np.zeros(0, dtype=np.float32),
         "frequency": np.zeros(0, dtype=np.float32),
         "num_top": [None] * n,
+        "num_logprobs": np.full(n, -1),
     }
 
 
-def metadata(b: dict) -> SamplingMetadata:
-    """As sample_inputs.sampling_metadata builds it each step, from the persistent batch's numpy arrays."""
+def metadata(b: dict, extras: bool = False) -> SamplingMetadata:
+    """As sample_inputs.sampling_metadata builds it each step, from the persistent batch's numpy arrays (extras: with
+    the penalties and the logprobs requests)."""
+    penalties = num_top = None
+    if extras:
+        if len(b["pen_rows"]):
+            penalties = Penalties(
+                b["pen_rows"], b["token_ids"], b["num_prompt"], b["num_tokens"], b["repetition"], b["presence"],
+                b["frequency"],
+            )  # fmt: skip
+        num_top = b["num_logprobs"]
     return SamplingMetadata.build(
-        b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["seeded"], b["positions"], b["device"]
-    )
-
-
-def penalize(logits: torch.Tensor, b: dict, sampler: Sampler) -> None:
-    """adjust_logits' penalties, from the batch's host arrays as the model runner holds them."""
-    if len(b["pen_rows"]):
-        apply_penalties(
-            logits, b["pen_rows"], b["token_ids"], b["num_prompt"], b["num_tokens"], b["repetition"], b["presence"],
-            b["frequency"], sampler.c_scratch,
-        )  # fmt: skip
+        b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["seeded"], b["positions"], b["device"],
+        penalties, num_top,
+    )  # fmt: skip
 
 
 def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
-    """The model runner's path after compute_logits (adjust_logits inlined, on the batch's token arrays)."""
-    lp_rows = logprob_rows(raw, b["num_top"], b["adjusted"], sampler.c_scratch)  # before the logits change in place
+    """The model runner's path after compute_logits, on the batch's token arrays."""
+    meta = metadata(b, extras=True)
+    adjusted = b["adjusted"] if meta.penalizes_in_place else np.zeros_like(b["adjusted"])
+    lp_rows = logprob_rows(raw, b["num_top"], adjusted, sampler.c_scratch)  # before the logits change in place
     logits = apply_token_constraints(raw, {}, {}, {})
-    penalize(logits, b, sampler)
-    sampled = sampler(logits, metadata(b))
-    sampled_logprobs(lp_rows, sampled, b["num_top"], sampler.c_scratch)
+    sampled = sampler(logits, meta, lp_rows.copied if lp_rows is not None else None)
+    sampled_logprobs(lp_rows, sampled, b["num_top"], sampler.c_scratch, meta)
     return sampled
 
 

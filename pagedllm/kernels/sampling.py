@@ -1,5 +1,9 @@
 """The whole sampler on the GPU in one launch: one program per batch row takes the argmax (greedy rows) or draws a
-token after min-p, top-k and top-p, reading the logits in place, with no host sync.
+token after min-p, top-k and top-p, reading the logits in place, with no host sync. A penalized row's program first
+copies its row to a work row and applies the penalties there (pagedllm/kernels/penalties.py); the logits stay as they
+are. A row that wants logprobs gets one more program, which reads the logits as they are for the log-sum-exp and the
+top tokens (pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. Every
+input comes in one int32 array (pack_inputs), so a step costs one host-to-device copy and one launch.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
 at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
@@ -34,11 +38,16 @@ the mass). The draws depend on BLOCK (it lays out the lanes)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.logprobs import LIST, _rank, row_logprobs
+from pagedllm.kernels.logprobs import TILE as LP_TILE
+from pagedllm.kernels.penalties import EXTRA, penalize_row
 from pagedllm.kernels.row_passes import (
     _LOG2E,
     _at_or_above,
@@ -55,9 +64,11 @@ from pagedllm.kernels.row_passes import (
 _GREEDY_BELOW = tl.constexpr(1e-5)  # a temperature below this takes the argmax (as SamplingMetadata)
 _BLOCK = 1024  # lanes of a pass over a row
 _DEPTH = 2  # blocks of tokens per iteration of a pass (more loads in flight)
+_WARPS = 8  # warps per program (BLOCK >= 1024); 16 was no faster
 _PIVOTS = 16  # points per threshold-search pass
 _SMALL = 256  # entries per tile of a candidate list
 _CAP = 8192  # candidates listed per top-k row: more, and the row itself is searched
+PARAMS = 10  # words per row of pack_params
 _ROUND = tl.constexpr(1 << 30)  # the Philox counter of a draw's uniform, plus the round (counters by token stay below)
 
 
@@ -246,65 +257,116 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
     return tl.min(tl.where(best == tl.max(best, 0), best_idx, 2147483647), 0)
 
 
-@triton.jit(do_not_specialize=["step_key"])
+@triton.jit(do_not_specialize=["batch", "step_key"])  # batch: a batch of 1 stays a value
 def sample_kernel(
     logits_ptr,  # [batch, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary
-    params_ptr,  # [batch, 8] 32-bit words, unit column stride (pack_params): float32 temperature (below
-    # _GREEDY_BELOW: argmax), top_k (0 = off), top_p, min_p; then the seed's low and high words, the position and
-    # whether the row is seeded (int32 bits)
+    inputs_ptr,  # int32 words (pack_inputs): [batch, PARAMS] params, [penalized, pen_stride] penalties, [wanted] rows
     out_ptr,  # [batch] int64
-    vals_ptr,  # [batch, cap] float32 scratch: each top-k row's candidates (x / T)
-    ids_ptr,  # [batch, cap] int32 scratch: their tokens
+    scratch_ptr,  # int32 words (scratch_words): the top-k lists, the logprobs' lists, the penalties' counts
+    work_ptr,  # [penalized, vocab] logits' dtype: the penalized copies of those rows
+    source_ptr,  # [.., vocab] the logits the logprobs read: the step's (copied 0) or copies of the wanted rows (1)
+    lp_ptr,  # [wanted, 4 + 2 num_top] int32 out: pagedllm/kernels/logprobs.py's rows
+    batch,
     vocab,
     stride_row,
-    stride_params,
+    stride_source,
     cap,
+    num_pen,
+    pen_stride,
+    num_top,
+    copied,
     step_key,  # int64: the key of unseeded rows is step_key + row
+    PARAMS: tl.constexpr,  # words per row of params
     BLOCK: tl.constexpr,
     DEPTH: tl.constexpr,  # a pass reads DEPTH x BLOCK tokens per iteration (the same lanes; more loads in flight)
     PER_LANE: tl.constexpr,  # a power of 2 >= the tokens per lane (vocab / BLOCK)
     SMALL: tl.constexpr,  # entries per tile of a top-k row's candidate list (and of its search over the row)
     PIVOTS: tl.constexpr,
+    LP_TILE: tl.constexpr,  # lanes of the logprobs' passes
+    LIST: tl.constexpr,  # their top-n candidates sorted in registers
 ):
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    params_ptr += row * stride_params
-    temperature = tl.load(params_ptr)
-    if temperature < _GREEDY_BELOW:
-        token = _argmax(row_ptr, vocab, BLOCK, DEPTH)
+    program = tl.program_id(0)
+    wanted_rows = tl.num_programs(0) - batch  # one program more per row that wants logprobs
+    pen_ptr = inputs_ptr + batch * PARAMS
+    sources_ptr = pen_ptr + num_pen * pen_stride  # [wanted] each wanted row's place in the batch
+    lists = batch.to(tl.int64) * cap  # scratch: [batch, cap] float32 values, [batch, cap] tokens, then
+    lp_lists = scratch_ptr + 2 * lists  # [wanted, LIST] float32 values, [wanted, LIST] tokens, then
+    tables = lp_lists + 2 * wanted_rows * LIST  # [penalized, vocab] counts
+    lp_width = 4 + 2 * num_top
+    if program >= batch:  # the log-sum-exp and the top tokens of a wanted row, from the logits as they are
+        j = program - batch
+        place = tl.where(copied != 0, j, tl.load(sources_ptr + j))
+        row_logprobs(
+            source_ptr + place.to(tl.int64) * stride_source, lp_ptr + j * lp_width,
+            (lp_lists + j * LIST).to(tl.pointer_type(tl.float32)), lp_lists + (wanted_rows + j) * LIST, vocab,
+            num_top, -1, LP_TILE, LIST, PIVOTS,
+        )  # fmt: skip
     else:
-        inv_t = 1.0 / temperature
-        top_k = tl.load(params_ptr + 1).to(tl.int32)
-        top_p = tl.load(params_ptr + 2)
-        min_p = tl.load(params_ptr + 3)
-        words = (params_ptr + 4).to(tl.pointer_type(tl.int32))
-        key = step_key.to(tl.int64) + row
-        if tl.load(words + 3) != 0:  # seeded: the key of (seed, position)
-            key = _seeded_key(tl.load(words), tl.load(words + 1), tl.load(words + 2))
-        floor = tl.full([], -2147483648, tl.int64)  # the smallest key: every token is in
-        listed = tl.full([], -1, tl.int32)  # how many candidates the list holds (-1: none listed)
-        top = tl.zeros([], tl.float32)  # the row's max x / T, where listed
-        if (min_p > 0) | (top_k > 0):
-            lane_top = _lane_max(row_ptr, vocab, inv_t, BLOCK, DEPTH)
-            top = tl.max(lane_top, 0)
-            if top > float("-inf"):  # else every token is banned: token 0
-                floor = _key(top + tl.log(min_p)).to(tl.int64)  # min_p 0: the key of -inf
-                if top_k > 0:
-                    floor, listed = _top_k(
-                        row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr + row * cap,
-                        ids_ptr + row * cap, cap, BLOCK, DEPTH, SMALL, PIVOTS,
-                    )  # fmt: skip
-        if listed > SMALL:
-            token = _race_listed(vals_ptr + row * cap, ids_ptr + row * cap, listed, key, floor.to(tl.int32), SMALL)
-        elif listed >= 0:
-            token = _draw_sorted(
-                vals_ptr + row * cap, ids_ptr + row * cap, listed, top, top_k, top_p, _uniform(key, 0), SMALL
+        row = program
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        params_ptr = inputs_ptr + row * PARAMS
+        floats = params_ptr.to(tl.pointer_type(tl.float32))
+        penalized = tl.load(params_ptr + 8)
+        if penalized >= 0:  # sample from a penalized copy of the row
+            work = work_ptr + penalized.to(tl.int64) * vocab
+            penalize_row(
+                row_ptr, work, tables + penalized.to(tl.int64) * vocab, pen_ptr + penalized * pen_stride,
+                pen_stride - EXTRA, vocab, BLOCK, 512,
             )  # fmt: skip
+            row_ptr = work
+        temperature = tl.load(floats)
+        if temperature < _GREEDY_BELOW:
+            token = _argmax(row_ptr, vocab, BLOCK, DEPTH)
         else:
-            token = _draw_by_rejection(
-                row_ptr, vocab, inv_t, floor.to(tl.int32), top_p, key, BLOCK, DEPTH, PER_LANE
-            )  # fmt: skip
-    tl.store(out_ptr + row, token.to(tl.int64))
+            vals = (scratch_ptr + row * cap).to(tl.pointer_type(tl.float32))
+            token = _draw_row(row_ptr, row, floats, vals, scratch_ptr + lists + row * cap, vocab, cap,
+                              temperature, step_key, BLOCK, DEPTH, PER_LANE, SMALL, PIVOTS)  # fmt: skip
+        tl.store(out_ptr + row, token.to(tl.int64))
+        wanted = tl.load(params_ptr + 9)
+        if wanted >= 0:  # the sampled token's rank and logit, in the logits as they are
+            place = tl.where(copied != 0, wanted, tl.load(sources_ptr + wanted))
+            src = source_ptr + place.to(tl.int64) * stride_source
+            c = _tokens(src, token.to(tl.int64) + tl.zeros([1], tl.int64), vocab, 1.0)  # [1]
+            out = lp_ptr + wanted * lp_width
+            tl.store(out, token)
+            tl.store(out + 1, _rank(src, vocab, c, LP_TILE))
+            tl.store(out.to(tl.pointer_type(tl.float32)) + 2, tl.sum(c, 0))
+
+
+@triton.jit
+def _draw_row(
+    row_ptr, row, floats, vals_ptr, ids_ptr, vocab, cap, temperature, step_key, BLOCK: tl.constexpr,
+    DEPTH: tl.constexpr, PER_LANE: tl.constexpr, SMALL: tl.constexpr, PIVOTS: tl.constexpr,
+):  # fmt: skip
+    """A token drawn from softmax(x / T) after min-p, top-k and top-p (the row's parameters at floats)."""
+    inv_t = 1.0 / temperature
+    top_k = tl.load(floats + 1).to(tl.int32)
+    top_p = tl.load(floats + 2)
+    min_p = tl.load(floats + 3)
+    words = floats.to(tl.pointer_type(tl.int32)) + 4
+    key = step_key.to(tl.int64) + row
+    if tl.load(words + 3) != 0:  # seeded: the key of (seed, position)
+        key = _seeded_key(tl.load(words), tl.load(words + 1), tl.load(words + 2))
+    floor = tl.full([], -2147483648, tl.int64)  # the smallest key: every token is in
+    listed = tl.full([], -1, tl.int32)  # how many candidates the list holds (-1: none listed)
+    top = tl.zeros([], tl.float32)  # the row's max x / T, where listed
+    if (min_p > 0) | (top_k > 0):
+        lane_top = _lane_max(row_ptr, vocab, inv_t, BLOCK, DEPTH)
+        top = tl.max(lane_top, 0)
+        if top > float("-inf"):  # else every token is banned: token 0
+            floor = _key(top + tl.log(min_p)).to(tl.int64)  # min_p 0: the key of -inf
+            if top_k > 0:
+                floor, listed = _top_k(
+                    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, cap, BLOCK, DEPTH,
+                    SMALL, PIVOTS,
+                )  # fmt: skip
+    if listed > SMALL:
+        token = _race_listed(vals_ptr, ids_ptr, listed, key, floor.to(tl.int32), SMALL)
+    elif listed >= 0:
+        token = _draw_sorted(vals_ptr, ids_ptr, listed, top, top_k, top_p, _uniform(key, 0), SMALL)
+    else:
+        token = _draw_by_rejection(row_ptr, vocab, inv_t, floor.to(tl.int32), top_p, key, BLOCK, DEPTH, PER_LANE)
+    return token
 
 
 def pack_params(
@@ -315,51 +377,80 @@ def pack_params(
     seeds: np.ndarray | None = None,  # [batch] int64
     seeded: np.ndarray | None = None,  # [batch] bool
     positions: np.ndarray | None = None,  # [batch] int64: the draw's counter of a seeded row
+    penalized: np.ndarray | None = None,  # [batch] int32: each row's place among pack_rows' rows, -1: none
+    wanted: np.ndarray | None = None,  # [batch] int32: each row's place among the rows wanting logprobs, -1: none
+    out: np.ndarray | None = None,  # [batch, PARAMS] int32 to write into
 ) -> np.ndarray:
-    """The kernel's parameters of every row, one row of 8 32-bit words each. [batch, 8] float32"""
-    packed = np.zeros((len(temperature), 8), dtype=np.float32)
-    packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] = temperature, top_k, top_p, min_p
+    """The kernel's parameters of every row, PARAMS 32-bit words each: float32 temperature (below _GREEDY_BELOW:
+    argmax), top_k (0 = off), top_p, min_p; the seed's low and high words, the position, whether the row is seeded;
+    its penalties' place, its logprobs' place (int32). [batch, PARAMS] int32"""
+    n = len(temperature)
+    packed = np.empty((n, PARAMS), dtype=np.int32) if out is None else out
+    floats = packed.view(np.float32)
+    floats[:, 0], floats[:, 1], floats[:, 2], floats[:, 3] = temperature, top_k, top_p, min_p
     if seeded is not None and seeded.any():
-        words = packed.view(np.int32)
-        words[:, 4:6] = seeds.astype(np.int64).reshape(-1, 1).view(np.int32)  # low word, high word
-        words[:, 6] = positions
-        words[:, 7] = seeded
+        packed[:, 4:6] = seeds.astype(np.int64).reshape(-1, 1).view(np.int32)  # low word, high word
+        packed[:, 6] = positions
+        packed[:, 7] = seeded
+    else:
+        packed[:, 4:8] = 0
+    packed[:, 8] = -1 if penalized is None else penalized
+    packed[:, 9] = -1 if wanted is None else wanted
     return packed
+
+
+def pack_inputs(
+    params: np.ndarray, penalties: np.ndarray | None = None, wanted: np.ndarray | None = None
+) -> np.ndarray:
+    """Every input of the kernel in one array (one host-to-device copy): params [batch, PARAMS] (pack_params), then
+    the penalized rows [penalized, max_len + 5] (penalties.pack_rows), then the rows that want logprobs [wanted].
+    [words] int32"""
+    parts = [params.ravel()] + [a.ravel() for a in (penalties, wanted) if a is not None]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def sample(
     logits: torch.Tensor,  # [batch, vocab]
-    params: torch.Tensor,  # [batch, 8] float32, unit column stride: pack_params
+    inputs: torch.Tensor,  # int32 words: pack_inputs
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
+    num_pen: int = 0,  # penalized rows in inputs
+    pen_stride: int = 0,  # their words each
+    logprobs: Logprobs | None = None,
     block: int = _BLOCK,
     cap: int = _CAP,
+    work: torch.Tensor | None = None,  # [num_pen, vocab] logits' dtype: where the penalized rows go (default new)
 ) -> torch.Tensor:
-    """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p. Launches
-    one kernel and never waits for the device. block: lanes per pass (a power of 2; the draws depend on it)."""
+    """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p, of the
+    row as it is or with its penalties; and the logprobs the rows want into logprobs.out. Launches one kernel and
+    never waits for the device. block: lanes per pass (a power of 2; the draws depend on it)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    if logits.shape[0]:
-        vocab = logits.shape[1]
-        cap = min(cap, vocab)
-        vals = torch.empty(logits.shape[0], cap, dtype=torch.float32, device=logits.device)
-        ids = torch.empty(logits.shape[0], cap, dtype=torch.int32, device=logits.device)
-        sample_kernel[(logits.shape[0],)](
-            logits,
-            params,
-            out,
-            vals,
-            ids,
-            vocab,
-            logits.stride(0),
-            params.stride(0),
-            cap,
-            step_key,
-            BLOCK=block,
-            DEPTH=_DEPTH,
-            PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)),
-            SMALL=min(block, _SMALL),
-            PIVOTS=_PIVOTS,
-            num_warps=8 if block >= 1024 else 4,
-        )
+    batch, vocab = logits.shape
+    dev = logits.device
+    out = torch.empty(batch, dtype=torch.int64, device=dev)
+    if not batch:
+        return out
+    cap = min(cap, vocab)
+    lp = logprobs if logprobs is not None else Logprobs(logits, inputs, 0, False)  # inputs: not written
+    wanted = lp.out.shape[0] if logprobs is not None else 0
+    scratch = torch.empty(2 * batch * cap + 2 * wanted * LIST + num_pen * vocab, dtype=torch.int32, device=dev)
+    if work is None:
+        work = torch.empty(num_pen, vocab, dtype=logits.dtype, device=dev) if num_pen else logits
+    sample_kernel[(batch + wanted,)](
+        logits, inputs, out, scratch, work, lp.source, lp.out, batch, vocab, logits.stride(0), lp.source.stride(0),
+        cap, num_pen, pen_stride, lp.num_top, int(lp.copied), step_key, PARAMS=PARAMS, BLOCK=block, DEPTH=_DEPTH,
+        PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)), SMALL=min(block, _SMALL), PIVOTS=_PIVOTS,
+        LP_TILE=LP_TILE, LIST=LIST, num_warps=_WARPS if block >= 1024 else 4,
+    )  # fmt: skip
     return out
+
+
+@dataclass
+class Logprobs:
+    """What the sampling kernel needs for the logprobs of the rows that want them (listed in its inputs)."""
+
+    source: torch.Tensor  # [.., vocab] the logits the logprobs read (before any change), unit stride along the
+    # vocabulary: the step's, or copies of the wanted rows
+    out: torch.Tensor  # [wanted, 4 + 2 num_top] int32: the kernel's output (pagedllm/kernels/logprobs.py's rows)
+    num_top: int  # the top logprobs per row (the most any row wants)
+    copied: bool  # source holds copies of the wanted rows, in order (else the step's logits)

@@ -3,11 +3,25 @@ repetition / presence / frequency penalties, each vectorized over the rows that 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from pagedllm.device import to_device
 from pagedllm.kernels import cpu_sampling
+
+
+class Penalties(NamedTuple):
+    """The penalties of some rows of a batch, as apply_penalties takes them."""
+
+    rows: np.ndarray  # [n] the batch rows penalized
+    token_ids: np.ndarray  # [n, max_len] int64: each row's prompt then output tokens
+    num_prompt: np.ndarray  # [n]
+    num_tokens: np.ndarray  # [n]
+    repetition: np.ndarray  # [n] float32
+    presence: np.ndarray  # [n] float32
+    frequency: np.ndarray  # [n] float32
 
 
 def apply_penalties(
@@ -24,16 +38,14 @@ def apply_penalties(
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
 
-    Only the tokens that occur are touched: on the GPU by one Triton launch after one host-to-device copy of every
-    input, on the CPU by one C call (a row at a time per thread); elsewhere the (row, token) pairs are told apart on
-    the host (a sort of each row's tokens), then one gather and one scatter over the flat logits (contiguous), none
-    over the vocabulary."""
+    Only the tokens that occur are touched: on the CPU by one C call (a row at a time per thread); elsewhere the
+    (row, token) pairs are told apart on the host (a sort of each row's tokens), then one gather and one scatter over
+    the flat logits (contiguous), none over the vocabulary. (On a GPU with Triton the sampling kernel applies them to
+    copies of the rows instead: pagedllm/kernels/penalties.py.)"""
     n, max_len = token_ids.shape
     vocab = logits.shape[1]
     if not n * max_len:
         return logits
-    if logits.is_cuda:
-        return _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
     if cpu_sampling.available(logits) and logits.stride(-1) == 1:  # one C call over the rows' tokens
         return cpu_sampling.apply_penalties(
             logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency, scratch
@@ -62,16 +74,6 @@ def apply_penalties(
     values = values - frequency * count - presence * (count > 0).to(values.dtype)
     logits.view(-1).index_copy_(0, flat, values.to(logits.dtype))
     return logits
-
-
-def _apply_penalties_on_gpu(logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency):
-    """apply_penalties on a GPU: one host-to-device copy of every input, then one Triton launch over the tokens
-    (pagedllm/kernels/penalties.py): no sort and no host sync."""
-    from pagedllm.kernels.penalties import apply_penalties as on_gpu
-    from pagedllm.kernels.penalties import pack_rows
-
-    packed = pack_rows(rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency)
-    return on_gpu(logits, to_device(packed, logits.device))
 
 
 def apply_token_constraints(

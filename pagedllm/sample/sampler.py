@@ -37,6 +37,7 @@ import torch
 from pagedllm.device import to_device
 from pagedllm.kernels import cpu_kernels, cpu_sampling, triton_available
 from pagedllm.sample import tiles
+from pagedllm.sample.logits_processors import Penalties, apply_penalties
 
 _EPS = 1e-5
 CANDIDATES = 256
@@ -49,6 +50,14 @@ _BLOCK_BYTES = 8 << 20  # CPU plain rows: logits per block of rows, so that a bl
 
 
 @dataclass
+class LogprobRequest:
+    """The rows whose sampled tokens want logprobs, for the GPU sampling kernel, and where it writes them."""
+
+    out: torch.Tensor  # [wanted, 4 + 2 k_max] int32 on the device: the kernel's output
+    k_max: int  # the most top logprobs a row wants
+
+
+@dataclass
 class SamplingMetadata:
     """The sampler's inputs for one step. Which rows sample and which filter is decided on the host, so the
     sampler needs no device sync for it. Build it with `SamplingMetadata.build`: for the kernels (a GPU with Triton, a
@@ -57,7 +66,7 @@ class SamplingMetadata:
 
     all_greedy: bool
     params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU:
-    # [batch, 8], then each seeded row's seed and position: pagedllm/kernels/sampling.py's pack_params)
+    # every input of the kernel, int32 words: pagedllm/kernels/sampling.py's pack_inputs)
     greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
     sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
     plain: torch.Tensor | None  # [num_plain] int64: positions in sample_rows without top-k / top-p
@@ -70,6 +79,16 @@ class SamplingMetadata:
     seeded: torch.Tensor | None  # [num_sample] bool; None when no row has a seed
     seed_uniforms: torch.Tensor | None  # [num_sample] float32: seeded_uniform of (seed, position) where seeded (C
     # kernels: [batch], -1 where not seeded)
+    penalties: Penalties | None = None  # applied to the logits in place before sampling (not on the GPU kernel)
+    num_penalized: int = 0  # GPU kernel: rows whose penalties are in params (the kernel samples from penalized
+    # copies of them, the logits stay as they are)
+    penalty_stride: int = 0  # their words each
+    logprobs: LogprobRequest | None = None  # GPU kernel: the rows that want logprobs, computed by the sampling kernel
+
+    @property
+    def penalizes_in_place(self) -> bool:
+        """Whether the sampler changes the penalized rows of the logits it is given."""
+        return self.penalties is not None
 
     @classmethod
     def build(
@@ -82,13 +101,22 @@ class SamplingMetadata:
         seeded: np.ndarray | None = None,  # [batch] bool
         positions: np.ndarray | None = None,  # [batch] int64: tokens each request has generated (the draw's counter)
         device: torch.device | str = "cpu",
+        penalties: Penalties | None = None,  # the repetition / presence / frequency penalties of some rows
+        num_top: np.ndarray | None = None,  # [batch] int64: top logprobs each row wants (-1: none); the GPU kernel's
+        # sampling computes them (SamplingMetadata.logprobs), elsewhere the caller does (logprob_tensors)
     ) -> SamplingMetadata:
         device = torch.device(device)
         sampling = temperature >= _EPS
+        if penalties is not None and not len(penalties.rows):
+            penalties = None
         if device.type == "cuda" and triton_available():
-            return cls._for_kernel(temperature, top_k, top_p, min_p, seeds, seeded, positions, device)
+            return cls._for_kernel(
+                temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
+            )  # fmt: skip
         if device.type == "cpu" and cpu_kernels.compiled() is not None:
-            return cls._for_c_kernels(temperature, top_k, top_p, min_p, seeds, seeded, positions)
+            meta = cls._for_c_kernels(temperature, top_k, top_p, min_p, seeds, seeded, positions)
+            meta.penalties = penalties
+            return meta
         rows = np.nonzero(sampling)[0]
         k, p = top_k[rows], top_p[rows]
         is_filtered = (k > 0) | (p < 1.0)
@@ -107,20 +135,51 @@ class SamplingMetadata:
             all_greedy=not bool(sampling.any()),
             params=None,
             max_top_k=int(k[filtered].max()) if len(filtered) else 0,
+            penalties=penalties,
             **tensors,
         )
 
     @classmethod
-    def _for_kernel(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions, device) -> SamplingMetadata:
-        """The GPU kernel's form: every row's parameters as they are, in one host-to-device copy (the kernel hashes
-        a seeded row's key from its seed and position)."""
-        from pagedllm.kernels.sampling import pack_params
+    def _for_kernel(
+        cls, temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
+    ) -> SamplingMetadata:
+        """The GPU kernel's form: every row's parameters as they are, the penalized rows' tokens and penalties and
+        the rows that want logprobs, in one host-to-device copy (the kernel hashes a seeded row's key from its seed
+        and position)."""
+        from pagedllm.kernels.penalties import EXTRA, pack_rows
+        from pagedllm.kernels.sampling import PARAMS, pack_params
 
+        n = len(temperature)
         sampling = temperature >= _EPS
         if seeded is not None:
             seeded = seeded & sampling  # greedy rows draw nothing
-        params = pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions)
-        return cls._every_row(sampling, to_device(params, device))
+        listed = np.flatnonzero(num_top >= 0) if num_top is not None else ()  # the rows that want logprobs
+        num_pen, max_len = (0, 0) if penalties is None else penalties.token_ids.shape
+        pen_stride = max_len + EXTRA.value
+        words = np.empty(n * PARAMS + num_pen * pen_stride + len(listed), dtype=np.int32)  # pack_inputs' layout
+        penalized = wanted = None
+        if num_pen:
+            penalized = np.full(n, -1, dtype=np.int32)
+            penalized[penalties.rows] = np.arange(num_pen)
+            pen_words = words[n * PARAMS : n * PARAMS + num_pen * pen_stride].reshape(num_pen, pen_stride)
+            pack_rows(*penalties[1:], out=pen_words)
+        if len(listed):
+            wanted = np.full(n, -1, dtype=np.int32)
+            wanted[listed] = np.arange(len(listed))
+            words[n * PARAMS + num_pen * pen_stride :] = listed
+        params = words[: n * PARAMS].reshape(n, PARAMS)
+        pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions, penalized, wanted, out=params)
+        inputs = to_device(words, device)
+        meta = cls._every_row(sampling, inputs)
+        if num_pen:
+            meta.num_penalized, meta.penalty_stride = num_pen, pen_stride
+            meta.all_greedy = False  # the kernel applies them
+        if len(listed):
+            k_max = int(num_top[listed].max())
+            out = torch.empty(len(listed), 4 + 2 * k_max, dtype=torch.int32, device=device)
+            meta.logprobs = LogprobRequest(out, k_max)
+            meta.all_greedy = False
+        return meta
 
     @classmethod
     def _for_c_kernels(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions) -> SamplingMetadata:
@@ -325,9 +384,16 @@ class Sampler:
         self.scratch = _Scratch(device)  # the torch path's large temporaries
         self.c_scratch = cpu_sampling.Scratch()  # the C kernels' working rows (also lent to the logprobs)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [batch, vocab] (only read) -> sampled token ids [batch] int64. float32; the model's dtype also
-        works on the GPU or when every row is greedy (the argmax and the GPU kernel read it exactly as float32)."""
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, logprob_copies: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """logits [batch, vocab] -> sampled token ids [batch] int64. float32; the model's dtype also works on the
+        GPU or when every row is greedy (the argmax and the GPU kernel read it exactly as float32). The penalties
+        change the penalized rows in place, except in the GPU kernel (it samples from penalized copies). The GPU
+        kernel also writes the logprobs of meta.logprobs, read from logprob_copies (the wanted rows, in order, as
+        they were before anything changed them) or else from logits."""
+        if meta.penalties is not None:
+            apply_penalties(logits, *meta.penalties, self.c_scratch)
         if meta.params is not None and not logits.is_cuda:  # CPU: every row in one C call
             u = self.rng.random(len(logits), dtype=np.float32)
             if meta.seed_uniforms is not None:
@@ -337,9 +403,13 @@ class Sampler:
         if meta.all_greedy:
             return logits.argmax(dim=-1) if logits.is_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
         if meta.params is not None:  # GPU: every row in one kernel
-            from pagedllm.kernels.sampling import sample
+            from pagedllm.kernels.sampling import Logprobs, sample
 
-            return sample(logits, meta.params, int(self.rng.integers(1 << 62)))
+            lp, copied = meta.logprobs, logprob_copies is not None
+            if lp is not None:
+                lp = Logprobs(logprob_copies if copied else logits, lp.out, lp.k_max, copied)
+            key = int(self.rng.integers(1 << 62))
+            return sample(logits, meta.params, key, meta.num_penalized, meta.penalty_stride, lp)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         greedy, filtered = meta.greedy_rows, meta.filtered
         # their rows start from the maxima of tiles (tiles.py): one pass over the whole batch where they are most

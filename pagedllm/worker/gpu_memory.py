@@ -13,8 +13,9 @@ import torch
 
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
-from pagedllm.sample.logits_processors import apply_penalties
+from pagedllm.sample.logits_processors import Penalties
 from pagedllm.sample.sampler import SamplingMetadata
+from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -53,31 +54,31 @@ def _dummy_prefill(runner, lens: np.ndarray, num_blocks: int) -> torch.Tensor:
 
 
 def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
-    """LM head, logprobs, penalties on every row (their [rows, vocab] table of counts) and the sampler with top-k and
-    top-p on every row (its scratch lists of candidates)."""
+    """LM head, logprobs, and the sampler with penalties (the GPU kernel's penalized copies of the rows and their
+    tables of counts), top-k and top-p (its scratch lists of candidates) and the most logprobs on every row."""
     dev = runner.device
     rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
     logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32
     torch.log_softmax(logits, dim=-1)
     flat = torch.randn_like(logits)  # no token stands out: top-p's nucleus is wide
     vocab = logits.shape[1]
+    one = np.ones(num_rows, dtype=np.float32)
     meta = SamplingMetadata.build(
-        np.ones(num_rows, dtype=np.float32),
+        one,
         np.full(num_rows, max(1, vocab - 1), dtype=np.int64),
         np.full(num_rows, 0.99, dtype=np.float32),
         np.full(num_rows, 1e-6, dtype=np.float32),
         device=dev,
-    )
-    one = np.ones(num_rows, dtype=np.float32)
-    apply_penalties(
-        flat,
-        np.arange(num_rows),
-        np.zeros((num_rows, 1), dtype=np.int64),
-        np.zeros(num_rows, dtype=np.int64),
-        np.ones(num_rows, dtype=np.int64),
-        one,
-        one,
-        one,
+        penalties=Penalties(
+            np.arange(num_rows),
+            np.zeros((num_rows, 1), dtype=np.int64),
+            np.zeros(num_rows, dtype=np.int64),
+            np.ones(num_rows, dtype=np.int64),
+            one,
+            one,
+            one,
+        ),  # fmt: skip
+        num_top=np.full(num_rows, MAX_LOGPROBS),
     )
     runner.sampler(flat, meta)
 

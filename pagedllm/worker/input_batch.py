@@ -26,7 +26,9 @@ class InputBatch:
         self.has_seed = np.zeros(max_num_reqs, dtype=bool)
         # the request's sampling reads its output tokens on the host (penalties, bad words, logits processors)
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
-        self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)
+        self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)  # adjust_logits changes them (not the penalties)
+        self.penalized = np.zeros(max_num_reqs, dtype=bool)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # top logprobs of the sampled tokens, -1: none
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
         # which admission a row holds (a row given again, even to a request with the same id, gets a new one)
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
@@ -57,7 +59,11 @@ class InputBatch:
         self.has_seed[row] = params.seed is not None
         self.reads_outputs[row] = bool(params.has_penalties or params.bad_words_token_ids or params.logits_processors)
         # the request changes its logits before sampling (besides min_tokens, which depends on the step)
-        self.adjusts_logits[row] = bool(self.reads_outputs[row] or params.allowed_token_ids or params.logit_bias)
+        self.adjusts_logits[row] = bool(
+            params.bad_words_token_ids or params.logits_processors or params.allowed_token_ids or params.logit_bias
+        )
+        self.penalized[row] = params.has_penalties
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         if params.seed is not None:  # seeds span [-2**63, 2**64): the same 64 bits as a signed value
             self.seed[row] = (params.seed + 2**63) % 2**64 - 2**63
 

@@ -211,19 +211,19 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
         num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
-        adjusted = adjusted_rows(self.batch, sample_rows, num_tokens)
+        adjusted = adjusted_rows(self.batch, sample_rows, num_tokens, sampling)
         upcast = not self._reads_logits_as_is(sampling, adjusted, num_top)
         raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
         scratch = self.sampler.c_scratch
-        lp_rows = logprob_rows(raw_logits, num_top, adjusted, scratch)  # before adjust_logits changes raw_logits
-        logits = adjust_logits(self.batch, sample_rows, num_tokens, adjusted, raw_logits, scratch)
-        sampled = self.sampler(logits, sampling)  # [num_sampled]
+        lp_rows = logprob_rows(raw_logits, num_top, adjusted, scratch)  # before anything changes raw_logits
+        logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
+        sampled = self.sampler(logits, sampling, lp_rows.copied if lp_rows is not None else None)  # [num_sampled]
         step = StepFuture(
             self,
             [req_ids[i] for i in sample_idx.tolist()],
             sample_rows,
             sampled,
-            logprob_tensors(lp_rows, sampled, num_top, scratch),
+            logprob_tensors(lp_rows, sampled, num_top, scratch, sampling),
             prompt_lps,
         )
         self.last_step = step
@@ -231,12 +231,13 @@ class ModelRunner:
 
     def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: list) -> bool:
         """Whether the step's logits can stay in the model dtype: on CUDA, where the argmax and the sampling kernel
-        read any float dtype exactly, when no row adjusts its logits or wants logprobs."""
+        read any float dtype exactly, when no row adjusts its logits, is penalized or wants logprobs."""
         return (
             self.device.type == "cuda"
             and sampling.params is not None
             and all(k is None for k in num_top)
             and not adjusted.any()
+            and not sampling.num_penalized
         )
 
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:

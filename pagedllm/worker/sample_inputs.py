@@ -12,7 +12,7 @@ import torch
 from pagedllm.device import pinned_copy, to_device
 from pagedllm.kernels import cpu_sampling, use_triton
 from pagedllm.sample import tiles
-from pagedllm.sample.logits_processors import apply_penalties, apply_token_constraints
+from pagedllm.sample.logits_processors import Penalties, apply_token_constraints
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
 
@@ -24,28 +24,31 @@ def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_tokens: np.nda
     return num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]  # [rows] EOS and stop ids still banned
 
 
-def adjusted_rows(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
-    """Which of these rows adjust_logits may change this step. [rows] bool"""
-    return batch.adjusts_logits[rows] | _short_of_min_tokens(batch, rows, num_tokens)
+def adjusted_rows(
+    batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, sampling: SamplingMetadata
+) -> np.ndarray:
+    """Which of these rows' logits may change before the logprobs read them: adjust_logits' rows, and the penalized
+    rows where the sampler penalizes in place. [rows] bool"""
+    adjusted = batch.adjusts_logits[rows] | _short_of_min_tokens(batch, rows, num_tokens)
+    return adjusted | batch.penalized[rows] if sampling.penalizes_in_place else adjusted
 
 
 def adjust_logits(
     batch: InputBatch,
     rows: np.ndarray,
     num_tokens: np.ndarray,
-    adjusted: np.ndarray,  # adjusted_rows of these rows
     logits: torch.Tensor,
-    scratch: cpu_sampling.Scratch | None = None,  # the C kernels' memory
 ) -> torch.Tensor:
-    """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, then penalties; in place where it can.
-    num_tokens [rows]: each request's tokens including one still on the device (async scheduling); the rows that
-    read their output tokens (penalties, bad words, logits processors) have none there."""
-    if not adjusted.any():
+    """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, bad words and logits processors, in
+    place where it can (the penalties are the sampler's). num_tokens [rows]: each request's tokens including one
+    still on the device (async scheduling); the rows that read their output tokens (penalties, bad words, logits
+    processors) have none there."""
+    short = _short_of_min_tokens(batch, rows, num_tokens)
+    if not (batch.adjusts_logits[rows].any() or short.any()):
         return logits
     params = [batch.params[int(r)] for r in rows]
     allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
     bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
-    short = _short_of_min_tokens(batch, rows, num_tokens)
     banned = {i: list(batch.min_tokens_stop_ids[int(rows[i])]) for i in np.nonzero(short)[0].tolist()}
     for i, p in enumerate(params):
         if p.bad_words_token_ids:
@@ -54,23 +57,7 @@ def adjust_logits(
     for i, p in enumerate(params):
         for fn in p.logits_processors or []:
             logits[i] = _call_processor(fn, batch, int(rows[i]), logits[i])
-    penalized = [i for i, p in enumerate(params) if p.has_penalties]
-    if not penalized:
-        return logits
-    sel = rows[penalized]
-    value = lambda name: np.array([getattr(params[i], name) for i in penalized], dtype=np.float32)  # noqa: E731
-    width = int(batch.num_tokens[sel].max())
-    return apply_penalties(
-        logits,
-        np.array(penalized, dtype=np.int64),
-        batch.token_ids[sel, :width],
-        batch.num_prompt[sel],
-        batch.num_tokens[sel],
-        value("repetition_penalty"),
-        value("presence_penalty"),
-        value("frequency_penalty"),
-        scratch,
-    )
+    return logits
 
 
 def _outputs(batch: InputBatch, row: int) -> list[int]:
@@ -89,6 +76,27 @@ def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> to
     return fn(_outputs(batch, row), logits)
 
 
+def penalties(batch: InputBatch, rows: np.ndarray) -> Penalties | None:
+    """The penalties of these rows (None: none has any); their tokens are on the host (the rows that read their
+    outputs wait for them)."""
+    penalized = np.nonzero(batch.penalized[rows])[0]
+    if not len(penalized):
+        return None
+    sel = rows[penalized]
+    params = [batch.params[int(r)] for r in sel.tolist()]
+    value = lambda name: np.array([getattr(p, name) for p in params], dtype=np.float32)  # noqa: E731
+    width = int(batch.num_tokens[sel].max())
+    return Penalties(
+        penalized,
+        batch.token_ids[sel, :width],
+        batch.num_prompt[sel],
+        batch.num_tokens[sel],
+        value("repetition_penalty"),
+        value("presence_penalty"),
+        value("frequency_penalty"),
+    )
+
+
 def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, device) -> SamplingMetadata:
     """num_tokens [rows]: each request's tokens including one still on the device (async scheduling)."""
     return SamplingMetadata.build(
@@ -100,16 +108,19 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarra
         seeded=batch.has_seed[rows],
         positions=num_tokens - batch.num_prompt[rows],
         device=device,
+        penalties=penalties(batch, rows),
+        num_top=batch.num_logprobs[rows],
     )
 
 
 @dataclass
 class LogprobRows:
-    """The logits that the logprobs read, as they were before adjust_logits changed them in place (logprob_rows)."""
+    """The logits that the logprobs read, as they were before anything changed them in place (logprob_rows)."""
 
     logits: torch.Tensor  # [rows, vocab] the step's logits
     wanted: np.ndarray  # [wanted] the rows that want logprobs
-    copies: torch.Tensor  # [copied, vocab]: every wanted row (Triton and torch paths); those that change (C kernels)
+    copies: torch.Tensor  # [copied, vocab]: every wanted row (torch path; the GPU kernel's where one changes); those
+    # that change (C kernels); or the logits themselves (read in place)
     copy_of: np.ndarray  # [wanted] each wanted row's place in copies, -1: read in place
     wanted_index: torch.Tensor | None = None  # wanted on the logits' device, where it was uploaded (None: not)
 
@@ -119,6 +130,11 @@ class LogprobRows:
         copied = self.copies.data_ptr() + self.copy_of * (self.copies.stride(0) * 4)
         return np.where(self.copy_of >= 0, copied, in_place)
 
+    @property
+    def copied(self) -> torch.Tensor | None:
+        """The copies of every wanted row, in order (None: the logits are read in place)."""
+        return None if self.copies is self.logits else self.copies
+
 
 def logprob_rows(
     raw_logits: torch.Tensor,
@@ -126,13 +142,22 @@ def logprob_rows(
     adjusted: np.ndarray | None = None,
     scratch: cpu_sampling.Scratch | None = None,
 ) -> LogprobRows | None:
-    """Keeps the rows that want logprobs as they are before adjust_logits changes raw_logits in place (adjusted
-    [rows] bool: the rows it may change; None: any). The Triton and torch paths read one tensor of every wanted row:
-    raw_logits itself where that is all of them and none changes, else a copy. The C kernels read rows by address and
-    copy only the wanted rows that may change (into the scratch's rows, valid until its next copies)."""
+    """Keeps the rows that want logprobs as they are before anything changes raw_logits in place (adjusted [rows]
+    bool: the rows that may change; None: any). The GPU sampling kernel reads the wanted rows in place unless one of
+    them changes (then a copy of them all). The torch path reads one tensor of every wanted row: raw_logits itself
+    where that is all of them and none changes, else a copy. The C kernels read rows by address and copy only the
+    wanted rows that may change (into the scratch's rows, valid until its next copies)."""
     wanted = np.array([i for i, k in enumerate(num_top) if k is not None], dtype=np.int64)
     if not len(wanted):
         return None
+    in_order = np.arange(len(wanted))
+    if use_triton(raw_logits):
+        if adjusted is not None and not adjusted[wanted].any():
+            return LogprobRows(raw_logits, wanted, raw_logits, np.full(len(wanted), -1))
+        if len(wanted) == len(num_top):
+            return LogprobRows(raw_logits, wanted, raw_logits.clone(), in_order)
+        index = to_device(wanted, raw_logits.device)
+        return LogprobRows(raw_logits, wanted, raw_logits.index_select(0, index), in_order, index)
     if not cpu_sampling.available(raw_logits):
         index = None
         if len(wanted) < len(num_top):
@@ -142,7 +167,7 @@ def logprob_rows(
             copies = raw_logits.clone()
         else:
             copies = raw_logits
-        return LogprobRows(raw_logits, wanted, copies, np.arange(len(wanted)), index)
+        return LogprobRows(raw_logits, wanted, copies, in_order, index)
     copied = wanted if adjusted is None else wanted[adjusted[wanted]]
     out = scratch.rows(len(copied), raw_logits.shape[1]) if scratch is not None else None
     copies = torch.index_select(raw_logits, 0, to_device(copied, raw_logits.device), out=out)
@@ -152,11 +177,14 @@ def logprob_rows(
 
 
 def pack_logprobs(chosen, ranks, chosen_lp, top_ids, top_lp) -> torch.Tensor:
-    """One row of 32-bit words per wanted row: the chosen token, its rank (1 = the most likely token), its logprob
-    (float32 bits), then the top-k tokens, then their logprobs (float32 bits); one tensor, one copy to the host.
-    chosen, ranks, chosen_lp [wanted], top_ids, top_lp [wanted, k] -> [wanted, 3 + 2 k] int32"""
+    """One row of 32-bit words per wanted row, as the GPU kernels write them (pagedllm/kernels/logprobs.py): the
+    chosen token, its rank (1 = the most likely token), its logprob and 0 (float32 bits: the kernels write the logit
+    and the log-sum-exp, whose difference is the logprob), then the top-k tokens, then their logprobs (float32 bits);
+    one tensor, one copy to the host. chosen, ranks, chosen_lp [wanted], top_ids, top_lp [wanted, k] -> [wanted,
+    4 + 2 k] int32"""
     bits = lambda t: t.float().contiguous().view(torch.int32)  # noqa: E731
-    columns = [chosen.int()[:, None], ranks.int()[:, None], bits(chosen_lp[:, None]), top_ids.int(), bits(top_lp)]
+    zero = torch.zeros_like(chosen, dtype=torch.int32)[:, None]
+    columns = [chosen.int()[:, None], ranks.int()[:, None], bits(chosen_lp[:, None]), zero, top_ids.int(), bits(top_lp)]
     return torch.cat(columns, dim=1)
 
 
@@ -165,7 +193,7 @@ class LogprobTensors:
     """The logprobs of the rows that want them, still on the device; `tolists` reads them on the host."""
 
     num_top: list[int | None]  # per row: how many top logprobs (None: none wanted)
-    packed: torch.Tensor  # [wanted, 3 + 2 max k] int32: pack_logprobs
+    packed: torch.Tensor  # [wanted, 4 + 2 max k] int32: pack_logprobs
 
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
         """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted.
@@ -175,9 +203,11 @@ class LogprobTensors:
             packed = pinned_copy(packed)
             torch.cuda.current_stream().synchronize()
         words = packed.numpy()
-        k_max = (words.shape[1] - 3) // 2
-        ids = np.concatenate([words[:, :1], words[:, 3 : 3 + k_max]], axis=1).tolist()  # the chosen token first
-        logprobs = np.concatenate([words[:, 2:3], words[:, 3 + k_max :]], axis=1).view(np.float32).tolist()
+        k_max = (words.shape[1] - 4) // 2
+        floats = words.view(np.float32)
+        chosen_lp = floats[:, 2:3] - floats[:, 3:4]
+        ids = np.concatenate([words[:, :1], words[:, 4 : 4 + k_max]], axis=1).tolist()  # the chosen token first
+        logprobs = np.concatenate([chosen_lp, floats[:, 4 + k_max :]], axis=1).tolist()
         ranks = words[:, 1].tolist()
         out: list = [None] * len(self.num_top)
         wanted = [i for i, k in enumerate(self.num_top) if k is not None]
@@ -192,21 +222,24 @@ def logprob_tensors(
     sampled: torch.Tensor,  # [rows]
     num_top: list[int | None],  # per row: how many top logprobs (None: none wanted)
     scratch: cpu_sampling.Scratch | None = None,  # the C kernels' working rows
+    sampling: SamplingMetadata | None = None,  # the step's: the GPU kernel has computed its logprobs already
 ) -> LogprobTensors | None:
     """The chosen tokens' logprobs and ranks and each wanted row's top-k, on the device (no host sync)."""
     if raw is None:
         return None
+    if sampling is not None and sampling.logprobs is not None:
+        return LogprobTensors(num_top, sampling.logprobs.out)
     wanted = raw.wanted.tolist()
     index = None
     if len(wanted) < len(num_top):
         index = raw.wanted_index if raw.wanted_index is not None else to_device(raw.wanted, sampled.device)
     k_max = max(num_top[i] for i in wanted)
     raw_logits = raw.copies  # every wanted row (not on the C kernels' path)
-    if use_triton(raw_logits):  # one kernel, which picks the chosen tokens itself
+    chosen = sampled if index is None else sampled.index_select(0, index)
+    if use_triton(raw_logits):  # one kernel
         from pagedllm.kernels.logprobs import logprobs
 
-        return LogprobTensors(num_top, logprobs(raw_logits, sampled, index, k_max))
-    chosen = sampled if index is None else sampled.index_select(0, index)
+        return LogprobTensors(num_top, logprobs(raw_logits, chosen, k_max))
     if cpu_sampling.available(raw.logits):  # one C call
         vocab = raw.logits.shape[1]
         chosen_lp, ranks, top_ids, top_lp = cpu_sampling.logprobs(
@@ -251,7 +284,8 @@ def sampled_logprobs(
     sampled: torch.Tensor,
     num_top: list[int | None],
     scratch: cpu_sampling.Scratch | None = None,
+    sampling: SamplingMetadata | None = None,
 ) -> list[tuple[list[int], list[float], list[int]] | None]:
     """logprob_tensors read on the host at once: per row (token ids, logprobs, ranks) or None if not wanted."""
-    tensors = logprob_tensors(raw, sampled, num_top, scratch)
+    tensors = logprob_tensors(raw, sampled, num_top, scratch, sampling)
     return tensors.tolists() if tensors is not None else [None] * len(num_top)

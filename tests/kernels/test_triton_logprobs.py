@@ -1,55 +1,96 @@
-"""The Triton logprobs kernel against a float64 log-softmax: the chosen token's logprob and rank, the top-n tokens in
-order with theirs; with banned tokens, a maximum in the last tile, and many equal logits (the exact search). Without
-CUDA the kernel runs in Triton's interpreter (see conftest.py)."""
+"""The Triton logprobs against a float64 log-softmax: the chosen token's logprob and rank, the top-n tokens in order
+with theirs; with banned tokens, a maximum in the last tile, and many equal logits (the exact search). Both the
+logprobs kernel (tokens known beforehand) and the sampling kernel's (its sampled tokens, from the logits as they
+were before the penalties, or from copies). Without CUDA the kernels run in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-logprobs = importlib.import_module("pagedllm.kernels.logprobs")
 row_passes = importlib.import_module("pagedllm.kernels.row_passes")
+penalties = importlib.import_module("pagedllm.kernels.penalties")
+logprobs = importlib.import_module("pagedllm.kernels.logprobs")
+sampling = importlib.import_module("pagedllm.kernels.sampling")
 if DEVICE.type == "cpu" and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before it was on
-    importlib.reload(row_passes)  # the helpers first, then the kernel that imports them
-    logprobs = importlib.reload(logprobs)
+    for module in (row_passes, penalties, logprobs):  # the helpers first, then the kernels that import them
+        importlib.reload(module)
+    sampling = importlib.reload(sampling)
 
 
-@pytest.mark.parametrize("vocab", [50, 3000] + ([151_936] if DEVICE.type == "cuda" else []))
-@pytest.mark.parametrize("num_top", [0, 1, 5, 20])
-def test_logprobs_match_a_float64_log_softmax(vocab, num_top):
-    g = torch.Generator().manual_seed(vocab + num_top)
+def raw_rows(vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
     raw = torch.randn(6, vocab, generator=g) * 4
     raw[1, : vocab // 2] = float("-inf")  # banned tokens
     raw[2, -1] = 30.0  # the maximum in the last tile
     raw[3, 7 : 7 + min(200, vocab - 7)] = raw[3].max() + 1.0  # up to 200 equal largest logits: more than the list
-    chosen = torch.randint(0, vocab, (6,), generator=g)
-    chosen[0] = raw[0].argmax()
-    chosen[1] = vocab - 1
-    index = None
-    if num_top % 2:  # the chosen tokens among others, picked by index
-        pool = torch.randint(0, vocab, (9,), generator=g)
-        index = torch.tensor([8, 0, 5, 1, 2, 7])
-        pool[index] = chosen
-        out = logprobs.logprobs(raw.to(DEVICE), pool.to(DEVICE), index.to(DEVICE), num_top).cpu()
-    else:
-        out = logprobs.logprobs(raw.to(DEVICE), chosen.to(DEVICE), None, num_top).cpu()
-    assert out.shape == (6, 3 + 2 * num_top)
+    return raw
+
+
+def check(out: torch.Tensor, raw: torch.Tensor, chosen: torch.Tensor, num_top: int, ties: int = 3) -> None:
+    """out [rows, 4 + 2 num_top] (pack_logprobs' layout) against raw's float64 log-softmax (row ties: raw_rows' row
+    of many equal values)."""
+    assert out.shape == (len(raw), 4 + 2 * num_top)
     assert torch.equal(out[:, 0], chosen.int())
-    ranks, lp = out[:, 1], out[:, 2].contiguous().view(torch.float32)
-    top_ids, top_lp = out[:, 3 : 3 + num_top], out[:, 3 + num_top :].contiguous().view(torch.float32)
+    floats = out.view(torch.float32)
+    ranks, lp = out[:, 1], floats[:, 2] - floats[:, 3]
+    top_ids, top_lp = out[:, 4 : 4 + num_top], floats[:, 4 + num_top :]
     ref = raw.double().log_softmax(dim=-1)
-    for i in range(6):
+    for i in range(len(raw)):
         c = int(chosen[i])
         assert int(ranks[i]) == 1 + int((raw[i] > raw[i, c]).sum())
         assert float(lp[i]) == pytest.approx(float(ref[i, c]), abs=1e-4)
         ids = top_ids[i].tolist()
         assert len(set(ids)) == num_top
         assert torch.equal(raw[i, ids], raw[i].topk(num_top).values)  # the largest, in order
-        if i == 3:  # among equal values the lowest tokens come first
+        if i == ties:  # among equal values the lowest tokens come first
             assert ids == list(range(7, 7 + num_top))
         torch.testing.assert_close(top_lp[i].double(), ref[i, ids], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000] + ([151_936] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20])
+def test_logprobs_match_a_float64_log_softmax(vocab, num_top):
+    raw = raw_rows(vocab, vocab + num_top)
+    chosen = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(num_top))
+    chosen[0] = raw[0].argmax()
+    chosen[1] = vocab - 1
+    check(logprobs.logprobs(raw.to(DEVICE), chosen.to(DEVICE), num_top).cpu(), raw, chosen, num_top)
+
+
+@pytest.mark.parametrize("copied", [False, True])
+@pytest.mark.parametrize("num_top", [0, 5])
+def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
+    """Rows 0, 2, 3 and 5 of 8 want logprobs; rows 0 and 2 are penalized (the logprobs read them as they were), row
+    5 samples at temperature 1 with top-k 3, the others are greedy."""
+    vocab = 300
+    raw = torch.cat([raw_rows(vocab, num_top), raw_rows(vocab, 7)[:2]])  # [8, vocab]
+    wanted = np.array([0, 2, 3, 5], dtype=np.int32)
+    place = np.full(8, -1, dtype=np.int32)
+    place[wanted] = np.arange(4)
+    penalized = np.full(8, -1, dtype=np.int32)
+    penalized[[0, 2]] = [0, 1]
+    token_ids = np.stack([raw[0].argsort()[-3:].numpy(), raw[2].argsort()[-3:].numpy()])  # their largest, as outputs
+    ones = np.ones(2, dtype=np.float32)
+    packed = penalties.pack_rows(token_ids, np.array([0, 1]), np.array([3, 3]), ones, ones * 50, ones)
+    temperature = np.zeros(8, dtype=np.float32)
+    temperature[5] = 1.0
+    top_k = np.zeros(8, dtype=np.int64)
+    top_k[5] = 3
+    params = sampling.pack_params(temperature, top_k, np.ones(8, np.float32), np.zeros(8, np.float32), None, None,
+                                  None, penalized, place)  # fmt: skip
+    out = torch.empty(4, 4 + 2 * num_top, dtype=torch.int32, device=DEVICE)
+    x = raw.to(DEVICE)
+    source = x[torch.from_numpy(wanted).long().to(DEVICE)] if copied else x
+    inputs = torch.from_numpy(sampling.pack_inputs(params, packed, wanted)).to(DEVICE)
+    lp = sampling.Logprobs(source, out, num_top, copied)
+    tokens = sampling.sample(x, inputs, 0, 2, packed.shape[1], lp, block=16).cpu()
+    check(out.cpu(), raw[wanted], tokens[wanted], num_top, ties=2)
+    assert tokens[0] != raw[0].argmax() and tokens[2] != raw[2].argmax()  # penalized, but not in the logprobs
+    assert int(tokens[5]) in raw[5].topk(3).indices.tolist()

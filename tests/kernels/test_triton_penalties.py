@@ -1,5 +1,6 @@
-"""The Triton penalties against the torch path (held to HF's repetition penalty and the OpenAI formula in
-tests/sample/test_logits_processors.py). Without CUDA the kernels run in Triton's interpreter (see conftest.py)."""
+"""The Triton penalties (inside the sampling kernel, on copies of the penalized rows) against the torch path (held to
+HF's repetition penalty and the OpenAI formula in tests/sample/test_logits_processors.py). Without CUDA the kernels
+run in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,37 @@ from pagedllm.sample.logits_processors import apply_penalties
 pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+row_passes = importlib.import_module("pagedllm.kernels.row_passes")
 penalties = importlib.import_module("pagedllm.kernels.penalties")
-if DEVICE.type == "cpu" and type(penalties.penalize_kernel).__name__ != "InterpretedFunction":
-    penalties = importlib.reload(penalties)  # imported before the interpreter was switched on
+logprobs = importlib.import_module("pagedllm.kernels.logprobs")
+sampling = importlib.import_module("pagedllm.kernels.sampling")
+if DEVICE.type == "cpu" and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before it was on
+    for module in (row_passes, penalties, logprobs):  # the helpers first, then the kernel that imports them
+        importlib.reload(module)
+    sampling = importlib.reload(sampling)
 
 
 @pytest.mark.parametrize("vocab", [50, 1000])
-def test_kernels_equal_the_torch_path(vocab):
+def test_sampling_kernel_penalizes_copies_as_the_torch_path(vocab):
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(7, vocab, generator=gen) * 4
-    lengths = np.array([(5, 12), (0, 0), (3, 3), (8, 300), (1, 2)])  # (prompt, all tokens) per penalized row
-    token_ids = torch.randint(0, 6, (5, 300), generator=gen).numpy()  # few distinct tokens: many repeats
-    token_ids[3, :200] = torch.randint(0, vocab, (200,), generator=gen).numpy()  # over two blocks of places
+    lengths = np.array([(5, 12), (0, 0), (3, 3), (8, 600), (1, 2)])  # (prompt, all tokens) per penalized row
+    token_ids = torch.randint(0, 6, (5, 600), generator=gen).numpy()  # few distinct tokens: many repeats
+    token_ids[3, :400] = torch.randint(0, vocab, (400,), generator=gen).numpy()  # over two blocks of places
     rows = np.array([4, 0, 2, 6, 1])
     rep = np.array([1.3, 0.7, 2.0, 1.1, 1.0], dtype=np.float32)
     pres, freq = ((torch.rand(5, generator=gen) * 2 - 1).numpy() for _ in range(2))
     expected = apply_penalties(logits.clone(), rows, token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq)
     assert not torch.equal(expected, logits)
-    packed = torch.from_numpy(penalties.pack_rows(rows, token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq))
-    torch.testing.assert_close(penalties.apply_penalties(logits.clone().to(DEVICE), packed.to(DEVICE)).cpu(), expected)
+    place = np.full(7, -1, dtype=np.int32)
+    place[rows] = np.arange(5)
+    zeros = np.zeros(7, dtype=np.float32)  # every row greedy
+    params = sampling.pack_params(zeros, np.zeros(7, dtype=np.int64), zeros + 1, zeros, penalized=place)
+    packed = penalties.pack_rows(token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq)
+    x = logits.to(DEVICE)
+    work = torch.empty(5, vocab, device=DEVICE)
+    inputs = torch.from_numpy(sampling.pack_inputs(params, packed)).to(DEVICE)
+    tokens = sampling.sample(x, inputs, 0, 5, packed.shape[1], block=16, work=work).cpu()
+    torch.testing.assert_close(work.cpu(), expected[rows])  # the penalized copies
+    assert torch.equal(x.cpu(), logits)  # the logits stay as they are
+    assert torch.equal(tokens, expected.argmax(dim=-1))  # every row's argmax, penalized where it is

@@ -21,10 +21,13 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
 BLOCK = 4096 if GPU else 16  # the interpreter runs every op of every program in Python: keep the tiles tiny
 
-sampling = importlib.import_module("pagedllm.kernels.sampling")
 row_passes = importlib.import_module("pagedllm.kernels.row_passes")
+penalties = importlib.import_module("pagedllm.kernels.penalties")
+logprobs = importlib.import_module("pagedllm.kernels.logprobs")
+sampling = importlib.import_module("pagedllm.kernels.sampling")
 if not GPU and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before the interpreter was on
-    importlib.reload(row_passes)  # the helpers first, then the kernel that imports them
+    for module in (row_passes, penalties, logprobs):  # the helpers first, then the kernel that imports them
+        importlib.reload(module)
     sampling = importlib.reload(sampling)
 
 
