@@ -67,25 +67,25 @@ def test_logprobs_match_a_float64_log_softmax(vocab, num_top):
 @pytest.mark.parametrize("copied", [False, True])
 @pytest.mark.parametrize("num_top", [0, 5])
 def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
-    """Rows 0, 2, 3 and 5 of 8 want logprobs; rows 0 and 2 are penalized (the logprobs read them as they were), row
-    5 samples at temperature 1 with top-k 3, the others are greedy."""
+    """Rows 0, 2, 3, 5, 6 and 7 of 8 want logprobs; rows 0 and 2 are penalized (the logprobs read them as they were);
+    row 5 samples at temperature 1 with top-k 3, row 6 at 2 with top-k 20, row 7 at 0.7 with top-p 0.9; the others
+    are greedy."""
     vocab = 300
     raw = torch.cat([raw_rows(vocab, num_top), raw_rows(vocab, 7)[:2]])  # [8, vocab]
-    wanted = np.array([0, 2, 3, 5], dtype=np.int32)
+    wanted = np.array([0, 2, 3, 5, 6, 7], dtype=np.int32)
     place = np.full(8, -1, dtype=np.int32)
-    place[wanted] = np.arange(4)
+    place[wanted] = np.arange(6)
     penalized = np.full(8, -1, dtype=np.int32)
     penalized[[0, 2]] = [0, 1]
     token_ids = np.stack([raw[0].argsort()[-3:].numpy(), raw[2].argsort()[-3:].numpy()])  # their largest, as outputs
     ones = np.ones(2, dtype=np.float32)
     packed = penalties.pack_rows(token_ids, np.array([0, 1]), np.array([3, 3]), ones, ones * 50, ones)
-    temperature = np.zeros(8, dtype=np.float32)
-    temperature[5] = 1.0
-    top_k = np.zeros(8, dtype=np.int64)
-    top_k[5] = 3
-    params = sampling.pack_params(temperature, top_k, np.ones(8, np.float32), np.zeros(8, np.float32), None, None,
-                                  None, penalized, place)  # fmt: skip
-    out = torch.empty(4, 4 + 2 * num_top, dtype=torch.int32, device=DEVICE)
+    temperature = np.float32([0, 0, 0, 0, 0, 1.0, 2.0, 0.7])
+    top_k = np.int64([0, 0, 0, 0, 0, 3, 20, 0])
+    top_p = np.float32([1, 1, 1, 1, 1, 1, 1, 0.9])
+    params = sampling.pack_params(temperature, top_k, top_p, np.zeros(8, np.float32), None, None, None, penalized,
+                                  place)  # fmt: skip
+    out = torch.empty(6, 4 + 2 * num_top, dtype=torch.int32, device=DEVICE)
     x = raw.to(DEVICE)
     source = x[torch.from_numpy(wanted).long().to(DEVICE)] if copied else x
     inputs = torch.from_numpy(sampling.pack_inputs(params, packed, wanted)).to(DEVICE)
@@ -94,3 +94,4 @@ def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
     check(out.cpu(), raw[wanted], tokens[wanted], num_top, ties=2)
     assert tokens[0] != raw[0].argmax() and tokens[2] != raw[2].argmax()  # penalized, but not in the logprobs
     assert int(tokens[5]) in raw[5].topk(3).indices.tolist()
+    assert int(tokens[6]) in raw[6].topk(20).indices.tolist()
