@@ -323,7 +323,7 @@ def sample_kernel(
                               temperature, step_key, BLOCK, DEPTH, PER_LANE, SMALL, PIVOTS)  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
         wanted = tl.load(params_ptr + 9)
-        if wanted >= 0:  # the sampled token's rank and logit, in the logits as they are
+        if (wanted >= 0) & (wanted < wanted_rows):  # the sampled token's rank and logit, in the logits as they are
             place = tl.where(copied != 0, wanted, tl.load(sources_ptr + wanted))
             src = source_ptr + place.to(tl.int64) * stride_source
             c = _tokens(src, token.to(tl.int64) + tl.zeros([1], tl.int64), vocab, 1.0)  # [1]
@@ -431,13 +431,14 @@ def sample(
     if not batch:
         return out
     cap = min(cap, vocab)
-    lp = logprobs if logprobs is not None else Logprobs(logits, inputs, 0, False)  # inputs: not written
+    lp = logprobs if logprobs is not None else Logprobs(logits, inputs, 0, False)  # no program writes it
     wanted = lp.out.shape[0] if logprobs is not None else 0
+    source = lp.source if lp.source.stride(-1) == 1 else lp.source.contiguous()
     scratch = torch.empty(2 * batch * cap + 2 * wanted * LIST + num_pen * vocab, dtype=torch.int32, device=dev)
     if work is None:
         work = torch.empty(num_pen, vocab, dtype=logits.dtype, device=dev) if num_pen else logits
     sample_kernel[(batch + wanted,)](
-        logits, inputs, out, scratch, work, lp.source, lp.out, batch, vocab, logits.stride(0), lp.source.stride(0),
+        logits, inputs, out, scratch, work, source, lp.out, batch, vocab, logits.stride(0), source.stride(0),
         cap, num_pen, pen_stride, lp.num_top, int(lp.copied), step_key, PARAMS=PARAMS, BLOCK=block, DEPTH=_DEPTH,
         PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)), SMALL=min(block, _SMALL), PIVOTS=_PIVOTS,
         LP_TILE=LP_TILE, LIST=LIST, num_warps=_WARPS if block >= 1024 else 4,

@@ -234,7 +234,9 @@ def logprob_tensors(
     if len(wanted) < len(num_top):
         index = raw.wanted_index if raw.wanted_index is not None else to_device(raw.wanted, sampled.device)
     k_max = max(num_top[i] for i in wanted)
-    raw_logits = raw.copies  # every wanted row (not on the C kernels' path)
+    raw_logits = raw.copies  # every wanted row (not on the C kernels' path), or the logits read in place
+    if raw.copied is None and index is not None:  # the wanted rows of logits left in place
+        raw_logits = raw.logits.index_select(0, index)
     chosen = sampled if index is None else sampled.index_select(0, index)
     if use_triton(raw_logits):  # one kernel
         from pagedllm.kernels.logprobs import logprobs

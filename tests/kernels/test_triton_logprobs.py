@@ -95,3 +95,31 @@ def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
     assert tokens[0] != raw[0].argmax() and tokens[2] != raw[2].argmax()  # penalized, but not in the logprobs
     assert int(tokens[5]) in raw[5].topk(3).indices.tolist()
     assert int(tokens[6]) in raw[6].topk(20).indices.tolist()
+    kept = inputs.clone()  # without logprobs given, no program writes them (nor anything else)
+    again = sampling.sample(x, inputs, 0, 2, packed.shape[1], block=16).cpu()
+    assert torch.equal(inputs, kept) and torch.equal(again, tokens)
+
+
+def test_logprobs_of_some_rows_read_in_place(monkeypatch):
+    """logprob_rows leaves the logits in place on the Triton path when no wanted row changes; logprob_tensors without
+    the sampling kernel's output (as prompt logprobs call it) then reads just the wanted rows (on the CPU: the Triton
+    path forced, the kernel in the interpreter)."""
+    from pagedllm.worker import sample_inputs
+
+    monkeypatch.setattr(sample_inputs, "use_triton", lambda x: True)
+    raw = raw_rows(3000, 11).to(DEVICE)
+    num_top = [2, None, 3, None, 0, 5]
+    rows = sample_inputs.logprob_rows(raw, num_top, np.zeros(6, dtype=bool))
+    assert rows.copied is None  # read in place
+    sampled = torch.randint(0, 3000, (6,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = sample_inputs.logprob_tensors(rows, sampled, num_top).tolists()
+    raw, ref = raw.cpu(), raw.cpu().double().log_softmax(dim=-1)
+    for i, k in enumerate(num_top):
+        if k is None:
+            assert out[i] is None
+            continue
+        ids, lps, ranks = out[i]
+        c = int(sampled[i])
+        assert ids[0] == c and ranks[0] == 1 + int((raw[i] > raw[i, c]).sum())
+        assert lps == pytest.approx(ref[i, ids].tolist(), abs=1e-4)
+        assert ids[1:] == raw[i].topk(k).indices.tolist()
