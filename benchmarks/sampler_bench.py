@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from pagedllm.sample.logits_processors import Penalties, apply_token_constraints
-from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.sample_inputs import logprob_rows, sampled_logprobs
 
 try:

@@ -14,7 +14,7 @@ import torch
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 from pagedllm.sample.logits_processors import Penalties
-from pagedllm.sample.sampler import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from pagedllm.device import pinned_copy, to_device
 from pagedllm.kernels import cpu_sampling, use_triton
 from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import Penalties, apply_token_constraints
-from pagedllm.sample.sampler import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
 
 _LOG2E = 1.4426950408889634  # exp(z) = 2 ** (z * log2(e))

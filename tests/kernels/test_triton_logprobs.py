@@ -5,23 +5,15 @@ were before the penalties, or from copies). Without CUDA the kernels run in Trit
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
+import sampling_kernels
 import torch
 
 pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-row_passes = importlib.import_module("pagedllm.kernels.row_passes")
-penalties = importlib.import_module("pagedllm.kernels.penalties")
-logprobs = importlib.import_module("pagedllm.kernels.logprobs")
-sampling = importlib.import_module("pagedllm.kernels.sampling")
-if DEVICE.type == "cpu" and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before it was on
-    for module in (row_passes, penalties, logprobs):  # the helpers first, then the kernels that import them
-        importlib.reload(module)
-    sampling = importlib.reload(sampling)
+penalties, logprobs, sampling = sampling_kernels.load()
 
 
 def raw_rows(vocab: int, seed: int) -> torch.Tensor:

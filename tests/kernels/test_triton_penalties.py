@@ -4,10 +4,9 @@ run in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
+import sampling_kernels
 import torch
 
 from pagedllm.sample.logits_processors import apply_penalties
@@ -15,14 +14,7 @@ from pagedllm.sample.logits_processors import apply_penalties
 pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-row_passes = importlib.import_module("pagedllm.kernels.row_passes")
-penalties = importlib.import_module("pagedllm.kernels.penalties")
-logprobs = importlib.import_module("pagedllm.kernels.logprobs")
-sampling = importlib.import_module("pagedllm.kernels.sampling")
-if DEVICE.type == "cpu" and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before it was on
-    for module in (row_passes, penalties, logprobs):  # the helpers first, then the kernel that imports them
-        importlib.reload(module)
-    sampling = importlib.reload(sampling)
+penalties, _, sampling = sampling_kernels.load()
 
 
 @pytest.mark.parametrize("vocab", [50, 1000])

@@ -5,14 +5,14 @@ in Triton's interpreter (see conftest.py), slowly: a few hundred draws over a vo
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
+import sampling_kernels
 import torch
 from sampling_reference import hf_kept
 
-from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
 
 stats = pytest.importorskip("scipy.stats")
 pytest.importorskip("triton")
@@ -21,14 +21,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
 BLOCK = 4096 if GPU else 16  # the interpreter runs every op of every program in Python: keep the tiles tiny
 
-row_passes = importlib.import_module("pagedllm.kernels.row_passes")
-penalties = importlib.import_module("pagedllm.kernels.penalties")
-logprobs = importlib.import_module("pagedllm.kernels.logprobs")
-sampling = importlib.import_module("pagedllm.kernels.sampling")
-if not GPU and type(row_passes._tokens).__name__ != "InterpretedFunction":  # imported before the interpreter was on
-    for module in (row_passes, penalties, logprobs):  # the helpers first, then the kernel that imports them
-        importlib.reload(module)
-    sampling = importlib.reload(sampling)
+sampling = sampling_kernels.load()[-1]
 
 
 def draw(logits, temperature, seeds, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK, cap=None, positions=0):

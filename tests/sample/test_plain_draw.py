@@ -10,7 +10,8 @@ import torch
 from scipy import stats
 
 from pagedllm.sample import sampler as sampler_module
-from pagedllm.sample.sampler import Sampler, SamplingMetadata, _draw, _draw_two_level, seeded_uniform
+from pagedllm.sample.metadata import SamplingMetadata, seeded_uniform
+from pagedllm.sample.sampler import Sampler, _draw, _draw_two_level
 
 CPU = torch.device("cpu")
 

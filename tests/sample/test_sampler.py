@@ -8,12 +8,8 @@ import torch
 from sampling_reference import hf_kept
 from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from pagedllm.sample.sampler import (
-    CANDIDATES,
-    Sampler,
-    SamplingMetadata,
-    seeded_uniform,
-)
+from pagedllm.sample.metadata import SamplingMetadata, seeded_uniform
+from pagedllm.sample.sampler import CANDIDATES, Sampler
 
 
 @pytest.fixture(autouse=True)
