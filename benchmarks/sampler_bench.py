@@ -85,8 +85,7 @@ def build_batch(n: int, vocab: int, seed: int, workload: str = "mixed") -> dict:
         "repetition": floats(1.05, 1.3),
         "presence": floats(0.0, 0.5),
         "frequency": floats(0.0, 0.5),
-        "num_top": [5 if w else None for w in wants_lp],
-        "num_logprobs": np.where(wants_lp, 5, -1),  # the same, as the batch holds it
+        "num_logprobs": np.where(wants_lp, 5, -1),  # as the batch holds it (-1: none)
     }
 
 
@@ -109,7 +108,6 @@ def plain_batch(n: int) -> dict:
         "repetition": np.zeros(0, dtype=np.float32),
         "presence": np.zeros(0, dtype=np.float32),
         "frequency": np.zeros(0, dtype=np.float32),
-        "num_top": [None] * n,
         "num_logprobs": np.full(n, -1),
     }
 
@@ -135,10 +133,10 @@ def full_step(sampler: Sampler, b: dict, raw: torch.Tensor) -> torch.Tensor:
     """The model runner's path after compute_logits, on the batch's token arrays."""
     meta = metadata(b, extras=True)
     adjusted = b["adjusted"] if meta.penalizes_in_place else np.zeros_like(b["adjusted"])
-    lp_rows = logprob_rows(raw, b["num_top"], adjusted, sampler.c_scratch)  # before the logits change in place
+    lp_rows = logprob_rows(raw, b["num_logprobs"], adjusted, sampler.c_scratch)  # before the logits change in place
     logits = apply_token_constraints(raw, {}, {}, {})
     sampled = sampler(logits, meta, lp_rows.copied if lp_rows is not None else None)
-    sampled_logprobs(lp_rows, sampled, b["num_top"], sampler.c_scratch, meta)
+    sampled_logprobs(lp_rows, sampled, b["num_logprobs"], sampler.c_scratch, meta)
     return sampled
 
 

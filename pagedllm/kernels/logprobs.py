@@ -5,7 +5,8 @@ here serves tokens known beforehand (prompt logprobs).
 
 One pass keeps per lane a running max and sum of exp (the log-sum-exp), the count of tokens above the chosen one
 (its rank) and the lane's max. At least n tokens reach the n-th largest lane max, so a second pass lists the tokens
-at or above it (a few more than n) and the list is sorted in registers. Where that list would be too long (many
+at or above it (a few more than n, in no set order: each claims its place with an atomic add) and the list is sorted
+in registers. Where that list would be too long (many
 equal logits), the n-th largest value is searched for exactly (as the sampler's top-k) and the list holds the tokens
 above it, then those equal to it. As in the sampler, NaN logits count as -inf and +inf as the largest float.
 
@@ -19,7 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.row_passes import _LOG2E, _gather, _key, _kth_largest, _search, _sorted_list, _tile, _tokens
+from pagedllm.kernels.row_passes import (
+    _LOG2E,
+    _collect,
+    _gather,
+    _key,
+    _kth_largest,
+    _search,
+    _sorted_list,
+    _tile,
+    _tokens,
+)
 
 TILE = 1024  # lanes of a pass over a row
 LIST = 128  # top-n candidates sorted in registers
@@ -62,6 +73,7 @@ def row_logprobs(
     out_ptr,  # the row of the buffer: words 3 on (and 0-2 where chosen >= 0)
     vals_ptr,  # [LIST] float32 scratch
     ids_ptr,  # [LIST] int32 scratch
+    count_ptr,  # one int32 of scratch
     vocab,
     num_top,
     chosen,  # int32: the token whose rank and logit are wanted; < 0: none (its words stay)
@@ -82,7 +94,7 @@ def row_logprobs(
         top = tl.max(lane_top, 0)
         hi = _key(top).to(tl.int64) + 1
         lo = _kth_largest(lane_top, num_top, TILE)  # at least num_top tokens are at or above it
-        count = _gather(row_ptr, vocab, 1.0, lo, hi, vals_ptr, ids_ptr, LIST, TILE, 1)
+        count = _collect(row_ptr, vocab, 1.0, lo, hi, vals_ptr, ids_ptr, count_ptr, LIST, TILE, 1)
         if count > LIST:  # many equal values: the num_top-th largest exactly, then the tokens above and at it
             lo = _search(row_ptr, vocab, 1.0, top, lo, hi, num_top, False, False, TILE, PIVOTS)
             count = _gather(row_ptr, vocab, 1.0, lo + 1, hi, vals_ptr, ids_ptr, LIST, TILE, 1)
@@ -101,7 +113,7 @@ def logprobs_kernel(
     chosen_ptr,  # [rows] int64: the tokens whose logprob and rank are wanted
     out_ptr,  # [rows, 4 + 2 num_top] int32 out
     vals_ptr,  # [rows, LIST] float32 scratch
-    ids_ptr,  # [rows, LIST] int32 scratch
+    ids_ptr,  # [rows, LIST + 1] int32 scratch: the list, then a counter
     vocab,
     stride_row,
     num_top,
@@ -113,8 +125,9 @@ def logprobs_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     chosen = tl.load(chosen_ptr + row).to(tl.int32)
     out_ptr += row * (4 + 2 * num_top)
+    ids_ptr += row * (LIST + 1)
     row_logprobs(
-        row_ptr, out_ptr, vals_ptr + row * LIST, ids_ptr + row * LIST, vocab, num_top, chosen, TILE, LIST, PIVOTS
+        row_ptr, out_ptr, vals_ptr + row * LIST, ids_ptr, ids_ptr + LIST, vocab, num_top, chosen, TILE, LIST, PIVOTS
     )
 
 
@@ -131,7 +144,7 @@ def logprobs(
     out = torch.empty(rows, 4 + 2 * num_top, dtype=torch.int32, device=dev)
     if rows:
         vals = torch.empty(rows, LIST, dtype=torch.float32, device=dev)
-        ids = torch.empty(rows, LIST, dtype=torch.int32, device=dev)
+        ids = torch.empty(rows, LIST + 1, dtype=torch.int32, device=dev)
         logprobs_kernel[(rows,)](
             logits, chosen, out, vals, ids, logits.shape[1], logits.stride(0), num_top, TILE=TILE, LIST=LIST,
             PIVOTS=PIVOTS, num_warps=16,

@@ -145,6 +145,26 @@ def _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, CAP, TILE: tl.cons
 
 
 @triton.jit
+def _collect(
+    row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, count_ptr, CAP, TILE: tl.constexpr, DEPTH: tl.constexpr
+):  # fmt: skip
+    """As _gather, in no set order (places claimed with atomic adds on count_ptr, one int32 of the program's own):
+    cheaper where the tokens are few and spread over the row (no scan per tile). Returns how many there are."""
+    tl.store(count_ptr, 0)
+    tl.debug_barrier()
+    counter = count_ptr + tl.zeros([DEPTH, TILE], tl.int32)
+    for start in range(0, vocab, TILE * DEPTH):
+        s, idx = _tile(row_ptr, start, vocab, inv_t, TILE, DEPTH)
+        key = _key(s)
+        take = (key >= lo) & (key < hi) & (idx < vocab)
+        at = tl.atomic_add(counter, 1, mask=take, sem="relaxed", scope="cta")
+        tl.store(vals_ptr + at, s, mask=take & (at < CAP))
+        tl.store(ids_ptr + at, idx, mask=take & (at < CAP))
+    tl.debug_barrier()  # the list is read by other threads of the program than wrote it
+    return tl.atomic_add(count_ptr, 0, sem="relaxed", scope="cta")
+
+
+@triton.jit
 def _kth_largest(values, k, TILE: tl.constexpr):
     """The key of the k-th largest of values [TILE] (1 <= k <= TILE, no NaN). int64 scalar"""
     kth = tl.sum(tl.where(tl.arange(0, TILE) == k - 1, tl.sort(values, descending=True), 0.0), 0)

@@ -3,7 +3,9 @@ token after min-p, top-k and top-p, reading the logits in place, with no host sy
 copies its row to a work row and applies the penalties there (pagedllm/kernels/penalties.py); the logits stay as they
 are. A row that wants logprobs gets one more program, which reads the logits as they are for the log-sum-exp and the
 top tokens (pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. Every
-input comes in one int32 array (pack_inputs), so a step costs one host-to-device copy and one launch.
+input comes in one int32 array (pack_inputs), so a step costs one host-to-device copy and one launch. The programs
+of the rows that want logprobs come first, then the rows' own, the likely slowest first (program_order): programs
+start in order, and a big batch's do not all fit on the device at once.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
 at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
@@ -23,14 +25,15 @@ is also the next round's weighing pass: a round costs one pass over the row (in 
 
 top-k keeps the tokens at or above the k-th largest value (ties all kept, as HF's TopKLogitsWarper). At least k
 tokens reach the k-th largest lane maximum, so a pass lists the tokens at or above it (a few more than k) with their
-x / T. A list of up to SMALL entries is sorted in registers: the k-th entry, then top-p's cut (the first entry
-whose running mass reaches top_p of what top-k keeps) are read off it, and the token drawn by inverse CDF over it.
-On a longer list (many equal values) the k-th largest value and then top-p's cut are found by a multi-way search
-over float32 values (as order-preserving int32 keys: each pass counts the entries, or sums their mass, at PIVOTS
-points of the remaining interval at once), and the token is drawn from the list by the exponential race (Gumbel-max:
-argmax_i x_i / T - log E_i with E_i ~ Exp(1) from Philox, counted by token). Where the list would be too long to
-store (or k is beyond the lanes), the k-th largest value is searched over the row itself and top-p drawn by
-rejection over the row.
+x / T, each claiming its place with an atomic add (no scan per tile). A list of up to SMALL entries is sorted in
+registers: the k-th entry, then top-p's cut (the first entry whose running mass reaches top_p of what top-k keeps)
+are read off it, and the token drawn by inverse CDF over it. On a longer list (many equal values) the k-th largest
+value and then top-p's cut are found by a multi-way search over float32 values (as order-preserving int32 keys: each
+pass counts the entries, or sums their mass, at PIVOTS points of the remaining interval at once) over the list made
+again in token order (so that the sums and the draw do not depend on the order of the atomic adds), and the token is
+drawn from the list by the exponential race (Gumbel-max: argmax_i x_i / T - log E_i with E_i ~ Exp(1) from Philox,
+counted by token). Where the list would be too long to store (or k is beyond the lanes), the k-th largest value is
+searched over the row itself and top-p drawn by rejection over the row.
 
 As the torch path: NaN logits are never drawn (nor taken by the argmax), +inf counts as the largest float (it wins),
 a row with every token at -inf takes token 0. Exact up to float32 rounding of the sums and of the uniform (2**-24 of
@@ -51,6 +54,7 @@ from pagedllm.kernels.penalties import EXTRA, penalize_row
 from pagedllm.kernels.row_passes import (
     _LOG2E,
     _at_or_above,
+    _collect,
     _gather,
     _key,
     _kth_largest,
@@ -190,7 +194,7 @@ def _draw_by_rejection(
 
 @triton.jit
 def _top_k(
-    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, cap, TILE: tl.constexpr,
+    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, count_ptr, cap, TILE: tl.constexpr,
     DEPTH: tl.constexpr, SMALL: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
     """top-k of the tokens with a key >= floor (min-p's), then top-p over what it keeps when the candidates are
@@ -205,7 +209,9 @@ def _top_k(
         lo = tl.maximum(lo, _kth_largest(lane_top, top_k, TILE))
     count = cap + 1
     if tl.sum((_key(lane_top) >= lo).to(tl.int32), 0) <= TILE // 2:  # else far too many to list: do not try
-        count = _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, cap, TILE, DEPTH)
+        count = _collect(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, count_ptr, cap, TILE, DEPTH)
+        if (count > SMALL) & (count <= cap):  # searched and drawn from: listed again, in token order
+            count = _gather(row_ptr, vocab, inv_t, lo, hi, vals_ptr, ids_ptr, cap, TILE, DEPTH)
     if count <= tl.minimum(cap, SMALL):  # few enough to sort: _draw_sorted cuts them
         floor = lo
     elif count <= cap:  # search the list
@@ -260,9 +266,10 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["batch", "step_key"])  # batch: a batch of 1 stays a value
 def sample_kernel(
     logits_ptr,  # [batch, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary
-    inputs_ptr,  # int32 words (pack_inputs): [batch, PARAMS] params, [penalized, pen_stride] penalties, [wanted] rows
+    inputs_ptr,  # int32 words (pack_inputs): [batch, PARAMS] params, [batch] order, [penalized, pen_stride] penalties,
+    # [wanted] rows
     out_ptr,  # [batch] int64
-    scratch_ptr,  # int32 words (scratch_words): the top-k lists, the logprobs' lists, the penalties' counts
+    scratch_ptr,  # int32 words: the top-k lists, the logprobs' lists, the penalties' counts, a counter per program
     work_ptr,  # [penalized, vocab] logits' dtype: the penalized copies of those rows
     source_ptr,  # [.., vocab] the logits the logprobs read: the step's (copied 0) or copies of the wanted rows (1)
     lp_ptr,  # [wanted, 4 + 2 num_top] int32 out: pagedllm/kernels/logprobs.py's rows
@@ -287,22 +294,24 @@ def sample_kernel(
 ):
     program = tl.program_id(0)
     wanted_rows = tl.num_programs(0) - batch  # one program more per row that wants logprobs
-    pen_ptr = inputs_ptr + batch * PARAMS
+    order_ptr = inputs_ptr + batch * PARAMS  # [batch] the rows in the order of their programs
+    pen_ptr = order_ptr + batch
     sources_ptr = pen_ptr + num_pen * pen_stride  # [wanted] each wanted row's place in the batch
     lists = batch.to(tl.int64) * cap  # scratch: [batch, cap] float32 values, [batch, cap] tokens, then
     lp_lists = scratch_ptr + 2 * lists  # [wanted, LIST] float32 values, [wanted, LIST] tokens, then
-    tables = lp_lists + 2 * wanted_rows * LIST  # [penalized, vocab] counts
+    tables = lp_lists + 2 * wanted_rows * LIST  # [penalized, vocab] counts, then
+    counter = tables + num_pen * vocab + program  # [batch + wanted] one int32 per program
     lp_width = 4 + 2 * num_top
-    if program >= batch:  # the log-sum-exp and the top tokens of a wanted row, from the logits as they are
-        j = program - batch
+    if program < wanted_rows:  # the log-sum-exp and the top tokens of a wanted row, from the logits as they are
+        j = program
         place = tl.where(copied != 0, j, tl.load(sources_ptr + j))
         row_logprobs(
             source_ptr + place.to(tl.int64) * stride_source, lp_ptr + j * lp_width,
-            (lp_lists + j * LIST).to(tl.pointer_type(tl.float32)), lp_lists + (wanted_rows + j) * LIST, vocab,
-            num_top, -1, LP_TILE, LIST, PIVOTS,
+            (lp_lists + j * LIST).to(tl.pointer_type(tl.float32)), lp_lists + (wanted_rows + j) * LIST, counter,
+            vocab, num_top, -1, LP_TILE, LIST, PIVOTS,
         )  # fmt: skip
     else:
-        row = program
+        row = tl.load(order_ptr + program - wanted_rows)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         params_ptr = inputs_ptr + row * PARAMS
         floats = params_ptr.to(tl.pointer_type(tl.float32))
@@ -319,7 +328,7 @@ def sample_kernel(
             token = _argmax(row_ptr, vocab, BLOCK, DEPTH)
         else:
             vals = (scratch_ptr + row * cap).to(tl.pointer_type(tl.float32))
-            token = _draw_row(row_ptr, row, floats, vals, scratch_ptr + lists + row * cap, vocab, cap,
+            token = _draw_row(row_ptr, row, floats, vals, scratch_ptr + lists + row * cap, counter, vocab, cap,
                               temperature, step_key, BLOCK, DEPTH, PER_LANE, SMALL, PIVOTS)  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
         wanted = tl.load(params_ptr + 9)
@@ -335,7 +344,7 @@ def sample_kernel(
 
 @triton.jit
 def _draw_row(
-    row_ptr, row, floats, vals_ptr, ids_ptr, vocab, cap, temperature, step_key, BLOCK: tl.constexpr,
+    row_ptr, row, floats, vals_ptr, ids_ptr, count_ptr, vocab, cap, temperature, step_key, BLOCK: tl.constexpr,
     DEPTH: tl.constexpr, PER_LANE: tl.constexpr, SMALL: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
     """A token drawn from softmax(x / T) after min-p, top-k and top-p (the row's parameters at floats)."""
@@ -357,8 +366,8 @@ def _draw_row(
             floor = _key(top + tl.log(min_p)).to(tl.int64)  # min_p 0: the key of -inf
             if top_k > 0:
                 floor, listed = _top_k(
-                    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, cap, BLOCK, DEPTH,
-                    SMALL, PIVOTS,
+                    row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, count_ptr, cap, BLOCK,
+                    DEPTH, SMALL, PIVOTS,
                 )  # fmt: skip
     if listed > SMALL:
         token = _race_listed(vals_ptr, ids_ptr, listed, key, floor.to(tl.int32), SMALL)
@@ -399,14 +408,25 @@ def pack_params(
     return packed
 
 
+def program_order(params: np.ndarray) -> np.ndarray:
+    """The rows in the order of their programs, the likely slowest first (programs start in order, and those of a
+    big batch do not all fit on the device at once): penalized, then filtered, then plain draws, then argmax rows.
+    params [batch, PARAMS] int32 (pack_params) -> [batch] int32"""
+    floats = params.view(np.float32)
+    draws = floats[:, 0] >= _GREEDY_BELOW.value
+    filtered = (floats[:, 1] > 0) | (floats[:, 2] < 1.0) | (floats[:, 3] > 0)
+    weight = draws * (1 + 2 * filtered) + 4 * (params[:, 8] >= 0) + (params[:, 9] >= 0)
+    return np.argsort(-weight, kind="stable").astype(np.int32)
+
+
 def pack_inputs(
     params: np.ndarray, penalties: np.ndarray | None = None, wanted: np.ndarray | None = None
 ) -> np.ndarray:
-    """Every input of the kernel in one array (one host-to-device copy): params [batch, PARAMS] (pack_params), then
-    the penalized rows [penalized, max_len + 5] (penalties.pack_rows), then the rows that want logprobs [wanted].
-    [words] int32"""
-    parts = [params.ravel()] + [a.ravel() for a in (penalties, wanted) if a is not None]
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    """Every input of the kernel in one array (one host-to-device copy): params [batch, PARAMS] (pack_params), the
+    rows in the order of their programs [batch] (program_order), the penalized rows [penalized, max_len + 5]
+    (penalties.pack_rows), then the rows that want logprobs [wanted]. [words] int32"""
+    parts = [params.ravel(), program_order(params)] + [a.ravel() for a in (penalties, wanted) if a is not None]
+    return np.concatenate(parts)
 
 
 def sample(
@@ -434,7 +454,9 @@ def sample(
     lp = logprobs if logprobs is not None else Logprobs(logits, inputs, 0, False)  # no program writes it
     wanted = lp.out.shape[0] if logprobs is not None else 0
     source = lp.source if lp.source.stride(-1) == 1 else lp.source.contiguous()
-    scratch = torch.empty(2 * batch * cap + 2 * wanted * LIST + num_pen * vocab, dtype=torch.int32, device=dev)
+    scratch = torch.empty(
+        2 * batch * cap + 2 * wanted * LIST + num_pen * vocab + batch + wanted, dtype=torch.int32, device=dev
+    )  # fmt: skip
     if work is None:
         work = torch.empty(num_pen, vocab, dtype=logits.dtype, device=dev) if num_pen else logits
     sample_kernel[(batch + wanted,)](

@@ -28,6 +28,9 @@ class InputBatch:
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
         self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)  # adjust_logits changes them (not the penalties)
         self.penalized = np.zeros(max_num_reqs, dtype=bool)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # top logprobs of the sampled tokens, -1: none
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
         # which admission a row holds (a row given again, even to a request with the same id, gets a new one)
@@ -63,6 +66,9 @@ class InputBatch:
             params.bad_words_token_ids or params.logits_processors or params.allowed_token_ids or params.logit_bias
         )
         self.penalized[row] = params.has_penalties
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         if params.seed is not None:  # seeds span [-2**63, 2**64): the same 64 bits as a signed value
             self.seed[row] = (params.seed + 2**63) % 2**64 - 2**63

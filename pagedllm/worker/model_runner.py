@@ -210,7 +210,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        num_top = [self.batch.params[int(r)].logprobs for r in sample_rows]
+        num_top = self.batch.num_logprobs[sample_rows]  # -1: none
         adjusted = adjusted_rows(self.batch, sample_rows, num_tokens, sampling)
         upcast = not self._reads_logits_as_is(sampling, adjusted, num_top)
         raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
@@ -229,13 +229,13 @@ class ModelRunner:
         self.last_step = step
         return step
 
-    def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: list) -> bool:
+    def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: np.ndarray) -> bool:
         """Whether the step's logits can stay in the model dtype: on CUDA, where the argmax and the sampling kernel
         read any float dtype exactly, when no row adjusts its logits, is penalized or wants logprobs."""
         return (
             self.device.type == "cuda"
             and sampling.params is not None
-            and all(k is None for k in num_top)
+            and not (num_top >= 0).any()
             and not adjusted.any()
             and not sampling.num_penalized
         )
@@ -272,7 +272,7 @@ class ModelRunner:
         if not spans:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
-        num_top = [k for _, count, k in spans.values() for _ in range(count)]
+        num_top = np.repeat([k for _, _, k in spans.values()], [count for _, count, _ in spans.values()])
         entries = sampled_logprobs(
             logprob_rows(logits, num_top, np.zeros(len(num_top), dtype=bool)),  # nothing adjusts them
             torch.tensor(targets, device=self.device),

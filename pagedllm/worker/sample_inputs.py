@@ -83,17 +83,15 @@ def penalties(batch: InputBatch, rows: np.ndarray) -> Penalties | None:
     if not len(penalized):
         return None
     sel = rows[penalized]
-    params = [batch.params[int(r)] for r in sel.tolist()]
-    value = lambda name: np.array([getattr(p, name) for p in params], dtype=np.float32)  # noqa: E731
     width = int(batch.num_tokens[sel].max())
     return Penalties(
         penalized,
         batch.token_ids[sel, :width],
         batch.num_prompt[sel],
         batch.num_tokens[sel],
-        value("repetition_penalty"),
-        value("presence_penalty"),
-        value("frequency_penalty"),
+        batch.repetition_penalty[sel],
+        batch.presence_penalty[sel],
+        batch.frequency_penalty[sel],
     )
 
 
@@ -138,16 +136,17 @@ class LogprobRows:
 
 def logprob_rows(
     raw_logits: torch.Tensor,
-    num_top: list[int | None],
+    num_top: np.ndarray,
     adjusted: np.ndarray | None = None,
     scratch: cpu_sampling.Scratch | None = None,
 ) -> LogprobRows | None:
-    """Keeps the rows that want logprobs as they are before anything changes raw_logits in place (adjusted [rows]
-    bool: the rows that may change; None: any). The GPU sampling kernel reads the wanted rows in place unless one of
-    them changes (then a copy of them all). The torch path reads one tensor of every wanted row: raw_logits itself
-    where that is all of them and none changes, else a copy. The C kernels read rows by address and copy only the
-    wanted rows that may change (into the scratch's rows, valid until its next copies)."""
-    wanted = np.array([i for i, k in enumerate(num_top) if k is not None], dtype=np.int64)
+    """Keeps the rows that want logprobs (num_top [rows] int: the top logprobs each row wants, -1: none) as they are
+    before anything changes raw_logits in place (adjusted [rows] bool: the rows that may change; None: any). The GPU
+    sampling kernel reads the wanted rows in place unless one of them changes (then a copy of them all). The torch
+    path reads one tensor of every wanted row: raw_logits itself where that is all of them and none changes, else a
+    copy. The C kernels read rows by address and copy only the wanted rows that may change (into the scratch's rows,
+    valid until its next copies)."""
+    wanted = np.flatnonzero(num_top >= 0)
     if not len(wanted):
         return None
     in_order = np.arange(len(wanted))
@@ -192,7 +191,7 @@ def pack_logprobs(chosen, ranks, chosen_lp, top_ids, top_lp) -> torch.Tensor:
 class LogprobTensors:
     """The logprobs of the rows that want them, still on the device; `tolists` reads them on the host."""
 
-    num_top: list[int | None]  # per row: how many top logprobs (None: none wanted)
+    num_top: np.ndarray  # [rows] int: how many top logprobs each row wants (-1: none)
     packed: torch.Tensor  # [wanted, 4 + 2 max k] int32: pack_logprobs
 
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
@@ -203,24 +202,29 @@ class LogprobTensors:
             packed = pinned_copy(packed)
             torch.cuda.current_stream().synchronize()
         words = packed.numpy()
-        k_max = (words.shape[1] - 4) // 2
+        rows, k_max = len(words), (words.shape[1] - 4) // 2
         floats = words.view(np.float32)
-        chosen_lp = floats[:, 2:3] - floats[:, 3:4]
-        ids = np.concatenate([words[:, :1], words[:, 4 : 4 + k_max]], axis=1).tolist()  # the chosen token first
-        logprobs = np.concatenate([chosen_lp, floats[:, 4 + k_max :]], axis=1).tolist()
-        ranks = words[:, 1].tolist()
+        ids = np.empty((rows, 1 + k_max), dtype=np.int32)  # the chosen token first
+        ids[:, 0], ids[:, 1:] = words[:, 0], words[:, 4 : 4 + k_max]
+        logprobs = np.empty((rows, 1 + k_max), dtype=np.float32)
+        np.subtract(floats[:, 2], floats[:, 3], out=logprobs[:, 0])
+        logprobs[:, 1:] = floats[:, 4 + k_max :]
+        ids, logprobs, ranks = ids.tolist(), logprobs.tolist(), words[:, 1].tolist()
+        wanted = np.flatnonzero(self.num_top >= 0)
         out: list = [None] * len(self.num_top)
-        wanted = [i for i, k in enumerate(self.num_top) if k is not None]
-        for j, i in enumerate(wanted):
-            k = self.num_top[i]
-            out[i] = (ids[j][: k + 1], logprobs[j][: k + 1], [ranks[j]] + list(range(1, k + 1)))
+        tails = [list(range(1, k + 1)) for k in range(k_max + 1)]  # the top-k's ranks
+        for j, (i, k) in enumerate(zip(wanted.tolist(), self.num_top[wanted].tolist())):
+            if k == k_max:
+                out[i] = (ids[j], logprobs[j], [ranks[j], *tails[k]])
+            else:
+                out[i] = (ids[j][: k + 1], logprobs[j][: k + 1], [ranks[j], *tails[k]])
         return out
 
 
 def logprob_tensors(
     raw: LogprobRows | None,  # the wanted rows before any adjustment (logprob_rows)
     sampled: torch.Tensor,  # [rows]
-    num_top: list[int | None],  # per row: how many top logprobs (None: none wanted)
+    num_top: np.ndarray,  # [rows] int: how many top logprobs each row wants (-1: none)
     scratch: cpu_sampling.Scratch | None = None,  # the C kernels' working rows
     sampling: SamplingMetadata | None = None,  # the step's: the GPU kernel has computed its logprobs already
 ) -> LogprobTensors | None:
@@ -229,11 +233,10 @@ def logprob_tensors(
         return None
     if sampling is not None and sampling.logprobs is not None:
         return LogprobTensors(num_top, sampling.logprobs.out)
-    wanted = raw.wanted.tolist()
     index = None
-    if len(wanted) < len(num_top):
+    if len(raw.wanted) < len(num_top):
         index = raw.wanted_index if raw.wanted_index is not None else to_device(raw.wanted, sampled.device)
-    k_max = max(num_top[i] for i in wanted)
+    k_max = int(num_top[raw.wanted].max())
     raw_logits = raw.copies  # every wanted row (not on the C kernels' path), or the logits read in place
     if raw.copied is None and index is not None:  # the wanted rows of logits left in place
         raw_logits = raw.logits.index_select(0, index)
@@ -284,7 +287,7 @@ def _logsumexp_and_ranks(x: torch.Tensor, top: torch.Tensor, chosen: torch.Tenso
 def sampled_logprobs(
     raw: LogprobRows | None,
     sampled: torch.Tensor,
-    num_top: list[int | None],
+    num_top: np.ndarray,
     scratch: cpu_sampling.Scratch | None = None,
     sampling: SamplingMetadata | None = None,
 ) -> list[tuple[list[int], list[float], list[int]] | None]:

@@ -100,14 +100,14 @@ def test_logprobs_of_some_rows_read_in_place(monkeypatch):
 
     monkeypatch.setattr(sample_inputs, "use_triton", lambda x: True)
     raw = raw_rows(3000, 11).to(DEVICE)
-    num_top = [2, None, 3, None, 0, 5]
+    num_top = np.array([2, -1, 3, -1, 0, 5])
     rows = sample_inputs.logprob_rows(raw, num_top, np.zeros(6, dtype=bool))
     assert rows.copied is None  # read in place
     sampled = torch.randint(0, 3000, (6,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     out = sample_inputs.logprob_tensors(rows, sampled, num_top).tolists()
     raw, ref = raw.cpu(), raw.cpu().double().log_softmax(dim=-1)
-    for i, k in enumerate(num_top):
-        if k is None:
+    for i, k in enumerate(num_top.tolist()):
+        if k < 0:
             assert out[i] is None
             continue
         ids, lps, ranks = out[i]

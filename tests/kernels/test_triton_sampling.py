@@ -34,8 +34,8 @@ def draw(logits, temperature, seeds, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK,
         np.ones(n, dtype=bool), column(positions, np.int64),
     )  # fmt: skip
     cap = sampling._CAP if cap is None else cap
-    params = torch.from_numpy(params).to(DEVICE)
-    return sampling.sample(logits.to(DEVICE), params, 0, block=block, cap=cap).cpu()
+    inputs = torch.from_numpy(sampling.pack_inputs(params)).to(DEVICE)
+    return sampling.sample(logits.to(DEVICE), inputs, 0, block=block, cap=cap).cpu()
 
 
 def random_seeds(n: int, seed: int) -> np.ndarray:

@@ -21,7 +21,7 @@ def _wanted_entries(out, raw, sampled, num_top):
     wanted rows."""
     ref = raw.double().log_softmax(dim=-1)
     for i, entry in enumerate(out):
-        if num_top[i] is None:
+        if num_top[i] < 0:
             assert entry is None
             continue
         ids, lps, ranks = entry
@@ -37,7 +37,7 @@ def test_logprobs_match_a_float64_log_softmax(vocab):
     raw = torch.randn(40, vocab, generator=g) * 4
     raw[3, : vocab // 2] = float("-inf")  # banned tokens
     raw[5, -1] = 30.0  # the maximum in the tail
-    num_top = [None if i % 4 == 1 else i % 6 for i in range(len(raw))]  # 0 to 5, some rows none
+    num_top = np.array([-1 if i % 4 == 1 else i % 6 for i in range(len(raw))])  # 0 to 5, some rows none (-1)
     sampled = torch.randint(0, vocab, (len(raw),), generator=g)
     sampled[::3] = raw[::3].argmax(dim=-1)  # rank 1
     sampled[5] = vocab - 1
@@ -55,7 +55,7 @@ def test_logprobs_read_the_rows_as_they_were_before_adjust_logits_changed_them()
     g = torch.Generator().manual_seed(1)
     raw = torch.randn(8, 3000, generator=g) * 3
     before = raw.clone()
-    num_top = [2, None, 3, 1, None, 2, 4, 0]
+    num_top = np.array([2, -1, 3, 1, -1, 2, 4, 0])
     adjusted = np.array([True, True, False, True, False, False, True, False])
     rows = logprob_rows(raw, num_top, adjusted)
     raw[adjusted] = raw[adjusted] * 0.5 - 1.0  # what penalties might do, in place
