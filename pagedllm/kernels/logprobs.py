@@ -6,9 +6,9 @@ here serves tokens known beforehand (prompt logprobs).
 One pass keeps per lane a running max and sum of exp (the log-sum-exp), the count of tokens above the chosen one
 (its rank) and the lane's max. At least n tokens reach the n-th largest lane max, so a second pass lists the tokens
 at or above it (a few more than n, in no set order: each claims its place with an atomic add) and the list is sorted
-in registers. Where that list would be too long (many
-equal logits), the n-th largest value is searched for exactly (as the sampler's top-k) and the list holds the tokens
-above it, then those equal to it. As in the sampler, NaN logits count as -inf and +inf as the largest float.
+in registers. Where that list would be too long (many equal logits), the n-th largest value is searched for exactly
+(as the sampler's top-k) and the list holds the tokens above it, then those equal to it. As in the sampler, NaN
+logits count as -inf and +inf as the largest float.
 
 A row of the buffer (pagedllm/worker/sample_inputs.py's pack_logprobs): the chosen token, its rank, its logit and
 the log-sum-exp (float32 bits; the logprob is their difference, taken on the host), the top-n tokens, their logprobs
