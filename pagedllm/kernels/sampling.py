@@ -419,14 +419,34 @@ def program_order(params: np.ndarray) -> np.ndarray:
     return np.argsort(-weight, kind="stable").astype(np.int32)
 
 
+def input_words(batch: int, num_pen: int = 0, pen_stride: int = 0, num_wanted: int = 0) -> tuple[np.ndarray, ...]:
+    """An int32 array in the layout of the kernel's inputs, and its sections as views, to be written in place: (the
+    words, params [batch, PARAMS] (pack_params), the rows in the order of their programs [batch] (program_order),
+    the penalized rows [num_pen, pen_stride] (penalties.pack_rows), the rows that want logprobs [num_wanted])"""
+    order_at = batch * PARAMS
+    pen_at = order_at + batch
+    wanted_at = pen_at + num_pen * pen_stride
+    words = np.empty(wanted_at + num_wanted, dtype=np.int32)
+    params, order = words[:order_at].reshape(batch, PARAMS), words[order_at:pen_at]
+    return words, params, order, words[pen_at:wanted_at].reshape(num_pen, pen_stride), words[wanted_at:]
+
+
 def pack_inputs(
     params: np.ndarray, penalties: np.ndarray | None = None, wanted: np.ndarray | None = None
 ) -> np.ndarray:
-    """Every input of the kernel in one array (one host-to-device copy): params [batch, PARAMS] (pack_params), the
-    rows in the order of their programs [batch] (program_order), the penalized rows [penalized, max_len + 5]
-    (penalties.pack_rows), then the rows that want logprobs [wanted]. [words] int32"""
-    parts = [params.ravel(), program_order(params)] + [a.ravel() for a in (penalties, wanted) if a is not None]
-    return np.concatenate(parts)
+    """Every input of the kernel in one array (one host-to-device copy; input_words' layout): params [batch,
+    PARAMS] (pack_params), the penalized rows [penalized, max_len + 5] (penalties.pack_rows) and the rows that want
+    logprobs [wanted]. [words] int32"""
+    num_pen, pen_stride = (0, 0) if penalties is None else penalties.shape
+    words, *sections = input_words(len(params), num_pen, pen_stride, 0 if wanted is None else len(wanted))
+    params_out, order, pen_out, wanted_out = sections
+    params_out[:] = params
+    order[:] = program_order(params)
+    if num_pen:
+        pen_out[:] = penalties
+    if wanted is not None:
+        wanted_out[:] = wanted
+    return words
 
 
 def sample(

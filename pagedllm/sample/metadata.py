@@ -113,7 +113,7 @@ class SamplingMetadata:
         the rows that want logprobs, in one host-to-device copy (the kernel hashes a seeded row's key from its seed
         and position)."""
         from pagedllm.kernels.penalties import EXTRA, pack_rows
-        from pagedllm.kernels.sampling import PARAMS, pack_params, program_order
+        from pagedllm.kernels.sampling import input_words, pack_params, program_order
 
         n = len(temperature)
         sampling = temperature >= _EPS
@@ -122,21 +122,18 @@ class SamplingMetadata:
         listed = np.flatnonzero(num_top >= 0) if num_top is not None else ()  # the rows that want logprobs
         num_pen, max_len = (0, 0) if penalties is None else penalties.token_ids.shape
         pen_stride = max_len + EXTRA.value
-        pen_start = n * (PARAMS + 1)  # pack_inputs' layout: params, the order of the programs, penalties, wanted
-        words = np.empty(pen_start + num_pen * pen_stride + len(listed), dtype=np.int32)
+        words, params, order, pen_words, wanted_words = input_words(n, num_pen, pen_stride, len(listed))
         penalized = wanted = None
         if num_pen:
             penalized = np.full(n, -1, dtype=np.int32)
             penalized[penalties.rows] = np.arange(num_pen)
-            pen_words = words[pen_start : pen_start + num_pen * pen_stride].reshape(num_pen, pen_stride)
             pack_rows(*penalties[1:], out=pen_words)
         if len(listed):
             wanted = np.full(n, -1, dtype=np.int32)
             wanted[listed] = np.arange(len(listed))
-            words[pen_start + num_pen * pen_stride :] = listed
-        params = words[: n * PARAMS].reshape(n, PARAMS)
+            wanted_words[:] = listed
         pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions, penalized, wanted, out=params)
-        words[n * PARAMS : pen_start] = program_order(params)
+        order[:] = program_order(params)
         inputs = to_device(words, device)
         meta = cls._every_row(sampling, inputs)
         if num_pen:
