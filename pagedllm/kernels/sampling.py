@@ -41,6 +41,7 @@ the mass). The draws depend on BLOCK (it lays out the lanes)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.launch import Launch
 from pagedllm.kernels.logprobs import LIST, _rank, row_logprobs
 from pagedllm.kernels.logprobs import TILE as LP_TILE
 from pagedllm.kernels.penalties import EXTRA, penalize_row
@@ -342,6 +344,9 @@ def sample_kernel(
             tl.store(out.to(tl.pointer_type(tl.float32)) + 2, tl.sum(c, 0))
 
 
+_launch = Launch(sample_kernel)
+
+
 @triton.jit
 def _draw_row(
     row_ptr, row, floats, vals_ptr, ids_ptr, count_ptr, vocab, cap, temperature, step_key, BLOCK: tl.constexpr,
@@ -459,10 +464,12 @@ def sample(
     block: int = _BLOCK,
     cap: int = _CAP,
     work: torch.Tensor | None = None,  # [num_pen, vocab] logits' dtype: where the penalized rows go (default new)
+    memory: Memory | None = None,  # working memory kept from launch to launch (default: new allocations)
 ) -> torch.Tensor:
     """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p, of the
     row as it is or with its penalties; and the logprobs the rows want into logprobs.out. Launches one kernel and
-    never waits for the device. block: lanes per pass (a power of 2; the draws depend on it)."""
+    never waits for the device. block: lanes per pass (a power of 2; the draws depend on it). Kernels that share
+    memory must run one after another (on one stream)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
@@ -474,18 +481,41 @@ def sample(
     lp = logprobs if logprobs is not None else Logprobs(logits, inputs, 0, False)  # no program writes it
     wanted = lp.out.shape[0] if logprobs is not None else 0
     source = lp.source if lp.source.stride(-1) == 1 else lp.source.contiguous()
-    scratch = torch.empty(
-        2 * batch * cap + 2 * wanted * LIST + num_pen * vocab + batch + wanted, dtype=torch.int32, device=dev
-    )  # fmt: skip
+    memory = memory if memory is not None else Memory()
+    scratch = memory.take("scratch", (2 * batch * cap + 2 * wanted * LIST + num_pen * vocab + batch + wanted,), dev)
     if work is None:
-        work = torch.empty(num_pen, vocab, dtype=logits.dtype, device=dev) if num_pen else logits
-    sample_kernel[(batch + wanted,)](
+        work = memory.take("work", (num_pen, vocab), dev, logits.dtype) if num_pen else logits
+    _launch(
+        batch + wanted,
         logits, inputs, out, scratch, work, source, lp.out, batch, vocab, logits.stride(0), source.stride(0),
         cap, num_pen, pen_stride, lp.num_top, int(lp.copied), step_key, PARAMS=PARAMS, BLOCK=block, DEPTH=_DEPTH,
         PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)), SMALL=min(block, _SMALL), PIVOTS=_PIVOTS,
         LP_TILE=LP_TILE, LIST=LIST, num_warps=_WARPS if block >= 1024 else 4,
     )  # fmt: skip
     return out
+
+
+class Memory:
+    """The kernel's working memory (its lists and counts; the penalized copies of rows), kept from launch to launch:
+    on a GPU host an allocation or a view costs microseconds, and a step that needs the shapes of the last one
+    gets the same tensors again. Launches that share it must run one after another (on one stream)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}  # by use: the memory, at least as large as any view of it
+        self.views: dict[str, tuple[tuple, torch.Tensor]] = {}  # by use: the last view handed out, and its key
+
+    def take(self, use: str, shape: tuple[int, ...], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        key = (shape, device, dtype)
+        last = self.views.get(use)
+        if last is not None and last[0] == key:
+            return last[1]
+        size = math.prod(shape) * dtype.itemsize
+        buffer = self.buffers.get(use)
+        if buffer is None or buffer.device != device or buffer.numel() < size:
+            buffer = self.buffers[use] = torch.empty(size * 5 // 4, dtype=torch.uint8, device=device)
+        view = buffer[:size].view(dtype).view(shape)
+        self.views[use] = (key, view)
+        return view
 
 
 @dataclass

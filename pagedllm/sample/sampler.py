@@ -189,6 +189,7 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self.scratch = _Scratch(device)  # the torch path's large temporaries
         self.c_scratch = cpu_sampling.Scratch()  # the C kernels' working rows (also lent to the logprobs)
+        self.kernel_memory = None  # the GPU kernel's working memory (sampling.Memory), made at its first launch
 
     def __call__(
         self, logits: torch.Tensor, meta: SamplingMetadata, logprob_copies: torch.Tensor | None = None
@@ -209,13 +210,16 @@ class Sampler:
         if meta.all_greedy:
             return logits.argmax(dim=-1) if logits.is_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
         if meta.params is not None:  # GPU: every row in one kernel
-            from pagedllm.kernels.sampling import Logprobs, sample
+            from pagedllm.kernels.sampling import Logprobs, Memory, sample
 
             lp, copied = meta.logprobs, logprob_copies is not None
             if lp is not None:
                 lp = Logprobs(logprob_copies if copied else logits, lp.out, lp.k_max, copied)
+            if self.kernel_memory is None:
+                self.kernel_memory = Memory()
             key = int(self.rng.integers(1 << 62))
-            return sample(logits, meta.params, key, meta.num_penalized, meta.penalty_stride, lp)
+            pen = meta.num_penalized, meta.penalty_stride
+            return sample(logits, meta.params, key, *pen, lp, memory=self.kernel_memory)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         greedy, filtered = meta.greedy_rows, meta.filtered
         # their rows start from the maxima of tiles (tiles.py): one pass over the whole batch where they are most

@@ -196,10 +196,14 @@ class LogprobTensors:
 
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
         """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted.
-        A device tensor is copied to the host with one wait."""
-        packed = self.packed
-        if packed.is_cuda:
+        A device tensor is copied to the host with one wait (after the host's own work)."""
+        packed, on_device = self.packed, self.packed.is_cuda
+        if on_device:
             packed = pinned_copy(packed)
+        wanted = np.flatnonzero(self.num_top >= 0)
+        rows_k = list(zip(wanted.tolist(), self.num_top[wanted].tolist()))
+        out: list = [None] * len(self.num_top)
+        if on_device:
             torch.cuda.current_stream().synchronize()
         words = packed.numpy()
         rows, k_max = len(words), (words.shape[1] - 4) // 2
@@ -210,10 +214,8 @@ class LogprobTensors:
         np.subtract(floats[:, 2], floats[:, 3], out=logprobs[:, 0])
         logprobs[:, 1:] = floats[:, 4 + k_max :]
         ids, logprobs, ranks = ids.tolist(), logprobs.tolist(), words[:, 1].tolist()
-        wanted = np.flatnonzero(self.num_top >= 0)
-        out: list = [None] * len(self.num_top)
         tails = [list(range(1, k + 1)) for k in range(k_max + 1)]  # the top-k's ranks
-        for j, (i, k) in enumerate(zip(wanted.tolist(), self.num_top[wanted].tolist())):
+        for j, (i, k) in enumerate(rows_k):
             if k == k_max:
                 out[i] = (ids[j], logprobs[j], [ranks[j], *tails[k]])
             else:

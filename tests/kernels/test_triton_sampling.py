@@ -138,6 +138,73 @@ def test_seeded_rows_draw_the_same_token_alone_and_in_another_batch():
     assert torch.equal(shuffled[2:], together[torch.from_numpy(order)])
 
 
+def test_memory_gives_the_last_tensors_back_for_the_same_shapes():
+    memory = sampling.Memory()
+    a = memory.take("scratch", (100,), torch.device("cpu"))
+    assert memory.take("scratch", (100,), torch.device("cpu")) is a
+    b = memory.take("scratch", (60,), torch.device("cpu"))  # smaller: a view of the same memory
+    assert b.data_ptr() == a.data_ptr() and b.shape == (60,)
+    c = memory.take("scratch", (1000,), torch.device("cpu"))  # larger: new memory
+    assert c.shape == (1000,) and c.dtype == torch.int32
+    w = memory.take("work", (3, 8), torch.device("cpu"), torch.bfloat16)  # another use: memory of its own
+    assert w.shape == (3, 8) and w.dtype == torch.bfloat16 and w.data_ptr() != c.data_ptr()
+
+
+def test_memory_kept_between_launches_draws_as_new_memory():
+    """Launches that share their working memory (lists, counts, penalized rows) draw what launches with new memory
+    draw, whatever the launch before them left there."""
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randn(n, 40, generator=gen) * 3 for n in (6, 3, 6)]
+    memory = sampling.Memory()
+    for x in batches:
+        n = x.shape[0]
+        params = sampling.pack_params(
+            np.full(n, 0.8, dtype=np.float32), np.array([3, 0, 5, 0, 2, 0][:n]), np.full(n, 0.9, dtype=np.float32),
+            np.zeros(n, dtype=np.float32), random_seeds(n, n), np.ones(n, dtype=bool), np.arange(n),
+        )  # fmt: skip
+        inputs = torch.from_numpy(sampling.pack_inputs(params)).to(DEVICE)
+        shared = sampling.sample(x.to(DEVICE), inputs, 0, block=16, memory=memory)
+        assert torch.equal(shared, sampling.sample(x.to(DEVICE), inputs, 0, block=16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="the compiled kernel's direct launch needs CUDA")
+def test_direct_launch_draws_as_tritons_launch():
+    """After Triton's first launch of a specialization, Launch calls the compiled kernel itself: same tokens."""
+    from pagedllm.kernels.launch import Launch
+
+    class Spy:  # counts the launches that go through Triton
+        def __init__(self, kernel):
+            self.kernel, self.through_triton = kernel, 0
+
+        def __getattr__(self, name):
+            return getattr(self.kernel, name)
+
+        def __getitem__(self, grid):
+            self.through_triton += 1
+            return self.kernel[grid]
+
+    launch = Launch(sampling.sample_kernel)
+    assert launch.direct
+    spy = launch.kernel = Spy(sampling.sample_kernel)
+    x = torch.randn(64, 5000, device=DEVICE) * 3
+    n = x.shape[0]
+    params = sampling.pack_params(
+        np.full(n, 0.7, dtype=np.float32), np.zeros(n, dtype=np.int64), np.full(n, 0.9, dtype=np.float32),
+        np.zeros(n, dtype=np.float32), random_seeds(n, 1), np.ones(n, dtype=bool), np.arange(n),
+    )  # fmt: skip
+    inputs = torch.from_numpy(sampling.pack_inputs(params)).to(DEVICE)
+    expected = sampling.sample(x, inputs, 0)  # through the module's launcher
+    original = sampling._launch
+    try:
+        sampling._launch = launch
+        first, second = sampling.sample(x, inputs, 0), sampling.sample(x, inputs, 0)
+    finally:
+        sampling._launch = original
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert spy.through_triton == 0  # the module's launch had compiled and loaded this specialization
+
+
 def test_draws_vary_with_seed_and_position():
     """Over a flat row of 16 tokens, the draws of 5 seeds (the extremes of 64 bits among them) x 40 positions are
     uniform: every (seed, position) keys its own numbers."""
