@@ -3,9 +3,9 @@ token after min-p, top-k and top-p, reading the logits in place, with no host sy
 copies its row to a work row and applies the penalties there (pagedllm/kernels/penalties.py); the logits stay as they
 are. A row that wants logprobs gets one more program, which reads the logits as they are for the log-sum-exp and the
 top tokens (pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. Every
-input comes in one int32 array (pack_inputs), so a step costs one host-to-device copy and one launch. The programs
-of the rows that want logprobs come first, then the rows' own, the likely slowest first (program_order): programs
-start in order, and a big batch's do not all fit on the device at once.
+input comes in one int32 array (laid out by pagedllm/kernels/sampling_inputs.py), so a step costs one host-to-device
+copy and one launch. The programs of the rows that want logprobs come first, then the rows' own, the likely slowest
+first (program_order): programs start in order, and a big batch's do not all fit on the device at once.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
 at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -66,15 +65,15 @@ from pagedllm.kernels.row_passes import (
     _tile,
     _tokens,
 )
+from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, PARAMS
 
-_GREEDY_BELOW = tl.constexpr(1e-5)  # a temperature below this takes the argmax (as SamplingMetadata)
+_GREEDY_BELOW = tl.constexpr(GREEDY_BELOW)
 _BLOCK = 1024  # lanes of a pass over a row
 _DEPTH = 2  # blocks of tokens per iteration of a pass (more loads in flight)
 _WARPS = 8  # warps per program (BLOCK >= 1024); 16 was no faster
 _PIVOTS = 16  # points per threshold-search pass
 _SMALL = 256  # entries per tile of a candidate list
 _CAP = 8192  # candidates listed per top-k row: more, and the row itself is searched
-PARAMS = 10  # words per row of pack_params
 _ROUND = tl.constexpr(1 << 30)  # the Philox counter of a draw's uniform, plus the round (counters by token stay below)
 
 
@@ -268,8 +267,8 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["batch", "step_key"])  # batch: a batch of 1 stays a value
 def sample_kernel(
     logits_ptr,  # [batch, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary
-    inputs_ptr,  # int32 words (pack_inputs): [batch, PARAMS] params, [batch] order, [penalized, pen_stride] penalties,
-    # [wanted] rows
+    inputs_ptr,  # int32 words (sampling_inputs.pack_inputs): [batch, PARAMS] params, [batch] order, [penalized,
+    # pen_stride] penalties, [wanted] rows
     out_ptr,  # [batch] int64
     scratch_ptr,  # int32 words: the top-k lists, the logprobs' lists, the penalties' counts, a counter per program
     work_ptr,  # [penalized, vocab] logits' dtype: the penalized copies of those rows
@@ -383,80 +382,9 @@ def _draw_row(
     return token
 
 
-def pack_params(
-    temperature: np.ndarray,  # [batch] float32
-    top_k: np.ndarray,  # [batch] int64, 0 = off
-    top_p: np.ndarray,  # [batch] float32, 1 = off
-    min_p: np.ndarray,  # [batch] float32, 0 = off
-    seeds: np.ndarray | None = None,  # [batch] int64
-    seeded: np.ndarray | None = None,  # [batch] bool
-    positions: np.ndarray | None = None,  # [batch] int64: the draw's counter of a seeded row
-    penalized: np.ndarray | None = None,  # [batch] int32: each row's place among pack_rows' rows, -1: none
-    wanted: np.ndarray | None = None,  # [batch] int32: each row's place among the rows wanting logprobs, -1: none
-    out: np.ndarray | None = None,  # [batch, PARAMS] int32 to write into
-) -> np.ndarray:
-    """The kernel's parameters of every row, PARAMS 32-bit words each: float32 temperature (below _GREEDY_BELOW:
-    argmax), top_k (0 = off), top_p, min_p; the seed's low and high words, the position, whether the row is seeded;
-    its penalties' place, its logprobs' place (int32). [batch, PARAMS] int32"""
-    n = len(temperature)
-    packed = np.empty((n, PARAMS), dtype=np.int32) if out is None else out
-    floats = packed.view(np.float32)
-    floats[:, 0], floats[:, 1], floats[:, 2], floats[:, 3] = temperature, top_k, top_p, min_p
-    if seeded is not None and seeded.any():
-        packed[:, 4:6] = seeds.astype(np.int64).reshape(-1, 1).view(np.int32)  # low word, high word
-        packed[:, 6] = positions
-        packed[:, 7] = seeded
-    else:
-        packed[:, 4:8] = 0
-    packed[:, 8] = -1 if penalized is None else penalized
-    packed[:, 9] = -1 if wanted is None else wanted
-    return packed
-
-
-def program_order(params: np.ndarray) -> np.ndarray:
-    """The rows in the order of their programs, the likely slowest first (programs start in order, and those of a
-    big batch do not all fit on the device at once): penalized, then filtered, then plain draws, then argmax rows.
-    params [batch, PARAMS] int32 (pack_params) -> [batch] int32"""
-    floats = params.view(np.float32)
-    draws = floats[:, 0] >= _GREEDY_BELOW.value
-    filtered = (floats[:, 1] > 0) | (floats[:, 2] < 1.0) | (floats[:, 3] > 0)
-    weight = draws * (1 + 2 * filtered) + 4 * (params[:, 8] >= 0) + (params[:, 9] >= 0)
-    return np.argsort(-weight, kind="stable").astype(np.int32)
-
-
-def input_words(batch: int, num_pen: int = 0, pen_stride: int = 0, num_wanted: int = 0) -> tuple[np.ndarray, ...]:
-    """An int32 array in the layout of the kernel's inputs, and its sections as views, to be written in place: (the
-    words, params [batch, PARAMS] (pack_params), the rows in the order of their programs [batch] (program_order),
-    the penalized rows [num_pen, pen_stride] (penalties.pack_rows), the rows that want logprobs [num_wanted])"""
-    order_at = batch * PARAMS
-    pen_at = order_at + batch
-    wanted_at = pen_at + num_pen * pen_stride
-    words = np.empty(wanted_at + num_wanted, dtype=np.int32)
-    params, order = words[:order_at].reshape(batch, PARAMS), words[order_at:pen_at]
-    return words, params, order, words[pen_at:wanted_at].reshape(num_pen, pen_stride), words[wanted_at:]
-
-
-def pack_inputs(
-    params: np.ndarray, penalties: np.ndarray | None = None, wanted: np.ndarray | None = None
-) -> np.ndarray:
-    """Every input of the kernel in one array (one host-to-device copy; input_words' layout): params [batch,
-    PARAMS] (pack_params), the penalized rows [penalized, max_len + 5] (penalties.pack_rows) and the rows that want
-    logprobs [wanted]. [words] int32"""
-    num_pen, pen_stride = (0, 0) if penalties is None else penalties.shape
-    words, *sections = input_words(len(params), num_pen, pen_stride, 0 if wanted is None else len(wanted))
-    params_out, order, pen_out, wanted_out = sections
-    params_out[:] = params
-    order[:] = program_order(params)
-    if num_pen:
-        pen_out[:] = penalties
-    if wanted is not None:
-        wanted_out[:] = wanted
-    return words
-
-
 def sample(
     logits: torch.Tensor,  # [batch, vocab]
-    inputs: torch.Tensor,  # int32 words: pack_inputs
+    inputs: torch.Tensor,  # int32 words: sampling_inputs.pack_inputs
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
     num_pen: int = 0,  # penalized rows in inputs
     pen_stride: int = 0,  # their words each

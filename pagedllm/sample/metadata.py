@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.device import to_device
 from pagedllm.kernels import cpu_kernels, triton_available
+from pagedllm.kernels.sampling_inputs import input_words, pack_params, program_order
 from pagedllm.sample.logits_processors import Penalties
 
 _EPS = 1e-5  # a temperature below this takes the argmax
@@ -34,7 +35,7 @@ class SamplingMetadata:
 
     all_greedy: bool
     params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU:
-    # every input of the kernel, int32 words: pagedllm/kernels/sampling.py's pack_inputs)
+    # every input of the kernel, int32 words: pagedllm/kernels/sampling_inputs.py.s pack_inputs)
     greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
     sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
     plain: torch.Tensor | None  # [num_plain] int64: positions in sample_rows without top-k / top-p
@@ -113,7 +114,6 @@ class SamplingMetadata:
         the rows that want logprobs, in one host-to-device copy (the kernel hashes a seeded row's key from its seed
         and position)."""
         from pagedllm.kernels.penalties import EXTRA, pack_rows
-        from pagedllm.kernels.sampling import input_words, pack_params, program_order
 
         n = len(temperature)
         sampling = temperature >= _EPS

@@ -10,6 +10,8 @@ import pytest
 import sampling_kernels
 import torch
 
+from pagedllm.kernels import sampling_inputs
+
 pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,12 +77,12 @@ def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
     temperature = np.float32([0, 0, 0, 0, 0, 1.0, 2.0, 0.7])
     top_k = np.int64([0, 0, 0, 0, 0, 3, 20, 0])
     top_p = np.float32([1, 1, 1, 1, 1, 1, 1, 0.9])
-    params = sampling.pack_params(temperature, top_k, top_p, np.zeros(8, np.float32), None, None, None, penalized,
-                                  place)  # fmt: skip
+    zeros = np.zeros(8, np.float32)
+    params = sampling_inputs.pack_params(temperature, top_k, top_p, zeros, None, None, None, penalized, place)
     out = torch.empty(6, 4 + 2 * num_top, dtype=torch.int32, device=DEVICE)
     x = raw.to(DEVICE)
     source = x[torch.from_numpy(wanted).long().to(DEVICE)] if copied else x
-    inputs = torch.from_numpy(sampling.pack_inputs(params, packed, wanted)).to(DEVICE)
+    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params, packed, wanted)).to(DEVICE)
     lp = sampling.Logprobs(source, out, num_top, copied)
     tokens = sampling.sample(x, inputs, 0, 2, packed.shape[1], lp, block=16).cpu()
     check(out.cpu(), raw[wanted], tokens[wanted], num_top, ties=2)

@@ -9,6 +9,7 @@ import pytest
 import sampling_kernels
 import torch
 
+from pagedllm.kernels import sampling_inputs
 from pagedllm.sample.logits_processors import apply_penalties
 
 pytest.importorskip("triton")
@@ -32,11 +33,11 @@ def test_sampling_kernel_penalizes_copies_as_the_torch_path(vocab):
     place = np.full(7, -1, dtype=np.int32)
     place[rows] = np.arange(5)
     zeros = np.zeros(7, dtype=np.float32)  # every row greedy
-    params = sampling.pack_params(zeros, np.zeros(7, dtype=np.int64), zeros + 1, zeros, penalized=place)
+    params = sampling_inputs.pack_params(zeros, np.zeros(7, dtype=np.int64), zeros + 1, zeros, penalized=place)
     packed = penalties.pack_rows(token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq)
     x = logits.to(DEVICE)
     work = torch.empty(5, vocab, device=DEVICE)
-    inputs = torch.from_numpy(sampling.pack_inputs(params, packed)).to(DEVICE)
+    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params, packed)).to(DEVICE)
     tokens = sampling.sample(x, inputs, 0, 5, packed.shape[1], block=16, work=work).cpu()
     torch.testing.assert_close(work.cpu(), expected[rows])  # the penalized copies
     assert torch.equal(x.cpu(), logits)  # the logits stay as they are

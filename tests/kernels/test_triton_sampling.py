@@ -11,6 +11,7 @@ import sampling_kernels
 import torch
 from sampling_reference import hf_kept
 
+from pagedllm.kernels import sampling_inputs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 
@@ -29,12 +30,12 @@ def draw(logits, temperature, seeds, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK,
     seeded by its seed (and position); cap: candidates listed per top-k row (default the kernel's)."""
     n = logits.shape[0]
     column = lambda v, dtype=np.float32: np.broadcast_to(np.asarray(v, dtype=dtype), (n,))  # noqa: E731
-    params = sampling.pack_params(
+    params = sampling_inputs.pack_params(
         column(temperature), column(top_k), column(top_p), column(min_p), column(seeds, np.int64),
         np.ones(n, dtype=bool), column(positions, np.int64),
     )  # fmt: skip
     cap = sampling._CAP if cap is None else cap
-    inputs = torch.from_numpy(sampling.pack_inputs(params)).to(DEVICE)
+    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params)).to(DEVICE)
     return sampling.sample(logits.to(DEVICE), inputs, 0, block=block, cap=cap).cpu()
 
 
@@ -158,11 +159,11 @@ def test_memory_kept_between_launches_draws_as_new_memory():
     memory = sampling.Memory()
     for x in batches:
         n = x.shape[0]
-        params = sampling.pack_params(
+        params = sampling_inputs.pack_params(
             np.full(n, 0.8, dtype=np.float32), np.array([3, 0, 5, 0, 2, 0][:n]), np.full(n, 0.9, dtype=np.float32),
             np.zeros(n, dtype=np.float32), random_seeds(n, n), np.ones(n, dtype=bool), np.arange(n),
         )  # fmt: skip
-        inputs = torch.from_numpy(sampling.pack_inputs(params)).to(DEVICE)
+        inputs = torch.from_numpy(sampling_inputs.pack_inputs(params)).to(DEVICE)
         shared = sampling.sample(x.to(DEVICE), inputs, 0, block=16, memory=memory)
         assert torch.equal(shared, sampling.sample(x.to(DEVICE), inputs, 0, block=16))
 
@@ -189,11 +190,11 @@ def test_direct_launch_draws_as_tritons_launch():
     spy = launch.kernel = Spy(sampling.sample_kernel)
     x = torch.randn(64, 5000, device=DEVICE) * 3
     n = x.shape[0]
-    params = sampling.pack_params(
+    params = sampling_inputs.pack_params(
         np.full(n, 0.7, dtype=np.float32), np.zeros(n, dtype=np.int64), np.full(n, 0.9, dtype=np.float32),
         np.zeros(n, dtype=np.float32), random_seeds(n, 1), np.ones(n, dtype=bool), np.arange(n),
     )  # fmt: skip
-    inputs = torch.from_numpy(sampling.pack_inputs(params)).to(DEVICE)
+    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params)).to(DEVICE)
     expected = sampling.sample(x, inputs, 0)  # through the module's launcher
     original = sampling._launch
     try:
