@@ -82,13 +82,23 @@ class BlockPool:
         self.cached.setdefault(block_hash, block)
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        """Drops one reference from each block; blocks reaching 0 join the free queue's tail in the given order."""
+        """Drops one reference from each block. Blocks reaching 0 join the free queue: a cached one at the tail, in
+        the given order (evicted last), those holding no cached prefix at the head, in the given order, to be taken
+        first (taking one evicts nothing, and its memory has been written: on the CPU a block never used costs page
+        faults)."""
+        uncached = []
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = block
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    self.free_queue[block.block_id] = block
+        for block in reversed(uncached):
+            self.free_queue[block.block_id] = block
+            self.free_queue.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash. Refused (False) while any block is in use."""
@@ -97,4 +107,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        # none is cached now: the most recently freed first (their memory is written, and may still be in cache)
+        self.free_queue = OrderedDict(reversed(self.free_queue.items()))
         return True

@@ -185,62 +185,130 @@ static inline int64_t unpacked_lane(int64_t d) {
 static const __m512i lane_index = {0x100000000, 0x300000002, 0x500000004, 0x700000006,
                                    0x900000008, 0xb0000000a, 0xd0000000c, 0xf0000000e}; /* int32 lanes 0..15 */
 
-/* attend_block straight from a bfloat16 cache block: q·k as bfloat16 pair dot products (exact products, float32
-   sums), p·V with each probability rounded to bfloat16 (the rounded value also goes into the softmax sum) and two
-   tokens' values interleaved by unpacking, into accumulators in the order unpacked_lane gives. qb: the group's
-   query heads as bfloat16, [group][MAX_DIM]. */
-static void attend_block_bf16(Running *restrict state, const uint16_t (*qb)[MAX_DIM], int64_t group,
-                              const uint16_t *restrict keys, const uint16_t *restrict values, int64_t t0, int64_t t1,
-                              int64_t dim, float scale) {
+/* attend_block straight from a bfloat16 cache block, for the `group` query heads together: each key and value
+   chunk is loaded once for all of them. q·k as bfloat16 pair dot products (exact products, float32 sums), p·V with
+   each probability rounded to bfloat16 (the rounded value also goes into the softmax sum) and two tokens' values
+   interleaved by unpacking, into accumulators in the order unpacked_lane gives. q: the group's query heads as
+   32-value chunks, [group][chunks]. Every head's sums run in the order of a head alone. Inlined with a constant
+   group where decode_attention dispatches on it, so that the heads' accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_block_bf16(Running *restrict state, const __m512i *q,
+                                                                    const int64_t group,
+                                                                    const uint16_t *restrict keys,
+                                                                    const uint16_t *restrict values, int64_t t0,
+                                                                    int64_t t1, int64_t dim, float scale) {
     const int64_t chunks = (dim + 31) / 32;
-    for (int64_t g = 0; g < group; g++) {
-        Running *st = &state[g];
-        __m512i q[MAX_DIM / 32];
-        for (int64_t c = 0; c < chunks; c++) q[c] = load_chunk(qb[g] + 32 * c, dim - 32 * c);
-        for (int64_t c0 = t0 - t0 % LANES; c0 < t1; c0 += LANES) { /* LANES tokens at a time */
-            const int64_t n = t1 - c0 < LANES ? t1 - c0 : LANES;
-            f32x16 dots[LANES];
-            for (int64_t i = 0; i < LANES; i++) {
-                __m512 a = _mm512_setzero_ps();
-                if (i < n) {
-                    const uint16_t *k = keys + (c0 + i) * dim;
-                    for (int64_t c = 0; c < chunks; c++)
-                        a = _mm512_dpbf16_ps(a, (__m512bh)load_chunk(k + 32 * c, dim - 32 * c), (__m512bh)q[c]);
-                }
-                dots[i] = (f32x16)a;
+    for (int64_t c0 = t0 - t0 % LANES; c0 < t1; c0 += LANES) { /* LANES tokens at a time */
+        const int64_t n = t1 - c0 < LANES ? t1 - c0 : LANES;
+        f32x16 dots[MAX_GROUP][LANES];
+        for (int64_t i = 0; i < LANES; i++) {
+            if (i >= n) {
+                for (int64_t g = 0; g < group; g++) dots[g][i] = (f32x16){0};
+                continue;
             }
-            const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)c0), lane_index);
-            const __mmask16 inside = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32((int)t0)) &
-                                     _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32((int)t1));
+            const uint16_t *k = keys + (c0 + i) * dim;
+            __m512i kc[MAX_DIM / 32];
+            for (int64_t c = 0; c < chunks; c++) kc[c] = load_chunk(k + 32 * c, dim - 32 * c);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, (__m512bh)kc[c], (__m512bh)q[g * chunks + c]);
+                dots[g][i] = (f32x16)a;
+            }
+        }
+        const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)c0), lane_index);
+        const __mmask16 inside = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32((int)t0)) &
+                                 _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32((int)t1));
+        /* per head, the probabilities rounded to bfloat16: 8 pairs of neighbouring tokens, as p·V takes them */
+        uint32_t pairs[MAX_GROUP][LANES / 2];
+        float sums[MAX_GROUP];
+        f32x16 drop = {0}; /* lane g: head g's old max minus its new one */
+        for (int64_t g = 0; g < group; g++) {
+            Running *st = &state[g];
             const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), inside,
-                                                _mm512_mul_ps((__m512)sum_lanes16(dots), _mm512_set1_ps(scale)));
+                                                _mm512_mul_ps((__m512)sum_lanes16(dots[g]), _mm512_set1_ps(scale)));
             const float top = fmaxf(st->max, _mm512_reduce_max_ps(s));
-            const f32x16 zero = {0};
-            /* the probabilities rounded to bfloat16: 8 pairs of neighbouring tokens, as p·V takes them */
-            uint32_t pairs[LANES / 2];
-            _mm256_storeu_si256((__m256i *)pairs, (__m256i)_mm512_cvtneps_pbh((__m512)exp16((f32x16)s - top)));
+            _mm256_storeu_si256((__m256i *)pairs[g], (__m256i)_mm512_cvtneps_pbh((__m512)exp16((f32x16)s - top)));
             const __m512 rounded = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)pairs)), 16));
-            const float keep = exp16(zero + (st->max - top))[0]; /* 0 while max is -inf */
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)pairs[g])), 16));
+            sums[g] = _mm512_reduce_add_ps(rounded);
+            drop[g] = st->max - top;
             st->max = top;
-            st->sum = st->sum * keep + _mm512_reduce_add_ps(rounded);
-            const uint16_t *v = values + c0 * dim;
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t left = dim - 32 * c;
-                __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(st->acc + 32 * c), _mm512_set1_ps(keep));
-                __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(st->acc + 32 * c + 16), _mm512_set1_ps(keep));
-                for (int64_t i = 0; i < n; i += 2) { /* tokens i and i + 1 (a zero past the end) */
-                    const __m512i a = load_chunk(v + i * dim + 32 * c, left);
-                    const __m512i b = i + 1 < n ? load_chunk(v + (i + 1) * dim + 32 * c, left) : _mm512_setzero_si512();
-                    const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[i / 2]);
-                    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), pair);
-                    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), pair);
+        }
+        const f32x16 keep = exp16(drop); /* lane g: head g's rescale, 0 while its max is -inf */
+        for (int64_t g = 0; g < group; g++) state[g].sum = state[g].sum * keep[g] + sums[g];
+        const uint16_t *v = values + c0 * dim;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t left = dim - 32 * c;
+            __m512 lo[MAX_GROUP], hi[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) {
+                lo[g] = _mm512_mul_ps(_mm512_loadu_ps(state[g].acc + 32 * c), _mm512_set1_ps(keep[g]));
+                hi[g] = _mm512_mul_ps(_mm512_loadu_ps(state[g].acc + 32 * c + 16), _mm512_set1_ps(keep[g]));
+            }
+            for (int64_t i = 0; i < n; i += 2) { /* tokens i and i + 1 (a zero past the end) */
+                const __m512i a = load_chunk(v + i * dim + 32 * c, left);
+                const __m512i b = i + 1 < n ? load_chunk(v + (i + 1) * dim + 32 * c, left) : _mm512_setzero_si512();
+                const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int64_t g = 0; g < group; g++) {
+                    const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[g][i / 2]);
+                    lo[g] = _mm512_dpbf16_ps(lo[g], low, pair);
+                    hi[g] = _mm512_dpbf16_ps(hi[g], high, pair);
                 }
-                _mm512_storeu_ps(st->acc + 32 * c, lo);
-                _mm512_storeu_ps(st->acc + 32 * c + 16, hi);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                _mm512_storeu_ps(state[g].acc + 32 * c, lo[g]);
+                _mm512_storeu_ps(state[g].acc + 32 * c + 16, hi[g]);
             }
         }
     }
+}
+#endif
+
+/* The next block's keys and values start on their way from memory, into L2 (prefetching into L1 ran out of its
+   miss buffers and was a third slower). */
+static inline void prefetch_block(const char *k, const char *v, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+        __builtin_prefetch(k + byte, 0, 1);
+        __builtin_prefetch(v + byte, 0, 1);
+    }
+}
+
+#ifdef BF16_DOT
+/* One work item's blocks (decode_attention's loop) straight from bfloat16 caches: blocks [*] the request's block ids,
+   tokens [first, len) attended; k_cache and v_cache point at the item's kv head. Inlined with a constant group. */
+static inline __attribute__((always_inline)) void attend_blocks_bf16(Running *restrict state, const __m512i *q,
+                                                                     const int64_t group, const uint16_t *k_cache,
+                                                                     const uint16_t *v_cache, const int64_t *blocks,
+                                                                     int64_t block_size, int64_t first, int64_t len,
+                                                                     int64_t dim, float scale) {
+    const int64_t block_values = block_size * dim;
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t start = b * block_size, offset = blocks[b] * block_values;
+        if ((b + 1) * block_size < len) {
+            const int64_t next = blocks[b + 1] * block_values;
+            prefetch_block((const char *)(k_cache + next), (const char *)(v_cache + next), block_values * 2);
+        }
+        /* only the slots up to the request's length: the rest of its last block may not be written yet */
+        attend_block_bf16(state, q, group, k_cache + offset, v_cache + offset, first > start ? first - start : 0,
+                          len - start < block_size ? len - start : block_size, dim, scale);
+    }
+}
+
+/* attend_blocks_bf16 with the group sizes of common models as constants */
+static void attend_item_bf16(Running *restrict state, const __m512i *q, int64_t group, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int64_t *blocks, int64_t block_size, int64_t first,
+                             int64_t len, int64_t dim, float scale) {
+#define ATTEND(G) attend_blocks_bf16(state, q, G, k_cache, v_cache, blocks, block_size, first, len, dim, scale)
+    switch (group) {
+        case 1: ATTEND(1); break;
+        case 2: ATTEND(2); break;
+        case 3: ATTEND(3); break;
+        case 4: ATTEND(4); break;
+        case 5: ATTEND(5); break;
+        case 6: ATTEND(6); break;
+        case 7: ATTEND(7); break;
+        case 8: ATTEND(8); break;
+        default: ATTEND(group);
+    }
+#undef ATTEND
 }
 #endif
 
@@ -259,51 +327,46 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
         const int64_t r = item / num_kv_heads, h = item % num_kv_heads, row = token_rows[r];
-        float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
+        const int64_t len = seq_lens[r], *blocks = block_table + r * bt_row;
+        const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        const char *q_item = (const char *)q + (row * q_tok + h * group * q_head) * width;
         Running state[MAX_GROUP];
-#ifdef BF16_DOT
-        uint16_t qb[MAX_GROUP][MAX_DIM];
-        const int in_place = bf16; /* bfloat16 caches are read in place, their blocks never converted */
-#else
-        const int in_place = 0;
-#endif
         for (int64_t g = 0; g < group; g++) {
-            const char *qg = (const char *)q + (row * q_tok + (h * group + g) * q_head) * width;
-#ifdef BF16_DOT
-            if (in_place) memcpy(qb[g], qg, head_dim * sizeof(uint16_t));
-#endif
-            if (!in_place) to_float(qf[g], qg, head_dim, bf16);
             state[g].max = -INFINITY;
             state[g].sum = 0.0f;
             memset(state[g].acc, 0, sizeof state[g].acc);
         }
-        const int64_t len = seq_lens[r];
-        const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-        for (int64_t b = first / block_size; b * block_size < len; b++) {
-            const int64_t start = b * block_size;
-            const int64_t t0 = first > start ? first - start : 0;
-            const int64_t t1 = len - start < block_size ? len - start : block_size;
-            const int64_t offset = (h * num_blocks + block_table[r * bt_row + b]) * block_values;
-            /* the next block's keys and values start on their way from memory, into L2 (prefetching into L1 ran
-               out of its miss buffers and was a third slower) */
-            if ((b + 1) * block_size < len) {
-                const int64_t next = (h * num_blocks + block_table[r * bt_row + b + 1]) * block_values * width;
-                for (int64_t byte = 0; byte < block_values * width; byte += 64) {
-                    __builtin_prefetch((const char *)k_cache + next + byte, 0, 1);
-                    __builtin_prefetch((const char *)v_cache + next + byte, 0, 1);
-                }
-            }
-            /* only the slots up to the request's length: the rest of its last block may not be written yet */
 #ifdef BF16_DOT
-            if (in_place) {
-                attend_block_bf16(state, (const uint16_t(*)[MAX_DIM])qb, group, (const uint16_t *)k_cache + offset,
-                                  (const uint16_t *)v_cache + offset, t0, t1, head_dim, scale);
-                continue;
-            }
+        const int in_place = bf16; /* bfloat16 caches are read in place, their blocks never converted */
+        if (in_place) {
+            __m512i qc[MAX_GROUP * MAX_DIM / 32]; /* [group][chunks] */
+            const int64_t chunks = (head_dim + 31) / 32;
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < chunks; c++)
+                    qc[g * chunks + c] = load_chunk((const uint16_t *)(q_item + g * q_head * 2) + 32 * c, head_dim - 32 * c);
+            const int64_t head_values = num_blocks * block_values;
+            attend_item_bf16(state, qc, group, (const uint16_t *)k_cache + h * head_values,
+                             (const uint16_t *)v_cache + h * head_values, blocks, block_size, first, len, head_dim,
+                             scale);
+        }
+#else
+        const int in_place = 0;
 #endif
-            to_float(keys, (const char *)k_cache + offset * width, t1 * head_dim, bf16);
-            to_float(values, (const char *)v_cache + offset * width, t1 * head_dim, bf16);
-            attend_block(state, (const float(*)[MAX_DIM])qf, group, keys, values, t0, t1, head_dim, scale);
+        if (!in_place) {
+            float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
+            for (int64_t g = 0; g < group; g++) to_float(qf[g], q_item + g * q_head * width, head_dim, bf16);
+            for (int64_t b = first / block_size; b * block_size < len; b++) {
+                const int64_t start = b * block_size, offset = (h * num_blocks + blocks[b]) * block_values;
+                const int64_t t1 = len - start < block_size ? len - start : block_size;
+                if ((b + 1) * block_size < len) {
+                    const int64_t next = (h * num_blocks + blocks[b + 1]) * block_values * width;
+                    prefetch_block((const char *)k_cache + next, (const char *)v_cache + next, block_values * width);
+                }
+                to_float(keys, (const char *)k_cache + offset * width, t1 * head_dim, bf16);
+                to_float(values, (const char *)v_cache + offset * width, t1 * head_dim, bf16);
+                attend_block(state, (const float(*)[MAX_DIM])qf, group, keys, values, first > start ? first - start : 0,
+                             t1, head_dim, scale);
+            }
         }
         for (int64_t g = 0; g < group; g++) {
             float o[MAX_DIM];
@@ -325,6 +388,16 @@ void write_kv(const void *k, int64_t k_tok, const void *v, int64_t v_tok, void *
               const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
               int bf16) {
     const int64_t width = bf16 ? 2 : 4, row = head_dim * width;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < 0) continue;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t dst = (h * num_slots + slots[i]) * row;
+            for (int64_t byte = 0; byte < row; byte += 64) {
+                __builtin_prefetch((char *)k_cache + dst + byte, 1, 3);
+                __builtin_prefetch((char *)v_cache + dst + byte, 1, 3);
+            }
+        }
+    }
     for (int64_t i = 0; i < num_tokens; i++) {
         if (slots[i] < 0) continue;
         for (int64_t h = 0; h < num_kv_heads; h++) {

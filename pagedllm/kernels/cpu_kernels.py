@@ -27,8 +27,11 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_sampling.c"))
 HEADERS = (Path(__file__).with_name("cpu_vectors.h"),)  # part of the build's key
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
-# refused, generic code (still threaded when OpenMP is there)
+# refused, generic code (still threaded when OpenMP is there). First, on x86, loops vectorized at AVX-512's full width
+# where the CPU has it (GCC prefers 256-bit vectors on Intel CPUs; at 512 the element-wise kernels ran 20-30% faster);
+# other compilers and CPUs refuse the flag and take the next set.
 FLAG_SETS = (
+    ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp"],
     ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
     ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
     ["-O3", "-fno-math-errno", "-fopenmp"],
@@ -43,6 +46,7 @@ _WRITE_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
 _NORM_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int]
 _SILU_ARGS = [_ptr, _i64, _ptr, _i64, _i64, _int]
 _SAMPLE_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+_ARGMAX_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _int]
 _LOGPROBS_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
 _PENALTIES_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int]
 _ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _f32, _int]
@@ -129,6 +133,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_and_mul.argtypes = _SILU_ARGS
     lib.qk_rotary.argtypes = _ROTARY_ARGS
     lib.sample_rows.argtypes = _SAMPLE_ARGS
+    lib.argmax_rows_bf16.argtypes = _ARGMAX_ARGS
     lib.logprobs_rows.argtypes = _LOGPROBS_ARGS
     lib.apply_penalties.argtypes = _PENALTIES_ARGS
     lib.full_width_vectors.argtypes = []

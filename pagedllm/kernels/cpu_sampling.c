@@ -482,6 +482,46 @@ static int64_t argmax_row(const float *x, int64_t vocab) {
     return 0; /* every logit -inf */
 }
 
+/* argmax_row of every row of bfloat16 logits [rows, vocab] (row stride `stride`, raw 16-bit values; each converts
+   to float32 exactly, so the result is the argmax of their float32 copy), into out [rows]. */
+void argmax_rows_bf16(const uint16_t *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *out,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = logits + r * stride;
+        float best = -INFINITY;
+        int64_t at = 0;
+        int any_nan = 0;
+        for (int64_t start = 0; start < vocab; start += BLOCK) {
+            const int64_t n = vocab - start < BLOCK ? vocab - start : BLOCK;
+            float top = -INFINITY;
+            int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+            for (int64_t i = 0; i < n; i++) {
+                const union {
+                    uint32_t u;
+                    float f;
+                } v = {(uint32_t)x[start + i] << 16};
+                nan |= v.f != v.f;
+                top = v.f > top ? v.f : top;
+            }
+            any_nan |= nan;
+            if (top > best) best = top, at = start;
+        }
+        out[r] = 0; /* every logit -inf */
+        for (int64_t i = any_nan ? 0 : at; i < vocab; i++) { /* the first NaN where there is one, else the largest */
+            const union {
+                uint32_t u;
+                float f;
+            } v = {(uint32_t)x[i] << 16};
+            if (v.f != v.f || (!any_nan && v.f == best)) {
+                out[r] = i;
+                break;
+            }
+        }
+    }
+}
+
 /* One token per row of logits [rows, vocab] (row stride `stride`): params [rows, 4] (temperature: below
    GREEDY_BELOW the argmax; top_k: 0 off; top_p: 1 off; min_p: 0 off), uniforms [rows] in [0, 1). kept [rows] or
    NULL (for the tests): how many tokens each row could have drawn (tokens of weight 0 not counted). scratch:

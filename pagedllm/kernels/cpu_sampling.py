@@ -72,6 +72,19 @@ def sample(
     return out
 
 
+def argmax_bf16(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) of bfloat16 logits [rows, vocab] (the argmax of their exact float32 copy, without
+    making it: the first largest, NaN counting as the largest). [rows] int64"""
+    logits = cpu_kernels.contiguous_rows(logits)
+    assert logits.dtype == torch.bfloat16 and logits.device.type == "cpu"
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    cpu_kernels.compiled().argmax_rows_bf16(
+        logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
 def logprobs(
     addresses: np.ndarray,  # [rows] int64: where each row's float32 logits start
     vocab: int,

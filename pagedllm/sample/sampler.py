@@ -202,6 +202,8 @@ class Sampler:
         if meta.penalties is not None:
             apply_penalties(logits, *meta.penalties, self.c_scratch)
         if meta.params is not None and not logits.is_cuda:  # CPU: every row in one C call
+            if meta.all_greedy and logits.dtype == torch.bfloat16:  # no float32 copy of them
+                return cpu_sampling.argmax_bf16(logits)
             u = self.rng.random(len(logits), dtype=np.float32)
             if meta.seed_uniforms is not None:
                 seeded = meta.seed_uniforms.numpy()

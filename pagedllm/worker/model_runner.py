@@ -230,11 +230,13 @@ class ModelRunner:
         return step
 
     def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: np.ndarray) -> bool:
-        """Whether the step's logits can stay in the model dtype: on CUDA, where the argmax and the sampling kernel
-        read any float dtype exactly, when no row adjusts its logits, is penalized or wants logprobs."""
+        """Whether the step's logits can stay in the model dtype, when no row adjusts its logits, is penalized or
+        wants logprobs: on CUDA, where the argmax and the sampling kernel read any float dtype exactly; on the CPU
+        when every row takes the argmax (the C kernels' argmax reads bfloat16 exactly)."""
         return (
-            self.device.type == "cuda"
+            (self.device.type == "cuda" or sampling.all_greedy)
             and sampling.params is not None
+            and sampling.penalties is None
             and not (num_top >= 0).any()
             and not adjusted.any()
             and not sampling.num_penalized

@@ -33,15 +33,31 @@ def test_blocks_are_handed_out_in_free_queue_order():
     assert pool.usage() == pytest.approx(0.5)
 
 
-def test_freed_blocks_join_the_tail_in_the_given_order():
+def test_freed_uncached_blocks_join_the_head_in_the_given_order():
     pool = BlockPool(6, enable_caching=False)
     blocks = pool.get_new_blocks(4)  # 0, 1, 2, 3
     pool.free_blocks([blocks[2], blocks[0], blocks[3]])
-    assert free_ids(pool) == [4, 5, 2, 0, 3]
+    assert free_ids(pool) == [2, 0, 3, 4, 5]
     assert refs(pool) == [0, 1, 0, 0, 0, 0]
-    # the next blocks come from the head: the never-used ones first, then the freed ones in the order they were freed
-    assert [b.block_id for b in pool.get_new_blocks(4)] == [4, 5, 2, 0]
-    assert free_ids(pool) == [3]
+    # the next blocks come from the head: the freed ones in the order they were freed, then the never-used ones
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [2, 0, 3, 4]
+    assert free_ids(pool) == [5]
+    # freed later: ahead of the blocks freed before
+    pool.free_blocks([blocks[1]])
+    assert free_ids(pool) == [1, 5]
+
+
+def test_freed_cached_blocks_join_the_tail_behind_the_uncached():
+    pool = BlockPool(6, enable_caching=True)
+    blocks = pool.get_new_blocks(4)  # 0, 1, 2, 3
+    pool.cache_block(blocks[1], b"a" * 32)
+    pool.cache_block(blocks[3], b"b" * 32)
+    pool.free_blocks([blocks[3], blocks[2], blocks[1], blocks[0]])
+    # 2 and 0 hold nothing: the head, in the given order; 3 and 1 keep prefixes: the tail, in the given order
+    assert free_ids(pool) == [2, 0, 4, 5, 3, 1]
+    assert [b.block_id for b in pool.get_new_blocks(5)] == [2, 0, 4, 5, 3]
+    assert pool.get_cached_block(b"b" * 32) is None  # 3 was taken: evicted
+    assert pool.get_cached_block(b"a" * 32) is blocks[1]
 
 
 def test_ref_counts_go_up_with_touch_and_down_with_free():
@@ -50,12 +66,12 @@ def test_ref_counts_go_up_with_touch_and_down_with_free():
     pool.touch([b0])  # a second user of block 0
     assert refs(pool) == [2, 1, 0, 0]
     pool.free_blocks([b0, b1])
-    # block 0 still has one user, so only block 1 is free again
+    # block 0 still has one user, so only block 1 is free again (at the head: it holds no cached prefix)
     assert refs(pool) == [1, 0, 0, 0]
-    assert free_ids(pool) == [2, 3, 1]
+    assert free_ids(pool) == [1, 2, 3]
     pool.free_blocks([b0])
     assert refs(pool) == [0, 0, 0, 0]
-    assert free_ids(pool) == [2, 3, 1, 0]
+    assert free_ids(pool) == [0, 1, 2, 3]
 
 
 def test_freeing_a_block_twice_raises():
@@ -66,7 +82,7 @@ def test_freeing_a_block_twice_raises():
         pool.free_blocks([b0])
     # the failed free changed nothing
     assert b0.ref_cnt == 0
-    assert free_ids(pool) == [1, 2, 3, 0]
+    assert free_ids(pool) == [0, 1, 2, 3]
 
 
 def test_freeing_a_never_allocated_block_raises():
@@ -161,6 +177,8 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
     assert pool.get_cached_block(h1) is None
     assert b0.block_hash is None and b1.block_hash is None
     assert pool.num_free_blocks == 4
+    # the queue was [2, 3, 0, 1] (0 and 1 freed to the tail, cached): now the most recently freed first
+    assert free_ids(pool) == [1, 0, 3, 2]
 
 
 # -- hash chains -------------------------------------------------------------------------------------------------------

@@ -99,15 +99,15 @@ def test_free_returns_blocks_tail_first():
     b = make_request("b", range(20, 25))
     kv.allocate_slots(a, 10)  # 0, 1, 2
     kv.allocate_slots(b, 5)  # 3, 4
-    kv.free(a)
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 2, 1, 0]
+    kv.free(a)  # no caching: nothing cached, so the freed blocks go to the head of the queue (tail block first)
+    assert free_ids(kv) == [2, 1, 0, 5, 6, 7, 8, 9]
     kv.free(b)
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 2, 1, 0, 4, 3]
+    assert free_ids(kv) == [4, 3, 2, 1, 0, 5, 6, 7, 8, 9]
     assert refs(kv) == [0] * 10
     assert kv.block_ids("a") == []
     # freeing a request that owns nothing (again) frees no block twice
     kv.free(a)
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 2, 1, 0, 4, 3]
+    assert free_ids(kv) == [4, 3, 2, 1, 0, 5, 6, 7, 8, 9]
 
 
 def test_full_blocks_get_chained_hashes_and_the_partial_one_none():
@@ -242,9 +242,9 @@ def test_two_requests_share_a_prefix_with_ref_counts():
     kv.free(a)
     assert refs(kv)[:6] == [1, 1, 0, 1, 1, 0]
     assert free_ids(kv) == [5, 6, 7, 8, 9, 2]
-    kv.free(b)
+    kv.free(b)  # tail first: 4 (partial, never cached) to the head; 3 (b's own full block), 1 and 0 to the tail
     assert refs(kv) == [0] * 10
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 2, 4, 3, 1, 0]
+    assert free_ids(kv) == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
 
 
 def test_hit_on_free_cached_blocks_counts_them_as_not_free():

@@ -129,10 +129,10 @@ def test_max_num_seqs_is_respected():
     assert cached_ids(so) == {"a": [2], "b": [3]}
     assert [r.request_id for r in sched.waiting] == ["c"]
     assert [r.request_id for r in sched.running] == []
-    so = step(sched)  # a freed [2, 0], b freed [3, 1] at the tail; c gets the head of the queue
+    so = step(sched)  # a freed [2, 0], then b [3, 1], to the head (nothing cached); c gets the head: 3
     assert so.finished_req_ids == {"a", "b"}
     assert so.num_scheduled_tokens == {"c": 4}
-    assert new_ids(so) == {"c": [4]}
+    assert new_ids(so) == {"c": [3]}
 
 
 # -- admission ---------------------------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_finish_by_max_tokens_frees_the_blocks():
     assert a.status == RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == [11, 12]
     assert sched.kv.block_ids("a") == []
-    assert free_ids(sched) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
+    assert free_ids(sched) == [1, 0, 2, 3, 4, 5, 6, 7, 8, 9]  # tail first, to the head (no caching)
     assert [b.ref_cnt for b in sched.kv.pool.blocks] == [0] * 10
     assert not sched.has_unfinished_requests()
     assert "a" not in sched.requests
@@ -218,14 +218,14 @@ def test_finish_requests_aborts_running_and_waiting_requests():
     assert sched.running == []
     assert "a" not in sched.requests
     assert sched.kv.block_ids("a") == []
-    assert free_ids(sched) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert free_ids(sched) == [2, 1, 0, 3, 4, 5, 6, 7, 8, 9]
     # a late token for the aborted request is ignored
     assert sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids={"a": 3})) == []
     assert a.num_output_tokens == 1
 
-    so = sched.schedule()  # b takes the freed seat
+    so = sched.schedule()  # b takes the freed seat and a's blocks from the head
     assert so.finished_req_ids == {"a"}
-    assert new_ids(so) == {"b": [3, 4]}
+    assert new_ids(so) == {"b": [2, 1]}
 
     c = make_request("c", range(30, 34), max_tokens=5)
     sched.add_request(c)
@@ -295,8 +295,12 @@ def test_preemption_takes_the_newest_request_and_resumes_it(caching):
         assert so.num_scheduled_tokens == {"a": 1}
         assert cached_ids(so) == {"a": [7] if i == 3 else []}
     assert a.status == RequestStatus.FINISHED_LENGTH
-    # a freed [0, 1, 2, 3, 8, 9, 7] tail first after [6, 5, 4]
-    assert free_ids(sched) == [6, 5, 4, 7, 9, 8, 3, 2, 1, 0]
+    # a freed [0, 1, 2, 3, 8, 9, 7] tail first: without caching all of them to the head, before [6, 5, 4]; with
+    # caching only 7 (tokens 24-25, not full), the full blocks to the tail behind b's cached [6, 5, 4]
+    if caching:
+        assert free_ids(sched) == [7, 6, 5, 4, 9, 8, 3, 2, 1, 0]
+    else:
+        assert free_ids(sched) == [7, 9, 8, 3, 2, 1, 0, 6, 5, 4]
 
     # step 11: b comes back as a new request with all 21 of its tokens
     so = step(sched)
@@ -312,17 +316,19 @@ def test_preemption_takes_the_newest_request_and_resumes_it(caching):
         assert so.num_scheduled_tokens == {"b": 9}
     else:
         assert nb.num_computed_tokens == 0
-        assert nb.block_ids == [6, 5, 4, 7, 9, 8]
+        assert nb.block_ids == [7, 9, 8, 3, 2, 1]
         assert so.num_scheduled_tokens == {"b": 21}
     assert b.status == RequestStatus.RUNNING
     assert b.num_output_tokens == 6
     assert b.num_cached_tokens == 0  # the prefix hit of its first admission, not of the resumption
 
-    # steps 12-15: b decodes to its 10th token; step 15 opens its 7th block (3)
+    # steps 12-15: b decodes to its 10th token; step 15 opens its 7th block, the head of the queue (caching: 3 of
+    # [3, 2, 1, 0]; without: 0 of [0, 6, 5, 4])
+    seventh = 3 if caching else 0
     for i in range(4):
         so = step(sched)
         assert so.num_scheduled_tokens == {"b": 1}
-        assert cached_ids(so) == {"b": [3] if i == 3 else []}
+        assert cached_ids(so) == {"b": [seventh] if i == 3 else []}
     assert b.status == RequestStatus.FINISHED_LENGTH
     assert b.num_output_tokens == 10
     assert not sched.has_unfinished_requests()
@@ -350,10 +356,10 @@ def test_the_request_that_needs_a_block_preempts_itself_when_it_is_the_newest():
     so = step(sched)
     assert so.num_scheduled_tokens == {"a": 1}
     assert a.status == RequestStatus.FINISHED_LENGTH
-    # step 4: b recomputes all 17 tokens
+    # step 4: b recomputes all 17 tokens, in a's freed blocks [3, 2, 1, 0] (the head), then its own 7
     so = step(sched)
     assert so.num_scheduled_tokens == {"b": 17}
-    assert new_ids(so) == {"b": [7, 6, 5, 4, 3]}
+    assert new_ids(so) == {"b": [3, 2, 1, 0, 7]}
     while sched.has_unfinished_requests():
         step(sched)
     assert b.num_output_tokens == 4
@@ -415,12 +421,13 @@ def test_a_prefix_cache_hit_after_the_first_request_finished():
     sched.add_request(a)
     step(sched)
     assert a.status == RequestStatus.FINISHED_LENGTH
-    assert free_ids(sched) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    # a's full blocks 0 and 1 cached, at the tail; 2 (two tokens) to the head
+    assert free_ids(sched) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
     b = make_request("b", PROMPT10, max_tokens=1)
     sched.add_request(b)
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"b": 2}
-    assert new_ids(so) == {"b": [0, 1, 3]}
+    assert new_ids(so) == {"b": [0, 1, 2]}
     assert so.new_reqs[0].num_computed_tokens == 8
 
 
@@ -458,7 +465,7 @@ def test_no_prefix_hit_across_cache_salts_or_without_caching():
     sched.add_request(make_request("b", PROMPT10, max_tokens=1))
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"b": 10}
-    assert new_ids(so) == {"b": [3, 4, 5]}
+    assert new_ids(so) == {"b": [2, 1, 0]}  # no hit: a's freed blocks, from the head
 
 
 def test_a_cache_filling_request_next_to_another_one_finishes_after_self_preemptions():

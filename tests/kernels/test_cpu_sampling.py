@@ -118,6 +118,18 @@ def test_greedy_rows_take_torchs_argmax(vocab):
     x[5, vocab // 3] = float("inf")
     tokens, _ = _sample(x, 0.0, 0, 1.0, 0.0, np.zeros(len(x)))
     assert torch.equal(tokens, x.argmax(dim=-1))
+    # bfloat16 rows read as they are: every value above is a bfloat16 value, so the float32 rows are their exact copy
+    rows = x.bfloat16()
+    torch.testing.assert_close(rows.float(), x, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(cpu_sampling.argmax_bf16(rows), x.argmax(dim=-1))
+    assert torch.equal(cpu_sampling.argmax_bf16(rows[:, : vocab - 1]), x[:, : vocab - 1].argmax(dim=-1))  # strided
+
+
+@pytest.mark.parametrize("vocab", [1, 300, 49152])
+def test_bfloat16_argmax_is_the_argmax_of_the_float32_copy(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = (torch.randn(64, vocab, generator=g) * 4).bfloat16()  # bfloat16's coarse values: ties too
+    assert torch.equal(cpu_sampling.argmax_bf16(rows), rows.float().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("vocab", [50, 20000 + 37])

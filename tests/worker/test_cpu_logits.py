@@ -1,0 +1,48 @@
+"""The CPU model runner keeps the LM head's bfloat16 logits (no float32 copy) on steps where every row takes the
+argmax and nothing else reads them; the C argmax reads them exactly, so the tokens are those of the float32 copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_models import TINY_DECODER, save_tiny_decoder
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    if cpu_kernels.compiled() is None:
+        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
+    _, path = save_tiny_decoder(
+        "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
+    )
+    return path
+
+
+def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, 320, (n,), generator=gen).tolist()} for n in (1, 7, 19, 4)]
+    llm = LLM(tiny_llama, dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
+    runner = llm.llm_engine.core.executor.runner
+    upcasts = []
+    compute_logits = runner.model.compute_logits
+    monkeypatch.setattr(
+        runner.model, "compute_logits", lambda h, upcast=True: upcasts.append(upcast) or compute_logits(h, upcast)
+    )
+
+    def tokens(**params) -> list[list[int]]:
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, **params)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    greedy = tokens(temperature=0)
+    assert upcasts and not any(upcasts), "a greedy step made a float32 copy of the logits"
+    upcasts.clear()
+    tokens(temperature=0, logprobs=2)  # the logprobs read float32 rows
+    tokens(temperature=0.8, seed=1)  # the C kernels draw from float32 rows
+    tokens(temperature=0, repetition_penalty=1.2)  # the penalties change float32 rows in place
+    assert upcasts and all(upcasts), "a step that reads float32 logits kept them in bfloat16"
+    monkeypatch.setattr(runner, "_reads_logits_as_is", lambda *a: False)
+    assert tokens(temperature=0) == greedy
