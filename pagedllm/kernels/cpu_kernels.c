@@ -190,7 +190,7 @@ static const __m512i lane_index = {0x100000000, 0x300000002, 0x500000004, 0x7000
    each probability rounded to bfloat16 (the rounded value also goes into the softmax sum) and two tokens' values
    interleaved by unpacking, into accumulators in the order unpacked_lane gives. q: the group's query heads as
    32-value chunks, [group][chunks]. Every head's sums run in the order of a head alone. Inlined with a constant
-   group where decode_attention dispatches on it, so that the heads' accumulators stay in registers. */
+   group where attend_group_bf16 dispatches on it, so that the heads' accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_block_bf16(Running *restrict state, const __m512i *q,
                                                                     const int64_t group,
                                                                     const uint16_t *restrict keys,
@@ -262,41 +262,11 @@ static inline __attribute__((always_inline)) void attend_block_bf16(Running *res
 }
 #endif
 
-/* The next block's keys and values start on their way from memory, into L2 (prefetching into L1 ran out of its
-   miss buffers and was a third slower). */
-static inline void prefetch_block(const char *k, const char *v, int64_t bytes) {
-    for (int64_t byte = 0; byte < bytes; byte += 64) {
-        __builtin_prefetch(k + byte, 0, 1);
-        __builtin_prefetch(v + byte, 0, 1);
-    }
-}
-
 #ifdef BF16_DOT
-/* One work item's blocks (decode_attention's loop) straight from bfloat16 caches: blocks [*] the request's block ids,
-   tokens [first, len) attended; k_cache and v_cache point at the item's kv head. Inlined with a constant group. */
-static inline __attribute__((always_inline)) void attend_blocks_bf16(Running *restrict state, const __m512i *q,
-                                                                     const int64_t group, const uint16_t *k_cache,
-                                                                     const uint16_t *v_cache, const int64_t *blocks,
-                                                                     int64_t block_size, int64_t first, int64_t len,
-                                                                     int64_t dim, float scale) {
-    const int64_t block_values = block_size * dim;
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const int64_t start = b * block_size, offset = blocks[b] * block_values;
-        if ((b + 1) * block_size < len) {
-            const int64_t next = blocks[b + 1] * block_values;
-            prefetch_block((const char *)(k_cache + next), (const char *)(v_cache + next), block_values * 2);
-        }
-        /* only the slots up to the request's length: the rest of its last block may not be written yet */
-        attend_block_bf16(state, q, group, k_cache + offset, v_cache + offset, first > start ? first - start : 0,
-                          len - start < block_size ? len - start : block_size, dim, scale);
-    }
-}
-
-/* attend_blocks_bf16 with the group sizes of common models as constants */
-static void attend_item_bf16(Running *restrict state, const __m512i *q, int64_t group, const uint16_t *k_cache,
-                             const uint16_t *v_cache, const int64_t *blocks, int64_t block_size, int64_t first,
-                             int64_t len, int64_t dim, float scale) {
-#define ATTEND(G) attend_blocks_bf16(state, q, G, k_cache, v_cache, blocks, block_size, first, len, dim, scale)
+/* attend_block_bf16 with the group sizes of common models as constants */
+static void attend_group_bf16(Running *restrict state, const __m512i *q, int64_t group, const uint16_t *keys,
+                              const uint16_t *values, int64_t t0, int64_t t1, int64_t dim, float scale) {
+#define ATTEND(G) attend_block_bf16(state, q, G, keys, values, t0, t1, dim, scale)
     switch (group) {
         case 1: ATTEND(1); break;
         case 2: ATTEND(2); break;
@@ -324,6 +294,11 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale,
                       int64_t sliding_window, int bf16) {
     const int64_t group = num_heads / num_kv_heads, width = bf16 ? 2 : 4, block_values = block_size * head_dim;
+#ifdef BF16_DOT
+    const int in_place = bf16; /* bfloat16 caches are read in place, their blocks never converted */
+#else
+    const int in_place = 0;
+#endif
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
         const int64_t r = item / num_kv_heads, h = item % num_kv_heads, row = token_rows[r];
@@ -331,42 +306,48 @@ void decode_attention(const void *q, int64_t q_tok, int64_t q_head, void *out, i
         const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
         const char *q_item = (const char *)q + (row * q_tok + h * group * q_head) * width;
         Running state[MAX_GROUP];
+        float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
+#ifdef BF16_DOT
+        __m512i qc[MAX_GROUP * MAX_DIM / 32]; /* the bfloat16 query heads as 32-value chunks, [group][chunks] */
+        const int64_t chunks = (head_dim + 31) / 32;
+#endif
         for (int64_t g = 0; g < group; g++) {
+            const char *qg = q_item + g * q_head * width;
+#ifdef BF16_DOT
+            if (in_place)
+                for (int64_t c = 0; c < chunks; c++)
+                    qc[g * chunks + c] = load_chunk((const uint16_t *)qg + 32 * c, head_dim - 32 * c);
+#endif
+            if (!in_place) to_float(qf[g], qg, head_dim, bf16);
             state[g].max = -INFINITY;
             state[g].sum = 0.0f;
             memset(state[g].acc, 0, sizeof state[g].acc);
         }
-#ifdef BF16_DOT
-        const int in_place = bf16; /* bfloat16 caches are read in place, their blocks never converted */
-        if (in_place) {
-            __m512i qc[MAX_GROUP * MAX_DIM / 32]; /* [group][chunks] */
-            const int64_t chunks = (head_dim + 31) / 32;
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t c = 0; c < chunks; c++)
-                    qc[g * chunks + c] = load_chunk((const uint16_t *)(q_item + g * q_head * 2) + 32 * c, head_dim - 32 * c);
-            const int64_t head_values = num_blocks * block_values;
-            attend_item_bf16(state, qc, group, (const uint16_t *)k_cache + h * head_values,
-                             (const uint16_t *)v_cache + h * head_values, blocks, block_size, first, len, head_dim,
-                             scale);
-        }
-#else
-        const int in_place = 0;
-#endif
-        if (!in_place) {
-            float qf[MAX_GROUP][MAX_DIM], keys[MAX_BLOCK_VALUES], values[MAX_BLOCK_VALUES];
-            for (int64_t g = 0; g < group; g++) to_float(qf[g], q_item + g * q_head * width, head_dim, bf16);
-            for (int64_t b = first / block_size; b * block_size < len; b++) {
-                const int64_t start = b * block_size, offset = (h * num_blocks + blocks[b]) * block_values;
-                const int64_t t1 = len - start < block_size ? len - start : block_size;
-                if ((b + 1) * block_size < len) {
-                    const int64_t next = (h * num_blocks + blocks[b + 1]) * block_values * width;
-                    prefetch_block((const char *)k_cache + next, (const char *)v_cache + next, block_values * width);
+        for (int64_t b = first / block_size; b * block_size < len; b++) {
+            const int64_t start = b * block_size;
+            const int64_t t0 = first > start ? first - start : 0;
+            const int64_t t1 = len - start < block_size ? len - start : block_size;
+            const int64_t offset = (h * num_blocks + blocks[b]) * block_values;
+            /* the next block's keys and values start on their way from memory, into L2 (prefetching into L1 ran
+               out of its miss buffers and was a third slower) */
+            if ((b + 1) * block_size < len) {
+                const int64_t next = (h * num_blocks + blocks[b + 1]) * block_values * width;
+                for (int64_t byte = 0; byte < block_values * width; byte += 64) {
+                    __builtin_prefetch((const char *)k_cache + next + byte, 0, 1);
+                    __builtin_prefetch((const char *)v_cache + next + byte, 0, 1);
                 }
-                to_float(keys, (const char *)k_cache + offset * width, t1 * head_dim, bf16);
-                to_float(values, (const char *)v_cache + offset * width, t1 * head_dim, bf16);
-                attend_block(state, (const float(*)[MAX_DIM])qf, group, keys, values, first > start ? first - start : 0,
-                             t1, head_dim, scale);
             }
+            /* only the slots up to the request's length: the rest of its last block may not be written yet */
+#ifdef BF16_DOT
+            if (in_place) {
+                attend_group_bf16(state, qc, group, (const uint16_t *)k_cache + offset,
+                                  (const uint16_t *)v_cache + offset, t0, t1, head_dim, scale);
+                continue;
+            }
+#endif
+            to_float(keys, (const char *)k_cache + offset * width, t1 * head_dim, bf16);
+            to_float(values, (const char *)v_cache + offset * width, t1 * head_dim, bf16);
+            attend_block(state, (const float(*)[MAX_DIM])qf, group, keys, values, t0, t1, head_dim, scale);
         }
         for (int64_t g = 0; g < group; g++) {
             float o[MAX_DIM];

@@ -482,6 +482,15 @@ static int64_t argmax_row(const float *x, int64_t vocab) {
     return 0; /* every logit -inf */
 }
 
+/* a bfloat16 value (its raw 16 bits) as the float32 it is exactly */
+static inline float bf16_value(uint16_t bits) {
+    const union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)bits << 16};
+    return v.f;
+}
+
 /* argmax_row of every row of bfloat16 logits [rows, vocab] (row stride `stride`, raw 16-bit values; each converts
    to float32 exactly, so the result is the argmax of their float32 copy), into out [rows]. */
 void argmax_rows_bf16(const uint16_t *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *out,
@@ -498,23 +507,17 @@ void argmax_rows_bf16(const uint16_t *logits, int64_t stride, int64_t rows, int6
             int nan = 0;
 #pragma omp simd reduction(max : top) reduction(| : nan)
             for (int64_t i = 0; i < n; i++) {
-                const union {
-                    uint32_t u;
-                    float f;
-                } v = {(uint32_t)x[start + i] << 16};
-                nan |= v.f != v.f;
-                top = v.f > top ? v.f : top;
+                const float v = bf16_value(x[start + i]);
+                nan |= v != v;
+                top = v > top ? v : top;
             }
             any_nan |= nan;
             if (top > best) best = top, at = start;
         }
         out[r] = 0; /* every logit -inf */
         for (int64_t i = any_nan ? 0 : at; i < vocab; i++) { /* the first NaN where there is one, else the largest */
-            const union {
-                uint32_t u;
-                float f;
-            } v = {(uint32_t)x[i] << 16};
-            if (v.f != v.f || (!any_nan && v.f == best)) {
+            const float v = bf16_value(x[i]);
+            if (v != v || (!any_nan && v == best)) {
                 out[r] = i;
                 break;
             }

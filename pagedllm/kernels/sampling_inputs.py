@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-GREEDY_BELOW = 1e-5  # a temperature below this takes the argmax (as SamplingMetadata)
+GREEDY_BELOW = 1e-5  # a temperature below this takes the argmax (every sampler path: SamplingMetadata too)
 PARAMS = 10  # words per row of pack_params
 
 

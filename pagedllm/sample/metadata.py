@@ -12,10 +12,8 @@ import torch
 
 from pagedllm.device import to_device
 from pagedllm.kernels import cpu_kernels, triton_available
-from pagedllm.kernels.sampling_inputs import input_words, pack_params, program_order
+from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, input_words, pack_params, program_order
 from pagedllm.sample.logits_processors import Penalties
-
-_EPS = 1e-5  # a temperature below this takes the argmax
 
 
 @dataclass
@@ -35,7 +33,7 @@ class SamplingMetadata:
 
     all_greedy: bool
     params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU:
-    # every input of the kernel, int32 words: pagedllm/kernels/sampling_inputs.py.s pack_inputs)
+    # every input of the kernel, int32 words: pagedllm/kernels/sampling_inputs.py's pack_inputs)
     greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
     sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
     plain: torch.Tensor | None  # [num_plain] int64: positions in sample_rows without top-k / top-p
@@ -75,7 +73,7 @@ class SamplingMetadata:
         # sampling computes them (SamplingMetadata.logprobs), elsewhere the caller does (logprob_tensors)
     ) -> SamplingMetadata:
         device = torch.device(device)
-        sampling = temperature >= _EPS
+        sampling = temperature >= GREEDY_BELOW
         if device.type == "cuda" and triton_available():
             return cls._for_kernel(
                 temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
@@ -116,7 +114,7 @@ class SamplingMetadata:
         from pagedllm.kernels.penalties import EXTRA, pack_rows
 
         n = len(temperature)
-        sampling = temperature >= _EPS
+        sampling = temperature >= GREEDY_BELOW
         if seeded is not None:
             seeded = seeded & sampling  # greedy rows draw nothing
         listed = np.flatnonzero(num_top >= 0) if num_top is not None else ()  # the rows that want logprobs
@@ -150,7 +148,7 @@ class SamplingMetadata:
     def _for_c_kernels(cls, temperature, top_k, top_p, min_p, seeds, seeded, positions) -> SamplingMetadata:
         """The CPU kernels' form: every row's parameters as they are, and the uniform of each seeded row."""
         params = np.stack([temperature, top_k, top_p, min_p], axis=1).astype(np.float32)
-        sampling = temperature >= _EPS
+        sampling = temperature >= GREEDY_BELOW
         rows = np.nonzero(seeded & sampling)[0] if seeded is not None else []
         if not len(rows):
             return cls._every_row(sampling, torch.from_numpy(params))
