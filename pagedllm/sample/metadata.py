@@ -29,7 +29,8 @@ class SamplingMetadata:
     """The sampler's inputs for one step. Which rows sample and which filter is decided on the host, so the
     sampler needs no device sync for it. Build it with `SamplingMetadata.build`: for the kernels (a GPU with Triton, a
     CPU with the C kernels) it holds every row's parameters (params; on the CPU also seed_uniforms)
-    and none of the torch path's fields (None), elsewhere the reverse."""
+    and none of the torch path's fields (None), elsewhere the reverse. A GPU step whose every row takes the argmax
+    (no penalties, no logprobs) holds none of either: torch's argmax needs no inputs."""
 
     all_greedy: bool
     params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU:
@@ -110,14 +111,17 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """The GPU kernel's form: every row's parameters as they are, the penalized rows' tokens and penalties and
         the rows that want logprobs, in one host-to-device copy (the kernel hashes a seeded row's key from its seed
-        and position)."""
+        and position). A step where every row takes the argmax, with no penalties or logprobs, gets none of it
+        (params None): the sampler takes torch's argmax."""
         from pagedllm.kernels.penalties import EXTRA, pack_rows
 
         n = len(temperature)
         sampling = temperature >= GREEDY_BELOW
+        listed = np.flatnonzero(num_top >= 0) if num_top is not None else ()  # the rows that want logprobs
+        if not sampling.any() and penalties is None and not len(listed):
+            return cls._every_row(sampling, None)  # torch's argmax takes every row: the kernel's inputs go unread
         if seeded is not None:
             seeded = seeded & sampling  # greedy rows draw nothing
-        listed = np.flatnonzero(num_top >= 0) if num_top is not None else ()  # the rows that want logprobs
         num_pen, max_len = (0, 0) if penalties is None else penalties.token_ids.shape
         pen_stride = max_len + EXTRA.value
         words, params, order, pen_words, wanted_words = input_words(n, num_pen, pen_stride, len(listed))

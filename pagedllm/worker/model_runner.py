@@ -231,11 +231,14 @@ class ModelRunner:
 
     def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: np.ndarray) -> bool:
         """Whether the step's logits can stay in the model dtype, when no row adjusts its logits, is penalized or
-        wants logprobs: on CUDA, where the argmax and the sampling kernel read any float dtype exactly; on the CPU
-        when every row takes the argmax (the C kernels' argmax reads bfloat16 exactly)."""
+        wants logprobs: on CUDA, where torch's argmax and the sampling kernel read any float dtype exactly; on the
+        CPU when every row takes the argmax (the C kernels' argmax reads bfloat16 exactly)."""
+        if self.device.type == "cuda":
+            readers = sampling.all_greedy or sampling.params is not None  # torch's argmax, the sampling kernel
+        else:
+            readers = sampling.all_greedy and sampling.params is not None  # the C kernels' argmax
         return (
-            (self.device.type == "cuda" or sampling.all_greedy)
-            and sampling.params is not None
+            readers
             and sampling.penalties is None
             and not (num_top >= 0).any()
             and not adjusted.any()
