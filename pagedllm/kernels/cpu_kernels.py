@@ -1,6 +1,7 @@
 """C kernels for the CPU path: decode attention over the torch backend's paged cache, the cache write, and the
 decoder layers' element-wise ops (RMSNorm with its residual add, SiLU-and-mul, rotary of q and k) in cpu_kernels.c;
-the sampler's draw, logprobs and penalties in cpu_sampling.c (wrapped by cpu_sampling.py).
+bfloat16 linear layers on AMX tiles in cpu_matmul.c; the sampler's draw, logprobs and penalties in cpu_sampling.c
+(wrapped by cpu_sampling.py).
 
 Built on first use with the system C compiler (`cc -O3 -march=native`, with OpenMP when the compiler has it) into a
 per-user cache directory, keyed by the source, the compiler, the flags and the CPU, and loaded with ctypes: a build
@@ -24,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_sampling.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_matmul.c", "cpu_sampling.c"))
 HEADERS = (Path(__file__).with_name("cpu_vectors.h"),)  # part of the build's key
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
 # refused, generic code (still threaded when OpenMP is there). First, on x86, loops vectorized at AVX-512's full width
@@ -49,6 +50,8 @@ _SAMPLE_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
 _ARGMAX_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _int]
 _LOGPROBS_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
 _PENALTIES_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int]
+_PACK_TILES_ARGS = [_ptr, _i64, _ptr, _i64, _i64]
+_LINEAR_TILES_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
 _ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _f32, _int]
 
 
@@ -136,6 +139,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.argmax_rows_bf16.argtypes = _ARGMAX_ARGS
     lib.logprobs_rows.argtypes = _LOGPROBS_ARGS
     lib.apply_penalties.argtypes = _PENALTIES_ARGS
+    lib.pack_tiles.argtypes = _PACK_TILES_ARGS
+    lib.linear_tiles.argtypes = _LINEAR_TILES_ARGS
+    lib.matmul_tiles.argtypes = []
+    lib.matmul_tiles.restype = _int
     lib.full_width_vectors.argtypes = []
     lib.full_width_vectors.restype = _int
     lib.sampling_scratch_floats.argtypes = [_i64]
@@ -327,3 +334,45 @@ def qk_rotary(
         _BF16[q.dtype],
     )
     return q_out, k_out
+
+
+def matmul_tiles() -> bool:
+    """Whether the bfloat16 linear layers run on AMX tiles here (cpu_matmul.c): a CPU with AMX, a library built
+    for it, and an OS that lets this process use the tiles."""
+    lib = compiled()
+    return lib is not None and _tiles_usable(lib)
+
+
+@functools.cache
+def _tiles_usable(lib: ctypes.CDLL) -> bool:
+    return bool(lib.matmul_tiles())
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight [n, k] packed for linear_tiles, [n / 16, k / 32, 16, 32] (the same values, one tile per 16
+    outputs and 32 inputs); None where the tile kernel does not take it (another dtype or device, n or k not a
+    multiple of 32, no AMX)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n % 32 or k % 32 or not n or not k or not matmul_tiles():
+        return None
+    weight = contiguous_rows(weight)
+    packed = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.bfloat16)
+    compiled().pack_tiles(weight.data_ptr(), weight.stride(0), packed.data_ptr(), n, k)
+    return packed
+
+
+def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] bfloat16 times the weight that pack_tiles packed, plus bias [n] float32 (or None): [..., n]
+    bfloat16, each output's float32 sum rounded once."""
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    assert x.dtype == torch.bfloat16 and x.shape[-1] == k, "a bfloat16 input of the weight's width"
+    x2 = contiguous_rows(x)
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib = compiled()
+    lib.linear_tiles(
+        x2.data_ptr(), x2.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+        out.data_ptr(), x2.shape[0], n, k,
+    )  # fmt: skip
+    return out
