@@ -141,6 +141,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.apply_penalties.argtypes = _PENALTIES_ARGS
     lib.pack_tiles.argtypes = _PACK_TILES_ARGS
     lib.linear_tiles.argtypes = _LINEAR_TILES_ARGS
+    lib.linear_tiles.restype = _int
     lib.matmul_tiles.argtypes = []
     lib.matmul_tiles.restype = _int
     lib.full_width_vectors.argtypes = []
@@ -367,12 +368,16 @@ def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     """x [..., k] bfloat16 times the weight that pack_tiles packed, plus bias [n] float32 (or None): [..., n]
     bfloat16, each output's float32 sum rounded once."""
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
-    assert x.dtype == torch.bfloat16 and x.shape[-1] == k, "a bfloat16 input of the weight's width"
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k or x.device.type != "cpu":
+        raise ValueError(f"linear_tiles takes a bfloat16 CPU input [..., {k}], got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"linear_tiles takes a contiguous float32 bias [{n}], got {bias.dtype} {tuple(bias.shape)}")
     x2 = contiguous_rows(x)
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    lib = compiled()
-    lib.linear_tiles(
+    done = compiled().linear_tiles(
         x2.data_ptr(), x2.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
         out.data_ptr(), x2.shape[0], n, k,
     )  # fmt: skip
+    if not done:
+        raise RuntimeError("the AMX tile kernel did not run (a library built without AMX, or out of memory)")
     return out

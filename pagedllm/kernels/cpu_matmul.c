@@ -2,19 +2,23 @@
    kernels; the layers call it up to linear.TILE_ROWS tokens and oneDNN's matmul above).
 
    y [m, n] = x [m, k] · w [n, k]^T (+ bias), bfloat16 in and out, float32 sums (the tiles' dot products), each
-   output rounded once as torch rounds. The weight is packed once (pack_tiles): per 16 output columns and 32 inputs,
-   one 1 KiB tile of 16 rows, row r holding for each column c the inputs 2r and 2r + 1 (the pairs the tile dot
-   product takes), so each thread streams its columns' weights in order. A thread takes 32 columns at a time (two
-   weight tiles) and every group of 32 rows of x (two x tiles) for them: four accumulator tiles, eight tiles in all;
-   x is taken in chunks of CHUNK_ROWS rows that stay in L2 while the weights pass. At 64 rows the weights dominate
-   the bytes and are read once per call: SmolLM2's 120 decoder linears took 11.8-12.1 ms here against oneDNN's
-   14.0-14.9, and a call costs a few microseconds of host time against oneDNN's ~20. From 128 rows up oneDNN's
-   blocking wins (25-35% at 2,560 rows).
+   output rounded once to bfloat16: finite values and inf as torch rounds them (nearest even), a NaN stays a NaN
+   (quiet, its sign kept), and the tile unit counts denormal inputs and results as zero (as oneDNN's AMX matmul).
+   The weight is packed once (pack_tiles): per 16 output columns and 32 inputs, one 1 KiB tile of 16 rows, row r
+   holding for each column c the inputs 2r and 2r + 1 (the pairs the tile dot product takes), so each thread streams
+   its columns' weights in order. A thread takes 32 columns at a time (two weight tiles) and every group of 32 rows
+   of x (two x tiles) for them: four accumulator tiles, eight tiles in all; x is taken in chunks of CHUNK_ROWS rows
+   that stay in L2 while the weights pass, and the last rows short of 32 from a zero-padded copy (so the tiles keep
+   one shape). At 64 rows the weights dominate the bytes and are read once per call: SmolLM2's 120 decoder linears,
+   called in turn over 30 layers' weights (out of cache), took 11.8-12.1 ms here against oneDNN's 14.0-14.9, and a
+   call costs a few microseconds of host time against oneDNN's ~20. From 128 rows up oneDNN's blocking wins (25-35%
+   at 2,560 rows).
 
    Without AMX (the compiler's -march=native defines __AMX_TILE__ and __AMX_BF16__ only on CPUs that have it)
-   matmul_tiles() is 0, linear_tiles does nothing, and the layers keep oneDNN. */
+   matmul_tiles() is 0, linear_tiles returns 0 without computing, and the layers keep oneDNN. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
@@ -55,22 +59,21 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* Tiles 4 and 5: x's two row tiles (rows top / bottom of the group); 6 and 7: two weight tiles (16 columns each);
-   0-3: the sums, (x tile, weight tile) = (4, 6), (5, 6), (4, 7), (5, 7). */
-static void configure(int64_t top, int64_t bottom) {
+/* Tiles 4 and 5: x's two row tiles (rows 0-15 / 16-31 of a group); 6 and 7: two weight tiles (16 columns each);
+   0-3: the sums, (x tile, weight tile) = (4, 6), (5, 6), (4, 7), (5, 7). All 16 rows of 64 bytes. */
+static void configure(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    const int64_t rows[8] = {top, bottom, top, bottom, top, bottom, 16, 16};
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1); /* a tile of no rows is never used */
+        cfg.rows[t] = 16;
         cfg.bytes_per_row[t] = 64;
     }
     _tile_loadconfig(&cfg);
 }
 
-/* Sums tile [rows][16] float32 (+ bias [16] float32) rounded to bfloat16 as torch rounds (nearest even, NaN quiet),
-   into y (row stride n). */
+/* The first `rows` rows of a sums tile [16][16] float32 (+ bias [16] float32), rounded to bfloat16 (nearest even,
+   a NaN quiet), into y (row stride n). */
 static void store_rounded(const float (*sums)[16], int64_t rows, const float *bias, uint16_t *y, int64_t n) {
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
@@ -96,28 +99,35 @@ int matmul_tiles(void) {
 }
 
 /* y [m, n] (contiguous) = x [m, k] (rows of stride x_row) · the packed weight (pack_tiles) + bias [n] float32 (or
-   NULL). n and k multiples of 32; any m. Call only where matmul_tiles() said 1. */
-void linear_tiles(const uint16_t *x, int64_t x_row, const uint16_t *packed, const float *bias, uint16_t *y,
-                  int64_t m, int64_t n, int64_t k) {
+   NULL). n and k multiples of 32; any m. Returns 1, or 0 where the tiles cannot run (built without AMX, or the
+   padded copy of the last rows could not be allocated): then y is not written. */
+int linear_tiles(const uint16_t *x, int64_t x_row, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m,
+                 int64_t n, int64_t k) {
 #if HAS_TILES
-    const int64_t k_tiles = k / 32, pairs = n / 32, stride = x_row * 2;
+    const int64_t k_tiles = k / 32, pairs = n / 32, full = m - m % 32;
+    uint16_t *tail = NULL; /* the last m % 32 rows, then zeros: [32][k] */
+    if (m > full) {
+        tail = calloc(32 * k, sizeof *tail);
+        if (tail == NULL) return 0;
+        for (int64_t r = full; r < m; r++) memcpy(tail + (r - full) * k, x + r * x_row, k * sizeof *tail);
+    }
 #pragma omp parallel
     {
         float sums[4][16][16];
-        int64_t configured = -1; /* the rows of the group the tiles are set up for */
+        int configured = 0;
         for (int64_t chunk = 0; chunk < m; chunk += CHUNK_ROWS) { /* rows of x that stay in L2 for every column */
             const int64_t chunk_end = m - chunk < CHUNK_ROWS ? m : chunk + CHUNK_ROWS;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++) {
                 const uint16_t *w0 = packed + 2 * p * k_tiles * TILE_VALUES, *w1 = w0 + k_tiles * TILE_VALUES;
+                if (!configured) {
+                    configure();
+                    configured = 1;
+                }
                 for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
                     const int64_t rows = chunk_end - m0 < 32 ? chunk_end - m0 : 32;
-                    const int64_t top = rows < 16 ? rows : 16, bottom = rows - top;
-                    if (rows != configured) {
-                        configure(top, bottom);
-                        configured = rows;
-                    }
-                    const uint16_t *a = x + m0 * x_row;
+                    const uint16_t *a = m0 < full ? x + m0 * x_row : tail;
+                    const int64_t stride = (m0 < full ? x_row : k) * 2;
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
@@ -128,28 +138,28 @@ void linear_tiles(const uint16_t *x, int64_t x_row, const uint16_t *packed, cons
                         _tile_loadd(4, a + kb * 32, stride);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(2, 4, 7);
-                        if (bottom) {
-                            _tile_loadd(5, a + 16 * x_row + kb * 32, stride);
-                            _tile_dpbf16ps(1, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
+                        _tile_loadd(5, (const char *)(a + kb * 32) + 16 * stride, stride);
+                        _tile_dpbf16ps(1, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
                     }
                     _tile_stored(0, sums[0], 64);
+                    _tile_stored(1, sums[1], 64);
                     _tile_stored(2, sums[2], 64);
-                    if (bottom) {
-                        _tile_stored(1, sums[1], 64);
-                        _tile_stored(3, sums[3], 64);
-                    }
+                    _tile_stored(3, sums[3], 64);
+                    const int64_t top = rows < 16 ? rows : 16;
                     for (int t = 0; t < 4; t++) {
                         const int64_t r0 = m0 + (t & 1) * 16, c0 = (2 * p + (t >> 1)) * 16;
-                        store_rounded(sums[t], t & 1 ? bottom : top, bias ? bias + c0 : NULL, y + r0 * n + c0, n);
+                        store_rounded(sums[t], t & 1 ? rows - top : top, bias ? bias + c0 : NULL, y + r0 * n + c0, n);
                     }
                 }
             }
         }
-        if (configured >= 0) _tile_release();
+        if (configured) _tile_release();
     }
+    free(tail);
+    return 1;
 #else
     (void)x, (void)x_row, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k;
+    return 0;
 #endif
 }

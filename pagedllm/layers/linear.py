@@ -11,9 +11,10 @@ from torch import nn
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.q4_linear import MAX_ROWS, PackedQ4, Q4Accumulator, q4_matmul
 
-# Batches of up to this many tokens take the AMX tile kernel (cpu_matmul.c): with the weights read once per call it
-# beat oneDNN's matmul at 1-64 rows (per-layer linears of SmolLM2 at 64 rows: 31/22/115/43 us against 50/38/129/73),
-# and lost to it from 128 rows up (25-35% slower at 2,560: prefill chunks stay on oneDNN). Both packings are kept.
+# Batches of up to this many tokens take the AMX tile kernel (cpu_matmul.c): it reads the weights once per call and
+# beat oneDNN's matmul at 1-64 rows (one call of each of SmolLM2's linears at 64 rows, weights in cache: 31/22/115/43
+# us against 50/38/129/73), and lost to it from 128 rows up (25-35% slower at 2,560: prefill chunks stay on oneDNN).
+# Both packings are kept.
 TILE_ROWS = 64
 
 
@@ -44,6 +45,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
+    use_tiles = True  # whether forward may take the AMX tile kernel (layers that always fuse into oneDNN: False)
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
@@ -80,7 +83,7 @@ class LinearBase(nn.Module):
         if self.q4 is not None:
             self.q4_weight = self.q4.finish(self.weight)
             self.q4 = None
-        self.cpu_tiles = cpu_kernels.pack_tiles(self.weight)
+        self.cpu_tiles = cpu_kernels.pack_tiles(self.weight) if self.use_tiles else None
         if self.cpu_tiles is not None:
             self.tile_bias = self.bias.float() if self.bias is not None else None
         self.cpu_weight = pack_for_cpu(self.weight)
@@ -88,10 +91,11 @@ class LinearBase(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4_weight is not None and x.shape[0] <= MAX_ROWS:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.q4_weight is not None and rows <= MAX_ROWS:
             out = q4_matmul(x, *self.q4_weight)
             return out + self.bias if self.bias is not None else out
-        if self.cpu_tiles is not None and x.shape[0] <= TILE_ROWS:
+        if self.cpu_tiles is not None and rows <= TILE_ROWS:
             return cpu_kernels.linear_tiles(x, self.cpu_tiles, self.tile_bias)
         if self.cpu_weight is not None:
             return packed_linear(x, self.cpu_weight, self.bias)

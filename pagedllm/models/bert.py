@@ -36,6 +36,8 @@ def _layer_norm(config) -> nn.LayerNorm:
 class LinearGelu(ColumnParallelLinear):
     """gelu(x @ W.T + b); on CPU the GELU is fused into oneDNN's matmul."""
 
+    use_tiles = False  # its forward always takes oneDNN's fused matmul
+
     def __init__(self, input_size: int, output_size: int, approximate: str) -> None:
         super().__init__(input_size, output_size, bias=True)
         self.approximate = approximate
@@ -71,6 +73,7 @@ class BertSelfOutput(nn.Module):
     def __init__(self, config, input_size: int) -> None:
         super().__init__()
         self.dense = RowParallelLinear(input_size, config.hidden_size, bias=True)
+        self.dense.use_tiles = False  # forward fuses the residual add into oneDNN's matmul
         self.LayerNorm = _layer_norm(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -161,8 +161,9 @@ class SamplingMetadata:
         return cls._every_row(sampling, torch.from_numpy(params), torch.from_numpy(uniforms))
 
     @classmethod
-    def _every_row(cls, sampling: np.ndarray, params: torch.Tensor, seed_uniforms=None) -> SamplingMetadata:
-        """The kernels' form (params of every row), none of the torch path's fields."""
+    def _every_row(cls, sampling: np.ndarray, params: torch.Tensor | None, seed_uniforms=None) -> SamplingMetadata:
+        """The kernels' form (params of every row; None for a GPU step that takes torch's argmax), none of the torch
+        path's fields."""
         none = dict.fromkeys(["greedy_rows", "sample_rows", "plain", "filtered", "temperature", "top_k", "top_p"])
         return cls(
             all_greedy=not bool(sampling.any()),

@@ -10,9 +10,28 @@ import torch
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import TILE_ROWS, RowParallelLinear, pack_for_cpu, packed_linear
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.matmul_tiles(), reason="this CPU has no AMX tiles (the layers use oneDNN's matmul)"
-)
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles with bfloat16 (Linux's /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+needs_amx = pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX tiles (the layers use oneDNN's matmul)")
+
+
+def test_tiles_run_exactly_where_the_cpu_has_them():
+    """On a CPU with AMX the kernels must be built for it and usable (a failed build would otherwise only show as
+    slower linears); elsewhere nothing is packed for them."""
+    if cpu_kernels.compiled() is None:
+        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
+    assert cpu_kernels.matmul_tiles() == cpu_has_amx()
+    packed = cpu_kernels.pack_tiles(torch.ones(32, 32).bfloat16())
+    assert (packed is not None) == cpu_has_amx()
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -26,7 +45,8 @@ def assert_rounded_alike(y: torch.Tensor, ref: torch.Tensor) -> None:
     assert (y == ref).float().mean() > 0.99, "more than 1% of the outputs differ from the rounded reference"
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 64, 100, 300])
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 40, 64, 100, 300])
 @pytest.mark.parametrize("n, k", [(32, 32), (96, 64), (576, 576), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiles_match_a_rounded_float64_reference(rows, n, k, with_bias):
@@ -40,6 +60,7 @@ def test_tiles_match_a_rounded_float64_reference(rows, n, k, with_bias):
     assert_rounded_alike(y, reference(x, w, bias))
 
 
+@needs_amx
 def test_tiles_match_onednn():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(960, 576, generator=g).bfloat16(), torch.randn(64, 576, generator=g).bfloat16()
@@ -49,12 +70,23 @@ def test_tiles_match_onednn():
     assert_rounded_alike(cpu_kernels.linear_tiles(x, cpu_kernels.pack_tiles(w)), packed_linear(x, packed, None))
 
 
+@needs_amx
 def test_nan_and_inf_pass_through():
     w = torch.ones(32, 32).bfloat16()
     x = torch.zeros(3, 32).bfloat16()
     x[1, 4], x[2, 0] = float("nan"), float("inf")
     y = cpu_kernels.linear_tiles(x, cpu_kernels.pack_tiles(w))
     assert (y[0] == 0).all() and y[1].isnan().all() and (y[2] == float("inf")).all()
+
+
+@needs_amx
+def test_no_rows_and_bad_inputs():
+    packed = cpu_kernels.pack_tiles(torch.ones(64, 32).bfloat16())
+    assert cpu_kernels.linear_tiles(torch.ones(0, 32).bfloat16(), packed).shape == (0, 64)
+    with pytest.raises(ValueError, match="bfloat16 CPU input"):
+        cpu_kernels.linear_tiles(torch.ones(2, 32), packed)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_kernels.linear_tiles(torch.ones(2, 32).bfloat16(), packed, torch.ones(64).bfloat16())
 
 
 @pytest.mark.parametrize(
@@ -66,6 +98,7 @@ def test_weights_the_tiles_do_not_take(weight):
     assert cpu_kernels.pack_tiles(weight) is None
 
 
+@needs_amx
 @pytest.mark.parametrize("rows", [TILE_ROWS, TILE_ROWS + 1])
 def test_layer_takes_the_tiles_up_to_tile_rows(rows, monkeypatch):
     g = torch.Generator().manual_seed(rows)

@@ -10,22 +10,31 @@ import transformers
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, triton_available
 from pagedllm.sample.metadata import SamplingMetadata
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    if cpu_kernels.compiled() is None:
-        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
     _, path = save_tiny_decoder(
         "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
     )
     return path
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not triton_available(), reason="the GPU sampler needs triton")],
+        ),
+    ],
+)
 def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, device, monkeypatch):
+    if device == "cpu" and cpu_kernels.compiled() is None:
+        pytest.fail("pagedllm.kernels.cpu_kernels did not build: it needs a C compiler (GCC 12+ or clang)")
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, 320, (n,), generator=gen).tolist()} for n in (1, 7, 19, 4)]
     llm = LLM(
