@@ -46,16 +46,6 @@ static void to_float(float *restrict dst, const void *restrict src, int64_t n, i
     for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
 }
 
-/* x rounded to bfloat16 (nearest even, as torch rounds; NaN stays a quiet NaN), in the float32 bits' top half */
-static inline uint32_t bf16_bits(float x) {
-    union {
-        float f;
-        uint32_t u;
-    } v = {x};
-    return (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u | 0x400000u) & 0xffff0000u
-                                              : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
-}
-
 /* n float32 values to dst (float32 or bfloat16) */
 static void from_float(void *restrict dst, const float *restrict src, int64_t n, int bf16) {
     if (!bf16) {

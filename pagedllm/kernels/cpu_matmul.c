@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_vectors.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -72,18 +74,15 @@ static void configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* The first `rows` rows of a sums tile [16][16] float32 (+ bias [16] float32), rounded to bfloat16 (nearest even,
-   a NaN quiet), into y (row stride n). */
+/* The first `rows` rows of a sums tile [16][16] float32 (+ bias [16] float32), rounded to bfloat16 (bf16_bits), into
+   y (row stride n). */
 static void store_rounded(const float (*sums)[16], int64_t rows, const float *bias, uint16_t *y, int64_t n) {
-    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    float b[16] = {0};
+    if (bias) memcpy(b, bias, sizeof b);
     for (int64_t r = 0; r < rows; r++) {
-        const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(sums[r]), b));
-        __m512i bits = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), inf);
-        bits = _mm512_mask_mov_epi32(bits, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-        _mm256_storeu_si256((__m256i *)(y + r * n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        uint16_t *out = y + r * n;
+#pragma omp simd
+        for (int c = 0; c < 16; c++) out[c] = (uint16_t)(bf16_bits(sums[r][c] + b[c]) >> 16);
     }
 }
 #endif

@@ -482,15 +482,6 @@ static int64_t argmax_row(const float *x, int64_t vocab) {
     return 0; /* every logit -inf */
 }
 
-/* a bfloat16 value (its raw 16 bits) as the float32 it is exactly */
-static inline float bf16_value(uint16_t bits) {
-    const union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)bits << 16};
-    return v.f;
-}
-
 /* argmax_row of every row of bfloat16 logits [rows, vocab] (row stride `stride`, raw 16-bit values; each converts
    to float32 exactly, so the result is the argmax of their float32 copy), into out [rows]. */
 void argmax_rows_bf16(const uint16_t *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *out,

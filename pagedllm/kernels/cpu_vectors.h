@@ -1,5 +1,5 @@
-/* The vector types of the CPU kernels (cpu_kernels.c, cpu_sampling.c): GCC (12 and later) / clang vector
-   extensions. */
+/* The vector types of the CPU kernels (cpu_kernels.c, cpu_matmul.c, cpu_sampling.c): GCC (12 and later) / clang
+   vector extensions; and their bfloat16 conversions. */
 
 #ifndef PAGEDLLM_CPU_VECTORS_H
 #define PAGEDLLM_CPU_VECTORS_H
@@ -33,5 +33,24 @@ VECTOR_TYPES(f32x16, i32x16, LANES, load16, store16)
 #define VL 8
 #endif
 VECTOR_TYPES(fvec, ivec, VL, loadv, storev)
+
+/* x rounded to bfloat16 (nearest even, as torch rounds; NaN stays a quiet NaN), in the float32 bits' top half */
+static inline uint32_t bf16_bits(float x) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {x};
+    return (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u | 0x400000u) & 0xffff0000u
+                                              : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+}
+
+/* a bfloat16 value (its raw 16 bits) as the float32 it is exactly */
+static inline float bf16_value(uint16_t bits) {
+    const union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)bits << 16};
+    return v.f;
+}
 
 #endif
