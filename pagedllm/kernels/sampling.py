@@ -2,10 +2,12 @@
 token after min-p, top-k and top-p, reading the logits in place, with no host sync. A penalized row's program first
 copies its row to a work row and applies the penalties there (pagedllm/kernels/penalties.py); the logits stay as they
 are. A row that wants logprobs gets one more program, which reads the logits as they are for the log-sum-exp and the
-top tokens (pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. Every
-input comes in one int32 array (laid out by pagedllm/kernels/sampling_inputs.py), so a step costs one host-to-device
-copy and one launch. The programs of the rows that want logprobs come first, then the rows' own, the likely slowest
-first (program_order): programs start in order, and a big batch's do not all fit on the device at once.
+top tokens (pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. The
+inputs are two int32 arrays (laid out by pagedllm/kernels/sampling_inputs.py): a state per row of the persistent
+batch (parameters, penalized tokens), which the kernel advances as it samples, and the step's rows; a step whose
+batch goes on as it was uploads neither and costs one launch. The programs of the rows that want logprobs come
+first, then the rows' own, the likely slowest first (program_order): programs start in order, and a big batch's do
+not all fit on the device at once.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
 at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
@@ -51,7 +53,7 @@ import triton.language as tl
 from pagedllm.kernels.launch import Launch
 from pagedllm.kernels.logprobs import LIST, _rank, row_logprobs
 from pagedllm.kernels.logprobs import TILE as LP_TILE
-from pagedllm.kernels.penalties import EXTRA, penalize_row
+from pagedllm.kernels.penalties import penalize_row
 from pagedllm.kernels.row_passes import (
     _LOG2E,
     _at_or_above,
@@ -65,7 +67,7 @@ from pagedllm.kernels.row_passes import (
     _tile,
     _tokens,
 )
-from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, PARAMS
+from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, PARAMS, DeviceInputs
 
 _GREEDY_BELOW = tl.constexpr(GREEDY_BELOW)
 _BLOCK = 1024  # lanes of a pass over a row
@@ -264,11 +266,17 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
     return tl.min(tl.where(best == tl.max(best, 0), best_idx, 2147483647), 0)
 
 
-@triton.jit(do_not_specialize=["batch", "step_key"])  # batch: a batch of 1 stays a value
+# the ints that vary from step to step are plain values: Triton would compile this large kernel again (seconds, while
+# the engine waits) for each new mix of them equal to 1 or divisible by 16
+@triton.jit(
+    do_not_specialize=["batch", "num_pen", "tokens_at", "token_cap", "num_top", "copied", "advance", "step_key"]
+)
 def sample_kernel(
     logits_ptr,  # [batch, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary
-    inputs_ptr,  # int32 words (sampling_inputs.pack_inputs): [batch, PARAMS] params, [batch] order, [penalized,
-    # pen_stride] penalties, [wanted] rows
+    state_ptr,  # int32 (sampling_inputs.py): [rows, PARAMS] each state row's parameters, then [rows, token_cap] tokens
+    step_ptr,  # int32 (sampling_inputs.step_words): [batch] state rows, [batch] penalized places, [batch] logprobs
+    # places, [batch] the logits rows in the order of their programs, [batch] patches' starts, [wanted] the rows
+    # that want logprobs, the patches
     out_ptr,  # [batch] int64
     scratch_ptr,  # int32 words: the top-k lists, the logprobs' lists, the penalties' counts, a counter per program
     work_ptr,  # [penalized, vocab] logits' dtype: the penalized copies of those rows
@@ -280,9 +288,11 @@ def sample_kernel(
     stride_source,
     cap,
     num_pen,
-    pen_stride,
+    tokens_at,  # where the state's tokens start: rows x PARAMS
+    token_cap,
     num_top,
     copied,
+    advance,  # 1: advance the state (each row's position; a penalized row's tokens take the sampled one)
     step_key,  # int64: the key of unseeded rows is step_key + row
     PARAMS: tl.constexpr,  # words per row of params
     BLOCK: tl.constexpr,
@@ -295,9 +305,7 @@ def sample_kernel(
 ):
     program = tl.program_id(0)
     wanted_rows = tl.num_programs(0) - batch  # one program more per row that wants logprobs
-    order_ptr = inputs_ptr + batch * PARAMS  # [batch] the rows in the order of their programs
-    pen_ptr = order_ptr + batch
-    sources_ptr = pen_ptr + num_pen * pen_stride  # [wanted] each wanted row's place in the batch
+    sources_ptr = step_ptr + 5 * batch  # [wanted] each wanted row's place in the batch
     lists = batch.to(tl.int64) * cap  # scratch: [batch, cap] float32 values, [batch, cap] tokens, then
     lp_lists = scratch_ptr + 2 * lists  # [wanted, LIST] float32 values, [wanted, LIST] tokens, then
     tables = lp_lists + 2 * wanted_rows * LIST  # [penalized, vocab] counts, then
@@ -312,16 +320,23 @@ def sample_kernel(
             vocab, num_top, -1, LP_TILE, LIST, PIVOTS,
         )  # fmt: skip
     else:
-        row = tl.load(order_ptr + program - wanted_rows)
+        row = tl.load(step_ptr + 3 * batch + program - wanted_rows)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        params_ptr = inputs_ptr + row * PARAMS
+        state_row = tl.load(step_ptr + row).to(tl.int64)
+        params_ptr = state_ptr + state_row * PARAMS
         floats = params_ptr.to(tl.pointer_type(tl.float32))
-        penalized = tl.load(params_ptr + 8)
+        tokens_ptr = state_ptr + tokens_at + state_row * token_cap
+        patch = tl.load(step_ptr + 4 * batch + row)
+        if patch >= 0:  # the row joins the state, once: steps that reuse these words find no patch
+            _write_patch(step_ptr + patch, params_ptr, tokens_ptr, PARAMS, BLOCK)
+            tl.store(step_ptr + 4 * batch + row, -1)
+        num_tokens = tl.load(params_ptr + 9)
+        penalized = tl.load(step_ptr + batch + row)
         if penalized >= 0:  # sample from a penalized copy of the row
             work = work_ptr + penalized.to(tl.int64) * vocab
             penalize_row(
-                row_ptr, work, tables + penalized.to(tl.int64) * vocab, pen_ptr + penalized * pen_stride,
-                pen_stride - EXTRA, vocab, BLOCK, 512,
+                row_ptr, work, tables + penalized.to(tl.int64) * vocab, tokens_ptr, tl.load(params_ptr + 8),
+                num_tokens, tl.load(floats + 10), tl.load(floats + 11), tl.load(floats + 12), vocab, BLOCK, 512,
             )  # fmt: skip
             row_ptr = work
         temperature = tl.load(floats)
@@ -332,7 +347,12 @@ def sample_kernel(
             token = _draw_row(row_ptr, row, floats, vals, scratch_ptr + lists + row * cap, counter, vocab, cap,
                               temperature, step_key, BLOCK, DEPTH, PER_LANE, SMALL, PIVOTS)  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
-        wanted = tl.load(params_ptr + 9)
+        if advance != 0:  # the state as the next step finds it: every thread has read it by now (the draw's sums)
+            tl.store(params_ptr + 6, tl.load(params_ptr + 6) + 1)
+            if penalized >= 0:
+                tl.store(tokens_ptr + num_tokens, token)
+                tl.store(params_ptr + 9, num_tokens + 1)
+        wanted = tl.load(step_ptr + 2 * batch + row)
         if (wanted >= 0) & (wanted < wanted_rows):  # the sampled token's rank and logit, in the logits as they are
             place = tl.where(copied != 0, wanted, tl.load(sources_ptr + wanted))
             src = source_ptr + place.to(tl.int64) * stride_source
@@ -344,6 +364,18 @@ def sample_kernel(
 
 
 _launch = Launch(sample_kernel)
+
+
+@triton.jit
+def _write_patch(patch_ptr, params_ptr, tokens_ptr, PARAMS: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's state from its patch: its PARAMS words, then its tokens (its NUM_TOKENS word: how many)."""
+    i = tl.arange(0, 16)
+    tl.store(params_ptr + i, tl.load(patch_ptr + i, mask=i < PARAMS), mask=i < PARAMS)
+    n = tl.load(patch_ptr + 9)
+    for start in range(0, n, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        tl.store(tokens_ptr + j, tl.load(patch_ptr + PARAMS + j, mask=j < n), mask=j < n)
+    tl.debug_barrier()  # the state is read by every thread of the program
 
 
 @triton.jit
@@ -384,29 +416,30 @@ def _draw_row(
 
 def sample(
     logits: torch.Tensor,  # [batch, vocab]
-    inputs: torch.Tensor,  # int32 words: sampling_inputs.pack_inputs
+    inputs: DeviceInputs,  # the state and the step's words (sampling_inputs.py)
     step_key: int,  # in [0, 2**62): the unseeded rows' keys are step_key + row
-    num_pen: int = 0,  # penalized rows in inputs
-    pen_stride: int = 0,  # their words each
     logprobs: Logprobs | None = None,
     block: int = _BLOCK,
     cap: int = _CAP,
     work: torch.Tensor | None = None,  # [num_pen, vocab] logits' dtype: where the penalized rows go (default new)
     memory: Memory | None = None,  # working memory kept from launch to launch (default: new allocations)
+    out: torch.Tensor | None = None,  # [batch] int64: where the tokens go (default new)
 ) -> torch.Tensor:
     """One token per row of logits: the argmax, or a draw from softmax(x / T) after min-p, top-k and top-p, of the
-    row as it is or with its penalties; and the logprobs the rows want into logprobs.out. Launches one kernel and
-    never waits for the device. block: lanes per pass (a power of 2; the draws depend on it). Kernels that share
-    memory must run one after another (on one stream)."""
+    row as it is or with its penalties; and the logprobs the rows want into logprobs.out. Where inputs.advance, the
+    kernel advances the state past the sampled tokens. Launches one kernel and never waits for the device. block:
+    lanes per pass (a power of 2; the draws depend on it). Kernels that share memory must run one after another (on
+    one stream)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
     dev = logits.device
-    out = torch.empty(batch, dtype=torch.int64, device=dev)
+    out = torch.empty(batch, dtype=torch.int64, device=dev) if out is None else out
     if not batch:
         return out
     cap = min(cap, vocab)
-    lp = logprobs if logprobs is not None else Logprobs(logits, inputs, 0, False)  # no program writes it
+    num_pen = inputs.num_pen
+    lp = logprobs if logprobs is not None else Logprobs(logits, inputs.step, 0, False)  # no program writes it
     wanted = lp.out.shape[0] if logprobs is not None else 0
     source = lp.source if lp.source.stride(-1) == 1 else lp.source.contiguous()
     memory = memory if memory is not None else Memory()
@@ -415,8 +448,9 @@ def sample(
         work = memory.take("work", (num_pen, vocab), dev, logits.dtype) if num_pen else logits
     _launch(
         batch + wanted,
-        logits, inputs, out, scratch, work, source, lp.out, batch, vocab, logits.stride(0), source.stride(0),
-        cap, num_pen, pen_stride, lp.num_top, int(lp.copied), step_key, PARAMS=PARAMS, BLOCK=block, DEPTH=_DEPTH,
+        logits, inputs.state, inputs.step, out, scratch, work, source, lp.out, batch, vocab, logits.stride(0),
+        source.stride(0), cap, num_pen, inputs.num_rows * PARAMS, inputs.token_cap, lp.num_top, int(lp.copied),
+        int(inputs.advance), step_key, PARAMS=PARAMS, BLOCK=block, DEPTH=_DEPTH,
         PER_LANE=triton.next_power_of_2(triton.cdiv(vocab, block)), SMALL=min(block, _SMALL), PIVOTS=_PIVOTS,
         LP_TILE=LP_TILE, LIST=LIST, num_warps=_WARPS if block >= 1024 else 4,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.device import to_device
 from pagedllm.kernels import cpu_kernels, triton_available
-from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, input_words, pack_params, program_order
+from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, DeviceInputs, pack_inputs, pack_params
 from pagedllm.sample.logits_processors import Penalties
 
 
@@ -27,14 +27,14 @@ class LogprobRequest:
 @dataclass
 class SamplingMetadata:
     """The sampler's inputs for one step. Which rows sample and which filter is decided on the host, so the
-    sampler needs no device sync for it. Build it with `SamplingMetadata.build`: for the kernels (a GPU with Triton, a
-    CPU with the C kernels) it holds every row's parameters (params; on the CPU also seed_uniforms)
-    and none of the torch path's fields (None), elsewhere the reverse. A GPU step whose every row takes the argmax
-    (no penalties, no logprobs) holds none of either: torch's argmax needs no inputs."""
+    sampler needs no device sync for it. Build it with `SamplingMetadata.build` (the engine's GPU steps: with
+    ResidentInputs.update): for the GPU kernel it holds the kernel's inputs on the device (device_inputs), for the C
+    kernels every row's parameters (params, seed_uniforms), and none of the torch path's fields (None); elsewhere the
+    reverse. A GPU step whose every row takes the argmax (no penalties, no logprobs) holds none of them: torch's
+    argmax needs no inputs."""
 
     all_greedy: bool
-    params: torch.Tensor | None  # kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p (GPU:
-    # every input of the kernel, int32 words: pagedllm/kernels/sampling_inputs.py's pack_inputs)
+    params: torch.Tensor | None  # C kernels: [batch, 4] float32: temperature (0: greedy), top_k, top_p, min_p
     greedy_rows: torch.Tensor | None  # [num_greedy] int64: batch rows that take the argmax
     sample_rows: torch.Tensor | None  # [num_sample] int64: batch rows that sample
     plain: torch.Tensor | None  # [num_plain] int64: positions in sample_rows without top-k / top-p
@@ -48,10 +48,11 @@ class SamplingMetadata:
     seed_uniforms: torch.Tensor | None  # [num_sample] float32: seeded_uniform of (seed, position) where seeded (C
     # kernels: [batch], -1 where not seeded)
     penalties: Penalties | None = None  # applied to the logits in place before sampling (not on the GPU kernel)
-    num_penalized: int = 0  # GPU kernel: rows whose penalties are in params (the kernel samples from penalized
-    # copies of them, the logits stay as they are)
-    penalty_stride: int = 0  # their words each
+    device_inputs: DeviceInputs | None = None  # GPU kernel: its inputs on the device (it samples from penalized
+    # copies of the penalized rows, the logits stay as they are)
     logprobs: LogprobRequest | None = None  # GPU kernel: the rows that want logprobs, computed by the sampling kernel
+    sampled: torch.Tensor | None = None  # GPU kernel: [batch] int64, where it writes the tokens (logprobs.out and it
+    # are views of one buffer: one copy to the host)
 
     @property
     def penalizes_in_place(self) -> bool:
@@ -109,42 +110,51 @@ class SamplingMetadata:
     def _for_kernel(
         cls, temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
     ) -> SamplingMetadata:
-        """The GPU kernel's form: every row's parameters as they are, the penalized rows' tokens and penalties and
-        the rows that want logprobs, in one host-to-device copy (the kernel hashes a seeded row's key from its seed
-        and position). A step where every row takes the argmax, with no penalties or logprobs, gets none of it
-        (params None): the sampler takes torch's argmax."""
-        from pagedllm.kernels.penalties import EXTRA, pack_rows
-
+        """The GPU kernel's form, built anew (nothing kept on the device from an earlier step: the engine keeps it,
+        pagedllm/sample/resident_inputs.py): every row's parameters as they are, the penalized rows' tokens and
+        penalties and the rows that want logprobs, in one host-to-device copy (the kernel hashes a seeded row's key
+        from its seed and position). A step where every row takes the argmax, with no penalties or logprobs, gets
+        none of it: the sampler takes torch's argmax."""
         n = len(temperature)
         sampling = temperature >= GREEDY_BELOW
-        listed = np.flatnonzero(num_top >= 0) if num_top is not None else ()  # the rows that want logprobs
-        if not sampling.any() and penalties is None and not len(listed):
+        wanted = num_top is not None and (num_top >= 0).any()
+        if not sampling.any() and penalties is None and not wanted:
             return cls._every_row(sampling, None)  # torch's argmax takes every row: the kernel's inputs go unread
         if seeded is not None:
             seeded = seeded & sampling  # greedy rows draw nothing
-        num_pen, max_len = (0, 0) if penalties is None else penalties.token_ids.shape
-        pen_stride = max_len + EXTRA.value
-        words, params, order, pen_words, wanted_words = input_words(n, num_pen, pen_stride, len(listed))
-        penalized = wanted = None
-        if num_pen:
-            penalized = np.full(n, -1, dtype=np.int32)
-            penalized[penalties.rows] = np.arange(num_pen)
-            pack_rows(*penalties[1:], out=pen_words)
-        if len(listed):
-            wanted = np.full(n, -1, dtype=np.int32)
-            wanted[listed] = np.arange(len(listed))
-            wanted_words[:] = listed
-        pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions, penalized, wanted, out=params)
-        order[:] = program_order(params)
-        inputs = to_device(words, device)
-        meta = cls._every_row(sampling, inputs)
-        if num_pen:
-            meta.num_penalized, meta.penalty_stride = num_pen, pen_stride
+        pen = {}
+        if penalties is not None:
+            rows = penalties.rows
+            pen = {name: np.zeros(n, dtype=dtype) for name, dtype in _PENALTY_FIELDS.items()}
+            for name, values in zip(_PENALTY_FIELDS, penalties[2:]):
+                pen[name][rows] = values
+        params = pack_params(temperature, top_k, top_p, min_p, seeds, seeded, positions, **pen)
+        listed = np.flatnonzero(num_top >= 0) if wanted else None
+        tokens = penalties.token_ids if penalties is not None else None
+        state, step, token_cap = pack_inputs(params, None if penalties is None else penalties.rows, tokens, listed)
+        words = to_device(np.concatenate([state, step]), device)
+        num_pen = 0 if penalties is None else len(penalties.rows)
+        inputs = DeviceInputs(words[: len(state)], words[len(state) :], n, token_cap, num_pen, advance=False)
+        return cls.for_kernel(sampling, inputs, num_top, device)
+
+    @classmethod
+    def for_kernel(cls, sampling: np.ndarray, inputs: DeviceInputs | None, num_top: np.ndarray | None, device):
+        """The GPU kernel's metadata over its inputs (sampling [batch] bool: the rows that draw; num_top [batch]: the
+        top logprobs each row wants, -1: none), with the buffer the kernel writes the logprobs into. inputs None:
+        every row takes torch's argmax."""
+        meta = cls._every_row(sampling, None)
+        meta.device_inputs = inputs
+        if inputs is None:
+            return meta
+        if inputs.num_pen:
             meta.all_greedy = False  # the kernel applies them
+        n, listed = len(sampling), np.flatnonzero(num_top >= 0) if num_top is not None else ()
+        k_max = int(num_top[listed].max()) if len(listed) else 0
+        at = -(-2 * n // 4) * 4  # the logprobs start 16-byte aligned (as every buffer the kernel is compiled for)
+        words = torch.empty(at + len(listed) * (4 + 2 * k_max), dtype=torch.int32, device=device)  # one copy back
+        meta.sampled = words[: 2 * n].view(torch.int64)
         if len(listed):
-            k_max = int(num_top[listed].max())
-            out = torch.empty(len(listed), 4 + 2 * k_max, dtype=torch.int32, device=device)
-            meta.logprobs = LogprobRequest(out, k_max)
+            meta.logprobs = LogprobRequest(words[at:].view(len(listed), 4 + 2 * k_max), k_max)
             meta.all_greedy = False
         return meta
 
@@ -174,6 +184,15 @@ class SamplingMetadata:
             seed_uniforms=seed_uniforms,
             **none,
         )
+
+
+_PENALTY_FIELDS = {  # pack_params' penalty fields: Penalties from num_prompt on
+    "num_prompt": np.int64,
+    "num_tokens": np.int64,
+    "repetition": np.float32,
+    "presence": np.float32,
+    "frequency": np.float32,
+}
 
 
 def _to_device_packed(arrays: dict[str, np.ndarray | None], dtype, device) -> dict[str, torch.Tensor | None]:

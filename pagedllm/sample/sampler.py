@@ -29,14 +29,16 @@ exactly, but differently: the same seed gives different tokens on the GPU, in th
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import torch
 
-from pagedllm.kernels import cpu_sampling
+from pagedllm.kernels import cpu_sampling, triton_available
 from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import apply_penalties
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.resident_inputs import ResidentInputs
 
 CANDIDATES = 256
 _HIST_BINS = 2048
@@ -187,9 +189,12 @@ class Sampler:
         # for requests without a seed: the torch path's uniforms, the GPU kernel's key of each step
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.rng = np.random.default_rng(seed)
+        self.keys = random.Random(seed)  # the GPU kernel's key of each step (a few times faster to draw than rng's)
         self.scratch = _Scratch(device)  # the torch path's large temporaries
         self.c_scratch = cpu_sampling.Scratch()  # the C kernels' working rows (also lent to the logprobs)
         self.kernel_memory = None  # the GPU kernel's working memory (sampling.Memory), made at its first launch
+        # the GPU kernel's inputs kept on the device from step to step (the engine's steps build them there)
+        self.resident = ResidentInputs(device) if device.type == "cuda" and triton_available() else None
 
     def __call__(
         self, logits: torch.Tensor, meta: SamplingMetadata, logprob_copies: torch.Tensor | None = None
@@ -211,7 +216,7 @@ class Sampler:
             return cpu_sampling.sample(logits.float(), meta.params, u, self.c_scratch)
         if meta.all_greedy:
             return logits.argmax(dim=-1) if logits.is_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
-        if meta.params is not None:  # GPU: every row in one kernel
+        if meta.device_inputs is not None:  # GPU: every row in one kernel
             from pagedllm.kernels.sampling import Logprobs, Memory, sample
 
             lp, copied = meta.logprobs, logprob_copies is not None
@@ -219,9 +224,8 @@ class Sampler:
                 lp = Logprobs(logprob_copies if copied else logits, lp.out, lp.k_max, copied)
             if self.kernel_memory is None:
                 self.kernel_memory = Memory()
-            key = int(self.rng.integers(1 << 62))
-            pen = meta.num_penalized, meta.penalty_stride
-            return sample(logits, meta.params, key, *pen, lp, memory=self.kernel_memory)
+            key = self.keys.getrandbits(62)
+            return sample(logits, meta.device_inputs, key, lp, memory=self.kernel_memory, out=meta.sampled)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         greedy, filtered = meta.greedy_rows, meta.filtered
         # their rows start from the maxima of tiles (tiles.py): one pass over the whole batch where they are most

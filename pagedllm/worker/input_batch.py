@@ -24,7 +24,8 @@ class InputBatch:
         self.min_tokens_stop_ids: dict[int, list[int]] = {}  # row -> EOS and stop ids banned before min_tokens
         self.seed = np.zeros(max_num_reqs, dtype=np.int64)  # the request's seed as a signed 64-bit value
         self.has_seed = np.zeros(max_num_reqs, dtype=bool)
-        # the request's sampling reads its output tokens on the host (penalties, bad words, logits processors)
+        # the request's sampling reads its output tokens on the host (bad words, logits processors; penalties too,
+        # except where the GPU kernel keeps the tokens on the device)
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
         self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)  # adjust_logits changes them (not the penalties)
         self.penalized = np.zeros(max_num_reqs, dtype=bool)
@@ -60,7 +61,7 @@ class InputBatch:
         self.min_tokens[row] = params.min_tokens
         self.min_tokens_stop_ids[row] = new.min_tokens_stop_ids
         self.has_seed[row] = params.seed is not None
-        self.reads_outputs[row] = bool(params.has_penalties or params.bad_words_token_ids or params.logits_processors)
+        self.reads_outputs[row] = bool(params.bad_words_token_ids or params.logits_processors)
         # the request changes its logits before sampling (besides min_tokens, which depends on the step)
         self.adjusts_logits[row] = bool(
             params.bad_words_token_ids or params.logits_processors or params.allowed_token_ids or params.logit_bias

@@ -11,7 +11,7 @@ import torch
 from pagedllm.attention import get_backend
 from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
-from pagedllm.device import pinned_copy, to_device
+from pagedllm.device import pinned_copies, pinned_copy, to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
@@ -196,7 +196,7 @@ class ModelRunner:
             return StepFuture.ready(ModelRunnerOutput({}))
         prev = self.last_step
         rows = np.array([self.batch.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)
-        if prev is not None and not prev.committed and self.batch.reads_outputs[rows].any():
+        if prev is not None and not prev.committed and self._reads_outputs(rows).any():
             prev.result()  # penalties and the like read the output tokens on the host: wait for them
         flat = self._prepare_inputs(so)
         req_ids = list(so.num_scheduled_tokens)
@@ -205,7 +205,7 @@ class ModelRunner:
         num_tokens = flat.seq_lens[sample_idx]  # [num_sampled] tokens so far, a late one included
         if len(sample_idx):  # every host-to-device copy of the step before the forward is launched
             logits_rows = self._to_device(flat.query_start_loc[1:][sample_idx] - 1)  # [num_sampled]
-            sampling = sampling_metadata(self.batch, sample_rows, num_tokens, self.device)
+            sampling = sampling_metadata(self.batch, sample_rows, num_tokens, self.device, self.sampler.resident)
         hidden = self._run_model(flat, self._late_inputs(flat))  # [num_tokens, hidden]
         prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
@@ -229,12 +229,21 @@ class ModelRunner:
         self.last_step = step
         return step
 
+    def _reads_outputs(self, rows: np.ndarray) -> np.ndarray:
+        """Which of these rows read their output tokens on the host this step: bad words and logits processors;
+        penalties, except where the GPU kernel keeps the row's tokens on the device already (it appends each token
+        it samples; the tokens go there when the request joins). [rows] bool"""
+        b, resident = self.batch, self.sampler.resident
+        if resident is None:
+            return b.reads_outputs[rows] | b.penalized[rows]
+        return b.reads_outputs[rows] | (b.penalized[rows] & ~resident.holds(rows, b.generation[rows]))
+
     def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: np.ndarray) -> bool:
         """Whether the step's logits can stay in the model dtype, when no row adjusts its logits, is penalized or
         wants logprobs: on CUDA, where torch's argmax and the sampling kernel read any float dtype exactly; on the
         CPU when every row takes the argmax (the C kernels' argmax reads bfloat16 exactly)."""
         if self.device.type == "cuda":
-            readers = sampling.all_greedy or sampling.params is not None  # torch's argmax, the sampling kernel
+            readers = sampling.all_greedy or sampling.device_inputs is not None  # torch's argmax, the sampling kernel
         else:
             readers = sampling.all_greedy and sampling.params is not None  # the C kernels' argmax
         return (
@@ -242,7 +251,7 @@ class ModelRunner:
             and sampling.penalties is None
             and not (num_top >= 0).any()
             and not adjusted.any()
-            and not sampling.num_penalized
+            and not (sampling.device_inputs is not None and sampling.device_inputs.num_pen)
         )
 
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:
@@ -309,9 +318,11 @@ class StepFuture:
         self._host = sampled
         self._copied = None
         if sampled.is_cuda:  # start the copies now; result() only waits for them
-            self._host = pinned_copy(sampled)
-            if logprobs is not None:
-                self.logprobs = LogprobTensors(logprobs.num_top, pinned_copy(logprobs.packed))
+            if logprobs is None:
+                self._host = pinned_copy(sampled)
+            else:  # one copy where the sampling kernel wrote both into one buffer
+                self._host, packed = pinned_copies(sampled, logprobs.packed)
+                self.logprobs = LogprobTensors(logprobs.num_top, packed)
             self._copied = torch.cuda.Event()
             self._copied.record()
 

@@ -14,6 +14,7 @@ from pagedllm.kernels import cpu_sampling, use_triton
 from pagedllm.sample import tiles
 from pagedllm.sample.logits_processors import Penalties, apply_token_constraints
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.resident_inputs import ResidentInputs
 from pagedllm.worker.input_batch import InputBatch
 
 _LOG2E = 1.4426950408889634  # exp(z) = 2 ** (z * log2(e))
@@ -95,8 +96,13 @@ def penalties(batch: InputBatch, rows: np.ndarray) -> Penalties | None:
     )
 
 
-def sampling_metadata(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, device) -> SamplingMetadata:
-    """num_tokens [rows]: each request's tokens including one still on the device (async scheduling)."""
+def sampling_metadata(
+    batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, device, resident: ResidentInputs | None = None
+) -> SamplingMetadata:
+    """num_tokens [rows]: each request's tokens including one still on the device (async scheduling). resident: the
+    GPU kernel's inputs kept on the device (they take the step where given)."""
+    if resident is not None:
+        return resident.update(batch, rows, num_tokens)
     return SamplingMetadata.build(
         batch.temperature[rows],
         batch.top_k[rows],
@@ -200,12 +206,9 @@ class LogprobTensors:
         packed, on_device = self.packed, self.packed.is_cuda
         if on_device:
             packed = pinned_copy(packed)
-        wanted = np.flatnonzero(self.num_top >= 0)
-        rows_k = list(zip(wanted.tolist(), self.num_top[wanted].tolist()))
-        out: list = [None] * len(self.num_top)
-        if on_device:
             torch.cuda.current_stream().synchronize()
         words = packed.numpy()
+        wanted = np.flatnonzero(self.num_top >= 0)
         rows, k_max = len(words), (words.shape[1] - 4) // 2
         floats = words.view(np.float32)
         ids = np.empty((rows, 1 + k_max), dtype=np.int32)  # the chosen token first
@@ -213,13 +216,17 @@ class LogprobTensors:
         logprobs = np.empty((rows, 1 + k_max), dtype=np.float32)
         np.subtract(floats[:, 2], floats[:, 3], out=logprobs[:, 0])
         logprobs[:, 1:] = floats[:, 4 + k_max :]
-        ids, logprobs, ranks = ids.tolist(), logprobs.tolist(), words[:, 1].tolist()
-        tails = [list(range(1, k + 1)) for k in range(k_max + 1)]  # the top-k's ranks
-        for j, (i, k) in enumerate(rows_k):
-            if k == k_max:
-                out[i] = (ids[j], logprobs[j], [ranks[j], *tails[k]])
-            else:
-                out[i] = (ids[j][: k + 1], logprobs[j][: k + 1], [ranks[j], *tails[k]])
+        ranks = np.empty((rows, 1 + k_max), dtype=np.int32)  # the chosen token's, then the top-k's: 1, 2, ...
+        ranks[:, 0], ranks[:, 1:] = words[:, 1], np.arange(1, k_max + 1)
+        entries = zip(ids.tolist(), logprobs.tolist(), ranks.tolist())
+        out: list = [None] * len(self.num_top)
+        k = self.num_top[wanted]
+        if (k == k_max).all():
+            for i, entry in zip(wanted.tolist(), entries):
+                out[i] = entry
+        else:
+            for i, n, (ids_i, lps_i, ranks_i) in zip(wanted.tolist(), (k + 1).tolist(), entries):
+                out[i] = (ids_i[:n], lps_i[:n], ranks_i[:n])
         return out
 
 

@@ -67,31 +67,31 @@ def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
     vocab = 300
     raw = torch.cat([raw_rows(vocab, num_top), raw_rows(vocab, 7)[:2]])  # [8, vocab]
     wanted = np.array([0, 2, 3, 5, 6, 7], dtype=np.int32)
-    place = np.full(8, -1, dtype=np.int32)
-    place[wanted] = np.arange(6)
-    penalized = np.full(8, -1, dtype=np.int32)
-    penalized[[0, 2]] = [0, 1]
     token_ids = np.stack([raw[0].argsort()[-3:].numpy(), raw[2].argsort()[-3:].numpy()])  # their largest, as outputs
-    ones = np.ones(2, dtype=np.float32)
-    packed = penalties.pack_rows(token_ids, np.array([0, 1]), np.array([3, 3]), ones, ones * 50, ones)
     temperature = np.float32([0, 0, 0, 0, 0, 1.0, 2.0, 0.7])
     top_k = np.int64([0, 0, 0, 0, 0, 3, 20, 0])
     top_p = np.float32([1, 1, 1, 1, 1, 1, 1, 0.9])
     zeros = np.zeros(8, np.float32)
-    params = sampling_inputs.pack_params(temperature, top_k, top_p, zeros, None, None, None, penalized, place)
+    num_tokens = np.int64([3, 0, 3, 0, 0, 0, 0, 0])  # rows 0 and 2: three tokens each (row 2: one of them prompt)
+    presence = np.float32([50, 0, 50, 0, 0, 0, 0, 0])
+    num_prompt = np.int64([0, 0, 1, 0, 0, 0, 0, 0])
+    params = sampling_inputs.pack_params(
+        temperature, top_k, top_p, zeros, num_prompt=num_prompt, num_tokens=num_tokens, repetition=zeros + 1,
+        presence=presence, frequency=zeros + (num_tokens > 0),
+    )  # fmt: skip
     out = torch.empty(6, 4 + 2 * num_top, dtype=torch.int32, device=DEVICE)
     x = raw.to(DEVICE)
     source = x[torch.from_numpy(wanted).long().to(DEVICE)] if copied else x
-    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params, packed, wanted)).to(DEVICE)
+    inputs = sampling_kernels.device_inputs(params, np.array([0, 2]), token_ids, wanted)
     lp = sampling.Logprobs(source, out, num_top, copied)
-    tokens = sampling.sample(x, inputs, 0, 2, packed.shape[1], lp, block=16).cpu()
+    tokens = sampling.sample(x, inputs, 0, lp, block=16).cpu()
     check(out.cpu(), raw[wanted], tokens[wanted], num_top, ties=2)
     assert tokens[0] != raw[0].argmax() and tokens[2] != raw[2].argmax()  # penalized, but not in the logprobs
     assert int(tokens[5]) in raw[5].topk(3).indices.tolist()
     assert int(tokens[6]) in raw[6].topk(20).indices.tolist()
-    kept = inputs.clone()  # without logprobs given, no program writes them (nor anything else)
-    again = sampling.sample(x, inputs, 0, 2, packed.shape[1], block=16).cpu()
-    assert torch.equal(inputs, kept) and torch.equal(again, tokens)
+    kept = inputs.state.clone(), inputs.step.clone()  # without logprobs given, no program writes them (nor the state)
+    again = sampling.sample(x, inputs, 0, block=16).cpu()
+    assert torch.equal(inputs.state, kept[0]) and torch.equal(inputs.step, kept[1]) and torch.equal(again, tokens)
 
 
 def test_logprobs_of_some_rows_read_in_place(monkeypatch):

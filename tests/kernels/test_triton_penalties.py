@@ -30,15 +30,19 @@ def test_sampling_kernel_penalizes_copies_as_the_torch_path(vocab):
     pres, freq = ((torch.rand(5, generator=gen) * 2 - 1).numpy() for _ in range(2))
     expected = apply_penalties(logits.clone(), rows, token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq)
     assert not torch.equal(expected, logits)
-    place = np.full(7, -1, dtype=np.int32)
-    place[rows] = np.arange(5)
     zeros = np.zeros(7, dtype=np.float32)  # every row greedy
-    params = sampling_inputs.pack_params(zeros, np.zeros(7, dtype=np.int64), zeros + 1, zeros, penalized=place)
-    packed = penalties.pack_rows(token_ids, lengths[:, 0], lengths[:, 1], rep, pres, freq)
+    num_prompt, num_tokens, by_row = np.zeros(7, np.int64), np.zeros(7, np.int64), np.zeros((7, 600), np.int64)
+    num_prompt[rows], num_tokens[rows], by_row[rows] = lengths[:, 0], lengths[:, 1], token_ids
+    pen = dict(repetition=zeros + 1, presence=zeros.copy(), frequency=zeros.copy())
+    pen["repetition"][rows], pen["presence"][rows], pen["frequency"][rows] = rep, pres, freq
+    params = sampling_inputs.pack_params(
+        zeros, np.zeros(7, dtype=np.int64), zeros + 1, zeros, num_prompt=num_prompt, num_tokens=num_tokens, **pen
+    )
     x = logits.to(DEVICE)
     work = torch.empty(5, vocab, device=DEVICE)
-    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params, packed)).to(DEVICE)
-    tokens = sampling.sample(x, inputs, 0, 5, packed.shape[1], block=16, work=work).cpu()
-    torch.testing.assert_close(work.cpu(), expected[rows])  # the penalized copies
+    order = np.sort(rows)  # the penalized rows take their work rows in batch order
+    inputs = sampling_kernels.device_inputs(params, order, by_row[order])
+    tokens = sampling.sample(x, inputs, 0, block=16, work=work).cpu()
+    torch.testing.assert_close(work.cpu(), expected[order])  # the penalized copies
     assert torch.equal(x.cpu(), logits)  # the logits stay as they are
     assert torch.equal(tokens, expected.argmax(dim=-1))  # every row's argmax, penalized where it is

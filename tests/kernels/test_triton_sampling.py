@@ -35,7 +35,7 @@ def draw(logits, temperature, seeds, min_p=0.0, top_k=0, top_p=1.0, block=BLOCK,
         np.ones(n, dtype=bool), column(positions, np.int64),
     )  # fmt: skip
     cap = sampling._CAP if cap is None else cap
-    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params)).to(DEVICE)
+    inputs = sampling_kernels.device_inputs(params)
     return sampling.sample(logits.to(DEVICE), inputs, 0, block=block, cap=cap).cpu()
 
 
@@ -163,7 +163,7 @@ def test_memory_kept_between_launches_draws_as_new_memory():
             np.full(n, 0.8, dtype=np.float32), np.array([3, 0, 5, 0, 2, 0][:n]), np.full(n, 0.9, dtype=np.float32),
             np.zeros(n, dtype=np.float32), random_seeds(n, n), np.ones(n, dtype=bool), np.arange(n),
         )  # fmt: skip
-        inputs = torch.from_numpy(sampling_inputs.pack_inputs(params)).to(DEVICE)
+        inputs = sampling_kernels.device_inputs(params)
         shared = sampling.sample(x.to(DEVICE), inputs, 0, block=16, memory=memory)
         assert torch.equal(shared, sampling.sample(x.to(DEVICE), inputs, 0, block=16))
 
@@ -194,7 +194,7 @@ def test_direct_launch_draws_as_tritons_launch():
         np.full(n, 0.7, dtype=np.float32), np.zeros(n, dtype=np.int64), np.full(n, 0.9, dtype=np.float32),
         np.zeros(n, dtype=np.float32), random_seeds(n, 1), np.ones(n, dtype=bool), np.arange(n),
     )  # fmt: skip
-    inputs = torch.from_numpy(sampling_inputs.pack_inputs(params)).to(DEVICE)
+    inputs = sampling_kernels.device_inputs(params)
     expected = sampling.sample(x, inputs, 0)  # through the module's launcher
     original = sampling._launch
     try:

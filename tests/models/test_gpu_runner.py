@@ -107,6 +107,42 @@ def test_async_scheduling_equals_sync_on_gpu(tiny):
     assert results[True] == results[False], f"{name}: async scheduling changed the tokens"
 
 
+def test_sampler_state_kept_on_the_device_equals_uploads_every_step(tiny):
+    """The sampling kernel's inputs kept on the device from step to step (advanced by the kernel; only the rows that
+    join uploaded) against the same inputs uploaded whole every step (no state kept), in one batch of mixed
+    requests (seeds, penalties, logprobs, filters) of different lengths, under async scheduling and preemption:
+    the same tokens and logprobs."""
+    name, hf, path = tiny
+    prompts = [{"prompt_token_ids": p} for p in _prompts()] * 2
+    params = [
+        SamplingParams(temperature=0.8, seed=5, logprobs=2, top_k=20, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, max_tokens=MAX_TOKENS - 7),
+        SamplingParams(temperature=1.1, seed=9, frequency_penalty=0.8, top_p=0.9, logprobs=1, max_tokens=11),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.7, seed=3, min_p=0.1, repetition_penalty=1.3, max_tokens=MAX_TOKENS - 3),
+        SamplingParams(temperature=0, frequency_penalty=1.2, logprobs=3, max_tokens=5),
+    ]
+    params = params + [p.clone() for p in params]
+    for i, p in enumerate(params):
+        p.ignore_eos = True
+        p.max_tokens = 9 if i >= 6 else p.max_tokens  # the second six leave early: the batch changes
+    results = {}
+    for kept in (True, False):
+        llm = _llm(path, dtype="float32", num_gpu_blocks_override=24)
+        runner = _runner(llm)
+        assert runner.sampler.resident is not None
+        if not kept:
+            runner.sampler.resident = None  # SamplingMetadata.build: every input uploaded each step
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[kept] = [
+            (c.token_ids, [sorted(lp.items()) for lp in c.logprobs or []]) for o in outs for c in o.outputs
+        ]
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        del llm
+        gc.collect()
+    assert results[True] == results[False], f"{name}: the state kept on the device changed the tokens"
+
+
 def test_bf16_logprobs_close_to_hf(tiny):
     name, hf, path = tiny
     prompts = _prompts()

@@ -11,7 +11,7 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_kernels, triton_available
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.worker import model_runner
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,9 @@ def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, devic
     )  # fmt: skip
     runner = llm.llm_engine.core.executor.runner
     upcasts, kernel_inputs = [], []
-    build = SamplingMetadata.build
+    build = model_runner.sampling_metadata
     monkeypatch.setattr(
-        SamplingMetadata, "build", lambda *a, **k: kernel_inputs.append(build(*a, **k)) or kernel_inputs[-1]
+        model_runner, "sampling_metadata", lambda *a, **k: kernel_inputs.append(build(*a, **k)) or kernel_inputs[-1]
     )
     compute_logits = runner.model.compute_logits
     monkeypatch.setattr(
@@ -59,7 +59,7 @@ def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, devic
     greedy = tokens(temperature=0)
     assert upcasts and not any(upcasts), "a greedy step made a float32 copy of the logits"
     if device == "cuda":  # torch's argmax: no sampling kernel inputs built or uploaded
-        assert kernel_inputs and all(m.all_greedy and m.params is None for m in kernel_inputs)
+        assert kernel_inputs and all(m.all_greedy and m.device_inputs is None for m in kernel_inputs)
     upcasts.clear()
     kernel_inputs.clear()
     tokens(temperature=0, logprobs=2)  # the logprobs read float32 rows
@@ -71,6 +71,7 @@ def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, devic
         upcasts.clear()
         tokens(temperature=0.8, seed=1)
         assert upcasts and not any(upcasts), "a sampling step on the GPU made a float32 copy of the logits"
-    assert all(m.params is not None for m in kernel_inputs), "a step that needs the kernels built no inputs for them"
+    inputs = [m.params if device == "cpu" else m.device_inputs for m in kernel_inputs]
+    assert all(i is not None for i in inputs), "a step that needs the kernels built no inputs for them"
     monkeypatch.setattr(runner, "_reads_logits_as_is", lambda *a: False)
     assert tokens(temperature=0) == greedy
