@@ -152,10 +152,9 @@ def filters_params(params: SamplingParams) -> SamplingParams:
     )
 
 
-def sampler_step(sampler: Sampler, work: Workload, raw: torch.Tensor, device: torch.device) -> list[int]:
-    """What the model runner does after the LM head for these rows, through the host's copy of the sampled tokens
-    and the logprobs lists (the tokens join the requests afterwards, untimed)."""
-    batch, rows = work.batch, work.rows()
+def sampler_step(sampler: Sampler, batch: InputBatch, rows: np.ndarray, raw: torch.Tensor, device) -> list[int]:
+    """What the model runner does after the LM head for these rows of the batch, through the host's copy of the
+    sampled tokens and the logprobs lists (the tokens join the requests afterwards, untimed)."""
     num_tokens = batch.num_tokens[rows]
     meta = sampling_metadata(batch, rows, num_tokens, device, sampler.resident)
     num_top = batch.num_logprobs[rows]
@@ -205,10 +204,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         row = {"argmax": timed_ms(lambda raw=raw: raw.argmax(-1), device)}
         for name, work in works.items():  # full and churn may write into their logits (the torch path's penalties)
             logits = raw if name == "greedy" else raw.clone()
-            tokens: list[int] = []
-            step_fn = lambda s=samplers[name], w=work, x=logits, t=tokens: t.extend(sampler_step(s, w, x, device))  # noqa: E731
+            rows, tokens = work.rows(), []  # the rows: the runner has them from its flat batch
+            step_fn = lambda s=samplers[name], b=work.batch, r=rows, x=logits, t=tokens: t.extend(  # noqa: E731
+                sampler_step(s, b, r, x, device)
+            )
             row[name] = timed_ms(step_fn, device)
-            work.commit(work.rows(), tokens)
+            work.commit(rows, tokens)
         if step >= args.warmup:
             for name, ms in row.items():
                 times[name].append(ms)
