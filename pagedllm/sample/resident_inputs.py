@@ -95,6 +95,8 @@ class ResidentInputs:
         host-to-device copy; the kernel writes the patches into the state."""
         fresh = rows[stale]
         pen = penalized[stale]
+        # a penalized row goes up when it joins the state (a new admission: the runner has waited for the host's
+        # tokens); it is never stale by position alone, since every step that samples it runs the kernel
         lengths = np.where(pen, np.minimum(num_tokens[stale], batch.num_tokens[fresh]), 0)  # the tokens the host holds
         params = pack_params(
             batch.temperature[fresh], batch.top_k[fresh], batch.top_p[fresh], batch.min_p[fresh],

@@ -45,14 +45,16 @@ SCHEDULE = [  # the requests of each step, in logits order
 ]
 
 
-def run(resident_for_step) -> tuple[list, InputBatch]:
+def run(resident_for_step, late: bool = False) -> tuple[list, InputBatch]:
     """Every step of SCHEDULE sampled with the ResidentInputs resident_for_step(step) gives; a request joins the
-    batch at its first step and leaves after its last. Returns each step's tokens and logprob rows, and the batch."""
+    batch at its first step and leaves after its last. late: each step's tokens reach the host one step later, as
+    under async scheduling (the next step counts them as tokens still on the device; a row given to another request
+    meanwhile does not take them). Returns each step's tokens and logprob rows, and the batch."""
     gen = torch.Generator().manual_seed(0)
     batch = InputBatch(8, 64, 4)
     sampler = Sampler(torch.device("cpu"), seed=3)  # the keys of unseeded rows: the same sequence each run
     last_step = {name: max(i for i, s in enumerate(SCHEDULE) if name in s) for name in REQUESTS}
-    results = []
+    results, pending = [], []  # pending: (row, admission, token) not yet on the host
     for step, names in enumerate(SCHEDULE):
         for name in names:
             if name not in batch.row_of:  # joins with a prompt of a few tokens (a late request: some outputs too)
@@ -60,13 +62,18 @@ def run(resident_for_step) -> tuple[list, InputBatch]:
                 outputs = [1, 1, 2] if name == "late_penalized" else []
                 batch.add(NewRequestData(name, prompt + outputs, len(prompt), REQUESTS[name], [], 0, []))
         rows = np.array([batch.row_of[n] for n in names], dtype=np.int64)
-        meta = resident_for_step(step).update(batch, rows, batch.num_tokens[rows].copy())
+        on_device = {(row, admission) for row, admission, _ in pending}
+        num_tokens = batch.num_tokens[rows] + [(r, batch.generation[r]) in on_device for r in rows.tolist()]
+        meta = resident_for_step(step).update(batch, rows, num_tokens)
         logits = (torch.randn(len(rows), VOCAB, generator=gen) * 2).to(DEVICE)
         tokens = sampler(logits, meta).cpu().tolist()
         logprobs = meta.logprobs.out.cpu().tolist() if meta.logprobs is not None else None
         results.append((tokens, logprobs))
-        for row, token in zip(rows.tolist(), tokens):
-            batch.append_token(row, token)
+        sampled = [(row, int(batch.generation[row]), token) for row, token in zip(rows.tolist(), tokens)]
+        arrived, pending = (pending, sampled) if late else (sampled, [])
+        for row, admission, token in arrived:
+            if batch.generation[row] == admission:
+                batch.append_token(row, token)
         for name in names:
             if last_step[name] == step:
                 batch.remove(name)
@@ -90,6 +97,22 @@ def test_kept_state_draws_as_uploads_of_everything_every_step(monkeypatch):
     # kept: the first step and each step whose rows changed (2, 4, 5, 9); none on steps 1, 3, 6 and 7, nor on step
     # 8 (every row greedy: torch's argmax), after which step 9 uploads the greedy row again (its position moved on)
     assert kept_copies == 5
+
+
+def test_late_tokens_and_growing_token_lists_change_nothing(monkeypatch):
+    """Tokens that reach the host a step late (async scheduling: the state holds them already, nothing waits for
+    them) and penalized token lists that outgrow their room (copied on the device into longer rows, several times):
+    the same tokens and logprobs as steps whose tokens reach the host at once."""
+    import pagedllm.sample.resident_inputs as resident_inputs
+
+    in_step = ResidentInputs(DEVICE)
+    expected, batch = run(lambda step: in_step)
+    assert in_step.token_cap == batch.token_ids.shape[1]  # the usual room, at most the longest a request gets: 65
+    monkeypatch.setattr(resident_inputs, "MIN_TOKEN_CAP", 4)
+    kept = ResidentInputs(DEVICE)
+    got, _ = run(lambda step: kept, late=True)
+    assert got == expected
+    assert kept.token_cap >= 16  # grown from 4 at least twice
 
 
 def test_state_holds_the_hosts_tokens_and_positions():
