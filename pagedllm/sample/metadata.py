@@ -77,7 +77,7 @@ class SamplingMetadata:
         device = torch.device(device)
         sampling = temperature >= GREEDY_BELOW
         if device.type == "cuda" and triton_available():
-            return cls._for_kernel(
+            return cls._upload_for_kernel(
                 temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
             )  # fmt: skip
         if device.type == "cpu" and cpu_kernels.compiled() is not None:
@@ -107,7 +107,7 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def _for_kernel(
+    def _upload_for_kernel(
         cls, temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
     ) -> SamplingMetadata:
         """The GPU kernel's form, built anew (nothing kept on the device from an earlier step: the engine keeps it,
@@ -119,7 +119,7 @@ class SamplingMetadata:
         sampling = temperature >= GREEDY_BELOW
         wanted = num_top is not None and (num_top >= 0).any()
         if not sampling.any() and penalties is None and not wanted:
-            return cls._every_row(sampling, None)  # torch's argmax takes every row: the kernel's inputs go unread
+            return cls.over_device_inputs(sampling, None, None, device)  # torch's argmax: the kernel's inputs go unread
         if seeded is not None:
             seeded = seeded & sampling  # greedy rows draw nothing
         pen = {}
@@ -135,10 +135,10 @@ class SamplingMetadata:
         words = to_device(np.concatenate([state, step]), device)
         num_pen = 0 if penalties is None else len(penalties.rows)
         inputs = DeviceInputs(words[: len(state)], words[len(state) :], n, token_cap, num_pen, advance=False)
-        return cls.for_kernel(sampling, inputs, num_top, device)
+        return cls.over_device_inputs(sampling, inputs, num_top, device)
 
     @classmethod
-    def for_kernel(cls, sampling: np.ndarray, inputs: DeviceInputs | None, num_top: np.ndarray | None, device):
+    def over_device_inputs(cls, sampling: np.ndarray, inputs: DeviceInputs | None, num_top: np.ndarray | None, device):
         """The GPU kernel's metadata over its inputs (sampling [batch] bool: the rows that draw; num_top [batch]: the
         top logprobs each row wants, -1: none), with the buffer the kernel writes the logprobs into. inputs None:
         every row takes torch's argmax."""

@@ -48,7 +48,7 @@ class ResidentInputs:
         num_top = batch.num_logprobs[rows]
         penalized, wanted = batch.penalized[rows], num_top >= 0
         if not (sampling.any() or penalized.any() or wanted.any()):
-            return SamplingMetadata.for_kernel(sampling, None, None, self.device)  # torch's argmax: no inputs
+            return SamplingMetadata.over_device_inputs(sampling, None, None, self.device)  # torch's argmax: no inputs
         if self.state is None or self.num_rows != len(batch.temperature):
             self._allocate(len(batch.temperature))
         generated = num_tokens - batch.num_prompt[rows]
@@ -64,7 +64,7 @@ class ResidentInputs:
         self.admission[rows] = admission
         self.generated[rows] = generated + 1  # the kernel advances every row it samples
         inputs = DeviceInputs(self.state, self.step, self.num_rows, self.token_cap, self.num_pen, advance=True)
-        return SamplingMetadata.for_kernel(sampling, inputs, num_top, self.device)
+        return SamplingMetadata.over_device_inputs(sampling, inputs, num_top, self.device)
 
     def holds(self, rows: np.ndarray, admission: np.ndarray) -> np.ndarray:
         """Whether the state holds these rows of the persistent batch as admitted (admission [rows]: InputBatch's
