@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.device import pinned_copies, pinned_copy
+from pagedllm.device import HostCopies
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
@@ -152,7 +152,9 @@ def filters_params(params: SamplingParams) -> SamplingParams:
     )
 
 
-def sampler_step(sampler: Sampler, batch: InputBatch, rows: np.ndarray, raw: torch.Tensor, device) -> list[int]:
+def sampler_step(
+    sampler: Sampler, batch: InputBatch, rows: np.ndarray, raw: torch.Tensor, device, host_copies: HostCopies
+) -> list[int]:
     """What the model runner does after the LM head for these rows of the batch, through the host's copy of the
     sampled tokens and the logprobs lists (the tokens join the requests afterwards, untimed)."""
     num_tokens = batch.num_tokens[rows]
@@ -163,15 +165,17 @@ def sampler_step(sampler: Sampler, batch: InputBatch, rows: np.ndarray, raw: tor
     logits = adjust_logits(batch, rows, num_tokens, raw)
     sampled = sampler(logits, meta, lp_rows.copied if lp_rows is not None else None)
     logprobs = logprob_tensors(lp_rows, sampled, num_top, sampler.c_scratch, meta)
+    pinned = None
     if sampled.is_cuda:  # as the runner's StepFuture: copies to pinned memory (one where they share a buffer)
         if logprobs is None:
-            sampled = pinned_copy(sampled)
+            (sampled,), pinned = host_copies.copy(sampled)
         else:
-            sampled, logprobs.packed = pinned_copies(sampled, logprobs.packed)
+            (sampled, logprobs.packed), pinned = host_copies.copy(sampled, logprobs.packed)
         torch.cuda.current_stream().synchronize()
     tokens = sampled.tolist()
     if logprobs is not None:
         logprobs.tolists()
+    host_copies.give_back(pinned)
     return tokens
 
 
@@ -197,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "churn": Workload(args.batch, args.vocab, args.seed, args.workload),
     }
     samplers = {name: Sampler(device, args.seed) for name in works}
+    host_copies = {name: HostCopies() for name in works}  # the runner's
     times: dict[str, list[float]] = {name: [] for name in ["greedy", "argmax", "filters_only", "full", "churn"]}
     for step in range(args.warmup + args.steps):
         raw = torch.randn(args.batch, args.vocab, generator=logits_gen, device=device).mul_(3.0)  # untimed
@@ -205,8 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         for name, work in works.items():  # full and churn may write into their logits (the torch path's penalties)
             logits = raw if name == "greedy" else raw.clone()
             rows, tokens = work.rows(), []  # the rows: the runner has them from its flat batch
-            step_fn = lambda s=samplers[name], b=work.batch, r=rows, x=logits, t=tokens: t.extend(  # noqa: E731
-                sampler_step(s, b, r, x, device)
+            step_fn = lambda s=samplers[name], b=work.batch, r=rows, x=logits, t=tokens, h=host_copies[name]: t.extend(  # noqa: E731
+                sampler_step(s, b, r, x, device, h)
             )
             row[name] = timed_ms(step_fn, device)
             work.commit(rows, tokens)

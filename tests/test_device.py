@@ -1,26 +1,41 @@
-"""Host-device copies: pinned_copies copies views of one buffer in one copy; Staging off CUDA copies the words."""
+"""Host-device copies: HostCopies copies views of one buffer in one copy, into pinned memory it reuses; Staging off
+CUDA copies the words."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import pagedllm.device as device
 
 
-def test_views_of_one_buffer_travel_in_one_copy(monkeypatch):
-    copies = []
-    monkeypatch.setattr(device, "pinned_copy", lambda t: copies.append(t.numel()) or t.clone())  # no CUDA here
-    words = torch.arange(40, dtype=torch.int32)
+@pytest.mark.gpu
+def test_views_of_one_buffer_travel_in_one_copy_into_reused_pinned_memory():
+    words = torch.arange(40, dtype=torch.int32, device="cuda")
     tokens, logprobs = words[:6].view(torch.int64), words[8:20].view(3, 4)  # as the sampling kernel's buffer
-    got = device.pinned_copies(tokens, logprobs)
-    assert copies == [20 * 4]  # bytes 0..80: one span over both
-    assert torch.equal(got[0], tokens) and got[0].dtype == torch.int64
-    assert torch.equal(got[1], logprobs) and got[1].shape == (3, 4)
-    other = torch.arange(5)
-    copies.clear()
-    got = device.pinned_copies(other, logprobs)  # separate buffers: a copy each
-    assert len(copies) == 2 and torch.equal(got[0], other) and torch.equal(got[1], logprobs)
+    copies = device.HostCopies()
+    (got_tokens, got_logprobs), pinned = copies.copy(tokens, logprobs)
+    torch.cuda.current_stream().synchronize()
+    assert got_tokens.dtype == np.int64 and got_tokens.tolist() == tokens.tolist()
+    assert got_logprobs.shape == (3, 4) and got_logprobs.tolist() == logprobs.tolist()
+    assert len(pinned.views) == 1  # one copy, of the whole buffer
+    copies.give_back(pinned)
+    words += 100
+    (again,), reused = copies.copy(logprobs)  # a copy made after give_back writes the same pinned memory
+    torch.cuda.current_stream().synchronize()
+    assert reused is pinned and again.tolist() == logprobs.tolist()
+    other = torch.arange(5, device="cuda")
+    (got_other, got_logprobs), separate = copies.copy(other, logprobs)  # not one buffer: a copy each
+    torch.cuda.current_stream().synchronize()
+    assert separate is not pinned and len(separate.views) == 2
+    assert got_other.tolist() == list(range(5)) and got_logprobs.tolist() == logprobs.tolist()
+
+
+def test_host_copies_off_cuda_are_the_tensors():
+    tokens = torch.arange(6)
+    (got,), pinned = device.HostCopies().copy(tokens)
+    assert pinned is None and got.tolist() == list(range(6))
 
 
 def test_staging_off_cuda_copies_the_words():

@@ -1,13 +1,13 @@
-"""The whole sampler on the GPU in one launch: one program per batch row takes the argmax (greedy rows) or draws a
-token after min-p, top-k and top-p, reading the logits in place, with no host sync. A penalized row's program first
-copies its row to a work row and applies the penalties there (pagedllm/kernels/penalties.py); the logits stay as they
-are. A row that wants logprobs gets one more program, which reads the logits as they are for the log-sum-exp and the
-top tokens (pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. The
-inputs are two int32 arrays (laid out by pagedllm/kernels/sampling_inputs.py): a state per row of the persistent
-batch (parameters, penalized tokens), which the kernel advances as it samples, and the step's rows; a step whose
-batch goes on as it was uploads neither and costs one launch. The programs of the rows that want logprobs come
-first, then the rows' own, the likely slowest first (program_order): programs start in order, and a big batch's do
-not all fit on the device at once.
+"""The whole sampler on the GPU in one launch: one program per batch row takes the argmax (greedy rows) or draws a token
+after min-p, top-k and top-p, reading the logits in place, with no host sync. A penalized row's program first applies
+the penalties to its row (pagedllm/kernels/penalties.py): in place, the logits it changes put back once it has sampled;
+or, where the row wants logprobs (which read the logits as they are), in a copy of the row. A row that wants logprobs
+gets one more program, which reads the logits as they are for the log-sum-exp and the top tokens
+(pagedllm/kernels/logprobs.py), while the row's own program adds the sampled token's rank and logit. The inputs are two
+int32 arrays (laid out by pagedllm/kernels/sampling_inputs.py): a state per row of the persistent batch (parameters,
+penalized tokens), which the kernel advances as it samples, and the step's rows; a step whose batch goes on as it was
+uploads neither and costs one launch. The programs of the rows that want logprobs come first, then the rows' own, the
+likely slowest first (program_order): programs start in order, and a big batch's do not all fit on the device at once.
 
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
 at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
@@ -53,7 +53,7 @@ import triton.language as tl
 from pagedllm.kernels.launch import Launch
 from pagedllm.kernels.logprobs import LIST, _rank, row_logprobs
 from pagedllm.kernels.logprobs import TILE as LP_TILE
-from pagedllm.kernels.penalties import penalize_row
+from pagedllm.kernels.penalties import penalize_in_place, penalize_row, restore_row
 from pagedllm.kernels.row_passes import (
     _LOG2E,
     _at_or_above,
@@ -332,13 +332,19 @@ def sample_kernel(
             tl.store(step_ptr + 4 * batch + row, -1)
         num_tokens = tl.load(params_ptr + 9)
         penalized = tl.load(step_ptr + batch + row)
-        if penalized >= 0:  # sample from a penalized copy of the row
-            work = work_ptr + penalized.to(tl.int64) * vocab
-            penalize_row(
-                row_ptr, work, tables + penalized.to(tl.int64) * vocab, tokens_ptr, tl.load(params_ptr + 8),
-                num_tokens, tl.load(floats + 10), tl.load(floats + 11), tl.load(floats + 12), vocab, BLOCK, 512,
-            )  # fmt: skip
-            row_ptr = work
+        wanted = tl.load(step_ptr + 2 * batch + row)
+        wants_logprobs = (wanted >= 0) & (wanted < wanted_rows)
+        work = work_ptr + penalized.to(tl.int64) * vocab
+        table = tables + penalized.to(tl.int64) * vocab
+        rep, presence, frequency = tl.load(floats + 10), tl.load(floats + 11), tl.load(floats + 12)
+        if penalized >= 0:
+            if wants_logprobs:  # its logprobs read the row as it is: sample from a penalized copy
+                penalize_row(row_ptr, work, table, tokens_ptr, tl.load(params_ptr + 8), num_tokens, rep, presence,
+                             frequency, vocab, BLOCK, 512)  # fmt: skip
+                row_ptr = work
+            else:  # the work row keeps the logits it changes (put back below)
+                penalize_in_place(row_ptr, work, table, tokens_ptr, tl.load(params_ptr + 8), num_tokens, rep,
+                                  presence, frequency, 512)  # fmt: skip
         temperature = tl.load(floats)
         if temperature < _GREEDY_BELOW:
             token = _argmax(row_ptr, vocab, BLOCK, DEPTH)
@@ -347,19 +353,23 @@ def sample_kernel(
             token = _draw_row(row_ptr, row, floats, vals, scratch_ptr + lists + row * cap, counter, vocab, cap,
                               temperature, step_key, BLOCK, DEPTH, PER_LANE, SMALL, PIVOTS)  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
+        if (penalized >= 0) & (wants_logprobs == 0):  # the logits as they were (before the token list grows)
+            restore_row(row_ptr, work, tokens_ptr, num_tokens, 512)
         if advance != 0:  # the state as the next step finds it: every thread has read it by now (the draw's sums)
             tl.store(params_ptr + 6, tl.load(params_ptr + 6) + 1)
             if penalized >= 0:
                 tl.store(tokens_ptr + num_tokens, token)
                 tl.store(params_ptr + 9, num_tokens + 1)
-        wanted = tl.load(step_ptr + 2 * batch + row)
-        if (wanted >= 0) & (wanted < wanted_rows):  # the sampled token's rank and logit, in the logits as they are
+        if wants_logprobs:  # the sampled token's rank and logit, in the logits as they are
             place = tl.where(copied != 0, wanted, tl.load(sources_ptr + wanted))
             src = source_ptr + place.to(tl.int64) * stride_source
             c = _tokens(src, token.to(tl.int64) + tl.zeros([1], tl.int64), vocab, 1.0)  # [1]
             out = lp_ptr + wanted * lp_width
             tl.store(out, token)
-            tl.store(out + 1, _rank(src, vocab, c, LP_TILE))
+            rank = tl.full([], 1, tl.int32)  # an argmax over the logits the logprobs read: nothing lies above it
+            if (temperature >= _GREEDY_BELOW) | (penalized >= 0) | (copied != 0):
+                rank = _rank(src, vocab, c, LP_TILE)
+            tl.store(out + 1, rank)
             tl.store(out.to(tl.pointer_type(tl.float32)) + 2, tl.sum(c, 0))
 
 

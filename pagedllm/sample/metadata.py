@@ -138,10 +138,17 @@ class SamplingMetadata:
         return cls.over_device_inputs(sampling, inputs, num_top, device)
 
     @classmethod
-    def over_device_inputs(cls, sampling: np.ndarray, inputs: DeviceInputs | None, num_top: np.ndarray | None, device):
+    def over_device_inputs(
+        cls,
+        sampling: np.ndarray,
+        inputs: DeviceInputs | None,
+        num_top: np.ndarray | None,
+        device,
+        outputs: OutputBuffers | None = None,
+    ):
         """The GPU kernel's metadata over its inputs (sampling [batch] bool: the rows that draw; num_top [batch]: the
-        top logprobs each row wants, -1: none), with the buffer the kernel writes the logprobs into. inputs None:
-        every row takes torch's argmax."""
+        top logprobs each row wants, -1: none), with the buffer the kernel writes the tokens and logprobs into (from
+        outputs where given, else new). inputs None: every row takes torch's argmax."""
         meta = cls._every_row(sampling, None)
         meta.device_inputs = inputs
         if inputs is None:
@@ -150,11 +157,10 @@ class SamplingMetadata:
             meta.all_greedy = False  # the kernel applies them
         n, listed = len(sampling), np.flatnonzero(num_top >= 0) if num_top is not None else ()
         k_max = int(num_top[listed].max()) if len(listed) else 0
-        at = -(-2 * n // 4) * 4  # the logprobs start 16-byte aligned (as every buffer the kernel is compiled for)
-        words = torch.empty(at + len(listed) * (4 + 2 * k_max), dtype=torch.int32, device=device)  # one copy back
-        meta.sampled = words[: 2 * n].view(torch.int64)
+        shape = (n, len(listed), k_max)
+        meta.sampled, lp_out = outputs.take(*shape) if outputs is not None else _output_views(*shape, device)
         if len(listed):
-            meta.logprobs = LogprobRequest(words[at:].view(len(listed), 4 + 2 * k_max), k_max)
+            meta.logprobs = LogprobRequest(lp_out, k_max)
             meta.all_greedy = False
         return meta
 
@@ -184,6 +190,33 @@ class SamplingMetadata:
             seed_uniforms=seed_uniforms,
             **none,
         )
+
+
+def _output_views(n: int, wanted: int, k_max: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the sampling kernel writes a step's tokens [n] int64 and logprobs [wanted, 4 + 2 k_max] int32: views of
+    one buffer, so that both come back in one copy."""
+    at = -(-2 * n // 4) * 4  # the logprobs start 16-byte aligned (as every buffer the kernel is compiled for)
+    words = torch.empty(at + wanted * (4 + 2 * k_max), dtype=torch.int32, device=device)
+    return words[: 2 * n].view(torch.int64), words[at:].view(wanted, 4 + 2 * k_max)
+
+
+class OutputBuffers:
+    """The sampling kernel's output buffers kept from step to step, two in turn (_output_views): a step whose shape is
+    the last but one's gets its buffer and views again, with no allocation or view made on the host. A buffer is
+    written again two steps later, by a kernel queued on the same stream behind every read of it (the copy to the
+    host, the next step's inputs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: list[tuple[tuple, tuple] | None] = [None, None]  # (shape, views)
+        self.next = 0
+
+    def take(self, n: int, wanted: int, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i, self.next = self.next, 1 - self.next
+        slot = self.slots[i]
+        if slot is None or slot[0] != (n, wanted, k_max):
+            slot = self.slots[i] = ((n, wanted, k_max), _output_views(n, wanted, k_max, self.device))
+        return slot[1]
 
 
 _PENALTY_FIELDS = {  # pack_params' penalty fields: Penalties from num_prompt on

@@ -8,6 +8,8 @@ costs no upload and a few comparisons on the host."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -20,7 +22,7 @@ from pagedllm.kernels.sampling_inputs import (
     pack_params,
     step_words,
 )
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import OutputBuffers, SamplingMetadata
 
 MIN_TOKEN_CAP = 256  # token places per row when the first penalized row comes (then doubled as rows grow)
 
@@ -39,11 +41,25 @@ class ResidentInputs:
         self.step_rows: np.ndarray | None = None  # [batch] the last step's state rows
         self.num_pen = 0  # its penalized rows
         self.staging = Staging(self.device)
+        self.outputs = OutputBuffers(self.device)  # where the kernel writes the tokens and logprobs
+        self.inputs: DeviceInputs | None = None  # the last step's, over the state and step words above
+        self.last: _Step | None = None  # the last step that ran the kernel
+        self.most_tokens = 0  # the most tokens a request holds (the persistent batch's token rows)
 
     def update(self, batch, rows: np.ndarray, num_tokens: np.ndarray) -> SamplingMetadata:
         """The metadata of a step that samples the persistent batch's rows (an InputBatch; rows [n] in logits
         order), num_tokens [n]: each request's tokens so far, one still on the device included (async scheduling).
         A penalized row's tokens are uploaded from the host when it joins the state (those the host holds)."""
+        last = self.last
+        if (
+            last is not None
+            and len(rows) == len(last.rows)
+            and np.array_equal(num_tokens, last.num_tokens + 1)
+            and np.array_equal(rows, last.rows)
+            and np.array_equal(batch.generation[rows], last.admission)
+        ):  # the batch goes on as it was: the state holds every row as the last step's kernel advanced it
+            return self._goes_on(last, num_tokens)
+        self.last = None
         sampling = batch.temperature[rows] >= GREEDY_BELOW
         num_top = batch.num_logprobs[rows]
         penalized, wanted = batch.penalized[rows], num_top >= 0
@@ -54,17 +70,35 @@ class ResidentInputs:
         generated = num_tokens - batch.num_prompt[rows]
         admission = batch.generation[rows]
         stale = (self.admission[rows] != admission) | (self.generated[rows] != generated)
-        if penalized.any():
-            need = int(num_tokens[penalized].max()) + 1  # the token this step appends
-            if need > self.token_cap:
-                self._grow_tokens(need, batch.token_ids.shape[1])
+        need = int(num_tokens[penalized].max()) + 1 if penalized.any() else 0  # the token this step appends
+        if need > self.token_cap:
+            self._grow_tokens(need, batch.token_ids.shape[1])
         same = self.step_rows is not None and len(rows) == len(self.step_rows) and (rows == self.step_rows).all()
         if not same or stale.any():
             self._upload(batch, rows, num_tokens, stale, sampling, penalized, wanted)
         self.admission[rows] = admission
         self.generated[rows] = generated + 1  # the kernel advances every row it samples
-        inputs = DeviceInputs(self.state, self.step, self.num_rows, self.token_cap, self.num_pen, advance=True)
-        return SamplingMetadata.over_device_inputs(sampling, inputs, num_top, self.device)
+        self.last = _Step(rows.copy(), admission, num_tokens.copy(), sampling, num_top, need)
+        return self._metadata(self.last)
+
+    def _goes_on(self, last: _Step, num_tokens: np.ndarray) -> SamplingMetadata:
+        """The metadata of a step over the last step's rows, each one token further: the state and the step's words
+        on the device hold it already (the patches were written, the kernel advanced every row)."""
+        self.generated[last.rows] += 1
+        last.num_tokens = num_tokens.copy()
+        if last.need:
+            last.need += 1
+            if last.need > self.token_cap:
+                self._grow_tokens(last.need, self.most_tokens)
+        return self._metadata(last)
+
+    def _metadata(self, step: _Step) -> SamplingMetadata:
+        inputs = self.inputs
+        if inputs is None or inputs.state is not self.state or inputs.step is not self.step:
+            inputs = self.inputs = DeviceInputs(
+                self.state, self.step, self.num_rows, self.token_cap, self.num_pen, advance=True
+            )  # fmt: skip
+        return SamplingMetadata.over_device_inputs(step.sampling, inputs, step.num_top, self.device, self.outputs)
 
     def holds(self, rows: np.ndarray, admission: np.ndarray) -> np.ndarray:
         """Whether the state holds these rows of the persistent batch as admitted (admission [rows]: InputBatch's
@@ -78,10 +112,11 @@ class ResidentInputs:
         self.state = torch.zeros(num_rows * PARAMS, dtype=torch.int32, device=self.device)
         self.admission = np.zeros(num_rows, dtype=np.int64)
         self.generated = np.full(num_rows, -1, dtype=np.int64)
-        self.step = self.step_rows = None
+        self.step = self.step_rows = self.last = None
 
     def _grow_tokens(self, need: int, most: int) -> None:
         """Room for need tokens per row (at most `most`, the longest a request gets), copied on the device."""
+        self.most_tokens = most
         cap = min(max(MIN_TOKEN_CAP, 1 << (need - 1).bit_length()), max(most, need))
         rows, at = self.num_rows, self.num_rows * PARAMS
         state = torch.zeros(at + rows * cap, dtype=torch.int32, device=self.device)
@@ -109,3 +144,17 @@ class ResidentInputs:
         words = step_words(rows, sampling, filtered, penalized, wanted, stale, params, tokens)
         self.step = self.staging.upload(words)
         self.step_rows, self.num_pen = rows.copy(), int(penalized.sum())
+
+
+@dataclass
+class _Step:
+    """What the last step that ran the kernel sampled: its rows [n], their admissions [n] and tokens [n] (a late one
+    included), which draw [n] bool, the top logprobs each wants [n], and the tokens its penalized rows need room for
+    (0: none penalized)."""
+
+    rows: np.ndarray
+    admission: np.ndarray
+    num_tokens: np.ndarray
+    sampling: np.ndarray
+    num_top: np.ndarray
+    need: int

@@ -11,7 +11,7 @@ import torch
 from pagedllm.attention import get_backend
 from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
-from pagedllm.device import pinned_copies, pinned_copy, to_device
+from pagedllm.device import HostCopies, to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
@@ -60,6 +60,7 @@ class ModelRunner:
         self.graphs = self._make_graph_runner(max_blocks)  # None: every step runs eagerly
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
         self.last_step: StepFuture | None = None  # the newest launched step that samples
+        self.host_copies = HostCopies()  # pinned buffers the steps' sampled tokens and logprobs come back through
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
@@ -316,12 +317,12 @@ class StepFuture:
         self.committed = False
         self._output: ModelRunnerOutput | None = None
         self._host = sampled
-        self._copied = None
+        self._copied = self._pinned = None
         if sampled.is_cuda:  # start the copies now; result() only waits for them
             if logprobs is None:
-                self._host = pinned_copy(sampled)
+                (self._host,), self._pinned = runner.host_copies.copy(sampled)
             else:  # one copy where the sampling kernel wrote both into one buffer
-                self._host, packed = pinned_copies(sampled, logprobs.packed)
+                (self._host, packed), self._pinned = runner.host_copies.copy(sampled, logprobs.packed)
                 self.logprobs = LogprobTensors(logprobs.num_top, packed)
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -337,5 +338,6 @@ class StepFuture:
             if self._copied is not None:
                 self._copied.synchronize()
             self._output = self.runner.commit(self, self._host.tolist())
-            self.committed, self.runner = True, None
+            self.runner.host_copies.give_back(self._pinned)  # read into lists: the next copies may use it
+            self.committed, self.runner, self._host, self._pinned, self.logprobs = True, None, None, None, None
         return self._output

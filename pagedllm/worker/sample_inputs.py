@@ -198,16 +198,17 @@ class LogprobTensors:
     """The logprobs of the rows that want them, still on the device; `tolists` reads them on the host."""
 
     num_top: np.ndarray  # [rows] int: how many top logprobs each row wants (-1: none)
-    packed: torch.Tensor  # [wanted, 4 + 2 max k] int32: pack_logprobs
+    packed: torch.Tensor | np.ndarray  # [wanted, 4 + 2 max k] int32: pack_logprobs (on the host: numpy)
 
     def tolists(self) -> list[tuple[list[int], list[float], list[int]] | None]:
         """Per row (token ids, logprobs, ranks): the chosen token first, then the row's top-k; None if not wanted.
         A device tensor is copied to the host with one wait (after the host's own work)."""
-        packed, on_device = self.packed, self.packed.is_cuda
-        if on_device:
-            packed = pinned_copy(packed)
-            torch.cuda.current_stream().synchronize()
-        words = packed.numpy()
+        words = self.packed
+        if isinstance(words, torch.Tensor):
+            if words.is_cuda:
+                words = pinned_copy(words)
+                torch.cuda.current_stream().synchronize()
+            words = words.numpy()
         wanted = np.flatnonzero(self.num_top >= 0)
         rows, k_max = len(words), (words.shape[1] - 4) // 2
         floats = words.view(np.float32)
