@@ -104,7 +104,20 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_NUMPY = {  # the dtypes numpy has, as numpy's
+    t: torch.empty(0, dtype=t).numpy().dtype
+    for t in (
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+    )
+}
 
 
 class Staging:

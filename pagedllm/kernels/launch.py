@@ -69,8 +69,8 @@ class Launch:
 def _specialization(arg):
     """What of a positional argument Triton may compile a kernel for (a superset): a tensor's dtype and 16-byte
     alignment; an int's being 1, a multiple of 16, and its width."""
-    if isinstance(arg, int):
-        return arg == 1, arg & 15 == 0, -(2**31) <= arg < 2**31, arg < 2**63
+    if isinstance(arg, int):  # a bool is its own type to Triton (u1)
+        return type(arg), arg == 1, arg & 15 == 0, -(2**31) <= arg < 2**31, arg < 2**63
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
     return type(arg), arg
