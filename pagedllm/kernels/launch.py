@@ -11,9 +11,11 @@ globals have not changed (ours are constants) and the launch hooks (while a prof
 goes through Triton).
 
 A specialization not yet compiled, or a Triton other than 3.6 (whose internals this was written against and tested
-on), launches through Triton as usual."""
+on), launches through Triton as usual. `Memory` keeps a kernel's working memory from launch to launch."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -74,3 +76,26 @@ def _specialization(arg):
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
     return type(arg), arg
+
+
+class Memory:
+    """The kernel's working memory (its lists and counts; the penalized copies of rows), kept from launch to launch:
+    on a GPU host an allocation or a view costs microseconds, and a step that needs the shapes of the last one
+    gets the same tensors again. Launches that share it must run one after another (on one stream)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}  # by use: the memory, at least as large as any view of it
+        self.views: dict[str, tuple[tuple, torch.Tensor]] = {}  # by use: the last view handed out, and its key
+
+    def take(self, use: str, shape: tuple[int, ...], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        key = (shape, device, dtype)
+        last = self.views.get(use)
+        if last is not None and last[0] == key:
+            return last[1]
+        size = math.prod(shape) * dtype.itemsize
+        buffer = self.buffers.get(use)
+        if buffer is None or buffer.device != device or buffer.numel() < size:
+            buffer = self.buffers[use] = torch.empty(size * 5 // 4, dtype=torch.uint8, device=device)
+        view = buffer[:size].view(dtype).view(shape)
+        self.views[use] = (key, view)
+        return view

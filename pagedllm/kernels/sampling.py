@@ -43,14 +43,13 @@ the mass). The draws depend on BLOCK (it lays out the lanes)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.launch import Launch
+from pagedllm.kernels.launch import Launch, Memory
 from pagedllm.kernels.logprobs import LIST, _rank, row_logprobs
 from pagedllm.kernels.logprobs import TILE as LP_TILE
 from pagedllm.kernels.penalties import penalize_in_place, penalize_row, restore_row
@@ -334,17 +333,19 @@ def sample_kernel(
         penalized = tl.load(step_ptr + batch + row)
         wanted = tl.load(step_ptr + 2 * batch + row)
         wants_logprobs = (wanted >= 0) & (wanted < wanted_rows)
-        work = work_ptr + penalized.to(tl.int64) * vocab
-        table = tables + penalized.to(tl.int64) * vocab
-        rep, presence, frequency = tl.load(floats + 10), tl.load(floats + 11), tl.load(floats + 12)
+        work = work_ptr + penalized.to(tl.int64) * vocab  # a penalized row's
         if penalized >= 0:
+            table = tables + penalized.to(tl.int64) * vocab
+            num_prompt, rep, presence, frequency = (
+                tl.load(params_ptr + 8), tl.load(floats + 10), tl.load(floats + 11), tl.load(floats + 12)
+            )  # fmt: skip
             if wants_logprobs:  # its logprobs read the row as it is: sample from a penalized copy
-                penalize_row(row_ptr, work, table, tokens_ptr, tl.load(params_ptr + 8), num_tokens, rep, presence,
-                             frequency, vocab, BLOCK, 512)  # fmt: skip
+                penalize_row(row_ptr, work, table, tokens_ptr, num_prompt, num_tokens, rep, presence, frequency,
+                             vocab, BLOCK, 512)  # fmt: skip
                 row_ptr = work
             else:  # the work row keeps the logits it changes (put back below)
-                penalize_in_place(row_ptr, work, table, tokens_ptr, tl.load(params_ptr + 8), num_tokens, rep,
-                                  presence, frequency, 512)  # fmt: skip
+                penalize_in_place(row_ptr, work, table, tokens_ptr, num_prompt, num_tokens, rep, presence,
+                                  frequency, 512)  # fmt: skip
         temperature = tl.load(floats)
         if temperature < _GREEDY_BELOW:
             token = _argmax(row_ptr, vocab, BLOCK, DEPTH)
@@ -465,29 +466,6 @@ def sample(
         LP_TILE=LP_TILE, LIST=LIST, num_warps=_WARPS if block >= 1024 else 4,
     )  # fmt: skip
     return out
-
-
-class Memory:
-    """The kernel's working memory (its lists and counts; the penalized copies of rows), kept from launch to launch:
-    on a GPU host an allocation or a view costs microseconds, and a step that needs the shapes of the last one
-    gets the same tensors again. Launches that share it must run one after another (on one stream)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}  # by use: the memory, at least as large as any view of it
-        self.views: dict[str, tuple[tuple, torch.Tensor]] = {}  # by use: the last view handed out, and its key
-
-    def take(self, use: str, shape: tuple[int, ...], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        key = (shape, device, dtype)
-        last = self.views.get(use)
-        if last is not None and last[0] == key:
-            return last[1]
-        size = math.prod(shape) * dtype.itemsize
-        buffer = self.buffers.get(use)
-        if buffer is None or buffer.device != device or buffer.numel() < size:
-            buffer = self.buffers[use] = torch.empty(size * 5 // 4, dtype=torch.uint8, device=device)
-        view = buffer[:size].view(dtype).view(shape)
-        self.views[use] = (key, view)
-        return view
 
 
 @dataclass

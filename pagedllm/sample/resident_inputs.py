@@ -44,7 +44,6 @@ class ResidentInputs:
         self.outputs = OutputBuffers(self.device)  # where the kernel writes the tokens and logprobs
         self.inputs: DeviceInputs | None = None  # the last step's, over the state and step words above
         self.last: _Step | None = None  # the last step that ran the kernel
-        self.most_tokens = 0  # the most tokens a request holds (the persistent batch's token rows)
 
     def update(self, batch, rows: np.ndarray, num_tokens: np.ndarray) -> SamplingMetadata:
         """The metadata of a step that samples the persistent batch's rows (an InputBatch; rows [n] in logits
@@ -58,7 +57,7 @@ class ResidentInputs:
             and np.array_equal(rows, last.rows)
             and np.array_equal(batch.generation[rows], last.admission)
         ):  # the batch goes on as it was: the state holds every row as the last step's kernel advanced it
-            return self._goes_on(last, num_tokens)
+            return self._goes_on(batch, last, num_tokens)
         self.last = None
         sampling = batch.temperature[rows] >= GREEDY_BELOW
         num_top = batch.num_logprobs[rows]
@@ -71,8 +70,7 @@ class ResidentInputs:
         admission = batch.generation[rows]
         stale = (self.admission[rows] != admission) | (self.generated[rows] != generated)
         need = int(num_tokens[penalized].max()) + 1 if penalized.any() else 0  # the token this step appends
-        if need > self.token_cap:
-            self._grow_tokens(need, batch.token_ids.shape[1])
+        self._room(batch, need)
         same = self.step_rows is not None and len(rows) == len(self.step_rows) and (rows == self.step_rows).all()
         if not same or stale.any():
             self._upload(batch, rows, num_tokens, stale, sampling, penalized, wanted)
@@ -81,15 +79,14 @@ class ResidentInputs:
         self.last = _Step(rows.copy(), admission, num_tokens.copy(), sampling, num_top, need)
         return self._metadata(self.last)
 
-    def _goes_on(self, last: _Step, num_tokens: np.ndarray) -> SamplingMetadata:
+    def _goes_on(self, batch, last: _Step, num_tokens: np.ndarray) -> SamplingMetadata:
         """The metadata of a step over the last step's rows, each one token further: the state and the step's words
         on the device hold it already (the patches were written, the kernel advanced every row)."""
         self.generated[last.rows] += 1
         last.num_tokens = num_tokens.copy()
         if last.need:
             last.need += 1
-            if last.need > self.token_cap:
-                self._grow_tokens(last.need, self.most_tokens)
+            self._room(batch, last.need)
         return self._metadata(last)
 
     def _metadata(self, step: _Step) -> SamplingMetadata:
@@ -114,9 +111,11 @@ class ResidentInputs:
         self.generated = np.full(num_rows, -1, dtype=np.int64)
         self.step = self.step_rows = self.last = None
 
-    def _grow_tokens(self, need: int, most: int) -> None:
-        """Room for need tokens per row (at most `most`, the longest a request gets), copied on the device."""
-        self.most_tokens = most
+    def _room(self, batch, need: int) -> None:
+        """Room for need tokens per row (at most the longest a request of the batch gets), copied on the device."""
+        if need <= self.token_cap:
+            return
+        most = batch.token_ids.shape[1]
         cap = min(max(MIN_TOKEN_CAP, 1 << (need - 1).bit_length()), max(most, need))
         rows, at = self.num_rows, self.num_rows * PARAMS
         state = torch.zeros(at + rows * cap, dtype=torch.int32, device=self.device)
