@@ -48,6 +48,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     return loaded
 
 
+def join_prefix(prefix: str, name: str) -> str:
+    """The dotted name of submodule `name` of the module named `prefix` ("" at the top)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
 def head_dim_of(config: object) -> int:
     """config.head_dim where the config sets it, else hidden_size / num_attention_heads."""
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
