@@ -156,4 +156,5 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)  # [n, vocab] float32 (model dtype: upcast=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, skip=("lm_head.",) if self.tied else ())
+        ignore = ("rotary_emb.inv_freq", "lm_head.") if self.tied else ("rotary_emb.inv_freq",)
+        return load_weights(self, weights, ignore=ignore)
