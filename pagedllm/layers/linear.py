@@ -1,6 +1,10 @@
-"""Linear layers named for tensor parallelism (column / row split). With one rank they are plain matmuls.
+"""Linear layers named for tensor parallelism: column-parallel layers split their output rows across ranks,
+row-parallel layers their input features. The shard sizes come from the build context (one rank today: each layer
+holds its whole weight).
 
-Each weight carries a `weight_loader(param, loaded, shard_id=None)` that copies a checkpoint tensor into its slice."""
+A layer's weights and matmul belong to its `LinearMethod`, the quant_config's choice for the layer's dotted name
+(`prefix`), dense when none. Each parameter carries `weight_loader(param, loaded, shard_id=None)`, which copies a
+checkpoint tensor, or one projection of a merged layer (`shard_id`), into this rank's slice."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers.q4_linear import MAX_ROWS, PackedQ4, Q4Accumulator, q4_matmul
+from pagedllm.layers.build_context import current_build_context, divide
+from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 
 # Batches of up to this many tokens take the AMX tile kernel (cpu_matmul.c): it reads the weights once per call and
 # beat oneDNN's matmul at 1-64 rows (one call of each of SmolLM2's linears at 64 rows, weights in cache: 31/22/115/43
@@ -18,8 +23,13 @@ from pagedllm.layers.q4_linear import MAX_ROWS, PackedQ4, Q4Accumulator, q4_matm
 TILE_ROWS = 64
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)  # dtype/device from the loading context
+def new_param(*shape: int, dtype: torch.dtype | None = None, **attrs: object) -> nn.Parameter:
+    """An uninitialized parameter (dtype and device from the loading context unless given) with loader attributes
+    (weight_loader, output_dim, input_dim)."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    for key, value in attrs.items():
+        setattr(param, key, value)
+    return param
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -44,91 +54,231 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+class DenseLinearMethod(LinearMethod):
+    """The weight as it is, [out_features, in_features] in the model dtype, through F.linear. After loading on a CPU
+    it is packed for oneDNN and, in bfloat16 on a CPU with AMX, for the tile kernel (see `pack_dense`)."""
+
+    def create_weights(self, layer: LinearBase, input_size: int, output_sizes: list[int]) -> None:
+        layer.weight = new_param(
+            sum(output_sizes), input_size, output_dim=0, input_dim=1, weight_loader=layer.weight_loader
+        )
+
+    def process_weights_after_loading(self, layer: LinearBase) -> LinearMethod:
+        return pack_dense(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class OneDNNLinearMethod(LinearMethodVariant):
+    """The dense weight reordered for oneDNN's CPU matmul (layer.cpu_weight)."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, layer.cpu_weight, layer.bias)
+
+
+class TiledLinearMethod(LinearMethodVariant):
+    """Batches of up to TILE_ROWS tokens on AMX tiles (layer.cpu_tiles, layer.tile_bias), larger ones by `large`."""
+
+    def __init__(self, large: LinearMethod) -> None:
+        self.large = large
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= TILE_ROWS * x.shape[-1]:  # rows <= TILE_ROWS (with no input features: no rows)
+            return cpu_kernels.linear_tiles(x, layer.cpu_tiles, layer.tile_bias)
+        return self.large.apply(layer, x)
+
+
+DENSE, ONEDNN = DenseLinearMethod(), OneDNNLinearMethod()
+
+
+def pack_dense(layer: LinearBase) -> LinearMethod:
+    """Packs the loaded dense weight for this machine and returns the method that applies it: for bfloat16 on a
+    CPU with AMX the tile packing (batches of up to TILE_ROWS tokens), then oneDNN's order (larger batches; the
+    plain copy is dropped), else the plain weight (GPU)."""
+    tiles = cpu_kernels.pack_tiles(layer.weight) if layer.use_tiles else None
+    layer.cpu_tiles = tiles  # [packed bfloat16 tiles] or None
+    layer.tile_bias = layer.bias.float() if tiles is not None and layer.bias is not None else None
+    layer.cpu_weight = pack_for_cpu(layer.weight)
+    large: LinearMethod = DENSE
+    if layer.cpu_weight is not None:
+        layer.weight = None
+        large = ONEDNN
+    return TiledLinearMethod(large) if tiles is not None else large
+
+
 class LinearBase(nn.Module):
-    use_tiles = True  # whether forward may take the AMX tile kernel (layers that always fuse into oneDNN: False)
+    """y = x @ W.T + b with W and the matmul owned by `quant_method`. Sizes: `input_size` and `output_sizes` are
+    the whole layer's (one entry per merged projection); `*_per_partition` / `output_partition_sizes` this rank's."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    use_tiles = True  # False where the layer's forward fuses its epilogue into oneDNN's matmul (tiles would be unused)
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.input_size, self.output_size = input_size, output_size
-        self.weight = _param(output_size, input_size)  # [out_features, in_features]
-        self.weight.weight_loader = self.weight_loader
+        context = current_build_context()
+        self.tp_rank, self.tp_size = context.tp_rank, context.tp_size
+        self.prefix = prefix
+        self.input_size, self.output_sizes, self.output_size = input_size, list(output_sizes), sum(output_sizes)
+        self.input_size_per_partition = self.partition_input(input_size)
+        self.output_partition_sizes = self.partition_outputs(self.output_sizes)
+        self.output_size_per_partition = sum(self.output_partition_sizes)
+        method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
+        self.quant_method: LinearMethod = method if method is not None else DENSE
+        self.quant_method.create_weights(self, self.input_size_per_partition, self.output_partition_sizes)
         self.bias = None
-        if bias:
-            self.bias = _param(output_size)
-            self.bias.weight_loader = self.weight_loader
-        self.q4: Q4Accumulator | None = None  # 4-bit shards while loading
-        self.q4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, scales_and_zeros) after
-        self.cpu_weight: torch.Tensor | None = None  # the weight reordered for oneDNN, after loading
-        self.cpu_tiles: torch.Tensor | None = None  # also packed for the AMX tile kernel (bfloat16, a CPU with AMX)
-        self.tile_bias: torch.Tensor | None = None  # then the bias in float32
+        if bias:  # [out_features of this rank]
+            self.bias = new_param(self.output_size_per_partition, output_dim=0, weight_loader=self.weight_loader)
 
-    def _shard_range(self, shard_id: object) -> tuple[int, int]:
-        return 0, self.output_size
+    def partition_input(self, input_size: int) -> int:
+        return input_size
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | PackedQ4, shard_id: object = None) -> None:
-        start, size = self._shard_range(shard_id) if shard_id is not None else (0, param.shape[0])
-        if isinstance(loaded, PackedQ4):
-            if self.q4 is None:
-                self.q4 = Q4Accumulator(self.output_size, self.input_size)
-            if loaded.shape != (size, self.input_size):
-                raise ValueError(f"4-bit tensor of shape {tuple(loaded.shape)} does not fit rows {start}+{size}")
-            self.q4.put(start, loaded)
-            return
-        default_weight_loader(param.data.narrow(0, start, size) if shard_id is not None else param, loaded)
+    def partition_outputs(self, output_sizes: list[int]) -> list[int]:
+        return list(output_sizes)
+
+    def output_shard(self, shard_id: object) -> tuple[int, int, int]:
+        """(first row in this rank's parameter, rows, first row in the checkpoint tensor) of projection `shard_id`
+        (None: the whole output) along a parameter's output dim."""
+        return 0, self.output_size_per_partition, 0
+
+    def rank_part(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """The part of checkpoint tensor `loaded` (anything with .narrow) that this rank holds."""
+        if self.tp_size == 1:
+            return loaded
+        output_dim, input_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+        if output_dim is not None:
+            _, size, source = self.output_shard(shard_id)
+            loaded = loaded.narrow(output_dim, source, size)
+        if input_dim is not None and self.input_size_per_partition != self.input_size:
+            size = self.input_size_per_partition
+            loaded = loaded.narrow(input_dim, self.tp_rank * size, size)
+        return loaded
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copies this rank's part of `loaded` into its rows of `param` (all of them when shard_id is None)."""
+        target = param.data
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is not None and shard_id is not None:
+            start, size, _ = self.output_shard(shard_id)
+            target = target.narrow(output_dim, start, size)
+        default_weight_loader(target, self.rank_part(param, loaded, shard_id))
 
     def process_weights_after_loading(self) -> None:
-        """Packs 4-bit weights for the int4 kernel (filling the dense weight used for larger batches); for
-        bfloat16 on a CPU with AMX also packs the dense weight for the tile kernel (batches of up to TILE_ROWS
-        tokens); then reorders it for oneDNN's CPU matmul (larger batches), dropping the plain copy."""
-        if self.q4 is not None:
-            self.q4_weight = self.q4.finish(self.weight)
-            self.q4 = None
-        self.cpu_tiles = cpu_kernels.pack_tiles(self.weight) if self.use_tiles else None
-        if self.cpu_tiles is not None:
-            self.tile_bias = self.bias.float() if self.bias is not None else None
-        self.cpu_weight = pack_for_cpu(self.weight)
-        if self.cpu_weight is not None:
-            self.weight = None
+        self.quant_method = self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if self.q4_weight is not None and rows <= MAX_ROWS:
-            out = q4_matmul(x, *self.q4_weight)
-            return out + self.bias if self.bias is not None else out
-        if self.cpu_tiles is not None and rows <= TILE_ROWS:
-            return cpu_kernels.linear_tiles(x, self.cpu_tiles, self.tile_bias)
-        if self.cpu_weight is not None:
-            return packed_linear(x, self.cpu_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, method={type(self.quant_method).__name__}"
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks."""
+    """Output rows split across ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
+
+    def partition_outputs(self, output_sizes: list[int]) -> list[int]:
+        return [divide(size, self.tp_size, "output_size") for size in output_sizes]
+
+    def output_shard(self, shard_id: object) -> tuple[int, int, int]:
+        size = self.output_size_per_partition
+        return 0, size, self.tp_rank * size
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks (outputs summed)."""
+    """Input features split across ranks (their outputs summed)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
+
+    def partition_input(self, input_size: int) -> int:
+        return divide(input_size, self.tp_size, "input_size")
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input in one matmul (e.g. gate and up)."""
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate and up); shards 0, 1, ..."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_sizes, bias, quant_config, prefix)
 
-    def _shard_range(self, shard_id: object) -> tuple[int, int]:
+    def partition_outputs(self, output_sizes: list[int]) -> list[int]:
+        return [divide(size, self.tp_size, "output_size") for size in output_sizes]
+
+    def output_shard(self, shard_id: object) -> tuple[int, int, int]:
+        if shard_id is None:  # the projections stored fused in the checkpoint: one rank takes them whole
+            if self.tp_size > 1:
+                raise ValueError(f"{self.prefix}: a fused checkpoint tensor cannot be split across ranks")
+            return 0, self.output_size_per_partition, 0
         index = int(shard_id)
-        start = sum(self.output_sizes[:index])
-        return start, self.output_sizes[index]
+        size = self.output_partition_sizes[index]
+        return sum(self.output_partition_sizes[:index]), size, self.tp_rank * size
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """Q, K and V projections in one matmul; shards named "q", "k", "v"."""
+    """Q, K and V projections in one matmul; shards "q", "k", "v". Heads split across ranks; with more ranks than
+    KV heads each KV head is replicated on tp_size / num_kv_heads ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.head_dim, self.total_num_heads, self.total_num_kv_heads = head_dim, num_heads, num_kv_heads
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, quant_config, prefix)
+        self.q_size, self.kv_size = self.output_partition_sizes[0], self.output_partition_sizes[1]  # this rank's
 
-    def _shard_range(self, shard_id: object) -> tuple[int, int]:
-        return super()._shard_range({"q": 0, "k": 1, "v": 2}[shard_id])
+    def partition_outputs(self, output_sizes: list[int]) -> list[int]:
+        self.num_heads = divide(self.total_num_heads, self.tp_size, "num_heads")
+        if self.tp_size >= self.total_num_kv_heads:
+            if self.tp_size % self.total_num_kv_heads:
+                raise ValueError(
+                    f"tensor-parallel size {self.tp_size} must be a multiple of num_kv_heads={self.total_num_kv_heads}"
+                )
+            self.num_kv_heads, self.kv_replicas = 1, self.tp_size // self.total_num_kv_heads
+        else:
+            self.num_kv_heads, self.kv_replicas = divide(self.total_num_kv_heads, self.tp_size, "num_kv_heads"), 1
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
+    def output_shard(self, shard_id: object) -> tuple[int, int, int]:
+        if shard_id is None:
+            return super().output_shard(None)
+        index = {"q": 0, "k": 1, "v": 2}[shard_id]
+        start, size, _ = super().output_shard(index)
+        rank = self.tp_rank if index == 0 else self.tp_rank // self.kv_replicas
+        return start, size, rank * size

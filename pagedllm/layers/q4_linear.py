@@ -29,6 +29,15 @@ class PackedQ4:
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedQ4:
         return PackedQ4(fn(self.q), fn(self.scale), fn(self.zero))
 
+    def narrow(self, dim: int, start: int, length: int) -> PackedQ4:
+        """Rows (dim 0) or columns (dim 1, in whole groups) of the tensor, as torch.Tensor.narrow."""
+        if dim == 0:
+            return self.map_rows(lambda t: t.narrow(0, start, length))
+        if start % GROUP or length % GROUP:
+            raise ValueError(f"4-bit columns {start}+{length} must be whole groups of {GROUP}")
+        groups = lambda t: t.narrow(1, start // GROUP, length // GROUP)  # noqa: E731
+        return PackedQ4(self.q.narrow(1, start, length), groups(self.scale), groups(self.zero))
+
     def dequantize(self) -> torch.Tensor:  # [rows, cols] float32
         expand = lambda t: t.repeat_interleave(GROUP, dim=1)  # noqa: E731
         return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)

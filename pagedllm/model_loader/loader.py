@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.build_context import BuildContext, building
+from pagedllm.layers.quantization import QuantizationConfig, get_quantization_config, quantization_config_from_hf
 from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
 
@@ -50,13 +52,21 @@ def _weights(model_config: ModelConfig):
     raise ValueError(f"load_format={fmt!r} must be one of {LOAD_FORMATS}")
 
 
+def quant_config_of(model_config: ModelConfig) -> QuantizationConfig | None:
+    """GGUF with 4-bit tensors kept packed, else the checkpoint's quantization_config; None: dense."""
+    if model_config.keep_q4:
+        return get_quantization_config("gguf")()
+    return quantization_config_from_hf(model_config.hf_config)
+
+
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     cls = get_model_class(model_config.architecture)
+    quant_config = quant_config_of(model_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
-        with torch.device(device):
-            model = cls(model_config.hf_config, max_position=model_config.max_model_len)
+        with torch.device(device), building(BuildContext(tp_rank=0, tp_size=1)):
+            model = cls(model_config.hf_config, quant_config, max_position=model_config.max_model_len)
     finally:
         torch.set_default_dtype(previous)
     if model_config.load_format == "dummy":

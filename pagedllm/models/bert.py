@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -11,18 +11,20 @@ from torch import nn
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import (
+    ONEDNN,
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
 )
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.utils import join_prefix, load_weights
 
-# HF name fragment -> (our fragment, shard id of the fused projection)
-_RENAMES = [
-    (".attention.self.query.", ".attention.qkv_proj.", "q"),
-    (".attention.self.key.", ".attention.qkv_proj.", "k"),
-    (".attention.self.value.", ".attention.qkv_proj.", "v"),
+# (our fragment, HF fragment, shard id) of the fused q/k/v projection
+_STACKED = [
+    (".attention.qkv_proj.", ".attention.self.query.", "q"),
+    (".attention.qkv_proj.", ".attention.self.key.", "k"),
+    (".attention.qkv_proj.", ".attention.self.value.", "v"),
 ]
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GELU approximation
 
@@ -34,18 +36,25 @@ def _layer_norm(config) -> nn.LayerNorm:
 
 
 class LinearGelu(ColumnParallelLinear):
-    """gelu(x @ W.T + b); on CPU the GELU is fused into oneDNN's matmul."""
+    """gelu(x @ W.T + b); with the dense weight packed for oneDNN the GELU is fused into oneDNN's matmul."""
 
     use_tiles = False  # its forward always takes oneDNN's fused matmul
 
-    def __init__(self, input_size: int, output_size: int, approximate: str) -> None:
-        super().__init__(input_size, output_size, bias=True)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        approximate: str,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, True, quant_config, prefix)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_weight is not None:
+        if self.quant_method is ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.cpu_weight, self.bias, "gelu", [], self.approximate)
-        return F.gelu(super().forward(x), approximate=self.approximate)
+        return F.gelu(self.quant_method.apply(self, x), approximate=self.approximate)
 
 
 class BertEmbeddings(nn.Module):
@@ -70,28 +79,38 @@ class BertEmbeddings(nn.Module):
 class BertSelfOutput(nn.Module):
     """LayerNorm(dense(x) + residual): the output block after attention and after the MLP."""
 
-    def __init__(self, config, input_size: int) -> None:
+    def __init__(
+        self, config, input_size: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
-        self.dense = RowParallelLinear(input_size, config.hidden_size, bias=True)
+        self.dense = RowParallelLinear(input_size, config.hidden_size, True, quant_config, join_prefix(prefix, "dense"))
         self.dense.use_tiles = False  # forward fuses the residual add into oneDNN's matmul
         self.LayerNorm = _layer_norm(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         dense = self.dense
-        if dense.cpu_weight is not None:  # the residual add fused into oneDNN's matmul
+        if dense.quant_method is ONEDNN:  # the residual add fused into oneDNN's matmul
             out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, dense.cpu_weight, dense.bias, "add")
             return self.LayerNorm(out)
         return self.LayerNorm(dense(x) + residual)
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_heads, True)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_heads,
+            True,
+            quant_config,
+            join_prefix(prefix, "qkv_proj"),
+        )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
-        self.output = BertSelfOutput(config, config.hidden_size)
+        self.output = BertSelfOutput(config, config.hidden_size, quant_config, join_prefix(prefix, "output"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each [num_tokens, hidden]
@@ -99,15 +118,21 @@ class BertAttention(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         act = config.hidden_act
         if act not in _GELU:
             raise ValueError(f"hidden_act={act!r} is not supported for BERT; supported: {sorted(_GELU)}")
-        self.attention = BertAttention(config)
+        self.attention = BertAttention(config, quant_config, join_prefix(prefix, "attention"))
         self.intermediate = nn.Module()
-        self.intermediate.dense = LinearGelu(config.hidden_size, config.intermediate_size, _GELU[act])
-        self.output = BertSelfOutput(config, config.intermediate_size)
+        self.intermediate.dense = LinearGelu(
+            config.hidden_size,
+            config.intermediate_size,
+            _GELU[act],
+            quant_config,
+            join_prefix(prefix, "intermediate.dense"),
+        )
+        self.output = BertSelfOutput(config, config.intermediate_size, quant_config, join_prefix(prefix, "output"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attention(x)
@@ -117,9 +142,10 @@ class BertLayer(nn.Module):
 class BertPooler(nn.Module):
     """tanh(dense(first token)): BERT's sentence head, used by the classifier."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.dense = ColumnParallelLinear(config.hidden_size, config.hidden_size, bias=True)
+        hidden = config.hidden_size
+        self.dense = ColumnParallelLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
 
     def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
         return torch.tanh(self.dense(cls_hidden))
@@ -132,7 +158,15 @@ class BertModel(nn.Module):
     is_causal = False
     uses_token_type_ids = True
 
-    def __init__(self, config, max_position: int | None = None, add_pooler: bool = False) -> None:
+    def __init__(
+        self,
+        config,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        *,
+        max_position: int | None = None,
+        add_pooler: bool = False,
+    ) -> None:
         super().__init__()
         position_type = getattr(config, "position_embedding_type", "absolute")
         if position_type != "absolute":
@@ -145,8 +179,11 @@ class BertModel(nn.Module):
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = nn.Module()
-        self.encoder.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
-        self.pooler = BertPooler(config) if add_pooler else None
+        self.encoder.layer = nn.ModuleList(
+            BertLayer(config, quant_config, join_prefix(prefix, f"encoder.layer.{i}"))
+            for i in range(config.num_hidden_layers)
+        )
+        self.pooler = BertPooler(config, quant_config, join_prefix(prefix, "pooler")) if add_pooler else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
@@ -166,12 +203,23 @@ class BertForSequenceClassification(nn.Module):
     is_causal = False
     uses_token_type_ids = True
 
-    def __init__(self, config, max_position: int | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        *,
+        max_position: int | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.num_labels = int(config.num_labels)
-        self.bert = BertModel(config, max_position, add_pooler=True)
-        self.classifier = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=True)
+        bert_prefix = join_prefix(prefix, "bert")
+        self.bert = BertModel(config, quant_config, bert_prefix, max_position=max_position, add_pooler=True)
+        classifier_prefix = join_prefix(prefix, "classifier")
+        self.classifier = ColumnParallelLinear(
+            config.hidden_size, self.num_labels, True, quant_config, classifier_prefix
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
@@ -186,38 +234,21 @@ class BertForSequenceClassification(nn.Module):
         return load_bert_weights(self, weights, prefix="bert.")
 
 
-def _our_name(hf_name: str, prefix: str) -> tuple[str, object]:
-    """HF checkpoint name -> (our parameter name, shard id or None)."""
-    name = hf_name.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
-    if prefix and not name.startswith(prefix) and not name.startswith("classifier."):
-        name = prefix + name  # an encoder saved without its "bert." prefix
-    if not prefix and name.startswith("bert."):
-        name = name[len("bert.") :]  # BertModel weights taken from a task model
-    for theirs, ours, shard in _RENAMES:
-        if theirs in name:
-            return name.replace(theirs, ours), shard
-    return name, None
+def _renamer(prefix: str) -> Callable[[str], str]:
+    """HF checkpoint name -> our parameter name, before the fused q/k/v (_STACKED)."""
+
+    def rename(hf_name: str) -> str:
+        name = hf_name.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
+        if prefix and not name.startswith(prefix) and not name.startswith("classifier."):
+            name = prefix + name  # an encoder saved without its "bert." prefix
+        if not prefix and name.startswith("bert."):
+            name = name[len("bert.") :]  # BertModel weights taken from a task model
+        return name
+
+    return rename
 
 
 def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
     """Copies HF BERT weights into `model` (q/k/v fused); heads the model does not have (MLM, NSP, an unused
     pooler) are skipped. Returns the parameter names loaded completely."""
-    params = dict(model.named_parameters())
-    shards: dict[str, set] = {}
-    loaded: set[str] = set()
-    for hf_name, tensor in weights:
-        name, shard = _our_name(hf_name, prefix)
-        if name not in params:
-            if name.endswith("position_ids") or name.startswith(("cls.", "pooler.", "bert.pooler.")):
-                continue
-            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-        param = params[name]
-        if shard is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
-            continue
-        param.weight_loader(param, tensor, shard)
-        shards.setdefault(name, set()).add(shard)
-        if shards[name] == {"q", "k", "v"}:
-            loaded.add(name)
-    return loaded
+    return load_weights(model, weights, _STACKED, _renamer(prefix), ignore=("position_ids", "cls.", "pooler."))

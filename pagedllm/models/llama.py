@@ -11,16 +11,29 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import head_dim_of, load_weights, sliding_window_for_layer
+from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, sliding_window_for_layer
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        gate_up = [intermediate_size] * 2
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, gate_up, bias, quant_config, join_prefix(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, quant_config, join_prefix(prefix, "down_proj")
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +43,9 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 normalizes q and k per head
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(
+        self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -38,8 +53,16 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = self.biases(config)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            qkv_bias,
+            quant_config,
+            join_prefix(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, quant_config, join_prefix(prefix, "o_proj"))
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -64,10 +87,15 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(
+        self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_idx)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.self_attn = self.attention_cls(config, layer_idx, quant_config, join_prefix(prefix, "self_attn"))
+        mlp_bias = getattr(config, "mlp_bias", False)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, mlp_bias, quant_config, join_prefix(prefix, "mlp")
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -86,10 +114,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, i, quant_config, join_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers)
+        )
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -105,10 +138,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     model_cls = LlamaModel
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = self.model_cls(config, max_position)
+        self.model = self.model_cls(config, quant_config, join_prefix(prefix, "model"), max_position=max_position)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
@@ -121,4 +156,5 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)  # [n, vocab] float32 (model dtype: upcast=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, skip=("lm_head.",) if self.tied else ())
+        ignore = ("rotary_emb.inv_freq", "lm_head.") if self.tied else ("rotary_emb.inv_freq",)
+        return load_weights(self, weights, ignore=ignore)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,33 +19,50 @@ STACKED_PARAMS = [
 ]
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> set[str]:
-    """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters loaded completely
-    (a merged projection only once every one of its shards came)."""
+def stacked_name(name: str, stacked: list[tuple[str, str, object]]) -> tuple[str, object]:
+    """(our parameter name, shard id or None) of a checkpoint name, through the first matching `stacked` entry."""
+    for ours, theirs, shard_id in stacked:
+        if theirs in name:
+            return name.replace(theirs, ours), shard_id
+    return name, None
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: list[tuple[str, str, object]] = STACKED_PARAMS,
+    rename: Callable[[str], str] | None = None,
+    ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
+) -> set[str]:
+    """Hands each (hf_name, tensor) to its parameter's `weight_loader` (which takes its slice): the name as
+    `rename` makes it, a projection merged into one matmul (`stacked`) going to the merged parameter with its shard
+    id. A tensor that has no parameter is skipped where its name contains one of `ignore` (buffers HF saves, heads
+    the model has not), else refused. Returns the parameters loaded completely (a merged one once all shards came)."""
     params = dict(model.named_parameters())
     shards: dict[str, set] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:
-        if any(s in hf_name for s in skip) or "rotary_emb.inv_freq" in hf_name:
-            continue
-        name, shard_id = hf_name, None
-        for ours, theirs, sid in STACKED_PARAMS:
-            if theirs in hf_name:
-                name, shard_id = hf_name.replace(theirs, ours), sid
-                break
-        if name not in params:
+        name, shard_id = stacked_name(rename(hf_name) if rename is not None else hf_name, stacked)
+        param = params.get(name)
+        if param is None:
+            if any(s in name for s in ignore):
+                continue
             raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-        param = params[name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
         if shard_id is None:
-            getattr(param, "weight_loader", lambda p, t: default_weight_loader(p, t))(param, tensor)
+            loader(param, tensor)
             loaded.add(name)
             continue
-        param.weight_loader(param, tensor, shard_id)
+        loader(param, tensor, shard_id)
         shards.setdefault(name, set()).add(shard_id)
-        expected = {s for ours, _, s in STACKED_PARAMS if ours in name}
-        if shards[name] == expected:
+        if shards[name] == {s for ours, _, s in stacked if ours in name}:
             loaded.add(name)
     return loaded
+
+
+def join_prefix(prefix: str, name: str) -> str:
+    """The dotted name of submodule `name` of the module named `prefix` ("" at the top)."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 def head_dim_of(config: object) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers.linear import TILE_ROWS, RowParallelLinear, pack_for_cpu, packed_linear
+from pagedllm.layers.linear import TILE_ROWS, RowParallelLinear, TiledLinearMethod, pack_for_cpu, packed_linear
 
 
 def cpu_has_amx() -> bool:
@@ -112,7 +112,7 @@ def test_layer_takes_the_tiles_up_to_tile_rows(rows, monkeypatch):
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(bias)
     layer.process_weights_after_loading()
-    assert layer.cpu_tiles is not None
+    assert layer.cpu_tiles is not None and isinstance(layer.quant_method, TiledLinearMethod)
     calls = []
     tiles = cpu_kernels.linear_tiles
     monkeypatch.setattr(cpu_kernels, "linear_tiles", lambda *a: calls.append(1) or tiles(*a))

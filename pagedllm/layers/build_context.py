@@ -1,0 +1,45 @@
+"""What the layers need to know while a model is built: this worker's tensor-parallel rank and group size.
+
+Set once around a model's construction (`with building(BuildContext(...)):`); the parallel layers read it in their
+constructors to size their shards. With one rank (the default) every layer holds its whole weight."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
+
+
+_ONE_RANK = BuildContext()
+_CURRENT: contextvars.ContextVar[BuildContext | None] = contextvars.ContextVar("build_context", default=None)
+
+
+@contextlib.contextmanager
+def building(context: BuildContext) -> Iterator[BuildContext]:
+    """The layers constructed inside this block take their shard from `context`."""
+    token = _CURRENT.set(context)
+    try:
+        yield context
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_build_context() -> BuildContext:
+    return _CURRENT.get() or _ONE_RANK
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} must be divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
