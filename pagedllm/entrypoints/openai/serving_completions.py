@@ -18,7 +18,9 @@ from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
     check_limit,
+    context_check,
     legacy_logprobs,
+    prompt_logprobs_json,
     sampling_params,
     sse_stream,
     unless_disconnected,
@@ -36,12 +38,18 @@ class _Job:
     tokenizer: object
     echo_only: bool  # echo with max_tokens=0: the prompt alone (one token is generated and dropped)
 
-    def chunk(self, choices: list[dict]) -> dict:
+    def chunk(self, choices: list[dict], finals: dict | None = None) -> dict:
+        """A stream chunk; with continuous_usage_stats, the usage so far of the outputs in `finals`."""
         out = {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model}
         out["choices"] = choices
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            out["usage"] = None
+        options = self.req.stream_options
+        if options and options.include_usage:
+            out["usage"] = _usage(self, list(finals.values())) if options.continuous_usage_stats else None
         return out
+
+    def logprobs(self, token_ids: list[int], entries: list, text_offset: int = 0) -> dict:
+        as_ids = bool(self.req.return_tokens_as_token_ids)
+        return legacy_logprobs(self.tokenizer, token_ids, entries, text_offset, as_ids)
 
 
 def _prompt_items(prompt) -> list:
@@ -50,11 +58,14 @@ def _prompt_items(prompt) -> list:
     return list(prompt)
 
 
-def _tokenize(tokenizer, items: list):
+def _tokenize(tokenizer, items: list, add_special_tokens: bool):
     def make_prompts() -> list[tuple[str | None, list[int]]]:
         if tokenizer is None and any(isinstance(p, str) for p in items):
             raise ValueError("prompt: text prompts need a tokenizer; send token ids")
-        return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items]
+        return [
+            (p, tokenizer.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str) else (None, list(p))
+            for p in items
+        ]
 
     return make_prompts
 
@@ -64,6 +75,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.require_generate()
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad("prompt_logprobs are not available when stream=true (as vLLM)", "prompt_logprobs")
+    if req.response_format is not None:
+        raise bad("response_format: structured outputs are not supported by this server yet", "response_format")
     items = _prompt_items(req.prompt)
     if not items or any(not p for p in items):
         raise bad("prompt is empty: give at least one prompt, each with at least one token", "prompt")
@@ -79,8 +94,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
     job = _Job(req, model, random_id("cmpl"), now(), state.llm.get_tokenizer(), echo_only)
+    make_prompts = _tokenize(job.tokenizer, items, req.add_special_tokens)
+    check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
     try:
-        stream = await state.engine.generate(_tokenize(job.tokenizer, items), len(items), params, job.request_id)
+        stream = await state.engine.generate(
+            make_prompts, len(items), params, job.request_id, check=check, cache_salt=req.cache_salt
+        )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "prompt") from None
     if req.stream:
@@ -112,20 +131,6 @@ def _generated(job: _Job, c: CompletionOutput) -> tuple[str, list[int], list]:
     return c.text, list(c.token_ids), list(c.logprobs or [])
 
 
-def _prompt_logprobs_json(entries: list | None) -> list | None:
-    if entries is None:
-        return None
-    return [
-        None
-        if e is None
-        else {
-            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for tid, lp in e.items()
-        }
-        for e in entries
-    ]
-
-
 def _finish_reason(job: _Job, c: CompletionOutput) -> str | None:
     return "length" if job.echo_only and c.finish_reason is not None else c.finish_reason
 
@@ -139,7 +144,7 @@ def _response(job: _Job, finals: list[RequestOutput]) -> dict:
             num_generated += len(token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = legacy_logprobs(job.tokenizer, prefix_ids + token_ids, prefix_entries + entries)
+                logprobs = job.logprobs(prefix_ids + token_ids, prefix_entries + entries)
             choice = {
                 "index": p * req.n + c.index,
                 "text": prefix_text + text,
@@ -148,11 +153,16 @@ def _response(job: _Job, finals: list[RequestOutput]) -> dict:
                 "stop_reason": c.stop_reason,
             }
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
     body = {"id": job.request_id, "object": "text_completion", "created": job.created, "model": job.model}
+    return {**body, "choices": choices, "usage": _usage(job, finals)}
+
+
+def _usage(job: _Job, finals: list[RequestOutput]) -> dict:
     num_prompt = sum(len(out.prompt_token_ids) for out in finals)
-    return {**body, "choices": choices, "usage": usage(num_prompt, num_generated)}
+    num_generated = sum(len(_generated(job, c)[1]) for out in finals for c in out.outputs)
+    return usage(num_prompt, num_generated, sum(out.num_cached_tokens for out in finals))
 
 
 class _Progress:
@@ -176,7 +186,7 @@ def _delta(job: _Job, out: RequestOutput, c: CompletionOutput, progress: _Progre
     wants_logprobs = job.req.logprobs is not None
     if not new_text and not finish and not (wants_logprobs and new_ids):
         return None
-    logprobs = legacy_logprobs(job.tokenizer, new_ids, new_entries, progress.offset) if wants_logprobs else None
+    logprobs = job.logprobs(new_ids, new_entries, progress.offset) if wants_logprobs else None
     progress.chars, progress.tokens = len(text), len(token_ids)
     progress.offset += len(new_text)
     progress.started, progress.done = True, finish is not None
@@ -197,8 +207,6 @@ async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
                     continue
                 choice = _delta(job, out, c, state)
                 if choice is not None:
-                    yield job.chunk([{"index": index, **choice}])
+                    yield job.chunk([{"index": index, **choice}], finals)
     if job.req.stream_options and job.req.stream_options.include_usage:
-        num_prompt = sum(len(out.prompt_token_ids) for out in finals.values())
-        num_generated = sum(len(_generated(job, c)[1]) for out in finals.values() for c in out.outputs)
-        yield {**job.chunk([]), "usage": usage(num_prompt, num_generated)}
+        yield {**job.chunk([], finals), "usage": _usage(job, list(finals.values()))}
