@@ -54,13 +54,15 @@ class _Job:
             return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
         return str(content)
 
-    def chunk(self, choices: list[dict], out: RequestOutput | None = None) -> dict:
-        """A stream chunk; with continuous_usage_stats, the usage so far of `out`."""
+    def chunk(self, choices: list[dict], out: RequestOutput | None = None, opening: bool = False) -> dict:
+        """A stream chunk; with continuous_usage_stats, the usage so far of `out` (none generated in the opening)."""
         body = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
         body["choices"] = choices
         options = self.req.stream_options
         if options and options.include_usage:
-            body["usage"] = _usage(out) if options.continuous_usage_stats and out is not None else None
+            body["usage"] = None
+            if options.continuous_usage_stats and out is not None:
+                body["usage"] = usage(len(out.prompt_token_ids), 0, out.num_cached_tokens) if opening else _usage(out)
         return body
 
     def logprobs(self, token_ids: list[int], entries: list | None) -> dict | None:
@@ -204,7 +206,9 @@ def _opening(job: _Job, out: RequestOutput | None) -> list[dict]:
     """The first chunks: the role, then the echoed content (if any)."""
     n, echo = job.req.n, job.echo_text()
     role = {"role": job.role, "content": ""}
-    chunks = [job.chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)], out)]
+    chunks = [
+        job.chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)], out, True)
+    ]
     if echo:
         delta = {"content": echo}
         chunks += [
