@@ -1,0 +1,143 @@
+"""A canary request's latency through `pagedllm serve` while hostile requests are being handled or refused, against
+the canary alone in the same run. One JSON line per case (appended to benchmarks/results.jsonl unless --no-append):
+
+  hostile-bad-words   48,000 bad_words (~470 KB)
+  hostile-big-prompt  a 6.5 MB prompt, refused as longer than the context once tokenized
+  hostile-stop        4,000 stop strings of 1,000 characters each
+
+Each case sends the hostile request back to back from one thread for the whole measurement, while the canary (a
+short greedy completion of --canary-tokens tokens, non-streaming) runs --repeats times; the figure is the canary's
+median latency under that load over its median alone (goal: <= 1.5). The script starts the server itself (a
+subprocess on 127.0.0.1, the bundled model unless --model) unless --url points at a running one.
+
+    python benchmarks/hostile_bench.py
+    python benchmarks/hostile_bench.py --server-args "--dtype float32" --repeats 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import string
+import threading
+import time
+import urllib.parse
+
+try:
+    from benchmarks.common import emit, git_commit, machine_description, make_record, rounded
+    from benchmarks.serve_bench import start_server
+except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    from common import emit, git_commit, machine_description, make_record, rounded
+    from serve_bench import start_server
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="a running server (default: start one)")
+    p.add_argument("--model", default=None, help="model for the started server (default: the bundled SmolLM2)")
+    p.add_argument("--server-args", default="--dtype float32", help="more `pagedllm serve` flags")
+    p.add_argument("--repeats", type=int, default=8, help="canary requests per measurement")
+    p.add_argument("--canary-tokens", type=int, default=16)
+    p.add_argument("--cases", default="bad-words,big-prompt,stop")
+    p.add_argument("--no-append", action="store_true")
+    return p.parse_args(argv)
+
+
+def _words(count: int, length: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choices(string.ascii_lowercase, k=length)) for _ in range(count)]
+
+
+def hostile_bodies() -> dict[str, dict]:
+    base = {"prompt": "Hello", "max_tokens": 4}
+    return {
+        "bad-words": {**base, "bad_words": _words(48_000, 9, 1)},
+        "big-prompt": {**base, "prompt": "lorem ipsum " * (6_500_000 // 12)},
+        "stop": {**base, "stop": _words(4_000, 1_000, 2)},
+    }
+
+
+def post(url: str, body: bytes, timeout: float = 600) -> tuple[int, float]:
+    """(status, seconds) of one POST /v1/completions."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    start = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, time.perf_counter() - start
+    finally:
+        conn.close()
+
+
+def canary_ms(url: str, body: bytes, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        status, seconds = post(url, body)
+        if status != 200:
+            raise SystemExit(f"the canary got HTTP {status}")
+        times.append(seconds)
+    return 1000 * statistics.median(times)
+
+
+def under_load(url: str, canary: bytes, hostile: bytes, repeats: int) -> tuple[float, dict[int, int], int]:
+    """(canary median ms, hostile statuses seen, hostile requests sent) while hostile requests go back to back."""
+    done = threading.Event()
+    statuses: dict[int, int] = {}
+
+    def attack() -> None:
+        while not done.is_set():
+            status, _ = post(url, hostile)
+            statuses[status] = statuses.get(status, 0) + 1
+
+    thread = threading.Thread(target=attack, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the first hostile request is in
+    try:
+        ms = canary_ms(url, canary, repeats)
+    finally:
+        done.set()
+        thread.join(600)
+    return ms, statuses, sum(statuses.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    proc, url = (None, args.url) if args.url else start_server(args)
+    machine, commit = machine_description(), git_commit()
+    canary = {"prompt": "The capital of France is", "max_tokens": args.canary_tokens, "temperature": 0}
+    canary_body = json.dumps({**canary, "ignore_eos": True}).encode()
+    bodies = hostile_bodies()
+    try:
+        canary_ms(url, canary_body, 2)  # warm-up
+        for case in args.cases.split(","):
+            hostile = json.dumps(bodies[case]).encode()
+            alone = canary_ms(url, canary_body, args.repeats)
+            loaded, statuses, sent = under_load(url, canary_body, hostile, args.repeats)
+            record = make_record(
+                f"hostile-{case}",
+                machine,
+                commit,
+                canary_alone_ms=rounded(alone, 1),
+                canary_under_load_ms=rounded(loaded, 1),
+                ratio=rounded(loaded / alone, 2),
+                hostile_bytes=len(hostile),
+                hostile_sent=sent,
+                hostile_statuses={str(k): v for k, v in sorted(statuses.items())},
+                repeats=args.repeats,
+                canary_tokens=args.canary_tokens,
+                server_args=args.server_args,
+            )
+            emit(record, append=not args.no_append)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()
