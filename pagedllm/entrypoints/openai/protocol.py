@@ -100,7 +100,7 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
     return_tokens_as_token_ids: bool | None = None
-    # beam search is not served over HTTP (LLM.beam_search offline): anything but these defaults is a 400
+    # beam search (best_of beams, the n best returned); the other two apply only with it
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False

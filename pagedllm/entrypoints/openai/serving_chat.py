@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
@@ -77,13 +78,18 @@ def _usage(out: RequestOutput) -> dict:
     return usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens)
 
 
-def render_chat(state: ServerState, messages: list, add_special_tokens: bool = False, **options):
+def render_chat(
+    state: ServerState, messages: list, add_special_tokens: bool = False, check_chars: bool = False, **options
+):
     """A function for a preparation thread: the conversation -> [(prompt text, prompt token ids)]. The template
-    writes the special tokens; add_special_tokens=True has the tokenizer add its own too (vLLM's field)."""
+    writes the special tokens; add_special_tokens=True has the tokenizer add its own too (vLLM's field).
+    check_chars: refuse messages far too long for the context before rendering them (see max_prompt_chars)."""
     tokenizer = state.llm.get_tokenizer()
     model_path = state.engine.engine.config.model.model_path
 
     def make_prompts() -> list[tuple[str | None, list[int]]]:
+        if check_chars:
+            state.check_prompt_chars(sum(_content_chars(m) for m in messages), "messages")
         try:
             text, ids = apply_chat_template(
                 tokenizer,
@@ -100,6 +106,16 @@ def render_chat(state: ServerState, messages: list, add_special_tokens: bool = F
         return [(text, ids)]
 
     return make_prompts
+
+
+def _content_chars(message: object) -> int:
+    """Characters of a message's text content (a string, or a list of parts with "text")."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def _check(state: ServerState, req: ChatCompletionRequest) -> None:
@@ -143,9 +159,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         tools=req.tools,
         chat_template_kwargs=_template_kwargs(req),
         add_special_tokens=req.add_special_tokens,
+        check_chars=req.truncate_prompt_tokens is None,
     )
     job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer())
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
+    if params.use_beam_search:
+        refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
+        try:
+            return JSONResponse(_response(job, (await unless_disconnected(raw, work))[0]))
+        except (ValueError, TypeError) as e:
+            raise from_value_error(e, "messages") from None
     try:
         stream = await state.engine.generate(
             make_prompts, 1, params, job.request_id, check=check, cache_salt=req.cache_salt

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
@@ -58,10 +59,16 @@ def _prompt_items(prompt) -> list:
     return list(prompt)
 
 
-def _tokenize(tokenizer, items: list, add_special_tokens: bool):
+def _tokenize(state: ServerState, tokenizer, items: list, req: CompletionRequest):
+    add_special_tokens = req.add_special_tokens
+
     def make_prompts() -> list[tuple[str | None, list[int]]]:
         if tokenizer is None and any(isinstance(p, str) for p in items):
             raise ValueError("prompt: text prompts need a tokenizer; send token ids")
+        if req.truncate_prompt_tokens is None:  # else the prompt's last tokens are wanted, however long it is
+            for p in items:
+                if isinstance(p, str):
+                    state.check_prompt_chars(len(p), "prompt")
         return [
             (p, tokenizer.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str) else (None, list(p))
             for p in items
@@ -70,9 +77,8 @@ def _tokenize(tokenizer, items: list, add_special_tokens: bool):
     return make_prompts
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
-    model = state.check_model(req.model)
-    state.require_generate()
+def _check(state: ServerState, req: CompletionRequest) -> list:
+    """The request's prompts, after the checks that need no tokenizer."""
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
     if req.stream and req.prompt_logprobs is not None:
@@ -85,6 +91,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     check_limit(len(items), state.limits.max_prompts, "prompt")
     check_limit(req.logprobs, state.limits.max_logprobs, "logprobs")
     check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
+    return items
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
+    model = state.check_model(req.model)
+    state.require_generate()
+    items = _check(state, req)
     echo_only = bool(req.echo) and req.max_tokens == 0
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
@@ -94,8 +107,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
     job = _Job(req, model, random_id("cmpl"), now(), state.llm.get_tokenizer(), echo_only)
-    make_prompts = _tokenize(job.tokenizer, items, req.add_special_tokens)
+    make_prompts = _tokenize(state, job.tokenizer, items, req)
     check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
+    if params.use_beam_search:
+        refuse_with_beam_search(bool(req.stream), req.logprobs is not None, req.prompt_logprobs is not None)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
+        try:
+            return JSONResponse(_response(job, await unless_disconnected(raw, work)))
+        except (ValueError, TypeError) as e:
+            raise from_value_error(e, "prompt") from None
     try:
         stream = await state.engine.generate(
             make_prompts, len(items), params, job.request_id, check=check, cache_salt=req.cache_salt

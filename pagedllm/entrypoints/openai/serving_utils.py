@@ -28,6 +28,29 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt can have and still fit max_model_len tokens, so a far longer one is
+        refused before tokenizing it (seconds of CPU for megabytes): no token covers more characters than the
+        longest vocabulary entry has, doubled for normalizers that expand text. None without a tokenizer."""
+        if self._max_prompt_chars is None:
+            tokenizer = self.llm.get_tokenizer()
+            if tokenizer is None:
+                return None
+            longest = max(map(len, tokenizer.get_vocab()), default=1)
+            self._max_prompt_chars = 2 * longest * self.max_model_len
+        return self._max_prompt_chars
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """ValueError for a text that cannot fit the context whatever its tokens (see max_prompt_chars)."""
+        limit = self.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise ValueError(
+                f"{param}: {num_chars} characters are far more than max_model_len={self.max_model_len} tokens can "
+                f"hold (at most {limit} characters on this model)"
+            )
 
     @property
     def llm(self):
@@ -88,12 +111,10 @@ def refuse_unsupported(req: Any) -> None:
     for name in _STRUCTURED:
         if getattr(req, name) is not None:
             raise bad(f"{name}: structured outputs are not supported by this server yet", name)
-    if req.use_beam_search:
-        raise bad("use_beam_search: beam search is not served over HTTP (use LLM.beam_search)", "use_beam_search")
-    if req.length_penalty != 1.0:
-        raise bad("length_penalty: only beam search uses it, and it is not served over HTTP", "length_penalty")
-    if req.early_stopping:
-        raise bad("early_stopping: only beam search uses it, and it is not served over HTTP", "early_stopping")
+    if not req.use_beam_search:
+        for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(req, name) != default:
+                raise bad(f"{name} applies only with use_beam_search=true", name)
     options = req.stream_options
     if options is not None and options.continuous_usage_stats and not options.include_usage:
         raise bad("stream_options.continuous_usage_stats needs stream_options.include_usage=true", "stream_options")
@@ -141,6 +162,9 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        use_beam_search=req.use_beam_search,
+        length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
         **{k: v for k, v in chosen.items() if v is not None},
         **fields,
     )

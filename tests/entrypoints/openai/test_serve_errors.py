@@ -45,8 +45,10 @@ BAD_COMPLETIONS = [  # (body changes, expected param or None)
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"use_beam_search": True}, "use_beam_search"),
-    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "logprobs": 1}, "logprobs"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "stream": True}, "stream"),
+    ({"use_beam_search": True, "n": 1, "temperature": 0}, "best_of"),  # one beam is no search
+    ({"length_penalty": 0.5}, "length_penalty"),  # only with use_beam_search
     ({"early_stopping": True}, "early_stopping"),
     ({"frobnicate": 1}, "frobnicate"),  # unknown fields are named
     ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
@@ -72,7 +74,7 @@ BAD_CHATS = [
     ({"chat_template": "{{ 'x' }}"}, None),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "logprobs": True}, "logprobs"),
     ({"documents": [{"text": "a"}], "chat_template_kwargs": {"documents": []}}, "documents"),
     ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),

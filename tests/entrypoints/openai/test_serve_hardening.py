@@ -91,6 +91,21 @@ def test_streamed_echo_and_continuous_usage(client):
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
 
 
+def test_beam_search_equals_offline(server, offline_llm):
+    prompt = "The best thing about Paris is"
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=4, length_penalty=0.5)
+    offline = offline_llm.generate(prompt, params, use_tqdm=False)[0].outputs
+    body = {"prompt": prompt, "n": 2, "best_of": 3, "use_beam_search": True, "temperature": 0, "max_tokens": 4}
+    out = _completion(server, **body, length_penalty=0.5)
+    assert [c["text"] for c in out["choices"]] == [o.text for o in offline]
+    assert out["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in offline)
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], **body}
+    status, out = server.request("POST", "/v1/chat/completions", chat)
+    messages = [{"role": "user", "content": "Hi"}]
+    offline = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs
+    assert status == 200 and [c["message"]["content"] for c in out["choices"]] == [o.text for o in offline]
+
+
 def test_models_retrieve(client):
     import openai
 
@@ -108,6 +123,18 @@ def test_max_tokens_beyond_context_is_400(server):
         assert out["error"]["message"] == (
             f"This model's maximum context length is 1024 tokens. However, you requested 1025 tokens ({n} in the "
             f"messages, {1024 - n + 1} in the completion). Please reduce the length of the messages or completion."
+        )
+
+
+def test_far_too_long_prompt_is_refused_before_tokenizing(server):
+    text = "lorem ipsum " * 80_000  # 960 KB (under the test server's 1 MiB body cap), ~160k tokens
+    for path, body in [
+        ("/v1/completions", {"prompt": text}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+    ]:
+        status, out = server.request("POST", path, {**body, "model": MODEL_NAME})
+        assert status == 400 and "characters are far more than max_model_len=1024 tokens" in out["error"]["message"], (
+            out
         )
 
 
