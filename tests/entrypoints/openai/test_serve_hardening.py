@@ -95,15 +95,16 @@ def test_beam_search_equals_offline(server, offline_llm):
     prompt = "The best thing about Paris is"
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=4, length_penalty=0.5)
     offline = offline_llm.generate(prompt, params, use_tqdm=False)[0].outputs
-    body = {"prompt": prompt, "n": 2, "best_of": 3, "use_beam_search": True, "temperature": 0, "max_tokens": 4}
-    out = _completion(server, **body, length_penalty=0.5)
+    body = {"n": 2, "best_of": 3, "use_beam_search": True, "temperature": 0, "max_tokens": 4, "length_penalty": 0.5}
+    out = _completion(server, prompt=prompt, **body)
     assert [c["text"] for c in out["choices"]] == [o.text for o in offline]
     assert out["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in offline)
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], **body}
     status, out = server.request("POST", "/v1/chat/completions", chat)
     messages = [{"role": "user", "content": "Hi"}]
     offline = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs
-    assert status == 200 and [c["message"]["content"] for c in out["choices"]] == [o.text for o in offline]
+    assert status == 200, out
+    assert [c["message"]["content"] for c in out["choices"]] == [o.text for o in offline]
 
 
 def test_models_retrieve(client):
