@@ -5,10 +5,11 @@ the canary alone in the same run. One JSON line per case (appended to benchmarks
   hostile-big-prompt  a 6.5 MB prompt, refused as longer than the context once tokenized
   hostile-stop        4,000 stop strings of 1,000 characters each
 
-Each case sends the hostile request back to back from one thread for the whole measurement, while the canary (a
-short greedy completion of --canary-tokens tokens, non-streaming) runs --repeats times; the figure is the canary's
-median latency under that load over its median alone (goal: <= 1.5). The script starts the server itself (a
-subprocess on 127.0.0.1, the bundled model unless --model) unless --url points at a running one.
+Each of --repeats rounds sends one hostile request and, while it is being handled or refused, the canary (a short
+greedy completion of --canary-tokens tokens, non-streaming); the figure is the canary's median latency so over its
+median alone, measured in the same run (goal: <= 1.5). The hostile request's own latency and status are reported.
+The script starts the server itself (a subprocess on 127.0.0.1, the bundled model unless --model) unless --url
+points at a running one.
 
     python benchmarks/hostile_bench.py
     python benchmarks/hostile_bench.py --server-args "--dtype float32" --repeats 10
@@ -74,35 +75,34 @@ def post(url: str, body: bytes, timeout: float = 600) -> tuple[int, float]:
         conn.close()
 
 
-def canary_ms(url: str, body: bytes, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        status, seconds = post(url, body)
-        if status != 200:
-            raise SystemExit(f"the canary got HTTP {status}")
-        times.append(seconds)
-    return 1000 * statistics.median(times)
+def _canary(url: str, body: bytes) -> float:
+    status, seconds = post(url, body)
+    if status != 200:
+        raise SystemExit(f"the canary got HTTP {status}")
+    return seconds
 
 
-def under_load(url: str, canary: bytes, hostile: bytes, repeats: int) -> tuple[float, dict[int, int], int]:
-    """(canary median ms, hostile statuses seen, hostile requests sent) while hostile requests go back to back."""
-    done = threading.Event()
+def measure(url: str, canary: bytes, hostile: bytes, repeats: int) -> dict:
+    """Rounds of: the canary alone, then the canary while one hostile request is in flight (alternated, so that
+    the load of the machine drifts alike on both); medians in ms and the hostile requests' statuses."""
+    alone, loaded, hostile_times = [], [], []
     statuses: dict[int, int] = {}
-
-    def attack() -> None:
-        while not done.is_set():
-            status, _ = post(url, hostile)
-            statuses[status] = statuses.get(status, 0) + 1
-
-    thread = threading.Thread(target=attack, daemon=True)
-    thread.start()
-    time.sleep(0.2)  # the first hostile request is in
-    try:
-        ms = canary_ms(url, canary, repeats)
-    finally:
-        done.set()
+    for _ in range(repeats):
+        alone.append(_canary(url, canary))
+        result: list = []
+        thread = threading.Thread(target=lambda out=result: out.append(post(url, hostile)))
+        thread.start()
+        time.sleep(0.05)  # the hostile request is in
+        loaded.append(_canary(url, canary))
         thread.join(600)
-    return ms, statuses, sum(statuses.values())
+        status, seconds = result[0]
+        statuses[status] = statuses.get(status, 0) + 1
+        hostile_times.append(seconds)
+    ms = {
+        name: 1000 * statistics.median(v)
+        for name, v in (("alone", alone), ("loaded", loaded), ("hostile", hostile_times))
+    }
+    return {**ms, "statuses": statuses}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,21 +113,20 @@ def main(argv: list[str] | None = None) -> None:
     canary_body = json.dumps({**canary, "ignore_eos": True}).encode()
     bodies = hostile_bodies()
     try:
-        canary_ms(url, canary_body, 2)  # warm-up
+        _canary(url, canary_body)  # warm-up
         for case in args.cases.split(","):
             hostile = json.dumps(bodies[case]).encode()
-            alone = canary_ms(url, canary_body, args.repeats)
-            loaded, statuses, sent = under_load(url, canary_body, hostile, args.repeats)
+            m = measure(url, canary_body, hostile, args.repeats)
             record = make_record(
                 f"hostile-{case}",
                 machine,
                 commit,
-                canary_alone_ms=rounded(alone, 1),
-                canary_under_load_ms=rounded(loaded, 1),
-                ratio=rounded(loaded / alone, 2),
+                canary_alone_ms=rounded(m["alone"], 1),
+                canary_under_load_ms=rounded(m["loaded"], 1),
+                ratio=rounded(m["loaded"] / m["alone"], 2),
                 hostile_bytes=len(hostile),
-                hostile_sent=sent,
-                hostile_statuses={str(k): v for k, v in sorted(statuses.items())},
+                hostile_ms=rounded(m["hostile"], 1),
+                hostile_statuses={str(k): v for k, v in sorted(m["statuses"].items())},
                 repeats=args.repeats,
                 canary_tokens=args.canary_tokens,
                 server_args=args.server_args,

@@ -67,6 +67,8 @@ def test_served_schema_is_the_tested_one(capped_server):
 @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_openapi_operation(case, capped_server):
     SENT[f"{case.method} {case.path}"] += 1
+    if SENT.total() % 1000 == 0:
+        print(f"schemathesis: {SENT.total()} cases so far", flush=True)
     case.call_and_validate(base_url=capped_server.base_url, headers=capped_server.headers(), timeout=60, checks=CHECKS)
 
 
