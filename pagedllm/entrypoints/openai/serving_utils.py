@@ -34,12 +34,12 @@ class ServerState:
     def max_prompt_chars(self) -> int | None:
         """The most characters a text prompt can have and still fit max_model_len tokens, so a far longer one is
         refused before tokenizing it (seconds of CPU for megabytes): no token covers more characters than the
-        longest vocabulary entry has, doubled for normalizers that expand text. None without a tokenizer."""
+        longest vocabulary entry has, doubled for normalizers that expand text. None without a vocabulary."""
         if self._max_prompt_chars is None:
-            tokenizer = self.llm.get_tokenizer()
-            if tokenizer is None:
+            vocab = getattr(self.llm.get_tokenizer(), "get_vocab", None)
+            if vocab is None:
                 return None
-            longest = max(map(len, tokenizer.get_vocab()), default=1)
+            longest = max(map(len, vocab()), default=1)
             self._max_prompt_chars = 2 * longest * self.max_model_len
         return self._max_prompt_chars
 

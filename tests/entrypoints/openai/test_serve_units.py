@@ -72,6 +72,9 @@ class _Tokenizer:
         self.special.append(add_special_tokens)
         return [ord(c) % 50 for c in text]
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(97 + i) * 2: i for i in range(50)}  # the longest entry has 2 characters
+
 
 class _Engine:
     """What the server reads of an LLMEngine; make_request refuses every prompt (so nothing needs to run)."""
@@ -131,6 +134,7 @@ async def _while_engine_busy(app, engine: AsyncEngine) -> list:
             _asgi(app, "GET", "/health"),
             _asgi(app, "POST", "/tokenize", {"prompt": "abc"}),
             _asgi(app, "POST", "/v1/completions", {"prompt": "abcd", "max_tokens": 1, "add_special_tokens": False}),
+            _asgi(app, "POST", "/v1/completions", {"prompt": "x" * 257, "max_tokens": 1}),  # 64 tokens * 2 * 2 chars
         ]
         return [await asyncio.wait_for(call, 10) for call in calls]
     finally:
@@ -144,13 +148,28 @@ def test_preparation_and_metrics_never_wait_for_the_engine_thread():
     app = build_app(ServerState(engine, ["fake"]))
     engine.start()
     try:
-        metrics, health, tokenized, refused = asyncio.run(_while_engine_busy(app, engine))
+        metrics, health, tokenized, refused, too_long = asyncio.run(_while_engine_busy(app, engine))
     finally:
         engine.stop()
     assert metrics[0] == 200 and 'pagedllm:prompt_tokens_total{model_name="fake"} 7.0' in metrics[1]
     assert health[0] == 200
     assert tokenized[0] == 200 and json.loads(tokenized[1])["tokens"] == [ord(c) % 50 for c in "abc"]
     assert refused[0] == 400 and "prompt length 4 is refused" in json.loads(refused[1])["error"]["message"]
-    assert tokenizer.special == [True, False]  # /tokenize's default, then the completion's add_special_tokens
+    assert too_long[0] == 400 and "257 characters are far more than max_model_len=64" in too_long[1]
+    assert tokenizer.special == [True, False]  # /tokenize, then the completion; the too long one never tokenized
     assert "pagedllm-engine" not in tokenizer.threads + fake.checked_on
     assert len(fake.checked_on) == 1
+
+
+def test_documents_reach_the_chat_template():
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_chat import _template_kwargs, render_chat
+
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[-1]['content'] }}"
+    tokenizer, fake = _Tokenizer(), _Engine()
+    engine = AsyncEngine(SimpleNamespace(llm_engine=fake, get_tokenizer=lambda: tokenizer))
+    state = ServerState(engine, ["fake"], chat_template=template)
+    messages = [{"role": "user", "content": "Q?"}]
+    req = ChatCompletionRequest(messages=messages, documents=[{"title": "t", "text": "body"}])
+    make_prompts = render_chat(state, messages, chat_template_kwargs=_template_kwargs(req), add_generation_prompt=False)
+    assert make_prompts()[0][0] == "[t: body]Q?"
