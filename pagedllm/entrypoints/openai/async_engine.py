@@ -15,7 +15,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 from pagedllm.outputs import RequestOutput
@@ -80,6 +81,40 @@ class RequestStream:
         self.close()
 
 
+class DaemonThreads:
+    """A few daemon threads running submitted calls. Unlike ThreadPoolExecutor's threads, they never hold up the
+    process's exit: a request still being prepared when the server stops (a huge one, say) does not delay it."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._queue: SimpleQueue = SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the awaiting request
+                future.set_exception(e)
+
+
 class AsyncEngine:
     def __init__(self, llm) -> None:
         self.llm = llm
@@ -90,12 +125,13 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._running = False
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._pool = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="pagedllm-prepare")
+        self._pool = DaemonThreads(NUM_PREPARE_THREADS, "pagedllm-prepare")
 
     # -- lifecycle (event-loop side) ----------------------------------------------------------------------------
     def start(self) -> None:
         self._running = True
         self._thread.start()
+        self._pool.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts whatever still runs and ends the engine thread."""
@@ -103,7 +139,7 @@ class AsyncEngine:
             self._running = False
             self._cond.notify()
         self._thread.join(timeout)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.stop()
 
     @property
     def alive(self) -> bool:
@@ -128,7 +164,20 @@ class AsyncEngine:
 
     async def prepare(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn in a preparation thread (work that reads the tokenizer or the config, never changes the engine)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+
+    async def run_in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn in a daemon thread of its own (long work, such as a beam search driving the engine)."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="pagedllm-work", daemon=True).start()
+        return await asyncio.wrap_future(future)
 
     async def generate(
         self,

@@ -79,7 +79,7 @@ async def beam_search(
     )
     steps = _EngineSteps(engine, asyncio.get_running_loop(), request_id)
     try:
-        found = await asyncio.to_thread(run_beam_search, steps, [ids for _, ids in prompts], beam)
+        found = await engine.run_in_thread(run_beam_search, steps, [ids for _, ids in prompts], beam)
     finally:
         steps.cancelled.set()  # a client that went away stops the search at its next step
     return [

@@ -173,3 +173,19 @@ def test_documents_reach_the_chat_template():
     req = ChatCompletionRequest(messages=messages, documents=[{"title": "t", "text": "body"}])
     make_prompts = render_chat(state, messages, chat_template_kwargs=_template_kwargs(req), add_generation_prompt=False)
     assert make_prompts()[0][0] == "[t: body]Q?"
+
+
+def test_preparation_in_flight_does_not_hold_up_exit():
+    """A request still being prepared when the server stops (a huge one, say) must not delay the process's exit."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import time\n"
+        "from pagedllm.entrypoints.openai.async_engine import DaemonThreads\n"
+        "pool = DaemonThreads(2, 'prep'); pool.start(); pool.submit(time.sleep, 120); time.sleep(0.2)\n"
+    )
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert time.monotonic() - start < 30
