@@ -1,14 +1,14 @@
-"""The FastAPI app of `pagedllm serve`: routes, the API-key and body-size guard, OpenAI error bodies, and running it
-under uvicorn (SIGTERM stops accepting, lets in-flight requests finish for --shutdown-timeout seconds, then ends)."""
+"""The FastAPI app of `pagedllm serve`: routes, the API-key, body-size and body-shape guard, OpenAI error bodies.
+`python -m pagedllm.entrypoints.openai.api_server [flags]` runs it as `pagedllm serve [flags]` does (launcher.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
-import os
+import sys
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.entrypoints.openai import metrics_text
-from pagedllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
-from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.async_engine import EngineDeadError
+from pagedllm.entrypoints.openai.body_checks import BodyError, check_body
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = ("/health", "/metrics")  # reachable without the API key (load balancers, Prometheus)
 _DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the cap before the 400
+_INLINE_CHECK_BYTES = 1 << 16  # larger bodies are checked in a worker thread, not on the event loop
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -48,8 +49,8 @@ async def _send_json(send, status: int, body: dict) -> None:
 
 
 class GuardMiddleware:
-    """Checks the API key (constant-time) on every path but PUBLIC_PATHS, and refuses bodies over the cap before
-    the app parses them (the body is read here, up to the cap, then handed on)."""
+    """Checks the API key (constant-time) on every path but PUBLIC_PATHS, and refuses bodies over the cap, nested
+    too deep or holding lone surrogates before the app parses them (the body is read here, then handed on)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -82,6 +83,13 @@ class GuardMiddleware:
         if size > self.max_body_bytes:  # read on (a while) and drop, so the client gets the answer, not a reset
             too_big = error_body(f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)")
             return await _send_json(send, 400, too_big)
+        try:
+            if len(body) > _INLINE_CHECK_BYTES:
+                await asyncio.to_thread(check_body, bytes(body))
+            else:
+                check_body(bytes(body))
+        except BodyError as e:
+            return await _send_json(send, 400, error_body(str(e), param=e.param))
         replayed = False
 
         async def replay():
@@ -100,6 +108,8 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+    if first.get("type") == "extra_forbidden":
+        message = f"{param}: unknown field; this server does not support it (see the README's server section)"
     if first.get("type") == "json_invalid":
         message, param = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
     return JSONResponse(error_body(message, param=param), status_code=400)
@@ -156,19 +166,22 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
     async def get_version() -> dict:
         return {"version": version}
 
+    def card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "pagedllm",
+            "max_model_len": state.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": now(),
-                "owned_by": "pagedllm",
-                "max_model_len": state.max_model_len,
-            }
-            for name in state.served_model_names
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [card(name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path, as ids may hold slashes ("org/name")
+    async def model(model_id: str) -> dict:
+        return card(state.check_model(model_id))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -193,12 +206,14 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
         bad_id = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad_id is not None:
             raise bad(f"tokens contains {bad_id}: token ids must be integers in [0, {vocab})", "tokens")
-        text = await state.engine.call(state.llm.get_tokenizer().decode, req.tokens)
+        text = await state.engine.prepare(state.llm.get_tokenizer().decode, req.tokens)
         return {"prompt": text}
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, as the schema now says
     async def metrics() -> PlainTextResponse:
-        found = await state.engine.call(getattr(state.engine.engine, "get_metrics", list))
+        # read here, not on the engine thread, so a scrape never waits for a step: the metrics are counters and
+        # list lengths, each read whole (a scrape may mix two steps' values, as any live exposition does)
+        found = getattr(state.engine.engine, "get_metrics", list)()
         for metric in found:
             if "model_name" in metric.labels:
                 metric.labels["model_name"] = state.served_model_names[0]
@@ -222,43 +237,14 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
             return make_prompts()[0][1]
 
     try:
-        ids = await state.engine.call(encode)
+        ids = await state.engine.prepare(encode)
     except (ValueError, TypeError) as e:
         raise from_value_error(e) from None
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def served_names(model: str | None, given: list[str] | None, model_path: str) -> list[str]:
-    if given:
-        return list(given)
-    if model:
-        return [model]
-    return [os.path.basename(model_path).removesuffix(".gguf")]
+if __name__ == "__main__":  # the same flags as `pagedllm serve`
+    from pagedllm.cli import main
 
-
-def run_server(args: Any, engine_kwargs: dict) -> int:
-    import uvicorn
-
-    from pagedllm import LLM
-    from pagedllm.entrypoints.chat_template import load_chat_template
-
-    limits = ServerLimits(args.max_n, args.max_prompts, args.max_logprobs, args.max_body_bytes)
-    template = load_chat_template(args.chat_template) if args.chat_template else None
-    llm = LLM(args.model, **engine_kwargs)
-    engine = AsyncEngine(llm)
-    names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
-    state = ServerState(engine, names, limits, template, args.chat_template_content_format)
-    app = build_app(state, args.api_key)
-    engine.start()
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        access_log=args.uvicorn_log_level == "debug",
-    )
-    uvicorn.Server(config).run()
-    engine.stop()
-    return 0
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,10 +1,13 @@
 """AsyncEngine: an LLM driven by one dedicated thread, for an asyncio server.
 
-Everything that touches the engine or its tokenizer runs on that thread (`call`), between engine steps, so the
-engine is never used from two threads at once and the event loop never blocks on a forward pass. While any request
-is unfinished the thread runs `LLMEngine.step_stream()` and hands each request's cumulative output to its
-RequestStream; a stream keeps only the newest output per request (outputs are cumulative), so a slow client costs
-no memory growth. Closing a stream before its requests finish aborts them, which frees their KV-cache blocks."""
+Everything that changes the engine runs on that thread (`call`), between engine steps, so the engine is never
+changed from two threads at once and the event loop never blocks on a forward pass. What a request costs before it
+enters (tokenizing, rendering the chat template, checking it, encoding its bad words) runs in a small pool of
+preparation threads (`prepare`), so an expensive or refused request delays only itself, not the running ones.
+
+While any request is unfinished the thread runs `LLMEngine.step_stream()` and hands each request's cumulative
+output to its RequestStream; a stream keeps only the newest output per request (outputs are cumulative), so a slow
+client costs no memory growth. Closing a stream before its requests finish aborts them, freeing their blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 from pagedllm.outputs import RequestOutput
@@ -20,6 +25,8 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PromptsFn = Callable[[], list[tuple[str | None, list[int]]]]
+CheckFn = Callable[[list[tuple[str | None, list[int]]]], None]
+NUM_PREPARE_THREADS = 4  # requests prepared at once; more wait their turn without holding the engine thread
 
 
 class EngineDeadError(RuntimeError):
@@ -74,6 +81,40 @@ class RequestStream:
         self.close()
 
 
+class DaemonThreads:
+    """A few daemon threads running submitted calls. Unlike ThreadPoolExecutor's threads, they never hold up the
+    process's exit: a request still being prepared when the server stops (a huge one, say) does not delay it."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._queue: SimpleQueue = SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the awaiting request
+                future.set_exception(e)
+
+
 class AsyncEngine:
     def __init__(self, llm) -> None:
         self.llm = llm
@@ -84,11 +125,13 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._running = False
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._pool = DaemonThreads(NUM_PREPARE_THREADS, "pagedllm-prepare")
 
     # -- lifecycle (event-loop side) ----------------------------------------------------------------------------
     def start(self) -> None:
         self._running = True
         self._thread.start()
+        self._pool.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts whatever still runs and ends the engine thread."""
@@ -96,6 +139,7 @@ class AsyncEngine:
             self._running = False
             self._cond.notify()
         self._thread.join(timeout)
+        self._pool.stop()
 
     @property
     def alive(self) -> bool:
@@ -118,17 +162,51 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
-    async def generate(self, make_prompts: PromptsFn, num_prompts: int, params: SamplingParams, request_id: str):
-        """Adds the prompts as requests `{request_id}-{i}` and returns their stream. `make_prompts()` runs on the
-        engine thread (it may tokenize) and gives [(text or None, token ids)]; every prompt is checked (ValueError)
-        before any enters the engine."""
+    async def prepare(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn in a preparation thread (work that reads the tokenizer or the config, never changes the engine)."""
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+
+    async def run_in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn in a daemon thread of its own (long work, such as a beam search driving the engine)."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="pagedllm-work", daemon=True).start()
+        return await asyncio.wrap_future(future)
+
+    async def generate(
+        self,
+        make_prompts: PromptsFn,
+        num_prompts: int,
+        params: SamplingParams,
+        request_id: str,
+        check: CheckFn | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Adds the prompts as requests `{request_id}-{i}` and returns their stream. `make_prompts()` (it may
+        tokenize), `check(prompts)` and the engine's checks of every prompt (ValueError) run in a preparation
+        thread, before any prompt enters the engine; only the admission itself runs on the engine thread."""
         ids = [f"{request_id}-{i}" for i in range(num_prompts)]
-        stream = RequestStream(self, ids)
         engine = self.engine
 
-        def add() -> None:
+        def make_requests() -> list:
             prompts = make_prompts()
-            pending = [engine.make_request(text, tokens, params, rid) for rid, (text, tokens) in zip(ids, prompts)]
+            if check is not None:
+                check(prompts)
+            return [
+                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt)
+                for rid, (text, tokens) in zip(ids, prompts)
+            ]
+
+        pending = await self.prepare(make_requests)
+        stream = RequestStream(self, ids)
+
+        def add() -> None:
             for rid, (requests, state) in zip(ids, pending):
                 engine.add(requests, state)
                 self._streams[rid] = stream

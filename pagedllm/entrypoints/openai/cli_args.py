@@ -10,10 +10,13 @@ import json
 from typing import Any
 
 from pagedllm.entrypoints.openai.limits import (
+    DEFAULT_MAX_BAD_WORDS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPTS,
+    DEFAULT_MAX_STOP,
+    DEFAULT_MAX_WORD_CHARS,
 )
 
 
@@ -77,7 +80,12 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--model", dest="model_flag", default=None, help="the same as the positional MODEL")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (not on /health, /metrics); default: $PAGEDLLM_API_KEY, else "
+        "$VLLM_API_KEY, else no key",
+    )
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file (default: the model's)")
     serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"])
@@ -94,6 +102,21 @@ def add_serve_parser(sub: Any) -> None:
     )
     limits.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body (default: 16 MiB)"
+    )
+    limits.add_argument(
+        "--max-stop", type=int, default=DEFAULT_MAX_STOP, help="most stop strings in a request (default: %(default)s)"
+    )
+    limits.add_argument(
+        "--max-bad-words",
+        type=int,
+        default=DEFAULT_MAX_BAD_WORDS,
+        help="most bad_words in a request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-word-chars",
+        type=int,
+        default=DEFAULT_MAX_WORD_CHARS,
+        help="longest stop string or bad word, in characters (default: %(default)s)",
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -112,7 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_flag
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
     try:
-        from pagedllm.entrypoints.openai.api_server import run_server
+        from pagedllm.entrypoints.openai.launcher import run_server
     except ImportError as e:
         raise ValueError(f"`pagedllm serve` needs the serve extra (pip install 'pagedllm[serve]'): {e}") from None
     return run_server(args, engine_kwargs)

@@ -11,12 +11,12 @@ _HELP = {
     "pagedllm:num_requests_running": "Number of requests in the model execution batch.",
     "pagedllm:num_requests_waiting": "Number of requests waiting to be processed.",
     "pagedllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
-    "pagedllm:prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
-    "pagedllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
-    "pagedllm:num_preemptions": "Cumulative number of preemptions from the engine.",
-    "pagedllm:prompt_tokens": "Number of prefill tokens processed.",
-    "pagedllm:generation_tokens": "Number of generation tokens processed.",
-    "pagedllm:request_success": "Count of successfully processed requests.",
+    "pagedllm:prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "pagedllm:prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
+    "pagedllm:num_preemptions_total": "Cumulative number of preemptions from the engine.",
+    "pagedllm:prompt_tokens_total": "Number of prefill tokens processed.",
+    "pagedllm:generation_tokens_total": "Number of generation tokens processed.",
+    "pagedllm:request_success_total": "Count of successfully processed requests.",
     "pagedllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "pagedllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "pagedllm:e2e_request_latency_seconds": "Histogram of end to end request latency in seconds.",
@@ -39,9 +39,11 @@ def _number(value: float) -> str:
 
 
 def _family(metric: Metric) -> tuple[str, str]:
-    """(family name, type): a counter's family drops the `_total` its samples carry (as prometheus-client)."""
+    """(family name, type). A counter's HELP and TYPE lines name it with the `_total` its samples carry, as
+    prometheus-client writes the text format and as its parser reads it (a TYPE without `_total` leaves the family
+    empty and the samples untyped)."""
     if isinstance(metric, Counter):
-        return metric.name.removesuffix("_total"), "counter"
+        return metric.name, "counter"
     if isinstance(metric, Histogram):
         return metric.name, "histogram"
     return metric.name, "gauge"

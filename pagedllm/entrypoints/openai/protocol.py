@@ -53,8 +53,11 @@ def now() -> int:
 
 
 class _Request(BaseModel):
-    # unknown fields are ignored, as OpenAI clients send fields this server does not use (vLLM does the same)
-    model_config = ConfigDict(extra="ignore")
+    # An unknown field is a 400 naming it: a field silently dropped would answer 200 with other behaviour than the
+    # client asked for. vLLM accepts and ignores unknown fields (it logs a warning); here only the fields below
+    # that change nothing in the output are accepted and ignored: `user`, `metadata`, `store` and `service_tier`
+    # (OpenAI's bookkeeping and billing fields, which clients send by habit).
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -79,6 +82,9 @@ class _SamplingFields(_Request):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -93,6 +99,19 @@ class _SamplingFields(_Request):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # beam search (best_of beams, the n best returned); the other two apply only with it
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    # structured outputs (a later release): any value is a 400 naming the field
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -102,6 +121,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+    response_format: Any = None  # structured outputs: a 400
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -118,6 +139,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False
+    documents: list[dict[str, str]] | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = False  # the chat template writes the special tokens (vLLM's default)
 
 
 class EmbeddingRequest(_Request):

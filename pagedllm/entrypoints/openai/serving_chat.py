@@ -1,6 +1,9 @@
 """POST /v1/chat/completions: the conversation is rendered with the chat template (the same function LLM.chat
 uses, so the server's greedy replies equal the offline ones), then generated like a completion; OpenAI's
-chat.completion response and chat.completion.chunk stream, logprobs in the chat layout."""
+chat.completion response and chat.completion.chunk stream, logprobs in the chat layout.
+
+`echo` (vLLM's): the last message's content goes in front of the reply when its role is the reply's role (the
+assistant's with add_generation_prompt, else the last message's own), as a separate chunk when streaming."""
 
 from __future__ import annotations
 
@@ -14,11 +17,14 @@ from jinja2 import TemplateError
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
     chat_logprobs,
     check_limit,
+    context_check,
+    prompt_logprobs_json,
     sampling_params,
     sse_stream,
     unless_disconnected,
@@ -35,40 +41,81 @@ class _Job:
     created: int
     tokenizer: object
 
-    def chunk(self, choices: list[dict]) -> dict:
-        out = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
-        out["choices"] = choices
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            out["usage"] = None
-        return out
+    @property
+    def role(self) -> str:
+        return "assistant" if self.req.add_generation_prompt else str(self.req.messages[-1].get("role"))
+
+    def echo_text(self) -> str:
+        """What echo puts in front of the reply: the last message's content if its role is the reply's."""
+        last = self.req.messages[-1] if self.req.messages else {}
+        if not self.req.echo or last.get("role") != self.role:
+            return ""
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return str(content)
+
+    def chunk(self, choices: list[dict], out: RequestOutput | None = None, opening: bool = False) -> dict:
+        """A stream chunk; with continuous_usage_stats, the usage so far of `out` (none generated in the opening)."""
+        body = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        body["choices"] = choices
+        options = self.req.stream_options
+        if options and options.include_usage:
+            body["usage"] = None
+            if options.continuous_usage_stats and out is not None:
+                body["usage"] = usage(len(out.prompt_token_ids), 0, out.num_cached_tokens) if opening else _usage(out)
+        return body
 
     def logprobs(self, token_ids: list[int], entries: list | None) -> dict | None:
         if not self.req.logprobs or entries is None:
             return None
-        return {"content": chat_logprobs(self.tokenizer, token_ids, entries, self.req.top_logprobs or 0)}
+        as_ids = bool(self.req.return_tokens_as_token_ids)
+        return {"content": chat_logprobs(self.tokenizer, token_ids, entries, self.req.top_logprobs or 0, as_ids)}
 
 
-def render_chat(state: ServerState, messages: list, **options):
-    """A function for the engine thread: the conversation -> [(prompt text, prompt token ids)]."""
+def _usage(out: RequestOutput) -> dict:
+    num_generated = sum(len(c.token_ids) for c in out.outputs)
+    return usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens)
+
+
+def render_chat(
+    state: ServerState, messages: list, add_special_tokens: bool = False, check_chars: bool = False, **options
+):
+    """A function for a preparation thread: the conversation -> [(prompt text, prompt token ids)]. The template
+    writes the special tokens; add_special_tokens=True has the tokenizer add its own too (vLLM's field).
+    check_chars: refuse messages far too long for the context before rendering them (see max_prompt_chars)."""
     tokenizer = state.llm.get_tokenizer()
     model_path = state.engine.engine.config.model.model_path
 
     def make_prompts() -> list[tuple[str | None, list[int]]]:
+        if check_chars:
+            state.check_prompt_chars(sum(_content_chars(m) for m in messages), "messages")
         try:
-            return [
-                apply_chat_template(
-                    tokenizer,
-                    messages,
-                    chat_template=state.chat_template,
-                    chat_template_content_format=state.chat_template_content_format,
-                    model_path=model_path,
-                    **options,
-                )
-            ]
+            text, ids = apply_chat_template(
+                tokenizer,
+                messages,
+                chat_template=state.chat_template,
+                chat_template_content_format=state.chat_template_content_format,
+                model_path=model_path,
+                **options,
+            )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed to render them: {e}") from None
+        if add_special_tokens:
+            ids = tokenizer.encode(text, add_special_tokens=True)
+        return [(text, ids)]
 
     return make_prompts
+
+
+def _content_chars(message: object) -> int:
+    """Characters of a message's text content (a string, or a list of parts with "text")."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def _check(state: ServerState, req: ChatCompletionRequest) -> None:
@@ -79,8 +126,20 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> None:
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad("response_format: only {'type': 'text'} is supported (no structured output)", "response_format")
     check_limit(req.top_logprobs, state.limits.max_logprobs, "top_logprobs")
+    check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad("prompt_logprobs are not available when stream=true (as vLLM)", "prompt_logprobs")
+    if req.documents is not None and "documents" in (req.chat_template_kwargs or {}):
+        raise bad("documents: given twice (also in chat_template_kwargs); give it once", "documents")
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs, with `documents` (retrieval-augmented templates read that variable) added."""
+    if req.documents is None:
+        return req.chat_template_kwargs
+    return {**(req.chat_template_kwargs or {}), "documents": req.documents}
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
@@ -89,7 +148,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     _check(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs)
+    params = sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
     make_prompts = render_chat(
@@ -98,11 +157,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         tools=req.tools,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=_template_kwargs(req),
+        add_special_tokens=req.add_special_tokens,
+        check_chars=req.truncate_prompt_tokens is None,
     )
     job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer())
+    check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
+    if params.use_beam_search:
+        refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
+        try:
+            return JSONResponse(_response(job, (await unless_disconnected(raw, work))[0]))
+        except (ValueError, TypeError) as e:
+            raise from_value_error(e, "messages") from None
     try:
-        stream = await state.engine.generate(make_prompts, 1, params, job.request_id)
+        stream = await state.engine.generate(
+            make_prompts, 1, params, job.request_id, check=check, cache_salt=req.cache_salt
+        )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "messages") from None
     if req.stream:
@@ -120,19 +191,21 @@ async def _collect(stream: RequestStream) -> RequestOutput:
 
 
 def _response(job: _Job, out: RequestOutput) -> dict:
+    echo = job.echo_text()
     choices = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "message": {"role": job.role, "content": echo + c.text, "refusal": None, "tool_calls": []},
             "logprobs": job.logprobs(c.token_ids, c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
         for c in out.outputs
     ]
-    num_generated = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model}
-    return {**body, "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated)}
+    if job.req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return {**body, "choices": choices, "usage": _usage(out)}
 
 
 def _delta(job: _Job, c: CompletionOutput, sent: list[int]) -> dict | None:
@@ -153,24 +226,41 @@ def _delta(job: _Job, c: CompletionOutput, sent: list[int]) -> dict | None:
     }
 
 
+def _opening(job: _Job, out: RequestOutput | None) -> list[dict]:
+    """The first chunks: the role, then the echoed content (if any)."""
+    n, echo = job.req.n, job.echo_text()
+    role = {"role": job.role, "content": ""}
+    chunks = [
+        job.chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)], out, True)
+    ]
+    if echo:
+        delta = {"content": echo}
+        chunks += [
+            job.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], out) for i in range(n)
+        ]
+    return chunks
+
+
 async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
-    n = job.req.n
-    sent = {i: [0, 0] for i in range(n)}
+    sent = {i: [0, 0] for i in range(job.req.n)}
     done: set[int] = set()
     final = None
-    role = {"role": "assistant", "content": ""}
-    yield job.chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)])
     async with stream:
         async for _, out in stream:
+            if final is None:  # the opening waits for the first output: its usage needs the prompt's length
+                for chunk in _opening(job, out):
+                    yield chunk
             final = out
             for c in out.outputs:
                 if c.index in done:
                     continue
                 choice = _delta(job, c, sent[c.index])
                 if choice is not None:
-                    yield job.chunk([choice])
+                    yield job.chunk([choice], out)
                 if c.finish_reason is not None:
                     done.add(c.index)
-    if final is not None and job.req.stream_options and job.req.stream_options.include_usage:
-        num_generated = sum(len(c.token_ids) for c in final.outputs)
-        yield {**job.chunk([]), "usage": usage(len(final.prompt_token_ids), num_generated)}
+    if final is None:
+        for chunk in _opening(job, None):
+            yield chunk
+    elif job.req.stream_options and job.req.stream_options.include_usage:
+        yield {**job.chunk([]), "usage": _usage(final)}

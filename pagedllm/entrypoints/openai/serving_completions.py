@@ -14,11 +14,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
     check_limit,
+    context_check,
     legacy_logprobs,
+    prompt_logprobs_json,
     sampling_params,
     sse_stream,
     unless_disconnected,
@@ -36,12 +39,18 @@ class _Job:
     tokenizer: object
     echo_only: bool  # echo with max_tokens=0: the prompt alone (one token is generated and dropped)
 
-    def chunk(self, choices: list[dict]) -> dict:
+    def chunk(self, choices: list[dict], finals: dict | None = None) -> dict:
+        """A stream chunk; with continuous_usage_stats, the usage so far of the outputs in `finals`."""
         out = {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model}
         out["choices"] = choices
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            out["usage"] = None
+        options = self.req.stream_options
+        if options and options.include_usage:
+            out["usage"] = _usage(self, list(finals.values())) if options.continuous_usage_stats else None
         return out
+
+    def logprobs(self, token_ids: list[int], entries: list, text_offset: int = 0) -> dict:
+        as_ids = bool(self.req.return_tokens_as_token_ids)
+        return legacy_logprobs(self.tokenizer, token_ids, entries, text_offset, as_ids)
 
 
 def _prompt_items(prompt) -> list:
@@ -50,26 +59,45 @@ def _prompt_items(prompt) -> list:
     return list(prompt)
 
 
-def _tokenize(tokenizer, items: list):
+def _tokenize(state: ServerState, tokenizer, items: list, req: CompletionRequest):
+    add_special_tokens = req.add_special_tokens
+
     def make_prompts() -> list[tuple[str | None, list[int]]]:
         if tokenizer is None and any(isinstance(p, str) for p in items):
             raise ValueError("prompt: text prompts need a tokenizer; send token ids")
-        return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items]
+        if req.truncate_prompt_tokens is None:  # else the prompt's last tokens are wanted, however long it is
+            for p in items:
+                if isinstance(p, str):
+                    state.check_prompt_chars(len(p), "prompt")
+        return [
+            (p, tokenizer.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str) else (None, list(p))
+            for p in items
+        ]
 
     return make_prompts
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
-    model = state.check_model(req.model)
-    state.require_generate()
+def _check(state: ServerState, req: CompletionRequest) -> list:
+    """The request's prompts, after the checks that need no tokenizer."""
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad("prompt_logprobs are not available when stream=true (as vLLM)", "prompt_logprobs")
+    if req.response_format is not None:
+        raise bad("response_format: structured outputs are not supported by this server yet", "response_format")
     items = _prompt_items(req.prompt)
     if not items or any(not p for p in items):
         raise bad("prompt is empty: give at least one prompt, each with at least one token", "prompt")
     check_limit(len(items), state.limits.max_prompts, "prompt")
     check_limit(req.logprobs, state.limits.max_logprobs, "logprobs")
     check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
+    return items
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
+    model = state.check_model(req.model)
+    state.require_generate()
+    items = _check(state, req)
     echo_only = bool(req.echo) and req.max_tokens == 0
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
@@ -79,8 +107,19 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
     job = _Job(req, model, random_id("cmpl"), now(), state.llm.get_tokenizer(), echo_only)
+    make_prompts = _tokenize(state, job.tokenizer, items, req)
+    check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
+    if params.use_beam_search:
+        refuse_with_beam_search(bool(req.stream), req.logprobs is not None, req.prompt_logprobs is not None)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
+        try:
+            return JSONResponse(_response(job, await unless_disconnected(raw, work)))
+        except (ValueError, TypeError) as e:
+            raise from_value_error(e, "prompt") from None
     try:
-        stream = await state.engine.generate(_tokenize(job.tokenizer, items), len(items), params, job.request_id)
+        stream = await state.engine.generate(
+            make_prompts, len(items), params, job.request_id, check=check, cache_salt=req.cache_salt
+        )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "prompt") from None
     if req.stream:
@@ -112,20 +151,6 @@ def _generated(job: _Job, c: CompletionOutput) -> tuple[str, list[int], list]:
     return c.text, list(c.token_ids), list(c.logprobs or [])
 
 
-def _prompt_logprobs_json(entries: list | None) -> list | None:
-    if entries is None:
-        return None
-    return [
-        None
-        if e is None
-        else {
-            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for tid, lp in e.items()
-        }
-        for e in entries
-    ]
-
-
 def _finish_reason(job: _Job, c: CompletionOutput) -> str | None:
     return "length" if job.echo_only and c.finish_reason is not None else c.finish_reason
 
@@ -139,7 +164,7 @@ def _response(job: _Job, finals: list[RequestOutput]) -> dict:
             num_generated += len(token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = legacy_logprobs(job.tokenizer, prefix_ids + token_ids, prefix_entries + entries)
+                logprobs = job.logprobs(prefix_ids + token_ids, prefix_entries + entries)
             choice = {
                 "index": p * req.n + c.index,
                 "text": prefix_text + text,
@@ -148,11 +173,16 @@ def _response(job: _Job, finals: list[RequestOutput]) -> dict:
                 "stop_reason": c.stop_reason,
             }
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
     body = {"id": job.request_id, "object": "text_completion", "created": job.created, "model": job.model}
+    return {**body, "choices": choices, "usage": _usage(job, finals)}
+
+
+def _usage(job: _Job, finals: list[RequestOutput]) -> dict:
     num_prompt = sum(len(out.prompt_token_ids) for out in finals)
-    return {**body, "choices": choices, "usage": usage(num_prompt, num_generated)}
+    num_generated = sum(len(_generated(job, c)[1]) for out in finals for c in out.outputs)
+    return usage(num_prompt, num_generated, sum(out.num_cached_tokens for out in finals))
 
 
 class _Progress:
@@ -176,7 +206,7 @@ def _delta(job: _Job, out: RequestOutput, c: CompletionOutput, progress: _Progre
     wants_logprobs = job.req.logprobs is not None
     if not new_text and not finish and not (wants_logprobs and new_ids):
         return None
-    logprobs = legacy_logprobs(job.tokenizer, new_ids, new_entries, progress.offset) if wants_logprobs else None
+    logprobs = job.logprobs(new_ids, new_entries, progress.offset) if wants_logprobs else None
     progress.chars, progress.tokens = len(text), len(token_ids)
     progress.offset += len(new_text)
     progress.started, progress.done = True, finish is not None
@@ -197,8 +227,6 @@ async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
                     continue
                 choice = _delta(job, out, c, state)
                 if choice is not None:
-                    yield job.chunk([{"index": index, **choice}])
+                    yield job.chunk([{"index": index, **choice}], finals)
     if job.req.stream_options and job.req.stream_options.include_usage:
-        num_prompt = sum(len(out.prompt_token_ids) for out in finals.values())
-        num_generated = sum(len(_generated(job, c)[1]) for out in finals.values() for c in out.outputs)
-        yield {**job.chunk([]), "usage": usage(num_prompt, num_generated)}
+        yield {**job.chunk([], finals), "usage": _usage(job, list(finals.values()))}

@@ -28,6 +28,29 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt can have and still fit max_model_len tokens, so a far longer one is
+        refused before tokenizing it (seconds of CPU for megabytes): no token covers more characters than the
+        longest vocabulary entry has, doubled for normalizers that expand text. None without a vocabulary."""
+        if self._max_prompt_chars is None:
+            vocab = getattr(self.llm.get_tokenizer(), "get_vocab", None)
+            if vocab is None:
+                return None
+            longest = max(map(len, vocab()), default=1)
+            self._max_prompt_chars = 2 * longest * self.max_model_len
+        return self._max_prompt_chars
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """ValueError for a text that cannot fit the context whatever its tokens (see max_prompt_chars)."""
+        limit = self.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise ValueError(
+                f"{param}: {num_chars} characters are far more than max_model_len={self.max_model_len} tokens can "
+                f"hold (at most {limit} characters on this model)"
+            )
 
     @property
     def llm(self):
@@ -72,12 +95,53 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+_STRUCTURED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+)
+
+
+def refuse_unsupported(req: Any) -> None:
+    """Fields this server knows but does not honour yet: a 400 naming the field, never a 200 that ignores it."""
+    for name in _STRUCTURED:
+        if getattr(req, name) is not None:
+            raise bad(f"{name}: structured outputs are not supported by this server yet", name)
+    if not req.use_beam_search:
+        for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(req, name) != default:
+                raise bad(f"{name} applies only with use_beam_search=true", name)
+    options = req.stream_options
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        raise bad("stream_options.continuous_usage_stats needs stream_options.include_usage=true", "stream_options")
+
+
+def _check_words(words: list[str] | None, most: int, longest: int, param: str) -> None:
+    """Caps that keep one request's stop strings or bad words from costing every other request (they are checked
+    at every step, or encoded before the request starts)."""
+    if not words:
+        return
+    if len(words) > most:
+        raise bad(f"{param} holds {len(words)} strings: at most {most} on this server", param)
+    long = next((w for w in words if len(w) > longest), None)
+    if long is not None:
+        raise bad(f"{param} holds a string of {len(long)} characters: at most {longest} on this server", param)
+
+
 def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingParams:
     """SamplingParams from the request's sampling fields; omitted ones take the model's generation_config defaults
     (as vLLM). `fields` sets what differs between endpoints (max_tokens, logprobs, prompt_logprobs)."""
     limits = state.limits
+    refuse_unsupported(req)
     check_limit(req.n, limits.max_n, "n")
     check_limit(req.best_of, limits.max_n, "best_of")
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    _check_words(stop, limits.max_stop, limits.max_word_chars, "stop")
+    _check_words(req.bad_words, limits.max_bad_words, limits.max_word_chars, "bad_words")
     defaults = state.engine.engine.default_sampling_fields
     chosen = {name: getattr(req, name) for name in _DEFAULTED}
     chosen = {k: v if v is not None else defaults.get(k) for k, v in chosen.items()}
@@ -98,6 +162,9 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        use_beam_search=req.use_beam_search,
+        length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
         **{k: v for k, v in chosen.items() if v is not None},
         **fields,
     )
@@ -107,24 +174,48 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
         raise from_value_error(e) from None
 
 
+def context_check(max_model_len: int, max_tokens: int | None, truncate: int | None):
+    """A check for the prepared prompts: max_tokens beyond what the context leaves is a 400 (vLLM's message), not
+    a silent cut. A prompt longer than the context is left to the engine's own message."""
+
+    def check(prompts: list[tuple[str | None, list[int]]]) -> None:
+        if not max_tokens:
+            return
+        for _, ids in prompts:
+            n = len(ids) if truncate is None or truncate == -1 else min(len(ids), truncate)
+            if n <= max_model_len < n + max_tokens:
+                raise bad(
+                    f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                    f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). Please reduce "
+                    "the length of the messages or completion.",
+                    "max_tokens",
+                )
+
+    return check
+
+
 # -- logprobs ---------------------------------------------------------------------------------------------------
 def _clamp(value: float) -> float:
     return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
 
 
-def token_text(tokenizer, token_id: int, entry: Logprob | None) -> str:
+def token_text(tokenizer, token_id: int, entry: Logprob | None, as_ids: bool = False) -> str:
+    """A logprob entry's token as text, or as "token_id:N" (return_tokens_as_token_ids: exact for tokens that are
+    not whole UTF-8 characters)."""
+    if as_ids:
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id])
 
 
-def legacy_logprobs(tokenizer, token_ids: list[int], entries: list, text_offset: int = 0) -> dict:
+def legacy_logprobs(tokenizer, token_ids: list[int], entries: list, text_offset: int = 0, as_ids: bool = False) -> dict:
     """Completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (None entries: no logprob, as the
     first prompt token)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id) if entry is not None else None
-        text = token_text(tokenizer, token_id, chosen)
+        text = token_text(tokenizer, token_id, chosen, as_ids)
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(text)
@@ -133,7 +224,7 @@ def legacy_logprobs(tokenizer, token_ids: list[int], entries: list, text_offset:
             top.append(None)
             continue
         token_logprobs.append(_clamp(chosen.logprob))
-        top.append({token_text(tokenizer, tid, lp): _clamp(lp.logprob) for tid, lp in entry.items()})
+        top.append({token_text(tokenizer, tid, lp, as_ids): _clamp(lp.logprob) for tid, lp in entry.items()})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -141,7 +232,7 @@ def _chat_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], entries: list, num_top: int) -> list[dict]:
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list, num_top: int, as_ids: bool = False) -> list[dict]:
     """Chat logprobs content: [{token, logprob, bytes, top_logprobs: the num_top most likely tokens}]."""
     content = []
     for token_id, entry in zip(token_ids, entries):
@@ -150,20 +241,40 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list, num_top: int) 
             continue
         ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
         top = [
-            _chat_entry(token_text(tokenizer, tid, lp), lp.logprob)
+            _chat_entry(token_text(tokenizer, tid, lp, as_ids), lp.logprob)
             for tid, lp in ranked
             if lp.rank is not None and 1 <= lp.rank <= num_top
         ]
-        content.append({**_chat_entry(token_text(tokenizer, token_id, chosen), chosen.logprob), "top_logprobs": top})
+        text = token_text(tokenizer, token_id, chosen, as_ids)
+        content.append({**_chat_entry(text, chosen.logprob), "top_logprobs": top})
     return content
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """prompt_logprobs as vLLM writes them: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in e.items()
+        }
+        for e in entries
+    ]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; cached_tokens (prompt tokens served from the prefix cache) where known."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 # -- transport --------------------------------------------------------------------------------------------------

@@ -40,16 +40,26 @@ def _free_port() -> int:
 class RemoteServer:
     """A server subprocess; its log goes to a temp file that a failed start prints."""
 
-    def __init__(self, args: list[str], api_key: str | None = None, model: str | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        api_key: str | None = None,
+        model: str | None = None,
+        command: tuple[str, ...] = ("-m", "pagedllm", "serve"),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`api_key` is passed as --api-key (None: none passed); `env` adds to the environment."""
         self.model = model  # the served model name
         self.port = _free_port()
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        cmd = [sys.executable, "-m", "pagedllm", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, *command, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--uvicorn-log-level", "warning"] + (["--api-key", api_key] if api_key else [])
         # one torch thread: the server shares the cores with the test process (whose offline LLM is the reference),
         # and two processes each spinning two OpenMP threads on two cores slow both several-fold
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # the API-key variables only where a test sets them on purpose
+        inherited = {k: v for k, v in os.environ.items() if k not in ("PAGEDLLM_API_KEY", "VLLM_API_KEY")}
+        env = {**inherited, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     @property

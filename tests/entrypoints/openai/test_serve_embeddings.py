@@ -79,6 +79,5 @@ def test_sigterm_drains_in_flight_requests(embed_server):
     embed_server.proc.send_signal(signal.SIGTERM)
     worker.join(60)
     assert result.get("status") == 200 and len(result["body"]["data"]) == len(texts)
-    # uvicorn re-raises the SIGTERM it caught once it has shut down, so the exit status is that of the signal
-    assert embed_server.proc.wait(30) in (0, -signal.SIGTERM)
+    assert embed_server.proc.wait(30) == 0  # a clean drain is a normal exit, not a re-raised SIGTERM
     assert "Traceback" not in embed_server.read_log()

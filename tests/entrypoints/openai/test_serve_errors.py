@@ -37,6 +37,28 @@ BAD_COMPLETIONS = [  # (body changes, expected param or None)
     ({"seed": "abc"}, "seed"),
     ({"n": 2, "best_of": 3, "stream": True}, "best_of"),
     ({"suffix": "x"}, "suffix"),
+    # fields the server knows but does not honour are refused, never dropped
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "logprobs": 1}, "logprobs"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "stream": True}, "stream"),
+    ({"use_beam_search": True, "n": 1, "temperature": 0}, "best_of"),  # one beam is no search
+    ({"length_penalty": 0.5}, "length_penalty"),  # only with use_beam_search
+    ({"early_stopping": True}, "early_stopping"),
+    ({"frobnicate": 1}, "frobnicate"),  # unknown fields are named
+    ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    # caps (--max-stop 64, --max-bad-words 1024, --max-word-chars 1024)
+    ({"stop": ["x"] * 65}, "stop"),
+    ({"stop": "y" * 1025}, "stop"),
+    ({"bad_words": [f"w{i}" for i in range(1025)]}, "bad_words"),
+    ({"bad_words": ["z" * 1025]}, "bad_words"),
+    ({"cache_salt": ""}, "cache_salt"),
 ]
 
 BAD_CHATS = [
@@ -51,6 +73,12 @@ BAD_CHATS = [
     ({"max_completion_tokens": -1}, "max_tokens"),
     ({"chat_template": "{{ 'x' }}"}, None),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "logprobs": True}, "logprobs"),
+    ({"documents": [{"text": "a"}], "chat_template_kwargs": {"documents": []}}, "documents"),
+    ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"echo": True, "frobnicate": 1}, "frobnicate"),
 ]
 
 
@@ -146,7 +174,7 @@ def test_metrics_exposition(server):
             samples.setdefault(name_labels.split("{")[0], []).append((name_labels, float(value)))
     for name in METRIC_NAMES:
         assert name in samples, name
-    assert "# TYPE pagedllm:prompt_tokens counter" in text
+    assert "# TYPE pagedllm:prompt_tokens_total counter" in text  # prometheus-client's layout
     assert "# TYPE pagedllm:time_to_first_token_seconds histogram" in text
     assert samples["pagedllm:generation_tokens_total"][0][1] >= 2
     buckets = [v for _, v in samples["pagedllm:e2e_request_latency_seconds_bucket"]]

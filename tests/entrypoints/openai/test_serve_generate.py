@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import socket
+import struct
 import time
 
 import pytest
@@ -195,5 +196,8 @@ def test_disconnect_aborts_streaming_and_non_streaming(server):
     conn = _open(server, body, timeout=1.5)
     with pytest.raises(TimeoutError):
         conn.getresponse()
+    # a reset, not a FIN: a client that only half-closes its socket still gets its answer (a FIN says no more than
+    # "nothing more to send"), so a non-streaming request is aborted when its connection is reset
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     conn.close()
     _wait_idle(server)

@@ -1,0 +1,89 @@
+"""Running the app under uvicorn: SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish for
+--shutdown-timeout seconds, then the process exits 0 (no re-raised signal, no KeyboardInterrupt traceback).
+
+A client that half-closes its socket after sending a complete request (shutdown(SHUT_WR): "nothing more from me")
+still gets its answer; only a reset connection counts as gone before the answer is written."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.serving_utils import ServerState
+
+API_KEY_ENV = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+
+
+def resolve_api_key(flag: str | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """--api-key, else the first non-empty of API_KEY_ENV, else None (no key required)."""
+    if flag:
+        return flag
+    return next((environ[name] for name in API_KEY_ENV if environ.get(name)), None)
+
+
+class HalfCloseProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, except that end-of-input after a complete request keeps the connection open
+    for the answer (then closes it), instead of dropping the request as a disconnect."""
+
+    def eof_received(self) -> bool | None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.more_body and not cycle.response_complete:
+            cycle.keep_alive = False  # nothing more can come on this connection: close it after the answer
+            return True  # keep the transport open for writing
+        return None
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it caught once it has shut down (exit status -15, a KeyboardInterrupt
+        # traceback for SIGINT); a drained server has done what the signal asked, so it exits normally instead
+        self._captured_signals.clear()
+
+
+def served_names(model: str | None, given: list[str] | None, model_path: str) -> list[str]:
+    if given:
+        return list(given)
+    if model:
+        return [model]
+    return [os.path.basename(model_path).removesuffix(".gguf")]
+
+
+def run_server(args: Any, engine_kwargs: dict) -> int:
+    from pagedllm import LLM
+    from pagedllm.entrypoints.chat_template import load_chat_template
+
+    limits = ServerLimits(
+        args.max_n,
+        args.max_prompts,
+        args.max_logprobs,
+        args.max_body_bytes,
+        args.max_stop,
+        args.max_bad_words,
+        args.max_word_chars,
+    )
+    template = load_chat_template(args.chat_template) if args.chat_template else None
+    llm = LLM(args.model, **engine_kwargs)
+    engine = AsyncEngine(llm)
+    names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
+    state = ServerState(engine, names, limits, template, args.chat_template_content_format)
+    app = build_app(state, resolve_api_key(args.api_key))
+    engine.start()
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        http=HalfCloseProtocol,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        access_log=args.uvicorn_log_level == "debug",
+    )
+    _Server(config).run()
+    engine.stop()
+    return 0
