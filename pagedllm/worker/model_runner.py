@@ -263,9 +263,9 @@ class ModelRunner:
         for req_id, row, gen, token, lp in zip(step.req_ids, step.rows.tolist(), step.generations, sampled, logprobs):
             if b.row_of.get(req_id) == row and b.generation[row] == gen:  # the same admission of the request
                 b.append_token(row, token)
-            out[req_id] = token
+            out[req_id] = [token]
             if lp is not None:
-                out_logprobs[req_id] = lp
+                out_logprobs[req_id] = [lp]
         return ModelRunnerOutput(out, out_logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, layout, rows: np.ndarray, req_ids: list[str]) -> dict:

@@ -41,12 +41,16 @@ class SchedulerOutput:
     # the scheduler's own request objects of this step, for its update: a request id used again by a new request
     # while this step was on the device must not take this step's token (the runner does not read it)
     scheduled_reqs: dict[str, Any] = field(default_factory=dict)
+    # draft tokens to verify, after the request's known tokens (they count in num_scheduled_tokens and get KV slots)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
-    # request -> (token ids, logprobs, ranks): the sampled token first, then its top-k; only where asked for
-    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    # only requests that reached the end of their known tokens: the accepted drafts, then one sampled token
+    sampled_token_ids: dict[str, list[int]]
+    # request -> per emitted token (token ids, logprobs, ranks): the emitted token first, then its top-k; only where
+    # asked for
+    logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
     # request -> (first prompt position, entries as above with the prompt token first) for prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
