@@ -53,6 +53,8 @@ class Scheduler:
         # drafts are verified only with synchronous scheduling (asynchronously, a request's last token may still be
         # on the device when its next step is scheduled)
         self.drafts_enabled = not config.async_scheduling
+        self.num_draft_tokens = 0  # drafts verified so far
+        self.num_accepted_tokens = 0  # of which accepted
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -100,7 +102,7 @@ class Scheduler:
             self.finished_req_ids,
             self.preempted_req_ids,
             {req_id: self.requests[req_id] for req_id in num_scheduled},
-            spec,
+            scheduled_spec_decode_tokens=spec,
         )
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         return out
@@ -230,6 +232,8 @@ class Scheduler:
         req.num_output_placeholders -= 1
         kept = req.append_output_tokens(tokens)
         if num_drafts:
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += len(tokens) - 1
             req.num_computed_tokens -= num_drafts + 1 - len(tokens)
             self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
         if req.status.finished:

@@ -187,6 +187,10 @@ def test_outputs_with_drafts_equal_outputs_without(case, corrupt_every):
     outputs, core = generate(prompts, proposer=proposer, **kwargs)
     assert summary(outputs) == summary(reference)
     assert proposer.num_proposed > 0 and core.num_multi_token_outputs > 0  # drafts were accepted
+    sched = core.scheduler
+    assert 0 < sched.num_accepted_tokens <= sched.num_draft_tokens <= proposer.num_proposed
+    if corrupt_every == 0 and kwargs["params"].temperature == 0:
+        assert sched.num_accepted_tokens == sched.num_draft_tokens  # the true continuation: every draft accepted
     if "preemption" in case:
         assert core.scheduler.num_preemptions > 0 and ref_core.scheduler.num_preemptions > 0
     if kwargs.get("caching"):

@@ -58,6 +58,7 @@ def test_drafts_follow_the_known_token_take_budget_and_slots():
     assert out.new_token_ids == [1, 2, 9] and out.finish_reason is None
     assert a.output_token_ids == [7, 1, 2, 9] and a.num_output_placeholders == 0
     assert a.num_computed_tokens == 9  # position 9 held the rejected draft: computed again with 9
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (3, 2)
     so = sched.schedule()  # no drafts now: one token, at position 9, in the block it already has
     assert so.num_scheduled_tokens == {"a": 1} and so.scheduled_spec_decode_tokens == {}
     assert [(c.new_block_ids, c.num_computed_tokens) for c in so.cached_reqs] == [([], 9)]
