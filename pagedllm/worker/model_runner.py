@@ -16,6 +16,7 @@ from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.verify import accept, expand_rows, logits_positions
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sample_inputs import (
@@ -199,15 +200,27 @@ class ModelRunner:
         rows = np.array([self.batch.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)
         if prev is not None and not prev.committed and self._reads_outputs(rows).any():
             prev.result()  # penalties and the like read the output tokens on the host: wait for them
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            self._write_drafts(spec)
         flat = self._prepare_inputs(so)
         req_ids = list(so.num_scheduled_tokens)
         sample_idx = np.nonzero(flat.sample_mask)[0]
+        sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
         sample_rows = flat.rows[sample_idx]
         num_tokens = flat.seq_lens[sample_idx]  # [num_sampled] tokens so far, a late one included
+        logits_rows = flat.query_start_loc[1:][sample_idx] - 1  # [num_sampled]
+        drafts = None
+        if spec:  # a target token at each request's last known position and at each of its draft positions
+            drafts = [spec.get(r, []) for r in sample_req_ids]
+            num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+            logits_rows = logits_positions(logits_rows + 1, num_drafts)
+            sample_rows, num_tokens = expand_rows(sample_rows, num_tokens - num_drafts, num_drafts)
         if len(sample_idx):  # every host-to-device copy of the step before the forward is launched
-            logits_rows = self._to_device(flat.query_start_loc[1:][sample_idx] - 1)  # [num_sampled]
-            sampling = sampling_metadata(self.batch, sample_rows, num_tokens, self.device, self.sampler.resident)
-        hidden = self._run_model(flat, self._late_inputs(flat))  # [num_tokens, hidden]
+            logits_rows = self._to_device(logits_rows)
+            resident = self.sampler.resident if drafts is None else self._leave_resident()
+            sampling = sampling_metadata(self.batch, sample_rows, num_tokens, self.device, resident)
+        hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden]
         prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
         if len(sample_idx) == 0:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
@@ -221,14 +234,31 @@ class ModelRunner:
         sampled = self.sampler(logits, sampling, lp_rows.copied if lp_rows is not None else None)  # [num_sampled]
         step = StepFuture(
             self,
-            [req_ids[i] for i in sample_idx.tolist()],
+            sample_req_ids,
             sample_rows,
             sampled,
             logprob_tensors(lp_rows, sampled, num_top, scratch, sampling),
             prompt_lps,
+            drafts,
         )
         self.last_step = step
         return step
+
+    def _write_drafts(self, spec: dict[str, list[int]]) -> None:
+        """Drafts go after their request's known tokens in the persistent batch, as its inputs (its num_tokens stays:
+        the accepted ones are appended over them when the step commits)."""
+        b = self.batch
+        for req_id, drafts in spec.items():
+            row = b.row_of[req_id]
+            n = b.num_tokens[row]
+            b.token_ids[row, n : n + len(drafts)] = drafts
+
+    def _leave_resident(self) -> None:
+        """A step with drafts samples a request's row at several positions: its sampling metadata is built for the
+        step alone, and the GPU kernel's resident inputs are rebuilt at the next step that uses them."""
+        if self.sampler.resident is not None:
+            self.sampler.resident.last = None
+        return None
 
     def _reads_outputs(self, rows: np.ndarray) -> np.ndarray:
         """Which of these rows read their output tokens on the host this step: bad words and logits processors;
@@ -257,6 +287,8 @@ class ModelRunner:
 
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:
         """The step's sampled tokens enter the persistent batch (rows whose request left since are skipped)."""
+        if step.drafts is not None:
+            return self._commit_verified(step, sampled)
         out, out_logprobs = {}, {}
         logprobs = step.logprobs.tolists() if step.logprobs is not None else [None] * len(sampled)
         b = self.batch
@@ -266,6 +298,22 @@ class ModelRunner:
             out[req_id] = [token]
             if lp is not None:
                 out_logprobs[req_id] = [lp]
+        return ModelRunnerOutput(out, out_logprobs, step.prompt_logprobs)
+
+    def _commit_verified(self, step: StepFuture, targets: list[int]) -> ModelRunnerOutput:
+        """A step with drafts: per request, the accepted drafts and one sampled token (sample/verify.py)."""
+        out, out_logprobs = {}, {}
+        logprobs = step.logprobs.tolists() if step.logprobs is not None else None
+        b, start = self.batch, 0
+        for req_id, drafts, tokens in zip(step.req_ids, step.drafts, accept(step.drafts, targets)):
+            row, gen = int(step.rows[start]), step.generations[start]
+            if b.row_of.get(req_id) == row and b.generation[row] == gen:
+                for token in tokens:
+                    b.append_token(row, token)
+            out[req_id] = tokens
+            if logprobs is not None and logprobs[start] is not None:
+                out_logprobs[req_id] = logprobs[start : start + len(tokens)]
+            start += len(drafts) + 1
         return ModelRunnerOutput(out, out_logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, layout, rows: np.ndarray, req_ids: list[str]) -> dict:
@@ -304,10 +352,11 @@ class ModelRunner:
 class StepFuture:
     """A launched step: its sampled ids stay on the device until result() copies them to the host (once)."""
 
-    def __init__(self, runner, req_ids, rows, sampled, logprobs, prompt_logprobs) -> None:
+    def __init__(self, runner, req_ids, rows, sampled, logprobs, prompt_logprobs, drafts=None) -> None:
         self.runner: ModelRunner | None = runner
         self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
-        self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows
+        self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows (a request's k + 1 with drafts)
+        self.drafts: list[list[int]] | None = drafts  # per request its drafts verified (None: a step without any)
         self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
         self.index_of_row = np.full(len(runner.batch.generation), -1, dtype=np.int64)  # [max_num_seqs] -1: none
         self.index_of_row[rows] = np.arange(len(rows))  # row -> its index in sampled
