@@ -53,6 +53,9 @@ class EngineCore:
         return int(num_blocks)
 
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        if params is not None and params.logits_processors:  # callables stay in this process: the message has none
+            self.executor.register_logits_processors(request.request_id, params.logits_processors)
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -111,4 +114,5 @@ class EngineCore:
 
     def _discard(self, so) -> None:
         """The step's KV was not written: its requests end, and their blocks must not be found as a prefix."""
+        self.scheduler.step_reqs.pop(so.step_id, None)
         self.scheduler.discard_requests(list(so.num_scheduled_tokens))

@@ -55,6 +55,10 @@ class Scheduler:
         self.drafts_enabled = not config.async_scheduling
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of which accepted
+        self.num_steps = 0
+        # step id -> the request objects it scheduled, until its update: a request id used again by a new request
+        # while the step was on the device must not take that step's token (the step message holds ids only)
+        self.step_reqs: dict[int, dict[str, Request]] = {}
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -101,9 +105,11 @@ class Scheduler:
             sum(num_scheduled.values()),
             self.finished_req_ids,
             self.preempted_req_ids,
-            {req_id: self.requests[req_id] for req_id in num_scheduled},
+            self.num_steps,
             scheduled_spec_decode_tokens=spec,
         )
+        self.step_reqs[self.num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
+        self.num_steps += 1
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         return out
 
@@ -179,7 +185,7 @@ class Scheduler:
                     req.request_id,
                     list(req.all_token_ids),
                     req.num_prompt_tokens,
-                    req.sampling_params,
+                    req.sampling_params.without_callables(),  # plain data (the callables stay in the engine)
                     self.kv.block_ids(req.request_id),
                     num_hit,
                     req.min_tokens_stop_ids(),
@@ -202,9 +208,10 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
+        scheduled = self.step_reqs.pop(so.step_id, {})
         for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING or so.scheduled_reqs.get(req_id, req) is not req:
+            if req is None or req.status != RequestStatus.RUNNING or scheduled.get(req_id, req) is not req:
                 continue
             tokens = out.sampled_token_ids.get(req_id)
             new_tokens = [] if tokens is None else self._accept(req, tokens, so.scheduled_spec_decode_tokens)
