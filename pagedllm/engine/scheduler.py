@@ -95,7 +95,7 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
-            num_drafts = len(spec.get(req_id, ()))
+            num_drafts = len(spec[req_id]) if spec and req_id in spec else 0
             if req.num_computed_tokens - num_drafts == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # it samples this step (after its drafts are verified)
         out = SchedulerOutput(
@@ -130,7 +130,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_known - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, n, budget)
+            drafts = self._drafts(req, n, budget) if req.spec_token_ids else ()
             new_blocks = self.kv.allocate_slots(req, n + len(drafts))
             if new_blocks is None and drafts:  # drafts never preempt anything: the request goes on without them
                 drafts = []
@@ -159,7 +159,7 @@ class Scheduler:
         its known tokens, within the budget left and with room for one more token before max_tokens. With async
         scheduling there are none (the request's last token may still be on the device)."""
         drafts, req.spec_token_ids = req.spec_token_ids, []
-        if not drafts or not self.drafts_enabled or req.num_computed_tokens + n < req.num_tokens:
+        if not self.drafts_enabled or req.num_computed_tokens + n < req.num_tokens:
             return []
         room = min(budget - n, req.max_tokens - req.num_output_tokens - 1)
         return drafts[: max(room, 0)]
@@ -209,12 +209,16 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         scheduled = self.step_reqs.pop(so.step_id, {})
+        spec = so.scheduled_spec_decode_tokens
         for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING or scheduled.get(req_id, req) is not req:
                 continue
             tokens = out.sampled_token_ids.get(req_id)
-            new_tokens = [] if tokens is None else self._accept(req, tokens, so.scheduled_spec_decode_tokens)
+            if tokens is None:
+                new_tokens = []
+            else:
+                new_tokens = self._accept(req, tokens, len(spec[req_id]) if spec and req_id in spec else 0)
             logprobs = out.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -229,20 +233,23 @@ class Scheduler:
             )
         return outputs
 
-    def _accept(self, req: Request, tokens: list[int], spec: dict[str, list[int]]) -> list[int]:
+    def _accept(self, req: Request, tokens: list[int], num_drafts: int) -> list[int]:
         """Takes a request's step result: its accepted drafts and one sampled token. The slots of rejected drafts
         are written again later (num_computed_tokens rolls back to the accepted length). Returns the tokens kept
         (cut after one that ends the request)."""
-        num_drafts = len(spec.get(req.request_id, ()))
         if not 1 <= len(tokens) <= num_drafts + 1:
             raise RuntimeError(f"request {req.request_id!r}: {len(tokens)} tokens for {num_drafts} drafts")
         req.num_output_placeholders -= 1
+        if num_drafts == 0:  # one token (the usual step)
+            req.append_output_token(tokens[0])
+            if req.check_stop():
+                self._remove(req)
+            return tokens
         kept = req.append_output_tokens(tokens)
-        if num_drafts:
-            self.num_draft_tokens += num_drafts
-            self.num_accepted_tokens += len(tokens) - 1
-            req.num_computed_tokens -= num_drafts + 1 - len(tokens)
-            self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += len(tokens) - 1
+        req.num_computed_tokens -= num_drafts + 1 - len(tokens)
+        self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
         if req.status.finished:
             self._remove(req)
         return kept
