@@ -10,6 +10,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.spec_decode import ReplayProposer
 
+pytestmark = pytest.mark.slow  # the real model end to end; the fast tier covers the engine and the runner alone
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
