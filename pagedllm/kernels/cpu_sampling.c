@@ -1,4 +1,4 @@
-/* The sampler's CPU kernels (pagedllm/sample/sampler.py, pagedllm/worker/sample_inputs.py), built with
+/* The sampler's CPU kernels (pagedllm/sample/sampler.py, pagedllm/sample/logprobs.py), built with
    cpu_kernels.c into one library: the draw of one token per row (greedy, temperature, min-p, top-k, top-p), the
    logprobs of chosen tokens with each row's top-n, and the repetition / presence / frequency penalties.
 

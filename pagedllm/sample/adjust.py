@@ -50,7 +50,7 @@ def adjust_logits(
         if p.bad_words_token_ids:
             banned.setdefault(i, []).extend(_bad_word_endings(p.bad_words_token_ids, _outputs(batch, int(rows[i]))))
     logits = apply_token_constraints(logits, allowed, bias, banned)
-    for i, row in enumerate(rows.tolist()):
+    for i, row in enumerate(rows.tolist() if batch.logits_processors else ()):
         for fn in batch.logits_processors.get(row, ()):
             logits[i] = _call_processor(fn, batch, row, logits[i])
     return logits

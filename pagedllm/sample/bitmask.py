@@ -31,10 +31,14 @@ def stack_bitmasks(masks: list[np.ndarray | None], impl: str, device: torch.devi
     rows = [i for i, m in enumerate(masks) if m is not None]
     if not rows:
         return None
-    words = {len(masks[i]) for i in rows}
+    arrays = [np.asarray(masks[i]) for i in rows]
+    for a in arrays:
+        if a.ndim != 1 or a.dtype not in (np.int32, np.uint32):
+            raise ValueError(f"grammar_bitmask: a mask is packed int32 [words], not {a.dtype} {list(a.shape)}")
+    words = {len(a) for a in arrays}
     if len(words) != 1:
-        raise ValueError(f"grammar bitmasks of one step must have the same number of words, not {sorted(words)}")
-    stacked = np.stack([np.asarray(masks[i]).view(np.int32) for i in rows])  # [n, words]
+        raise ValueError(f"grammar_bitmask: the masks of one step must have the same number of words, not {words}")
+    stacked = np.stack([a.view(np.int32) for a in arrays])  # [n, words]
     index = np.array(rows, dtype=np.int64)
     if impl == C:
         return Bitmask(index, stacked)

@@ -210,7 +210,7 @@ class Sampler:
         kernel also writes the logprobs of meta.logprobs, read from logprob_copies (the wanted rows, in order, as
         they were before anything changed them) or else from logits."""
         if meta.penalties is not None:
-            apply_penalties(logits, *meta.penalties, self.c_scratch)
+            apply_penalties(logits, *meta.penalties, self.c_scratch, impl=self.impl)
         if meta.params is not None:  # CPU: every row in one C call
             if meta.all_greedy and logits.dtype == torch.bfloat16:  # no float32 copy of them
                 return cpu_sampling.argmax_bf16(logits)

@@ -81,6 +81,11 @@ class CudaGraphRunner:
             return None
         return next(s for s in self.sizes if s >= num_reqs)
 
+    def clear_inputs(self) -> None:
+        """Inputs that write no KV (slot -1) and read no key (sequence length 0): for warm-ups and profiling."""
+        self.dev_i64[2].fill_(-1)
+        self.dev_i32[: self.max_size].zero_()
+
     def forward_eager(self, bs: int) -> torch.Tensor:
         """The model over the static buffers of size bs, without a graph (warm-up, profiling, tests)."""
         with forward_context(self.metas[bs]):
@@ -90,8 +95,7 @@ class CudaGraphRunner:
     def capture(self) -> float:
         """Captures every size, largest first, into one pool; returns the seconds it took."""
         start = time.perf_counter()
-        self.dev_i64[2].fill_(-1)  # warm-up and capture write no KV
-        self.dev_i32[: self.max_size].zero_()
+        self.clear_inputs()  # warm-up and capture write no KV
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             self.forward_eager(bs)  # compiles the Triton variants and sets up cuBLAS outside the capture

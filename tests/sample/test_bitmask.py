@@ -41,6 +41,8 @@ def test_no_mask_is_no_bitmask():
     assert stack_bitmasks([None, None], "c", torch.device("cpu")) is None
 
 
-def test_masks_of_different_widths_are_refused():
+def test_masks_of_different_widths_or_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="same number of words"):
         stack_bitmasks([np.zeros(2, np.int32), np.zeros(3, np.int32)], "torch", torch.device("cpu"))
+    with pytest.raises(ValueError, match="packed int32"):
+        stack_bitmasks([np.zeros(2, np.int64)], "torch", torch.device("cpu"))
