@@ -3,9 +3,9 @@
 Each workload is a persistent batch (the model runner's InputBatch) of --batch requests that decode step after step:
 each step samples every request from fresh random float32 logits [--batch, --vocab] (made before timing), and the
 sampled tokens join the requests (untimed, as the runner's commit). What a step times is the model runner's path
-after the LM head, as it runs it: sampling_metadata (on the GPU the kernel's inputs kept on the device, uploading
-only what changed), the logprobs rows, adjust_logits, the Sampler, the logprobs, and the copy of the sampled tokens
-and the logprobs to the host with the lists the output processor reads.
+after the LM head, as it runs it: the StepSampler's prepare (on the GPU the kernel's inputs kept on the device,
+uploading only what changed), needs_float32 and sample (the logprobs rows, adjust_logits, the sampling rules, the
+logprobs), and the copy of the sampled tokens and the logprobs to the host with the lists the output processor reads.
 
 Workload sampler-256x49152: with a fixed --seed each request draws greedy or temperature in [0.5, 1.5], top_k in
 {0, 20, 50}, top_p in {1.0, 0.9, 0.95}, min_p in {0, 0.05}; a quarter each get a seed, repetition/presence/frequency
@@ -37,16 +37,9 @@ import numpy as np
 import torch
 
 from pagedllm.device import HostCopies
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.step_sampler import StepSampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sample_inputs import (
-    adjust_logits,
-    adjusted_rows,
-    logprob_rows,
-    logprob_tensors,
-    sampling_metadata,
-)
 from pagedllm.worker.scheduler_output import NewRequestData
 
 try:
@@ -152,19 +145,13 @@ def filters_params(params: SamplingParams) -> SamplingParams:
     )
 
 
-def sampler_step(
-    sampler: Sampler, batch: InputBatch, rows: np.ndarray, raw: torch.Tensor, device, host_copies: HostCopies
-) -> list[int]:
+def sampler_step(sampler: StepSampler, rows: np.ndarray, raw: torch.Tensor, host_copies: HostCopies) -> list[int]:
     """What the model runner does after the LM head for these rows of the batch, through the host's copy of the
     sampled tokens and the logprobs lists (the tokens join the requests afterwards, untimed)."""
-    num_tokens = batch.num_tokens[rows]
-    meta = sampling_metadata(batch, rows, num_tokens, device, sampler.resident)
-    num_top = batch.num_logprobs[rows]
-    adjusted = adjusted_rows(batch, rows, num_tokens, meta)
-    lp_rows = logprob_rows(raw, num_top, adjusted, sampler.c_scratch)  # before the logits change in place
-    logits = adjust_logits(batch, rows, num_tokens, raw)
-    sampled = sampler(logits, meta, lp_rows.copied if lp_rows is not None else None)
-    logprobs = logprob_tensors(lp_rows, sampled, num_top, sampler.c_scratch, meta)
+    step = sampler.prepare(rows, sampler.batch.num_tokens[rows])
+    sampler.needs_float32(step)
+    out = sampler.sample(raw, step)
+    sampled, logprobs = out.sampled, out.logprobs
     pinned = None
     if sampled.is_cuda:  # as the runner's StepFuture: copies to pinned memory (one where they share a buffer)
         if logprobs is None:
@@ -200,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "full": Workload(args.batch, args.vocab, args.seed, args.workload),
         "churn": Workload(args.batch, args.vocab, args.seed, args.workload),
     }
-    samplers = {name: Sampler(device, args.seed) for name in works}
+    samplers = {name: StepSampler(work.batch, device, args.seed) for name, work in works.items()}
     host_copies = {name: HostCopies() for name in works}  # the runner's
     times: dict[str, list[float]] = {name: [] for name in ["greedy", "argmax", "filters_only", "full", "churn"]}
     for step in range(args.warmup + args.steps):
@@ -210,8 +197,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         for name, work in works.items():  # full and churn may write into their logits (the torch path's penalties)
             logits = raw if name == "greedy" else raw.clone()
             rows, tokens = work.rows(), []  # the rows: the runner has them from its flat batch
-            step_fn = lambda s=samplers[name], b=work.batch, r=rows, x=logits, t=tokens, h=host_copies[name]: t.extend(  # noqa: E731
-                sampler_step(s, b, r, x, device, h)
+            step_fn = lambda s=samplers[name], r=rows, x=logits, t=tokens, h=host_copies[name]: t.extend(  # noqa: E731
+                sampler_step(s, r, x, h)
             )
             row[name] = timed_ms(step_fn, device)
             work.commit(rows, tokens)

@@ -193,6 +193,9 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     compilation: CompilationConfig
+    # internal, off by default: a spec_decode Proposer whose drafts the engine verifies each step (synchronous
+    # scheduling only)
+    speculative_proposer: Any = None
 
 
 def cpu_has_bf16() -> bool:

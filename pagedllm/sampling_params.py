@@ -157,3 +157,12 @@ class SamplingParams:
         """A deep copy; logits processors are shared, not copied (they may hold state or resources)."""
         memo = {id(f): f for f in self.logits_processors or []}
         return copy.deepcopy(self, memo)
+
+    def without_callables(self) -> SamplingParams:
+        """A shallow copy without logits processors: plain data, for the step message (the callables stay where the
+        engine runs)."""
+        if not self.logits_processors:
+            return self
+        params = copy.copy(self)
+        params.logits_processors = None
+        return params

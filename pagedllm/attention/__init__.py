@@ -1,4 +1,8 @@
-"""Attention backends: `torch_backend` (the reference, runs anywhere) and `triton_backend` (Triton kernels, CUDA)."""
+"""Attention backends: `torch_backend` (the reference, runs anywhere) and `triton_backend` (Triton kernels, CUDA).
+
+A backend is a module: allocate_kv_cache, build_metadata, forward, and SUPPORTS_CUDA_GRAPHS (whether a decode
+step's forward can be captured in a CUDA graph; such a backend also has static_decode_metadata, choose_num_splits
+and num_sms for the graphs' metadata)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from pagedllm.attention.common import BatchLayout
 from pagedllm.kernels import cpu_kernels
 
+SUPPORTS_CUDA_GRAPHS = False  # its metadata holds host arrays that the forward reads (a sync inside a graph)
+
 
 @dataclass
 class PrefillChunk:

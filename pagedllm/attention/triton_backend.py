@@ -18,6 +18,7 @@ from pagedllm.attention.common import BatchLayout
 from pagedllm.device import to_device
 from pagedllm.kernels.paged_attention import reduce_splits_kernel, unified_attention_kernel, write_kv_kernel
 
+SUPPORTS_CUDA_GRAPHS = True  # its metadata can live in static buffers; nothing reads them on the host
 MIN_TOKENS_PER_SPLIT = 256  # a split-K run covers at least this many keys
 MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # when no CUDA device can be asked (the interpreter on CPU)
@@ -57,6 +58,23 @@ def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
         num_reqs=len(seq_lens),
         max_query_len=int(layout.query_lens.max()) if len(seq_lens) else 0,
         max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+    )
+
+
+def static_decode_metadata(
+    slot_mapping, query_start_loc, seq_lens, block_table, block_size: int, max_seq_len: int, num_splits: int
+) -> TritonAttentionMetadata:
+    """The metadata of a CUDA-graph decode batch over static device buffers (one query token per request)."""
+    return TritonAttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        block_size=block_size,
+        num_reqs=len(seq_lens),
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
     )
 
 

@@ -1,5 +1,6 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
-scheduling a step is: schedule and launch N+1, then update from N."""
+scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer (synchronous
+scheduling only) each update is followed by a proposal of draft tokens for the next step."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def default_cpu_kv_cache_bytes() -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor=None) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor = executor if executor is not None else UniProcExecutor(config)  # another: for tests
         num_blocks = self._num_blocks()
         config.cache.num_blocks = num_blocks
         self.executor.initialize_kv_cache(num_blocks)
@@ -52,6 +53,9 @@ class EngineCore:
         return int(num_blocks)
 
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        if params is not None and params.logits_processors:  # callables stay in this process: the message has none
+            self.executor.register_logits_processors(request.request_id, params.logits_processors)
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -71,7 +75,19 @@ class EngineCore:
         except BaseException:
             self._discard(so)
             raise
-        return self.scheduler.update_from_output(so, out)
+        outputs = self.scheduler.update_from_output(so, out)
+        if self.config.speculative_proposer is not None:
+            self._propose(self.config.speculative_proposer)
+        return outputs
+
+    def _propose(self, proposer) -> None:
+        """Drafts for the next step of the running requests that decode and may speculate."""
+        token_ids = {
+            r.request_id: r.all_token_ids
+            for r in self.scheduler.running
+            if r.can_speculate and r.num_computed_tokens == r.num_tokens - 1
+        }
+        self.scheduler.set_drafts(proposer.propose(token_ids) if token_ids else {})
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedules and queues step N+1, then waits for step N's tokens: the host's work for N+1 (scheduling,
@@ -98,4 +114,5 @@ class EngineCore:
 
     def _discard(self, so) -> None:
         """The step's KV was not written: its requests end, and their blocks must not be found as a prefix."""
+        self.scheduler.step_reqs.pop(so.step_id, None)
         self.scheduler.discard_requests(list(so.num_scheduled_tokens))

@@ -74,12 +74,16 @@ class KVCacheManager:
         owned.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         owned.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching:  # the blocks full of known tokens after this step (never drafts: not among them)
             self._cache_full_blocks(request, owned, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Registers the hashes of the request's blocks that its first num_tokens tokens fill."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks.get(request.request_id, []), num_tokens)
+
     def _cache_full_blocks(self, request: Request, owned: list[KVCacheBlock], num_tokens: int) -> None:
-        """Registers the hashes of the request's blocks that will be full of known tokens after this step."""
         self.update_block_hashes(request)
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))

@@ -191,14 +191,16 @@ class OutputProcessor:
                 continue
             seq = state.sequences[out.req_id]
             self.updated[state.req_id] = None
-            self._record_timing(state, len(out.new_token_ids), now)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.add_prompt_logprobs(*out.prompt_logprobs)
-            if out.new_logprobs is not None and seq.logprobs is not None:
-                seq.add_logprobs(out.new_logprobs)
             by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            num_before = len(seq.token_ids)
             stopped = seq.add_tokens(out.new_token_ids, by_token)
+            num_kept = len(seq.token_ids) - num_before  # a stop string drops the step's tokens after it
+            self._record_timing(state, num_kept, now)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                seq.add_logprobs(out.new_logprobs[:num_kept])
             if stopped and out.finish_reason is None:
                 to_abort.append(out.req_id)
             elif not stopped and out.finish_reason is not None:

@@ -53,6 +53,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, filled by the KV manager
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -74,6 +75,13 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts may be verified for it: its sampling reads no output tokens (penalties, bad words and
+        logits processors would need the drafts among them at each draft position)."""
+        params = self.sampling_params
+        return not (params.has_penalties or params.bad_words_token_ids or params.logits_processors)
+
     def min_tokens_stop_ids(self) -> list[int]:
         """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""
         params = self.sampling_params
@@ -84,6 +92,15 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: list[int]) -> list[int]:
+        """Appends the step's tokens up to the first that ends the request (EOS, a stop token or the length);
+        returns those appended (the rest are dropped)."""
+        for i, token_id in enumerate(token_ids):
+            self.all_token_ids.append(token_id)
+            if self.check_stop():
+                return token_ids[: i + 1]
+        return token_ids
 
     def check_stop(self) -> bool:
         """Marks the request finished after its newest token if EOS, a stop token or the length says so."""

@@ -5,7 +5,11 @@ When blocks run out, the newest running request is preempted (its blocks freed, 
 
 A request that samples in a step holds an output placeholder until its token comes back (update_from_output). With
 async scheduling the next step is scheduled before that: the placeholder counts as the request's next input (the
-runner takes its value on the device), and a request whose placeholder is its last allowed token waits."""
+runner takes its value on the device), and a request whose placeholder is its last allowed token waits.
+
+A running request may also verify draft tokens (speculative decoding, synchronous scheduling only): they are
+scheduled after its known tokens and take budget and KV slots like any; the runner answers with the accepted drafts
+and one sampled token, and the rejected drafts' slots are reused (num_computed_tokens rolls back)."""
 
 from __future__ import annotations
 
@@ -46,6 +50,15 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the model runner
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # drafts are verified only with synchronous scheduling (asynchronously, a request's last token may still be
+        # on the device when its next step is scheduled)
+        self.drafts_enabled = not config.async_scheduling
+        self.num_draft_tokens = 0  # drafts verified so far
+        self.num_accepted_tokens = 0  # of which accepted
+        self.num_steps = 0
+        # step id -> the request objects it scheduled, until its update: a request id used again by a new request
+        # while the step was on the device must not take that step's token (the step message holds ids only)
+        self.step_reqs: dict[int, dict[str, Request]] = {}
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -69,10 +82,42 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------------------------
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Draft tokens proposed for the running requests' next step (the others get none)."""
+        for req in self.running:
+            req.spec_token_ids = drafts.get(req.request_id, [])
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
+        spec: dict[str, list[int]] = {}
+        cached_reqs, budget, preempted = self._schedule_running(num_scheduled, spec)
+        new_reqs = [] if preempted else self._schedule_waiting(num_scheduled, budget)
+        for req_id, n in num_scheduled.items():
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            num_drafts = len(spec[req_id]) if spec and req_id in spec else 0
+            if req.num_computed_tokens - num_drafts == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # it samples this step (after its drafts are verified)
+        out = SchedulerOutput(
+            new_reqs,
+            cached_reqs,
+            num_scheduled,
+            sum(num_scheduled.values()),
+            self.finished_req_ids,
+            self.preempted_req_ids,
+            self.num_steps,
+            scheduled_spec_decode_tokens=spec,
+        )
+        self.step_reqs[self.num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
+        self.num_steps += 1
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
+        return out
+
+    def _schedule_running(
+        self, num_scheduled: dict[str, int], spec: dict[str, list[int]]
+    ) -> tuple[list[CachedRequestData], int, bool]:
+        """Running requests first, oldest first; returns (their data, the budget left, whether one was preempted)."""
+        budget = self.max_num_batched_tokens
         cached_reqs: list[CachedRequestData] = []
         preempted = False
         i = 0
@@ -85,7 +130,11 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_known - req.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(req, n)
+            drafts = self._drafts(req, n, budget) if req.spec_token_ids else ()
+            new_blocks = self.kv.allocate_slots(req, n + len(drafts))
+            if new_blocks is None and drafts:  # drafts never preempt anything: the request goes on without them
+                drafts = []
+                new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,10 +147,27 @@ class Scheduler:
             cached_reqs.append(
                 CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
             )
-            num_scheduled[req.request_id] = n
-            budget -= n
+            if drafts:
+                spec[req.request_id] = drafts
+            num_scheduled[req.request_id] = n + len(drafts)
+            budget -= n + len(drafts)
             i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        return cached_reqs, budget, preempted
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts the request verifies this step (taking them from it): only when its n tokens reach the end of
+        its known tokens, within the budget left and with room for one more token before max_tokens. With async
+        scheduling there are none (the request's last token may still be on the device)."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not self.drafts_enabled or req.num_computed_tokens + n < req.num_tokens:
+            return []
+        room = min(budget - n, req.max_tokens - req.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
+
+    def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> list[NewRequestData]:
+        """Waiting requests in order while the budget, max_num_seqs and the free blocks allow."""
+        new_reqs: list[NewRequestData] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
@@ -119,7 +185,7 @@ class Scheduler:
                     req.request_id,
                     list(req.all_token_ids),
                     req.num_prompt_tokens,
-                    req.sampling_params,
+                    req.sampling_params.without_callables(),  # plain data (the callables stay in the engine)
                     self.kv.block_ids(req.request_id),
                     num_hit,
                     req.min_tokens_stop_ids(),
@@ -127,28 +193,14 @@ class Scheduler:
             )
             num_scheduled[req.request_id] = n
             budget -= n
-        for req_id, n in num_scheduled.items():
-            req = self.requests[req_id]
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
-                req.num_output_placeholders += 1  # it samples a token this step
-        out = SchedulerOutput(
-            new_reqs,
-            cached_reqs,
-            num_scheduled,
-            sum(num_scheduled.values()),
-            self.finished_req_ids,
-            self.preempted_req_ids,
-            {req_id: self.requests[req_id] for req_id in num_scheduled},
-        )
-        self.finished_req_ids, self.preempted_req_ids = set(), set()
-        return out
+        return new_reqs
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token still on the device is dropped; it is sampled again later
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -156,29 +208,51 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
+        scheduled = self.step_reqs.pop(so.step_id, {})
+        spec = so.scheduled_spec_decode_tokens
         for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING or so.scheduled_reqs.get(req_id, req) is not req:
+            if req is None or req.status != RequestStatus.RUNNING or scheduled.get(req_id, req) is not req:
                 continue
-            token = out.sampled_token_ids.get(req_id)
-            if token is not None:
-                req.num_output_placeholders -= 1
-                req.append_output_token(token)
-                if req.check_stop():
-                    self._remove(req)
+            tokens = out.sampled_token_ids.get(req_id)
+            if tokens is None:
+                new_tokens = []
+            else:
+                new_tokens = self._accept(req, tokens, len(spec[req_id]) if spec and req_id in spec else 0)
             logprobs = out.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token] if token is not None else [],
+                    new_tokens,
                     req.status.finish_reason,
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
-                    [logprobs] if logprobs is not None else None,
+                    logprobs[: len(new_tokens)] if logprobs is not None else None,
                     out.prompt_logprobs.get(req_id),
                 )
             )
         return outputs
+
+    def _accept(self, req: Request, tokens: list[int], num_drafts: int) -> list[int]:
+        """Takes a request's step result: its accepted drafts and one sampled token. The slots of rejected drafts
+        are written again later (num_computed_tokens rolls back to the accepted length). Returns the tokens kept
+        (cut after one that ends the request)."""
+        if not 1 <= len(tokens) <= num_drafts + 1:
+            raise RuntimeError(f"request {req.request_id!r}: {len(tokens)} tokens for {num_drafts} drafts")
+        req.num_output_placeholders -= 1
+        if num_drafts == 0:  # one token (the usual step)
+            req.append_output_token(tokens[0])
+            if req.check_stop():
+                self._remove(req)
+            return tokens
+        kept = req.append_output_tokens(tokens)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += len(tokens) - 1
+        req.num_computed_tokens -= num_drafts + 1 - len(tokens)
+        self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
+        if req.status.finished:
+            self._remove(req)
+        return kept
 
     # -- leaving ------------------------------------------------------------------------------------------------
     def _remove(self, req: Request) -> None:

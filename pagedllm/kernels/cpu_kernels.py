@@ -49,6 +49,7 @@ _SILU_ARGS = [_ptr, _i64, _ptr, _i64, _i64, _int]
 _SAMPLE_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
 _ARGMAX_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _int]
 _LOGPROBS_ARGS = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+_BITMASK_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _int]
 _PENALTIES_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int]
 _PACK_TILES_ARGS = [_ptr, _i64, _ptr, _i64, _i64]
 _LINEAR_TILES_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
@@ -139,6 +140,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.argmax_rows_bf16.argtypes = _ARGMAX_ARGS
     lib.logprobs_rows.argtypes = _LOGPROBS_ARGS
     lib.apply_penalties.argtypes = _PENALTIES_ARGS
+    lib.apply_bitmask.argtypes = _BITMASK_ARGS
     lib.pack_tiles.argtypes = _PACK_TILES_ARGS
     lib.linear_tiles.argtypes = _LINEAR_TILES_ARGS
     lib.linear_tiles.restype = _int

@@ -1,4 +1,4 @@
-/* The sampler's CPU kernels (pagedllm/sample/sampler.py, pagedllm/worker/sample_inputs.py), built with
+/* The sampler's CPU kernels (pagedllm/sample/sampler.py, pagedllm/sample/logprobs.py), built with
    cpu_kernels.c into one library: the draw of one token per row (greedy, temperature, min-p, top-k, top-p), the
    logprobs of chosen tokens with each row's top-n, and the repetition / presence / frequency penalties.
 
@@ -627,6 +627,27 @@ void apply_penalties(float *logits, int64_t stride, const int64_t *rows, int64_t
             v -= presence[r] * (float)(output > 0);
             x[t[i]] = v;
             seen[t[i]] = 0;
+        }
+    }
+}
+
+/* ---- allowed-token bitmasks */
+
+/* Rows rows[j] of logits [*, vocab] (row stride `stride`) keep the tokens whose bit is set in masks [num_rows, words]
+   (bit t % 32 of word t / 32, as xgrammar and llguidance pack them); every other token becomes -inf. Tokens past
+   32 * words are kept. A word of all ones is skipped. */
+void apply_bitmask(float *logits, int64_t stride, const int64_t *rows, int64_t num_rows, const int32_t *masks,
+                   int64_t words, int64_t vocab, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < num_rows; j++) {
+        float *x = logits + rows[j] * stride;
+        const uint32_t *m = (const uint32_t *)(masks + j * words);
+        const int64_t n = vocab < 32 * words ? vocab : 32 * words;
+        for (int64_t w = 0; 32 * w < n; w++) {
+            if (m[w] == 0xFFFFFFFFu) continue;
+            const int64_t end = 32 * w + 32 < n ? 32 * w + 32 : n;
+            for (int64_t t = 32 * w; t < end; t++)
+                if (!((m[w] >> (t & 31)) & 1u)) x[t] = -INFINITY;
         }
     }
 }

@@ -148,3 +148,19 @@ def apply_penalties(
         threads,
     )
     return logits
+
+
+def apply_bitmask(
+    logits: torch.Tensor,  # [batch, vocab] float32, changed in place
+    rows: np.ndarray,  # [n] int64: the batch rows masked
+    masks: np.ndarray,  # [n, words] int32: bit t % 32 of word t / 32 allows token t
+) -> torch.Tensor:
+    """Every token a row's mask does not allow becomes -inf (tokens past 32 * words are kept)."""
+    assert logits.dtype == torch.float32 and logits.stride(-1) == 1
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    masks = np.ascontiguousarray(masks, dtype=np.int32)
+    cpu_kernels.compiled().apply_bitmask(
+        logits.data_ptr(), logits.stride(0), rows.ctypes.data, len(rows), masks.ctypes.data, masks.shape[1],
+        logits.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return logits

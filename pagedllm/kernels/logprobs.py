@@ -10,7 +10,7 @@ in registers. Where that list would be too long (many equal logits), the n-th la
 (as the sampler's top-k) and the list holds the tokens above it, then those equal to it. As in the sampler, NaN
 logits count as -inf and +inf as the largest float.
 
-A row of the buffer (pagedllm/worker/sample_inputs.py's pack_logprobs): the chosen token, its rank, its logit and
+A row of the buffer (pagedllm/sample/logprobs.py's pack_logprobs): the chosen token, its rank, its logit and
 the log-sum-exp (float32 bits; the logprob is their difference, taken on the host), the top-n tokens, their logprobs
 (float32 bits)."""
 

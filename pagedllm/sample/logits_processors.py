@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.device import to_device
 from pagedllm.kernels import cpu_sampling
+from pagedllm.sample.impl import C
 
 
 class Penalties(NamedTuple):
@@ -34,6 +35,7 @@ def apply_penalties(
     presence: np.ndarray,  # [n] float32
     frequency: np.ndarray,  # [n] float32
     scratch: cpu_sampling.Scratch | None = None,  # the C kernels' memory (their count table)
+    impl: str | None = None,  # the sampler's implementation (None: the C kernels where they take the logits)
 ) -> torch.Tensor:
     """Repetition penalty (HF/CTRL: divide positive, multiply negative logits of tokens seen in the prompt or the
     output), then the OpenAI presence and frequency penalties over the output tokens.
@@ -46,7 +48,8 @@ def apply_penalties(
     vocab = logits.shape[1]
     if not n * max_len:
         return logits
-    if cpu_sampling.available(logits) and logits.stride(-1) == 1:  # one C call over the rows' tokens
+    in_c = cpu_sampling.available(logits) if impl is None else impl == C and logits.dtype == torch.float32
+    if in_c and logits.stride(-1) == 1:  # one C call over the rows' tokens
         return cpu_sampling.apply_penalties(
             logits, rows, token_ids, num_prompt, num_tokens, repetition, presence, frequency, scratch
         )  # fmt: skip

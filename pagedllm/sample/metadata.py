@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from pagedllm.device import to_device
-from pagedllm.kernels import cpu_kernels, triton_available
 from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, DeviceInputs, pack_inputs, pack_params
+from pagedllm.sample.impl import TRITON, C, choose_impl
 from pagedllm.sample.logits_processors import Penalties
 
 
@@ -73,14 +73,16 @@ class SamplingMetadata:
         penalties: Penalties | None = None,  # the repetition / presence / frequency penalties of some rows
         num_top: np.ndarray | None = None,  # [batch] int64: top logprobs each row wants (-1: none); the GPU kernel's
         # sampling computes them (SamplingMetadata.logprobs), elsewhere the caller does (logprob_tensors)
+        impl: str | None = None,  # the sampler's implementation (pagedllm/sample/impl.py; None: the device's)
     ) -> SamplingMetadata:
         device = torch.device(device)
         sampling = temperature >= GREEDY_BELOW
-        if device.type == "cuda" and triton_available():
+        impl = impl or choose_impl(device)
+        if impl == TRITON:
             return cls._upload_for_kernel(
                 temperature, top_k, top_p, min_p, seeds, seeded, positions, device, penalties, num_top
             )  # fmt: skip
-        if device.type == "cpu" and cpu_kernels.compiled() is not None:
+        if impl == C:
             meta = cls._for_c_kernels(temperature, top_k, top_p, min_p, seeds, seeded, positions)
             meta.penalties = penalties
             return meta

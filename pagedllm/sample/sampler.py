@@ -34,8 +34,9 @@ import random
 import numpy as np
 import torch
 
-from pagedllm.kernels import cpu_sampling, triton_available
+from pagedllm.kernels import cpu_sampling
 from pagedllm.sample import tiles
+from pagedllm.sample.impl import TRITON, choose_impl
 from pagedllm.sample.logits_processors import apply_penalties
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.resident_inputs import ResidentInputs
@@ -185,7 +186,11 @@ def _draw_plain(logits, rows, inv_t, min_p, u, scratch: _Scratch) -> torch.Tenso
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    """The sampling rules over a batch of logits, in the implementation chosen when it is built (impl.py)."""
+
+    def __init__(self, device: torch.device, seed: int, impl: str | None = None) -> None:
+        self.impl = impl or choose_impl(device)
+        self.on_cuda = torch.device(device).type == "cuda"  # the torch path's choices of ops
         # for requests without a seed: the torch path's uniforms, the GPU kernel's key of each step
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.rng = np.random.default_rng(seed)
@@ -194,7 +199,7 @@ class Sampler:
         self.c_scratch = cpu_sampling.Scratch()  # the C kernels' working rows (also lent to the logprobs)
         self.kernel_memory = None  # the GPU kernel's working memory (sampling.Memory), made at its first launch
         # the GPU kernel's inputs kept on the device from step to step (the engine's steps build them there)
-        self.resident = ResidentInputs(device) if device.type == "cuda" and triton_available() else None
+        self.resident = ResidentInputs(device) if self.impl == TRITON else None
 
     def __call__(
         self, logits: torch.Tensor, meta: SamplingMetadata, logprob_copies: torch.Tensor | None = None
@@ -205,8 +210,8 @@ class Sampler:
         kernel also writes the logprobs of meta.logprobs, read from logprob_copies (the wanted rows, in order, as
         they were before anything changed them) or else from logits."""
         if meta.penalties is not None:
-            apply_penalties(logits, *meta.penalties, self.c_scratch)
-        if meta.params is not None and not logits.is_cuda:  # CPU: every row in one C call
+            apply_penalties(logits, *meta.penalties, self.c_scratch, impl=self.impl)
+        if meta.params is not None:  # CPU: every row in one C call
             if meta.all_greedy and logits.dtype == torch.bfloat16:  # no float32 copy of them
                 return cpu_sampling.argmax_bf16(logits)
             u = self.rng.random(len(logits), dtype=np.float32)
@@ -215,7 +220,7 @@ class Sampler:
                 u = np.where(seeded >= 0, seeded, u)
             return cpu_sampling.sample(logits.float(), meta.params, u, self.c_scratch)
         if meta.all_greedy:
-            return logits.argmax(dim=-1) if logits.is_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
+            return logits.argmax(dim=-1) if self.on_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
         if meta.device_inputs is not None:  # GPU: every row in one kernel
             from pagedllm.kernels.sampling import Logprobs, Memory, sample
 

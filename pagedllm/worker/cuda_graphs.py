@@ -65,14 +65,12 @@ class CudaGraphRunner:
         num_splits = self.backend.choose_num_splits(
             bs * num_kv_heads, max_model_len, 1, self.backend.num_sms(self.device)
         )
-        return self.backend.TritonAttentionMetadata(
+        return self.backend.static_decode_metadata(
             slot_mapping=self.dev_i64[2, :bs],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.dev_i32[:bs],
             block_table=self.dev_i32[n : n + bs * self.max_blocks].view(bs, self.max_blocks),
             block_size=block_size,
-            num_reqs=bs,
-            max_query_len=1,
             max_seq_len=max_model_len,
             num_splits=num_splits,
         )
@@ -83,6 +81,11 @@ class CudaGraphRunner:
             return None
         return next(s for s in self.sizes if s >= num_reqs)
 
+    def clear_inputs(self) -> None:
+        """Inputs that write no KV (slot -1) and read no key (sequence length 0): for warm-ups and profiling."""
+        self.dev_i64[2].fill_(-1)
+        self.dev_i32[: self.max_size].zero_()
+
     def forward_eager(self, bs: int) -> torch.Tensor:
         """The model over the static buffers of size bs, without a graph (warm-up, profiling, tests)."""
         with forward_context(self.metas[bs]):
@@ -92,8 +95,7 @@ class CudaGraphRunner:
     def capture(self) -> float:
         """Captures every size, largest first, into one pool; returns the seconds it took."""
         start = time.perf_counter()
-        self.dev_i64[2].fill_(-1)  # warm-up and capture write no KV
-        self.dev_i32[: self.max_size].zero_()
+        self.clear_inputs()  # warm-up and capture write no KV
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             self.forward_eager(bs)  # compiles the Triton variants and sets up cuBLAS outside the capture
@@ -106,8 +108,9 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.2f s", len(self.sizes), self.sizes, seconds)
         return seconds
 
-    def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table) -> None:
-        """Host arrays of n <= bs decodes into the static buffers, rows n..bs as padding; one copy per dtype."""
+    def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table, late=None) -> None:
+        """Host arrays of n <= bs decodes into the static buffers, rows n..bs as padding; one copy per dtype.
+        late: (places in input_ids, values) of input tokens still on the device (the previous step sampled them)."""
         n = len(input_ids)
         self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
         h64 = self.host_i64.numpy()
@@ -122,6 +125,8 @@ class CudaGraphRunner:
         end = self.max_size + bs * self.max_blocks
         self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
         self.copy_done.record()
+        if late is not None:
+            self.dev_i64[0].index_copy_(0, *late)
 
     def replay(self, bs: int, num_tokens: int) -> torch.Tensor:
         """Runs the graph of size bs over the loaded inputs; the first num_tokens rows of its output [bs, hidden]."""

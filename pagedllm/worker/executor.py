@@ -18,6 +18,10 @@ class UniProcExecutor:
         """On a GPU: the KV-cache budget found by profiling; None elsewhere."""
         return self.runner.available_kv_cache_bytes()
 
+    def register_logits_processors(self, req_id: str, processors: list) -> None:
+        """A request's logits processors: callables stay in this process, the step message carries none."""
+        self.runner.register_logits_processors(req_id, processors)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cudagraphs()  # graphs point at the cache, so they come after it

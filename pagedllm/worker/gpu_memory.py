@@ -79,8 +79,9 @@ def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
             one,
         ),  # fmt: skip
         num_top=np.full(num_rows, MAX_LOGPROBS),
+        impl=runner.sampler.impl,
     )
-    runner.sampler(flat, meta)
+    runner.sampler.rules(flat, meta)
 
 
 def _peak_of(fn) -> int:
@@ -108,8 +109,7 @@ def profile_peak_memory(runner) -> tuple[int, int]:
         graph_peak = 0
         if runner.graphs is not None:
             g = runner.graphs
-            g.dev_i64[2].fill_(-1)  # no KV write; sequence lengths 0 read no key
-            g.dev_i32[: g.max_size].zero_()
+            g.clear_inputs()
             graph_peak = _peak_of(lambda: g.forward_eager(g.max_size))
     torch.cuda.empty_cache()
     return peak, graph_peak

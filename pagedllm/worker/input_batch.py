@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from pagedllm.sampling_params import SamplingParams
@@ -33,14 +35,16 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # top logprobs of the sampled tokens, -1: none
-        self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters
+        self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters (plain data)
+        self.logits_processors: dict[int, list[Callable]] = {}  # row -> the request's logits processors, if any
         # which admission a row holds (a row given again, even to a request with the same id, gets a new one)
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self._num_admitted = 0
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, new: NewRequestData) -> None:
+    def add(self, new: NewRequestData, logits_processors: list[Callable] | None = None) -> None:
+        """A request joins; logits_processors: its callables, kept where the engine runs (not in the message)."""
         req_id, params = new.req_id, new.sampling_params
         row = self.free_rows.pop()
         self.row_of[req_id] = row
@@ -53,6 +57,10 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.params[row] = params
+        if logits_processors:
+            self.logits_processors[row] = list(logits_processors)
+        else:
+            self.logits_processors.pop(row, None)
         self.temperature[row] = params.temperature
         self.top_k[row] = min(params.top_k_enabled, 2**31 - 1)  # above the vocabulary size: no filtering
         self.top_p[row] = params.top_p
@@ -61,10 +69,10 @@ class InputBatch:
         self.min_tokens[row] = params.min_tokens
         self.min_tokens_stop_ids[row] = new.min_tokens_stop_ids
         self.has_seed[row] = params.seed is not None
-        self.reads_outputs[row] = bool(params.bad_words_token_ids or params.logits_processors)
+        self.reads_outputs[row] = bool(params.bad_words_token_ids or logits_processors)
         # the request changes its logits before sampling (besides min_tokens, which depends on the step)
         self.adjusts_logits[row] = bool(
-            params.bad_words_token_ids or params.logits_processors or params.allowed_token_ids or params.logit_bias
+            params.bad_words_token_ids or logits_processors or params.allowed_token_ids or params.logit_bias
         )
         self.penalized[row] = params.has_penalties
         self.repetition_penalty[row] = params.repetition_penalty

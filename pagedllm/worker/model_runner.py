@@ -3,6 +3,7 @@ KV cache, runs the model and samples the requests that reached the end of their 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,18 +16,11 @@ from pagedllm.device import HostCopies, to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.logprobs import LogprobTensors
+from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
+from pagedllm.sample.verify import accept, logits_positions
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sample_inputs import (
-    LogprobTensors,
-    adjust_logits,
-    adjusted_rows,
-    logprob_rows,
-    logprob_tensors,
-    sampled_logprobs,
-    sampling_metadata,
-)
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -40,6 +34,7 @@ class FlatBatch:
     query_start_loc: np.ndarray  # [num_reqs + 1]
     seq_lens: np.ndarray  # [num_reqs] context + scheduled tokens
     block_table: np.ndarray  # [num_reqs, max_blocks]
+    req_ids: list[str]  # [num_reqs] in batch order
     rows: np.ndarray  # [num_reqs] persistent-batch row of each request
     token_rows: np.ndarray  # [num_tokens] persistent-batch row of each token
     sample_mask: np.ndarray  # [num_reqs] whether the request samples a token this step
@@ -54,9 +49,13 @@ class ModelRunner:
         self.model = get_model(config.model, self.device)
         self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.sampler = Sampler(self.device, config.model.seed)
+        self.on_cuda = self.device.type == "cuda"
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
+        self.sampler = StepSampler(self.batch, self.device, config.model.seed)
+        # req_id -> the request's logits processors: callables stay in the engine's process (registered there),
+        # the step message carries none
+        self.logits_processors: dict[str, list[Callable]] = {}
         self.graphs = self._make_graph_runner(max_blocks)  # None: every step runs eagerly
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
         self.last_step: StepFuture | None = None  # the newest launched step that samples
@@ -64,8 +63,7 @@ class ModelRunner:
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
-        graph_safe = hasattr(self.backend, "TritonAttentionMetadata")  # the torch backend syncs on host metadata
-        if self.device.type != "cuda" or self.config.device.enforce_eager or not graph_safe:
+        if not self.on_cuda or self.config.device.enforce_eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
             return None
         sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
         if not sizes:
@@ -101,19 +99,26 @@ class ModelRunner:
 
     def available_kv_cache_bytes(self) -> int | None:
         """On CUDA: the KV-cache budget found by profiling one forward (see gpu_memory); None elsewhere."""
-        if self.device.type != "cuda":
+        if not self.on_cuda:
             return None
         from pagedllm.worker.gpu_memory import available_kv_cache_bytes
 
         return available_kv_cache_bytes(self)
 
+    def register_logits_processors(self, req_id: str, processors: list[Callable]) -> None:
+        """A request's logits processors, kept here until it finishes (in the engine's process)."""
+        self.logits_processors[req_id] = list(processors)
+
     # -- applying the scheduler's delta -------------------------------------------------------------------------
     def _update_batch(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.batch.remove(req_id)
+        new_ids = {new.req_id for new in so.new_reqs}
+        for req_id in so.finished_req_ids - new_ids:  # (an id used again by a new request keeps the new one's)
+            self.logits_processors.pop(req_id, None)
         for new in so.new_reqs:
             self.batch.remove(new.req_id)  # a resumed request re-enters with all its blocks
-            self.batch.add(new)
+            self.batch.add(new, self.logits_processors.get(new.req_id))
         for cached in so.cached_reqs:
             row = self.batch.row_of[cached.req_id]
             self.batch.append_blocks(row, cached.new_block_ids)
@@ -122,7 +127,8 @@ class ModelRunner:
     # -- building the flat batch --------------------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> FlatBatch:
         b = self.batch
-        rows = np.array([b.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)  # [num_reqs]
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.array([b.row_of[r] for r in req_ids], dtype=np.int64)  # [num_reqs]
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_sched, out=cu[1:])
@@ -137,10 +143,69 @@ class ModelRunner:
         seq_lens = computed + num_sched  # [num_reqs]
         # reached the end of its tokens (the last maybe still on the device, async scheduling): samples one
         sample_mask = seq_lens >= b.num_tokens[rows]
-        return FlatBatch(input_ids, positions, slots, cu, seq_lens, b.block_table[rows], rows, token_rows, sample_mask)
+        table = b.block_table[rows]
+        return FlatBatch(input_ids, positions, slots, cu, seq_lens, table, req_ids, rows, token_rows, sample_mask)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> StepFuture:
+        """Queues the step on the device and returns at once; its result() waits for the sampled tokens. The
+        previous step may still be running: its sampled tokens feed this step's inputs on the device."""
+        self._update_batch(so)
+        if not so.num_scheduled_tokens:
+            return StepFuture.ready(ModelRunnerOutput({}))
+        self._wait_for_host_outputs(so)
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            self._write_drafts(spec)
+        flat = self._prepare_inputs(so)
+        sample_idx = np.flatnonzero(flat.sample_mask)  # [num_sampled] the requests that sample this step
+        step = drafts = None
+        if len(sample_idx):  # the sampler's uploads come before the forward on the device's queue
+            sample_req_ids = [flat.req_ids[i] for i in sample_idx.tolist()]
+            bitmasks = [so.grammar_bitmask.get(r) for r in sample_req_ids] if so.grammar_bitmask else None
+            logits_rows = flat.query_start_loc[1:][sample_idx] - 1  # [num_sampled]
+            rows, num_tokens, num_drafts = flat.rows[sample_idx], flat.seq_lens[sample_idx], None
+            if spec:  # a target token at each request's last known position and at each of its draft positions
+                drafts = [spec.get(r, []) for r in sample_req_ids]
+                num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+                logits_rows, num_tokens = logits_positions(logits_rows + 1, num_drafts), num_tokens - num_drafts
+                drafts = [d if m is None else [-1] * len(d) for d, m in zip(drafts, bitmasks or [None] * len(drafts))]
+            logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
+            step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts)
+        hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden]
+        prompt_lps = self._prompt_logprobs(hidden, flat)
+        if step is None:
+            return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
+        logits = self.model.compute_logits(hidden[logits_rows], self.sampler.needs_float32(step))  # [n, vocab]
+        output = self.sampler.sample(logits, step)
+        self.last_step = StepFuture(self, sample_req_ids, step.rows, output, prompt_lps, drafts)
+        return self.last_step
+
+    def _write_drafts(self, spec: dict[str, list[int]]) -> None:
+        """Drafts go after their request's known tokens in the persistent batch, as its inputs (its num_tokens stays:
+        the accepted ones are appended over them when the step commits)."""
+        b = self.batch
+        for req_id, drafts in spec.items():
+            row = b.row_of[req_id]
+            n = b.num_tokens[row]
+            b.token_ids[row, n : n + len(drafts)] = drafts
+
+    def _wait_for_host_outputs(self, so: SchedulerOutput) -> None:
+        """Penalties and the like read the output tokens on the host: where a row does, the previous step's tokens
+        must have come back before its inputs are built."""
+        prev = self.last_step
+        if prev is None or prev.committed:
+            return
+        rows = np.array([self.batch.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)
+        if self.sampler.reads_outputs(rows).any():
+            prev.result()
 
     def _run_model(self, flat: FlatBatch, late: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """hidden [num_tokens, hidden]: a pure-decode step replays the CUDA graph of the next captured size,
@@ -150,10 +215,8 @@ class ModelRunner:
         graph_bs = self.graphs.padded_size(num_reqs) if self.graphs is not None and num_tokens == num_reqs else None
         if graph_bs is not None:
             self.graphs.load_inputs(
-                graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table
+                graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table, late
             )
-            if late is not None:
-                self.graphs.dev_i64[0].index_copy_(0, *late)
             return self.graphs.replay(graph_bs, num_tokens)
         layout = BatchLayout(
             flat.query_start_loc,
@@ -184,116 +247,59 @@ class ModelRunner:
         index = self._to_device(np.stack([late, src]))  # [2, num_late]
         return index[0], prev.sampled.index_select(0, index[1])
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(so).result()
-
-    @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> StepFuture:
-        """Queues the step on the device and returns at once; its result() waits for the sampled tokens. The
-        previous step may still be running: its sampled tokens feed this step's inputs on the device."""
-        self._update_batch(so)
-        if not so.num_scheduled_tokens:
-            return StepFuture.ready(ModelRunnerOutput({}))
-        prev = self.last_step
-        rows = np.array([self.batch.row_of[r] for r in so.num_scheduled_tokens], dtype=np.int64)
-        if prev is not None and not prev.committed and self._reads_outputs(rows).any():
-            prev.result()  # penalties and the like read the output tokens on the host: wait for them
-        flat = self._prepare_inputs(so)
-        req_ids = list(so.num_scheduled_tokens)
-        sample_idx = np.nonzero(flat.sample_mask)[0]
-        sample_rows = flat.rows[sample_idx]
-        num_tokens = flat.seq_lens[sample_idx]  # [num_sampled] tokens so far, a late one included
-        if len(sample_idx):  # every host-to-device copy of the step before the forward is launched
-            logits_rows = self._to_device(flat.query_start_loc[1:][sample_idx] - 1)  # [num_sampled]
-            sampling = sampling_metadata(self.batch, sample_rows, num_tokens, self.device, self.sampler.resident)
-        hidden = self._run_model(flat, self._late_inputs(flat))  # [num_tokens, hidden]
-        prompt_lps = self._prompt_logprobs(hidden, flat, flat.rows, req_ids)
-        if len(sample_idx) == 0:
-            return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        num_top = self.batch.num_logprobs[sample_rows]  # -1: none
-        adjusted = adjusted_rows(self.batch, sample_rows, num_tokens, sampling)
-        upcast = not self._reads_logits_as_is(sampling, adjusted, num_top)
-        raw_logits = self.model.compute_logits(hidden[logits_rows], upcast)  # [num_sampled, vocab]
-        scratch = self.sampler.c_scratch
-        lp_rows = logprob_rows(raw_logits, num_top, adjusted, scratch)  # before anything changes raw_logits
-        logits = adjust_logits(self.batch, sample_rows, num_tokens, raw_logits)
-        sampled = self.sampler(logits, sampling, lp_rows.copied if lp_rows is not None else None)  # [num_sampled]
-        step = StepFuture(
-            self,
-            [req_ids[i] for i in sample_idx.tolist()],
-            sample_rows,
-            sampled,
-            logprob_tensors(lp_rows, sampled, num_top, scratch, sampling),
-            prompt_lps,
-        )
-        self.last_step = step
-        return step
-
-    def _reads_outputs(self, rows: np.ndarray) -> np.ndarray:
-        """Which of these rows read their output tokens on the host this step: bad words and logits processors;
-        penalties, except where the GPU kernel keeps the row's tokens on the device already (it appends each token
-        it samples; the tokens go there when the request joins). [rows] bool"""
-        b, resident = self.batch, self.sampler.resident
-        if resident is None:
-            return b.reads_outputs[rows] | b.penalized[rows]
-        return b.reads_outputs[rows] | (b.penalized[rows] & ~resident.holds(rows, b.generation[rows]))
-
-    def _reads_logits_as_is(self, sampling, adjusted: np.ndarray, num_top: np.ndarray) -> bool:
-        """Whether the step's logits can stay in the model dtype, when no row adjusts its logits, is penalized or
-        wants logprobs: on CUDA, where torch's argmax and the sampling kernel read any float dtype exactly; on the
-        CPU when every row takes the argmax (the C kernels' argmax reads bfloat16 exactly)."""
-        if self.device.type == "cuda":
-            readers = sampling.all_greedy or sampling.device_inputs is not None  # torch's argmax, the sampling kernel
-        else:
-            readers = sampling.all_greedy and sampling.params is not None  # the C kernels' argmax
-        return (
-            readers
-            and sampling.penalties is None
-            and not (num_top >= 0).any()
-            and not adjusted.any()
-            and not (sampling.device_inputs is not None and sampling.device_inputs.num_pen)
-        )
-
     def commit(self, step: StepFuture, sampled: list[int]) -> ModelRunnerOutput:
         """The step's sampled tokens enter the persistent batch (rows whose request left since are skipped)."""
+        if step.drafts is not None:
+            return self._commit_verified(step, sampled)
         out, out_logprobs = {}, {}
         logprobs = step.logprobs.tolists() if step.logprobs is not None else [None] * len(sampled)
         b = self.batch
         for req_id, row, gen, token, lp in zip(step.req_ids, step.rows.tolist(), step.generations, sampled, logprobs):
             if b.row_of.get(req_id) == row and b.generation[row] == gen:  # the same admission of the request
                 b.append_token(row, token)
-            out[req_id] = token
+            out[req_id] = [token]
             if lp is not None:
-                out_logprobs[req_id] = lp
+                out_logprobs[req_id] = [lp]
         return ModelRunnerOutput(out, out_logprobs, step.prompt_logprobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, layout, rows: np.ndarray, req_ids: list[str]) -> dict:
+    def _commit_verified(self, step: StepFuture, targets: list[int]) -> ModelRunnerOutput:
+        """A step with drafts: per request, the accepted drafts and one sampled token (sample/verify.py), and their
+        logprobs."""
+        out, out_logprobs = {}, {}
+        logprobs = step.logprobs.tolists() if step.logprobs is not None else None
+        b, start = self.batch, 0
+        for req_id, drafts, tokens in zip(step.req_ids, step.drafts, accept(step.drafts, targets)):
+            row, gen = int(step.rows[start]), step.generations[start]
+            if b.row_of.get(req_id) == row and b.generation[row] == gen:
+                for token in tokens:
+                    b.append_token(row, token)
+            out[req_id] = tokens
+            if logprobs is not None and logprobs[start] is not None:
+                out_logprobs[req_id] = logprobs[start : start + len(tokens)]
+            start += len(drafts) + 1
+        return ModelRunnerOutput(out, out_logprobs, step.prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, flat: FlatBatch) -> dict:
         """For requests asking prompt_logprobs: the logprob of each prompt token this step's chunk predicts,
         as req_id -> (position of the first predicted token, [(ids, logprobs, ranks)] with the prompt token first)."""
         b = self.batch
-        wanted = [i for i, r in enumerate(rows.tolist()) if b.params[r].prompt_logprobs is not None]
+        wanted = [i for i, r in enumerate(flat.rows.tolist()) if b.params[r].prompt_logprobs is not None]
         hidden_rows, targets, spans = [], [], {}
         for i in wanted:
-            row = int(rows[i])
-            start = int(layout.seq_lens[i] - (layout.query_start_loc[i + 1] - layout.query_start_loc[i]))
-            end = min(int(layout.seq_lens[i]), int(b.num_prompt[row]) - 1)  # positions predicting a prompt token
+            row = int(flat.rows[i])
+            start = int(flat.seq_lens[i] - (flat.query_start_loc[i + 1] - flat.query_start_loc[i]))
+            end = min(int(flat.seq_lens[i]), int(b.num_prompt[row]) - 1)  # positions predicting a prompt token
             if end <= start:
                 continue
-            first = int(layout.query_start_loc[i])
+            first = int(flat.query_start_loc[i])
             hidden_rows.extend(range(first, first + end - start))
             targets.extend(b.token_ids[row, start + 1 : end + 1].tolist())
-            spans[req_ids[i]] = (start + 1, end - start, b.params[row].prompt_logprobs)
+            spans[flat.req_ids[i]] = (start + 1, end - start, b.params[row].prompt_logprobs)
         if not spans:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
         num_top = np.repeat([k for _, _, k in spans.values()], [count for _, count, _ in spans.values()])
-        entries = sampled_logprobs(
-            logprob_rows(logits, num_top, np.zeros(len(num_top), dtype=bool)),  # nothing adjusts them
-            torch.tensor(targets, device=self.device),
-            num_top,
-            self.sampler.c_scratch,
-        )
+        entries = self.sampler.token_logprobs(logits, torch.tensor(targets, device=self.device), num_top)
         out, offset = {}, 0
         for req_id, (first_pos, count, _) in spans.items():
             out[req_id] = (first_pos, entries[offset : offset + count])
@@ -304,10 +310,12 @@ class ModelRunner:
 class StepFuture:
     """A launched step: its sampled ids stay on the device until result() copies them to the host (once)."""
 
-    def __init__(self, runner, req_ids, rows, sampled, logprobs, prompt_logprobs) -> None:
+    def __init__(self, runner, req_ids, rows, output: SamplerOutput, prompt_logprobs, drafts=None) -> None:
+        sampled, logprobs = output.sampled, output.logprobs
         self.runner: ModelRunner | None = runner
         self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
-        self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows
+        self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows (a request's k + 1 with drafts)
+        self.drafts: list[list[int]] | None = drafts  # per request the drafts it verifies (None: a step without)
         self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
         self.index_of_row = np.full(len(runner.batch.generation), -1, dtype=np.int64)  # [max_num_seqs] -1: none
         self.index_of_row[rows] = np.arange(len(rows))  # row -> its index in sampled
@@ -318,7 +326,7 @@ class StepFuture:
         self._output: ModelRunnerOutput | None = None
         self._host = sampled
         self._copied = self._pinned = None
-        if sampled.is_cuda:  # start the copies now; result() only waits for them
+        if runner.on_cuda:  # start the copies now; result() only waits for them
             if logprobs is None:
                 (self._host,), self._pinned = runner.host_copies.copy(sampled)
             else:  # one copy where the sampling kernel wrote both into one buffer

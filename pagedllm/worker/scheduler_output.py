@@ -1,9 +1,14 @@
-"""What the scheduler tells the model runner each step (a delta), and what the runner answers."""
+"""What the scheduler tells the model runner each step (a delta), and what the runner answers.
+
+The step message is plain data (it pickles, and could cross a process): ids, counts, token and block ids, sampling
+parameters without callables (a request's logits processors stay in the engine's process: the engine registers
+them with the runner it holds, keyed by request id), and numpy arrays."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+import numpy as np
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -15,7 +20,7 @@ class NewRequestData:
     req_id: str
     token_ids: list[int]  # prompt + tokens generated so far
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # without logits_processors (SamplingParams.without_callables)
     block_ids: list[int]
     num_computed_tokens: int
     min_tokens_stop_ids: list[int]  # EOS and stop token ids, masked while fewer than min_tokens are out
@@ -38,15 +43,20 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # finished or aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted since the last step (they come back)
-    # the scheduler's own request objects of this step, for its update: a request id used again by a new request
-    # while this step was on the device must not take this step's token (the runner does not read it)
-    scheduled_reqs: dict[str, Any] = field(default_factory=dict)
+    step_id: int = 0  # the scheduler's count of its steps (its update finds the step's requests by it)
+    # req_id -> the tokens the request may sample this step: packed int32 [ceil(vocab / 32)], bit j of word w allows
+    # token 32 * w + j (as xgrammar and llguidance fill it); a request without one is unconstrained
+    grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
+    # draft tokens to verify, after the request's known tokens (they count in num_scheduled_tokens and get KV slots)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
-    # request -> (token ids, logprobs, ranks): the sampled token first, then its top-k; only where asked for
-    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    # only requests that reached the end of their known tokens: the accepted drafts, then one sampled token
+    sampled_token_ids: dict[str, list[int]]
+    # request -> per emitted token (token ids, logprobs, ranks): the emitted token first, then its top-k; only where
+    # asked for
+    logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
     # request -> (first prompt position, entries as above with the prompt token first) for prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)

@@ -35,7 +35,7 @@ def sample(sched: Scheduler, so: SchedulerOutput, token: int = 7):
     for req_id in so.num_scheduled_tokens:
         req = sched.requests[req_id]
         if req.num_computed_tokens == req.num_tokens:
-            sampled[req_id] = token
+            sampled[req_id] = [token]
     return sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled))
 
 
@@ -220,7 +220,7 @@ def test_finish_requests_aborts_running_and_waiting_requests():
     assert sched.kv.block_ids("a") == []
     assert free_ids(sched) == [2, 1, 0, 3, 4, 5, 6, 7, 8, 9]
     # a late token for the aborted request is ignored
-    assert sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids={"a": 3})) == []
+    assert sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids={"a": [3]})) == []
     assert a.num_output_tokens == 1
 
     so = sched.schedule()  # b takes the freed seat and a's blocks from the head
@@ -285,7 +285,7 @@ def test_preemption_takes_the_newest_request_and_resumes_it(caching):
     assert list(sched.waiting)[0] is b
     assert free_ids(sched) == [7, 6, 5, 4]
     # a stale token for the preempted request changes nothing
-    assert sched.update_from_output(so_preempt, ModelRunnerOutput(sampled_token_ids={"b": 9})) == []
+    assert sched.update_from_output(so_preempt, ModelRunnerOutput(sampled_token_ids={"b": [9]})) == []
     assert b.num_tokens == 21
     assert b.status == RequestStatus.PREEMPTED
 
@@ -501,15 +501,15 @@ def test_async_schedule_decodes_on_placeholders_and_stops_at_max_tokens():
     so2 = sched.schedule()  # before so1's token is back: decodes the placeholder, samples output 2
     assert so2.num_scheduled_tokens == {"a": 1} and a.num_computed_tokens == 6 and a.num_output_placeholders == 2
     assert sched.kv.block_ids("a") == [0, 1]  # positions 0-5 in two blocks of 4
-    (out,) = sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": 11}))
+    (out,) = sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": [11]}))
     assert out.new_token_ids == [11] and out.finish_reason is None
     assert a.all_token_ids == [0, 1, 2, 3, 4, 11] and a.num_output_placeholders == 1
     so3 = sched.schedule()  # output 3 is the last one allowed: scheduled
     assert so3.num_scheduled_tokens == {"a": 1} and a.num_output_placeholders == 2
     so4 = sched.schedule()  # 1 known + 2 on the device = max_tokens: nothing to do until they come back
     assert so4.num_scheduled_tokens == {}
-    sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": 12}))
-    (out,) = sched.update_from_output(so3, ModelRunnerOutput(sampled_token_ids={"a": 13}))
+    sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": [12]}))
+    (out,) = sched.update_from_output(so3, ModelRunnerOutput(sampled_token_ids={"a": [13]}))
     assert out.finish_reason == "length" and a.output_token_ids == [11, 12, 13]
     assert a.num_output_placeholders == 0 and not sched.has_unfinished_requests()
 
@@ -520,9 +520,9 @@ def test_async_token_after_eos_is_dropped():
     sched.add_request(a)
     so1 = sched.schedule()
     so2 = sched.schedule()  # runs on before so1's EOS is known
-    (out,) = sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": 0}))
+    (out,) = sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": [0]}))
     assert out.finish_reason == "stop" and a.output_token_ids == [0]
-    assert sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": 5})) == []
+    assert sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": [5]})) == []
     assert a.output_token_ids == [0] and sched.schedule().finished_req_ids == {"a"}
 
 
@@ -540,8 +540,8 @@ def test_async_preemption_drops_the_token_on_the_device():
     so3 = sched.schedule()  # b needs a block for position 4: none free, b is preempted with 2 tokens on the device
     assert so3.num_scheduled_tokens == {"a": 1} and so3.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0 and b.num_computed_tokens == 0
-    sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": 7, "b": 7}))
-    sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": 8, "b": 8}))
+    sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"a": [7], "b": [7]}))
+    sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"a": [8], "b": [8]}))
     assert b.num_tokens == 3 and a.output_token_ids == [7, 8]  # b's tokens were dropped, a's kept
 
 
@@ -555,7 +555,7 @@ def test_async_token_of_an_aborted_request_never_reaches_a_new_one_with_its_id()
     sched.add_request(new)
     so2 = sched.schedule()
     assert so2.num_scheduled_tokens == {"x": 4} and new.num_output_placeholders == 1
-    assert sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"x": 99})) == []
+    assert sched.update_from_output(so1, ModelRunnerOutput(sampled_token_ids={"x": [99]})) == []
     assert new.output_token_ids == [] and new.num_output_placeholders == 1
-    (out,) = sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"x": 5}))
+    (out,) = sched.update_from_output(so2, ModelRunnerOutput(sampled_token_ids={"x": [5]}))
     assert out.new_token_ids == [5] and new.output_token_ids == [5]

@@ -94,19 +94,18 @@ def test_sampling_kernel_logprobs_of_its_tokens(copied, num_top):
     assert torch.equal(inputs.state, kept[0]) and torch.equal(inputs.step, kept[1]) and torch.equal(again, tokens)
 
 
-def test_logprobs_of_some_rows_read_in_place(monkeypatch):
+def test_logprobs_of_some_rows_read_in_place():
     """logprob_rows leaves the logits in place on the Triton path when no wanted row changes; logprob_tensors without
     the sampling kernel's output (as prompt logprobs call it) then reads just the wanted rows (on the CPU: the Triton
     path forced, the kernel in the interpreter)."""
-    from pagedllm.worker import sample_inputs
+    from pagedllm.sample.logprobs import logprob_rows, logprob_tensors
 
-    monkeypatch.setattr(sample_inputs, "use_triton", lambda x: True)
     raw = raw_rows(3000, 11).to(DEVICE)
     num_top = np.array([2, -1, 3, -1, 0, 5])
-    rows = sample_inputs.logprob_rows(raw, num_top, np.zeros(6, dtype=bool))
+    rows = logprob_rows(raw, num_top, np.zeros(6, dtype=bool), impl="triton")
     assert rows.copied is None  # read in place
     sampled = torch.randint(0, 3000, (6,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    out = sample_inputs.logprob_tensors(rows, sampled, num_top).tolists()
+    out = logprob_tensors(rows, sampled, num_top, impl="triton").tolists()
     raw, ref = raw.cpu(), raw.cpu().double().log_softmax(dim=-1)
     for i, k in enumerate(num_top.tolist()):
         if k < 0:

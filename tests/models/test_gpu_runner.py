@@ -230,6 +230,6 @@ def test_logits_left_in_bf16_give_the_same_tokens(tiny, monkeypatch):
     )
     kept = [[c.token_ids for o in llm.generate(prompts, sp, use_tqdm=False) for c in o.outputs] for sp in params]
     assert dtypes and not any(dtypes), "the fast path kept no step in bfloat16"
-    monkeypatch.setattr(runner, "_reads_logits_as_is", lambda *a: False)
+    monkeypatch.setattr(runner.sampler, "needs_float32", lambda *a: True)
     upcast = [[c.token_ids for o in llm.generate(prompts, sp, use_tqdm=False) for c in o.outputs] for sp in params]
     assert any(dtypes[-1:]) and kept == upcast, f"{name}: bfloat16 logits changed the tokens"

@@ -11,7 +11,6 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_kernels, triton_available
-from pagedllm.worker import model_runner
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +42,14 @@ def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, devic
     )  # fmt: skip
     runner = llm.llm_engine.core.executor.runner
     upcasts, kernel_inputs = [], []
-    build = model_runner.sampling_metadata
-    monkeypatch.setattr(
-        model_runner, "sampling_metadata", lambda *a, **k: kernel_inputs.append(build(*a, **k)) or kernel_inputs[-1]
-    )
+    prepare = runner.sampler.prepare
+
+    def recording_prepare(*args, **kwargs):
+        step = prepare(*args, **kwargs)
+        kernel_inputs.append(step.meta)
+        return step
+
+    monkeypatch.setattr(runner.sampler, "prepare", recording_prepare)
     compute_logits = runner.model.compute_logits
     monkeypatch.setattr(
         runner.model, "compute_logits", lambda h, upcast=True: upcasts.append(upcast) or compute_logits(h, upcast)
@@ -73,5 +76,5 @@ def test_greedy_steps_keep_bfloat16_logits_and_the_same_tokens(tiny_llama, devic
         assert upcasts and not any(upcasts), "a sampling step on the GPU made a float32 copy of the logits"
     inputs = [m.params if device == "cpu" else m.device_inputs for m in kernel_inputs]
     assert all(i is not None for i in inputs), "a step that needs the kernels built no inputs for them"
-    monkeypatch.setattr(runner, "_reads_logits_as_is", lambda *a: False)
+    monkeypatch.setattr(runner.sampler, "needs_float32", lambda *a: True)
     assert tokens(temperature=0) == greedy

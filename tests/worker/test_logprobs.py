@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.worker.sample_inputs import logprob_rows, logprob_tensors
+from pagedllm.sample.logprobs import logprob_rows, logprob_tensors
 
 
 @pytest.fixture(autouse=True)

@@ -1,120 +1,22 @@
-"""From the persistent batch to the sampler's inputs: per-request logit adjustments, sampling metadata, and the
-logprobs of the sampled tokens."""
+"""The logprobs of sampled (or prompt) tokens: the rows that want them kept as they were before anything changed the
+logits in place (logprob_rows), then each chosen token's logprob and rank and the row's top-k (logprob_tensors), on
+the device until one copy to the host (LogprobTensors.tolists)."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedllm.device import pinned_copy, to_device
-from pagedllm.kernels import cpu_sampling, use_triton
+from pagedllm.kernels import cpu_sampling
 from pagedllm.sample import tiles
-from pagedllm.sample.logits_processors import Penalties, apply_token_constraints
+from pagedllm.sample.impl import TRITON, C, impl_of
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.resident_inputs import ResidentInputs
-from pagedllm.worker.input_batch import InputBatch
 
 _LOG2E = 1.4426950408889634  # exp(z) = 2 ** (z * log2(e))
 _BLOCK_BYTES = 2 << 20  # CPU logprobs: logits per block of rows
-
-
-def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
-    return num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]  # [rows] EOS and stop ids still banned
-
-
-def adjusted_rows(
-    batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, sampling: SamplingMetadata
-) -> np.ndarray:
-    """Which of these rows' logits may change before the logprobs read them: adjust_logits' rows, and the penalized
-    rows where the sampler penalizes in place. [rows] bool"""
-    adjusted = batch.adjusts_logits[rows] | _short_of_min_tokens(batch, rows, num_tokens)
-    return adjusted | batch.penalized[rows] if sampling.penalizes_in_place else adjusted
-
-
-def adjust_logits(
-    batch: InputBatch,
-    rows: np.ndarray,
-    num_tokens: np.ndarray,
-    logits: torch.Tensor,
-) -> torch.Tensor:
-    """Allowed tokens, logit bias, EOS/stop ids held back before min_tokens, bad words and logits processors, in
-    place where it can (the penalties are the sampler's). num_tokens [rows]: each request's tokens including one
-    still on the device (async scheduling); the rows that read their output tokens (penalties, bad words, logits
-    processors) have none there."""
-    short = _short_of_min_tokens(batch, rows, num_tokens)
-    if not (batch.adjusts_logits[rows].any() or short.any()):
-        return logits
-    params = [batch.params[int(r)] for r in rows]
-    allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
-    bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
-    banned = {i: list(batch.min_tokens_stop_ids[int(rows[i])]) for i in np.nonzero(short)[0].tolist()}
-    for i, p in enumerate(params):
-        if p.bad_words_token_ids:
-            banned.setdefault(i, []).extend(_bad_word_endings(p.bad_words_token_ids, _outputs(batch, int(rows[i]))))
-    logits = apply_token_constraints(logits, allowed, bias, banned)
-    for i, p in enumerate(params):
-        for fn in p.logits_processors or []:
-            logits[i] = _call_processor(fn, batch, int(rows[i]), logits[i])
-    return logits
-
-
-def _outputs(batch: InputBatch, row: int) -> list[int]:
-    return batch.token_ids[row, batch.num_prompt[row] : batch.num_tokens[row]].tolist()
-
-
-def _bad_word_endings(sequences: list[list[int]], output: list[int]) -> list[int]:
-    """The last token of every bad word whose other tokens end the output so far (one-token words always)."""
-    return [s[-1] for s in sequences if len(s) == 1 or output[len(output) - len(s) + 1 :] == s[:-1]]
-
-
-def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> torch.Tensor:
-    """A user logits processor: fn(output_ids, logits) or fn(prompt_ids, output_ids, logits) -> logits."""
-    if len(inspect.signature(fn).parameters) == 3:
-        return fn(batch.token_ids[row, : batch.num_prompt[row]].tolist(), _outputs(batch, row), logits)
-    return fn(_outputs(batch, row), logits)
-
-
-def penalties(batch: InputBatch, rows: np.ndarray) -> Penalties | None:
-    """The penalties of these rows (None: none has any); their tokens are on the host (the rows that read their
-    outputs wait for them)."""
-    penalized = np.nonzero(batch.penalized[rows])[0]
-    if not len(penalized):
-        return None
-    sel = rows[penalized]
-    width = int(batch.num_tokens[sel].max())
-    return Penalties(
-        penalized,
-        batch.token_ids[sel, :width],
-        batch.num_prompt[sel],
-        batch.num_tokens[sel],
-        batch.repetition_penalty[sel],
-        batch.presence_penalty[sel],
-        batch.frequency_penalty[sel],
-    )
-
-
-def sampling_metadata(
-    batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, device, resident: ResidentInputs | None = None
-) -> SamplingMetadata:
-    """num_tokens [rows]: each request's tokens including one still on the device (async scheduling). resident: the
-    GPU kernel's inputs kept on the device (they take the step where given)."""
-    if resident is not None:
-        return resident.update(batch, rows, num_tokens)
-    return SamplingMetadata.build(
-        batch.temperature[rows],
-        batch.top_k[rows],
-        batch.top_p[rows],
-        batch.min_p[rows],
-        seeds=batch.seed[rows],
-        seeded=batch.has_seed[rows],
-        positions=num_tokens - batch.num_prompt[rows],
-        device=device,
-        penalties=penalties(batch, rows),
-        num_top=batch.num_logprobs[rows],
-    )
 
 
 @dataclass
@@ -145,6 +47,7 @@ def logprob_rows(
     num_top: np.ndarray,
     adjusted: np.ndarray | None = None,
     scratch: cpu_sampling.Scratch | None = None,
+    impl: str | None = None,  # the sampler's implementation (None: the one that takes raw_logits)
 ) -> LogprobRows | None:
     """Keeps the rows that want logprobs (num_top [rows] int: the top logprobs each row wants, -1: none) as they are
     before anything changes raw_logits in place (adjusted [rows] bool: the rows that may change; None: any). The GPU
@@ -156,14 +59,15 @@ def logprob_rows(
     if not len(wanted):
         return None
     in_order = np.arange(len(wanted))
-    if use_triton(raw_logits):
+    impl = impl or impl_of(raw_logits)
+    if impl == TRITON:
         if adjusted is not None and not adjusted[wanted].any():
             return LogprobRows(raw_logits, wanted, raw_logits, np.full(len(wanted), -1))
         if len(wanted) == len(num_top):
             return LogprobRows(raw_logits, wanted, raw_logits.clone(), in_order)
         index = to_device(wanted, raw_logits.device)
         return LogprobRows(raw_logits, wanted, raw_logits.index_select(0, index), in_order, index)
-    if not cpu_sampling.available(raw_logits):
+    if impl != C:
         index = None
         if len(wanted) < len(num_top):
             index = to_device(wanted, raw_logits.device)
@@ -237,6 +141,7 @@ def logprob_tensors(
     num_top: np.ndarray,  # [rows] int: how many top logprobs each row wants (-1: none)
     scratch: cpu_sampling.Scratch | None = None,  # the C kernels' working rows
     sampling: SamplingMetadata | None = None,  # the step's: the GPU kernel has computed its logprobs already
+    impl: str | None = None,  # the sampler's implementation (None: the one that takes raw.logits)
 ) -> LogprobTensors | None:
     """The chosen tokens' logprobs and ranks and each wanted row's top-k, on the device (no host sync)."""
     if raw is None:
@@ -251,11 +156,12 @@ def logprob_tensors(
     if raw.copied is None and index is not None:  # the wanted rows of logits left in place
         raw_logits = raw.logits.index_select(0, index)
     chosen = sampled if index is None else sampled.index_select(0, index)
-    if use_triton(raw_logits):  # one kernel
+    impl = impl or impl_of(raw.logits)
+    if impl == TRITON:  # one kernel
         from pagedllm.kernels.logprobs import logprobs
 
         return LogprobTensors(num_top, logprobs(raw_logits, chosen, k_max))
-    if cpu_sampling.available(raw.logits):  # one C call
+    if impl == C:  # one C call
         vocab = raw.logits.shape[1]
         chosen_lp, ranks, top_ids, top_lp = cpu_sampling.logprobs(
             raw.addresses(), vocab, chosen, k_max, scratch or cpu_sampling.Scratch()
@@ -300,7 +206,8 @@ def sampled_logprobs(
     num_top: np.ndarray,
     scratch: cpu_sampling.Scratch | None = None,
     sampling: SamplingMetadata | None = None,
+    impl: str | None = None,
 ) -> list[tuple[list[int], list[float], list[int]] | None]:
     """logprob_tensors read on the host at once: per row (token ids, logprobs, ranks) or None if not wanted."""
-    tensors = logprob_tensors(raw, sampled, num_top, scratch, sampling)
+    tensors = logprob_tensors(raw, sampled, num_top, scratch, sampling, impl)
     return tensors.tolists() if tensors is not None else [None] * len(num_top)

@@ -1,0 +1,48 @@
+"""Allowed-token bitmasks on the CPU paths (C kernels and torch ops) against a plain unpacking of the bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.sample.bitmask import apply_bitmask, stack_bitmasks
+from pagedllm.sample.impl import choose_impl
+
+
+def reference(logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> torch.Tensor:
+    """Token t of a masked row stays where bit t % 32 of word t // 32 is set (or t is past the mask), else -inf."""
+    out = logits.clone()
+    for row, mask in zip(rows, masks):
+        for t in range(min(logits.shape[1], 32 * len(mask))):
+            if not (int(mask[t // 32]) >> (t % 32)) & 1:
+                out[row, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("vocab,words", [(70, 3), (64, 2), (100, 2), (5, 1)])  # short masks keep the tail
+def test_apply_bitmask_matches_the_bits(sampling_path, vocab, words):
+    impl = choose_impl("cpu")
+    assert impl == ("torch" if sampling_path == "torch" else "c")
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    rng = np.random.default_rng(vocab)
+    masks = rng.integers(-(2**31), 2**31, size=(3, words)).astype(np.int32)
+    masks[1] = -1  # every bit set: the row is untouched
+    per_row = [masks[0], None, masks[1], None, masks[2], None]  # rows 1, 3, 5 have none
+    expected = reference(logits, [0, 2, 4], masks)
+    bitmask = stack_bitmasks(per_row, impl, torch.device("cpu"))
+    out = apply_bitmask(logits, bitmask, impl)
+    assert out is logits  # in place
+    assert torch.equal(logits, expected)
+
+
+def test_no_mask_is_no_bitmask():
+    assert stack_bitmasks([None, None], "c", torch.device("cpu")) is None
+
+
+def test_masks_of_different_widths_or_other_dtypes_are_refused():
+    with pytest.raises(ValueError, match="same number of words"):
+        stack_bitmasks([np.zeros(2, np.int32), np.zeros(3, np.int32)], "torch", torch.device("cpu"))
+    with pytest.raises(ValueError, match="packed int32"):
+        stack_bitmasks([np.zeros(2, np.int64)], "torch", torch.device("cpu"))
