@@ -25,8 +25,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_matmul.c", "cpu_sampling.c"))
-HEADERS = (Path(__file__).with_name("cpu_vectors.h"),)  # part of the build's key
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.c", "cpu_matmul.c", "cpu_sampling.c", "cpu_logprobs.c", "cpu_logits.c")
+)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vectors.h", "cpu_rows.h"))  # part of the build's key
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is
 # refused, generic code (still threaded when OpenMP is there). First, on x86, loops vectorized at AVX-512's full width
 # where the CPU has it (GCC prefers 256-bit vectors on Intel CPUs; at 512 the element-wise kernels ran 20-30% faster);
