@@ -33,3 +33,13 @@ def save_tiny_decoder(name: str, config_cls, model_cls, kwargs: dict, tmp_path_f
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     return hf, str(path)
+
+TINY_OPT = dict(  # OPT's own field names
+    hidden_size=64,
+    ffn_dim=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=320,
+    max_position_embeddings=256,
+    word_embed_proj_dim=64,
+)

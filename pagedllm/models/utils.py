@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,13 +19,24 @@ STACKED_PARAMS = [
 ]
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> set[str]:
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    skip: tuple[str, ...] = (),
+    rename: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None] | None = None,
+) -> set[str]:
     """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters loaded completely
-    (a merged projection only once every one of its shards came)."""
+    (a merged projection only once every one of its shards came). `rename` maps a checkpoint entry to the one to
+    load (a model's own names or layouts), or None to drop it."""
     params = dict(model.named_parameters())
     shards: dict[str, set] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:
+        if rename is not None:
+            renamed = rename(hf_name, tensor)
+            if renamed is None:
+                continue
+            hf_name, tensor = renamed
         if any(s in hf_name for s in skip) or "rotary_emb.inv_freq" in hf_name:
             continue
         name, shard_id = hf_name, None
@@ -56,6 +67,15 @@ def join_prefix(prefix: str, name: str) -> str:
 def head_dim_of(config: object) -> int:
     """config.head_dim where the config sets it, else hidden_size / num_attention_heads."""
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def num_kv_heads_of(config: object) -> int:
+    """The KV heads of a config of any family (GQA's num_key_value_heads, Falcon's num_kv_heads, multi-query: 1)."""
+    if getattr(config, "new_decoder_architecture", False):
+        return int(config.num_kv_heads)
+    if getattr(config, "multi_query", False):
+        return 1
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
 def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:

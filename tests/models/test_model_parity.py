@@ -6,16 +6,19 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_DECODER, save_tiny_decoder
+from tiny_models import TINY_DECODER, TINY_OPT, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
+T = transformers
+# name -> (HF config class, HF model class, config kwargs)
 CASES = {
-    "llama": (transformers.LlamaConfig, dict(TINY_DECODER)),
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER)),
     "llama3-rope-tied": (
-        transformers.LlamaConfig,
+        T.LlamaConfig,
+        T.LlamaForCausalLM,
         dict(
             TINY_DECODER,
             tie_word_embeddings=True,
@@ -28,23 +31,31 @@ CASES = {
             },
         ),
     ),
-    "mistral-sliding": (transformers.MistralConfig, dict(TINY_DECODER, sliding_window=8, head_dim=32)),
-    "qwen2-bias": (transformers.Qwen2Config, dict(TINY_DECODER, num_key_value_heads=1)),
-    "qwen3-qknorm": (transformers.Qwen3Config, dict(TINY_DECODER, head_dim=24)),
-}
-ARCH = {
-    transformers.LlamaConfig: transformers.LlamaForCausalLM,
-    transformers.MistralConfig: transformers.MistralForCausalLM,
-    transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
-    transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    "mistral-sliding": (T.MistralConfig, T.MistralForCausalLM, dict(TINY_DECODER, sliding_window=8, head_dim=32)),
+    "qwen2-bias": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(TINY_DECODER, num_key_value_heads=1)),
+    "qwen3-qknorm": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(TINY_DECODER, head_dim=24)),
+    "opt": (T.OPTConfig, T.OPTForCausalLM, dict(TINY_OPT)),
+    "opt-proj-postnorm": (
+        T.OPTConfig,
+        T.OPTForCausalLM,
+        dict(TINY_OPT, word_embed_proj_dim=48, do_layer_norm_before=False, tie_word_embeddings=False),
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
-    config_cls, kwargs = CASES[request.param]
-    hf, path = save_tiny_decoder(request.param, config_cls, ARCH[config_cls], kwargs, tmp_path_factory)
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
+    config_cls, model_cls, kwargs = CASES[request.param]
+    hf, path = save_tiny_decoder(request.param, config_cls, model_cls, kwargs, tmp_path_factory)
+    llm = LLM(
+        path,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=1 << 24,
+        block_size=4,
+        max_num_batched_tokens=16,  # prompts run in chunks; decodes share steps with prefill chunks
+        enable_prefix_caching=True,
+    )
     return request.param, hf, llm
 
 
@@ -71,22 +82,35 @@ def test_logits_close(tiny):
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_greedy_equal_in_one_batch(tiny):
+def _hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and each one's logprob (float32 log-softmax of the step's logits)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def test_greedy_and_logprobs_equal(tiny):
+    """Greedy tokens identical to HF's and their logprobs within 1e-4, for a batch of six prompts run in chunks of
+    16 tokens, then one prompt that extends a finished one (its prefix blocks come from the prefix cache)."""
     name, hf, llm = tiny
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 5, 17, 30, 9, 2)]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        use_tqdm=False,
-    )
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=24,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"{name}: prompt {p}"
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    for batch in (prompts, [prompts[3] + [7, 11, 13]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        for p, out in zip(batch, outs):
+            ref_tokens, ref_logprobs = _hf_greedy(hf, p, 16)
+            got = out.outputs[0]
+            assert got.token_ids == ref_tokens, f"{name}: prompt {p}"
+            ours = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+            np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, rtol=0, err_msg=f"{name}: prompt {p}")
