@@ -34,6 +34,7 @@ def save_tiny_decoder(name: str, config_cls, model_cls, kwargs: dict, tmp_path_f
     hf.save_pretrained(path)
     return hf, str(path)
 
+
 TINY_OPT = dict(  # OPT's own field names
     hidden_size=64,
     ffn_dim=96,

@@ -42,9 +42,8 @@ class OPTDecoderLayer(nn.Module):
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.self_attn = OPTAttention(config, quant_config, join_prefix(prefix, "self_attn"))
         self.self_attn_layer_norm = LayerNorm(hidden, affine=affine)
-        self.mlp = PlainMLP(
-            hidden, config.ffn_dim, getattr(config, "enable_bias", True), config.activation_function, quant_config, prefix
-        )
+        bias = getattr(config, "enable_bias", True)
+        self.mlp = PlainMLP(hidden, config.ffn_dim, bias, config.activation_function, quant_config, prefix)
         self.final_layer_norm = LayerNorm(hidden, affine=affine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
