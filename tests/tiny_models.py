@@ -44,3 +44,5 @@ TINY_OPT = dict(  # OPT's own field names
     max_position_embeddings=256,
     word_embed_proj_dim=64,
 )
+
+TINY_GPT2 = dict(n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=320, n_positions=256)

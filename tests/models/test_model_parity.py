@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_DECODER, TINY_OPT, save_tiny_decoder
+from tiny_models import TINY_DECODER, TINY_GPT2, TINY_OPT, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
@@ -39,6 +39,12 @@ CASES = {
         T.OPTConfig,
         T.OPTForCausalLM,
         dict(TINY_OPT, word_embed_proj_dim=48, do_layer_norm_before=False, tie_word_embeddings=False),
+    ),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(TINY_GPT2)),
+    "gpt2-inverse-layer-scale": (
+        T.GPT2Config,
+        T.GPT2LMHeadModel,
+        dict(TINY_GPT2, scale_attn_by_inverse_layer_idx=True, tie_word_embeddings=False, activation_function="gelu"),
     ),
 }
 
