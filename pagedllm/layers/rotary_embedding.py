@@ -95,3 +95,29 @@ def apply_qk_rotary(
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
     return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+
+
+def partial_rotary_dim(config: Any, head_dim: int) -> int:
+    """How many leading dims of each head rotate: head_dim times the config's partial rotary factor (transformers
+    5's rope_parameters, or partial_rotary_factor / rotary_pct as older configs name it), or its rotary_dim."""
+    params = getattr(config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None)
+    if factor is None and getattr(config, "rotary_dim", None):
+        return int(config.rotary_dim)
+    return int(head_dim * (1.0 if factor is None else factor))
+
+
+def apply_partial_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [num_tokens, 1, rot_dim / 2]
+    rot_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary (rotate-half layout) of the first rot_dim dims of each head; the rest pass through."""
+    if rot_dim == q.shape[-1]:
+        return apply_qk_rotary(q, k, cos_sin)
+    q = torch.cat((apply_rotary(q[..., :rot_dim], cos_sin), q[..., rot_dim:]), dim=-1)
+    k = torch.cat((apply_rotary(k[..., :rot_dim], cos_sin), k[..., rot_dim:]), dim=-1)
+    return q, k

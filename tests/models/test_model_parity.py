@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_DECODER, TINY_GPT2, TINY_OPT, save_tiny_decoder
+from tiny_models import TINY_DECODER, TINY_MHA, TINY_GPT2, TINY_OPT, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
@@ -45,6 +45,12 @@ CASES = {
         T.GPT2Config,
         T.GPT2LMHeadModel,
         dict(TINY_GPT2, scale_attn_by_inverse_layer_idx=True, tie_word_embeddings=False, activation_function="gelu"),
+    ),
+    "gpt-neox-partial-rotary": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(TINY_MHA, rotary_pct=0.25)),
+    "gpt-neox-sequential": (
+        T.GPTNeoXConfig,
+        T.GPTNeoXForCausalLM,
+        dict(TINY_MHA, rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True),
     ),
 }
 
