@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import gated_activation
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -25,6 +25,7 @@ class LlamaMLP(nn.Module):
         bias: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        act: str = "silu",
     ) -> None:
         super().__init__()
         gate_up = [intermediate_size] * 2
@@ -34,7 +35,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, bias, quant_config, join_prefix(prefix, "down_proj")
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -42,6 +43,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 normalizes q and k per head
+    norm_cls = RMSNorm
 
     def __init__(
         self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
@@ -64,10 +66,13 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, quant_config, join_prefix(prefix, "o_proj"))
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
+        self.attn = self.make_attention(config, layer_idx)
+
+    def make_attention(self, config, layer_idx: int) -> Attention:
         window = sliding_window_for_layer(config, layer_idx)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, window)
+        return Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, window)
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -86,6 +91,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    norm_cls = RMSNorm
 
     def __init__(
         self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
@@ -93,11 +99,12 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, quant_config, join_prefix(prefix, "self_attn"))
         mlp_bias = getattr(config, "mlp_bias", False)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, mlp_bias, quant_config, join_prefix(prefix, "mlp")
+            config.hidden_size, config.intermediate_size, mlp_bias, quant_config, join_prefix(prefix, "mlp"), act
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
@@ -113,6 +120,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
@@ -124,10 +132,13 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [num_tokens, hidden]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(rope, x, residual)

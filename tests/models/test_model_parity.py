@@ -52,6 +52,33 @@ CASES = {
         T.GPTNeoXForCausalLM,
         dict(TINY_MHA, rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True),
     ),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(TINY_DECODER, head_dim=32)),
+    "gemma2-softcap-sliding": (
+        T.Gemma2Config,
+        T.Gemma2ForCausalLM,
+        dict(
+            TINY_DECODER,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.5,  # small caps, so that capping changes the results
+            final_logit_softcapping=2.0,
+        ),
+    ),
+    "gemma3-text": (
+        T.Gemma3TextConfig,
+        T.Gemma3ForCausalLM,
+        dict(
+            TINY_DECODER,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            },
+        ),
+    ),
 }
 
 
