@@ -46,8 +46,8 @@ class GPT2Block(nn.Module):
         self.ln_1 = LayerNorm(hidden, eps)
         self.attn = GPT2Attention(config, layer_idx, quant_config, join_prefix(prefix, "attn"))
         self.ln_2 = LayerNorm(hidden, eps)
-        mlp_prefix = join_prefix(prefix, "mlp")
-        self.mlp = PlainMLP(hidden, inner, True, config.activation_function, quant_config, mlp_prefix, ("c_fc", "c_proj"))
+        act, names = config.activation_function, ("c_fc", "c_proj")
+        self.mlp = PlainMLP(hidden, inner, True, act, quant_config, join_prefix(prefix, "mlp"), names)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_DECODER, TINY_MHA, TINY_GPT2, TINY_OPT, save_tiny_decoder
+from tiny_models import TINY_DECODER, TINY_GPT2, TINY_MHA, TINY_OPT, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
