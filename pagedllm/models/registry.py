@@ -15,6 +15,8 @@ _MODELS = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }

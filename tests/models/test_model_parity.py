@@ -79,6 +79,13 @@ CASES = {
             },
         ),
     ),
+    "phi3-partial-rotary": (
+        T.Phi3Config,
+        T.Phi3ForCausalLM,
+        dict(TINY_DECODER, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1),
+    ),
+    "phi": (T.PhiConfig, T.PhiForCausalLM, dict(TINY_DECODER, partial_rotary_factor=0.5)),
+    "phi-qk-layernorm": (T.PhiConfig, T.PhiForCausalLM, dict(TINY_MHA, partial_rotary_factor=0.25, qk_layernorm=True)),
 }
 
 
