@@ -14,7 +14,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, sliding_window_for_layer
+from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, norm_eps_of, sliding_window_for_layer
 
 
 class LlamaMLP(nn.Module):
@@ -66,8 +66,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, quant_config, join_prefix(prefix, "o_proj"))
         if self.qk_norm:
-            self.q_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
-            self.k_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
+            self.q_norm = self.norm_cls(self.head_dim, norm_eps_of(config))
+            self.k_norm = self.norm_cls(self.head_dim, norm_eps_of(config))
         self.attn = self.make_attention(config, layer_idx)
 
     def make_attention(self, config, layer_idx: int) -> Attention:
@@ -98,13 +98,15 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, quant_config, join_prefix(prefix, "self_attn"))
+        self.mlp = self.make_mlp(config, quant_config, join_prefix(prefix, "mlp"))
+        self.input_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+
+    @staticmethod
+    def make_mlp(config, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
         mlp_bias = getattr(config, "mlp_bias", False)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, mlp_bias, quant_config, join_prefix(prefix, "mlp"), act
-        )
-        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        return LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, quant_config, prefix, act)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
@@ -132,7 +134,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
-        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, norm_eps_of(config))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -142,8 +144,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

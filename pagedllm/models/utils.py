@@ -69,6 +69,15 @@ def head_dim_of(config: object) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
+def norm_eps_of(config: object) -> float:
+    """The norms' epsilon under any of the names the families give it."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
+        eps = getattr(config, name, None)
+        if eps is not None:
+            return float(eps)
+    return 1e-5
+
+
 def num_kv_heads_of(config: object) -> int:
     """The KV heads of a config of any family (GQA's num_key_value_heads, Falcon's num_kv_heads, multi-query: 1)."""
     if getattr(config, "new_decoder_architecture", False):

@@ -86,6 +86,20 @@ CASES = {
     ),
     "phi": (T.PhiConfig, T.PhiForCausalLM, dict(TINY_DECODER, partial_rotary_factor=0.5)),
     "phi-qk-layernorm": (T.PhiConfig, T.PhiForCausalLM, dict(TINY_MHA, partial_rotary_factor=0.25, qk_layernorm=True)),
+    "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, dict(TINY_DECODER, use_bias=True, sliding_window=8)),
+    "olmo-clip": (T.OlmoConfig, T.OlmoForCausalLM, dict(TINY_DECODER, clip_qkv=0.5, pad_token_id=0)),
+    "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, dict(TINY_DECODER, pad_token_id=0)),
+    "granite": (
+        T.GraniteConfig,
+        T.GraniteForCausalLM,
+        dict(
+            TINY_DECODER,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        ),
+    ),
 }
 
 
