@@ -39,12 +39,14 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2Block(nn.Module):
+    attention_cls = GPT2Attention
+
     def __init__(self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         inner = getattr(config, "n_inner", None) or 4 * hidden
         self.ln_1 = LayerNorm(hidden, eps)
-        self.attn = GPT2Attention(config, layer_idx, quant_config, join_prefix(prefix, "attn"))
+        self.attn = self.attention_cls(config, layer_idx, quant_config, join_prefix(prefix, "attn"))
         self.ln_2 = LayerNorm(hidden, eps)
         act, names = config.activation_function, ("c_fc", "c_proj")
         self.mlp = PlainMLP(hidden, inner, True, act, quant_config, join_prefix(prefix, "mlp"), names)
@@ -59,12 +61,15 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
+    block_cls = GPT2Block
+
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(
-            GPT2Block(config, i, quant_config, join_prefix(prefix, f"h.{i}")) for i in range(config.num_hidden_layers)
+            self.block_cls(config, i, quant_config, join_prefix(prefix, f"h.{i}"))
+            for i in range(config.num_hidden_layers)
         )
         self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_epsilon)
 
@@ -77,12 +82,14 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
+    model_cls = GPT2Model
+
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
         super().__init__()
         self.config = config
-        self.transformer = GPT2Model(config, quant_config, join_prefix(prefix, "transformer"))
+        self.transformer = self.model_cls(config, quant_config, join_prefix(prefix, "transformer"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
         if self.tied:
@@ -95,7 +102,10 @@ class GPT2LMHeadModel(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ("lm_head.",) if self.tied else (), _rename)
+        return load_weights(self, weights, ("lm_head.",) if self.tied else (), self.rename)
+
+    def rename(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        return _rename(name, tensor)
 
 
 def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:

@@ -100,6 +100,8 @@ CASES = {
             logits_scaling=2.0,
         ),
     ),
+    "gpt-bigcode-mqa": (T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, dict(TINY_GPT2)),
+    "gpt-bigcode-mha": (T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, dict(TINY_GPT2, multi_query=False)),
 }
 
 
