@@ -109,15 +109,25 @@ def partial_rotary_dim(config: Any, head_dim: int) -> int:
     return int(head_dim * (1.0 if factor is None else factor))
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates [num_tokens, num_heads, dim] in GPT-J's layout: pairs (x[2i], x[2i+1]) by frequency i."""
+    cos, sin = cos_sin
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
 def apply_partial_rotary(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [num_tokens, 1, rot_dim / 2]
     rot_dim: int,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary (rotate-half layout) of the first rot_dim dims of each head; the rest pass through."""
-    if rot_dim == q.shape[-1]:
+    """Rotary of the first rot_dim dims of each head (rotate-half layout, or GPT-J's interleaved pairs); the rest
+    pass through."""
+    if rot_dim == q.shape[-1] and not interleaved:
         return apply_qk_rotary(q, k, cos_sin)
-    q = torch.cat((apply_rotary(q[..., :rot_dim], cos_sin), q[..., rot_dim:]), dim=-1)
-    k = torch.cat((apply_rotary(k[..., :rot_dim], cos_sin), k[..., rot_dim:]), dim=-1)
+    rotate = apply_rotary_interleaved if interleaved else apply_rotary
+    q = torch.cat((rotate(q[..., :rot_dim], cos_sin), q[..., rot_dim:]), dim=-1)
+    k = torch.cat((rotate(k[..., :rot_dim], cos_sin), k[..., rot_dim:]), dim=-1)
     return q, k

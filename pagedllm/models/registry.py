@@ -22,6 +22,8 @@ _MODELS = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
+    "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }

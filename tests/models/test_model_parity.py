@@ -102,6 +102,12 @@ CASES = {
     ),
     "gpt-bigcode-mqa": (T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, dict(TINY_GPT2)),
     "gpt-bigcode-mha": (T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, dict(TINY_GPT2, multi_query=False)),
+    "gptj": (T.GPTJConfig, T.GPTJForCausalLM, dict(TINY_GPT2, rotary_dim=8, bos_token_id=1, eos_token_id=1)),
+    "cohere-qk-norm": (
+        T.CohereConfig,
+        T.CohereForCausalLM,
+        dict(TINY_DECODER, use_qk_norm=True, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=1),
+    ),
 }
 
 
