@@ -48,3 +48,5 @@ TINY_OPT = dict(  # OPT's own field names
 TINY_GPT2 = dict(n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=320, n_positions=256)
 
 TINY_MHA = {k: v for k, v in TINY_DECODER.items() if k != "num_key_value_heads"}  # families without GQA
+
+TINY_BLOOM = dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=320)

@@ -24,6 +24,9 @@ _MODELS = {
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    "MPTForCausalLM": ("mpt", "MPTForCausalLM"),
+    "MptForCausalLM": ("mpt", "MPTForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }

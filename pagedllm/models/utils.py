@@ -24,10 +24,11 @@ def load_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     skip: tuple[str, ...] = (),
     rename: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None] | None = None,
+    stacked: list[tuple[str, str, object]] = STACKED_PARAMS,
 ) -> set[str]:
     """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters loaded completely
     (a merged projection only once every one of its shards came). `rename` maps a checkpoint entry to the one to
-    load (a model's own names or layouts), or None to drop it."""
+    load (a model's own names or layouts), or None to drop it. `stacked`: the projections merged on load."""
     params = dict(model.named_parameters())
     shards: dict[str, set] = {}
     loaded: set[str] = set()
@@ -40,7 +41,7 @@ def load_weights(
         if any(s in hf_name for s in skip) or "rotary_emb.inv_freq" in hf_name:
             continue
         name, shard_id = hf_name, None
-        for ours, theirs, sid in STACKED_PARAMS:
+        for ours, theirs, sid in stacked:
             if theirs in hf_name:
                 name, shard_id = hf_name.replace(theirs, ours), sid
                 break
@@ -53,7 +54,7 @@ def load_weights(
             continue
         param.weight_loader(param, tensor, shard_id)
         shards.setdefault(name, set()).add(shard_id)
-        expected = {s for ours, _, s in STACKED_PARAMS if ours in name}
+        expected = {s for ours, _, s in stacked if ours in name}
         if shards[name] == expected:
             loaded.add(name)
     return loaded

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_DECODER, TINY_GPT2, TINY_MHA, TINY_OPT, save_tiny_decoder
+from tiny_models import TINY_BLOOM, TINY_DECODER, TINY_GPT2, TINY_MHA, TINY_OPT, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
@@ -107,6 +107,17 @@ CASES = {
         T.CohereConfig,
         T.CohereForCausalLM,
         dict(TINY_DECODER, use_qk_norm=True, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=1),
+    ),
+    "bloom-alibi": (T.BloomConfig, T.BloomForCausalLM, dict(TINY_BLOOM)),
+    "bloom-residual-post-norm": (
+        T.BloomConfig,
+        T.BloomForCausalLM,
+        dict(TINY_BLOOM, n_head=6, hidden_size=96, apply_residual_connection_post_layernorm=True),
+    ),
+    "mpt-alibi-clip": (
+        T.MptConfig,
+        T.MptForCausalLM,
+        dict(d_model=64, n_heads=4, n_layers=2, vocab_size=320, max_seq_len=256, attn_config={"clip_qkv": 0.5}),
     ),
 }
 
