@@ -50,3 +50,5 @@ TINY_GPT2 = dict(n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=320, n_p
 TINY_MHA = {k: v for k, v in TINY_DECODER.items() if k != "num_key_value_heads"}  # families without GQA
 
 TINY_BLOOM = dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=320)
+
+TINY_FALCON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320, ffn_hidden_size=96)

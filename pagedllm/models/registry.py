@@ -27,6 +27,7 @@ _MODELS = {
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "MPTForCausalLM": ("mpt", "MPTForCausalLM"),
     "MptForCausalLM": ("mpt", "MPTForCausalLM"),
+    "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_BLOOM, TINY_DECODER, TINY_GPT2, TINY_MHA, TINY_OPT, save_tiny_decoder
+from tiny_models import TINY_BLOOM, TINY_DECODER, TINY_FALCON, TINY_GPT2, TINY_MHA, TINY_OPT, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
@@ -118,6 +118,17 @@ CASES = {
         T.MptConfig,
         T.MptForCausalLM,
         dict(d_model=64, n_heads=4, n_layers=2, vocab_size=320, max_seq_len=256, attn_config={"clip_qkv": 0.5}),
+    ),
+    "falcon-mqa-parallel": (T.FalconConfig, T.FalconForCausalLM, dict(TINY_FALCON)),
+    "falcon-new-arch-gqa": (
+        T.FalconConfig,
+        T.FalconForCausalLM,
+        dict(TINY_FALCON, new_decoder_architecture=True, num_kv_heads=2, bias=True),
+    ),
+    "falcon-alibi-sequential": (
+        T.FalconConfig,
+        T.FalconForCausalLM,
+        dict(TINY_FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True),
     ),
 }
 
