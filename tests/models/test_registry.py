@@ -1,0 +1,35 @@
+"""The architecture registry: every entry resolves to a model class; anything else is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.models.registry import get_model_class, supported_architectures
+
+
+@pytest.mark.parametrize("architecture", supported_architectures())
+def test_every_registered_architecture_imports(architecture):
+    cls = get_model_class(architecture)
+    assert isinstance(cls, type) and hasattr(cls, "load_weights")
+
+
+def test_unknown_architecture_names_it_and_the_supported_list():
+    with pytest.raises(ValueError) as err:
+        get_model_class("InternLM2ForCausalLM")
+    message = str(err.value)
+    assert "'InternLM2ForCausalLM' is not supported" in message
+    for name in ("OPTForCausalLM", "Gemma2ForCausalLM", "LlamaForCausalLM"):
+        assert name in message
+
+
+def test_llm_refuses_an_unknown_architecture(tmp_path):
+    """The error reaches the user from LLM(...) before any weight is read."""
+    import transformers
+
+    from pagedllm import LLM
+
+    config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    config.architectures = ["FooForCausalLM"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'FooForCausalLM' is not supported; supported: \[.*'OPTForCausalLM'"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
