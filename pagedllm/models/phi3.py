@@ -1,5 +1,5 @@
 """Phi-3 / Phi-4-mini: the Llama architecture with q/k/v (qkv_proj) and gate/up (gate_up_proj) stored fused in the
-checkpoint, as pagedllm lays them out, and rotary over the first partial_rotary_factor of each head."""
+checkpoint, as pagedllm lays them out, rotary over the first partial_rotary_factor of each head, and LongRoPE."""
 
 from __future__ import annotations
 
@@ -39,7 +39,15 @@ class Phi3Model(LlamaModel):
     ) -> None:
         super().__init__(config, quant_config, prefix, max_position=max_position)
         rot_dim = partial_rotary_dim(config, head_dim_of(config))
-        self.rotary_emb = RotaryEmbedding(rot_dim, max_position, *rope_parameters(config))
+        theta, scaling = rope_parameters(config)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+            original = scaling.get("original_max_position_embeddings") or config.original_max_position_embeddings
+            extra = {
+                "original_max_position_embeddings": original,
+                "max_position_embeddings": config.max_position_embeddings,
+            }
+            scaling = {**scaling, **extra}
+        self.rotary_emb = RotaryEmbedding(rot_dim, max_position, theta, scaling)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

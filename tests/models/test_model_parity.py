@@ -130,6 +130,21 @@ CASES = {
         T.FalconForCausalLM,
         dict(TINY_FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True),
     ),
+    "phi3-longrope": (  # positions stay under original_max_position_embeddings: the short factors, scaled cos/sin
+        T.Phi3Config,
+        T.Phi3ForCausalLM,
+        dict(
+            TINY_DECODER,
+            pad_token_id=0,
+            eos_token_id=1,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+        ),
+    ),
 }
 
 

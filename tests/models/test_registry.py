@@ -33,3 +33,15 @@ def test_llm_refuses_an_unknown_architecture(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"'FooForCausalLM' is not supported; supported: \[.*'OPTForCausalLM'"):
         LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
+
+
+def test_pooling_refuses_alibi_attention(tmp_path):
+    """The pooling path attends with plain SDPA: a model with ALiBi (or soft-capping) is refused when built."""
+    import transformers
+
+    from pagedllm import LLM
+
+    config = transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=32)
+    transformers.BloomForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="BloomForCausalLM cannot run as a pooling model: .*ALiBi"):
+        LLM(str(tmp_path), task="embed", skip_tokenizer_init=True)
