@@ -213,6 +213,8 @@ def test_greedy_and_logprobs_equal(tiny):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     for batch in (prompts, [prompts[3] + [7, 11, 13]]):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        if len(batch) == 1:  # the 7 full blocks of prompts[3] came from the cache
+            assert outs[0].num_cached_tokens >= 28, outs[0].num_cached_tokens
         for p, out in zip(batch, outs):
             ref_tokens, ref_logprobs = _hf_greedy(hf, p, 16)
             got = out.outputs[0]
