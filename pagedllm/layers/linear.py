@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.build_context import current_build_context, divide
-from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 
 # Batches of up to this many tokens take the AMX tile kernel (cpu_matmul.c): it reads the weights once per call and
 # beat oneDNN's matmul at 1-64 rows (one call of each of SmolLM2's linears at 64 rows, weights in cache: 31/22/115/43
@@ -70,14 +70,14 @@ class DenseLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
-class OneDNNLinearMethod(DenseLinearMethod):
+class OneDNNLinearMethod(LinearMethodVariant):
     """The dense weight reordered for oneDNN's CPU matmul (layer.cpu_weight)."""
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, layer.cpu_weight, layer.bias)
 
 
-class TiledLinearMethod(DenseLinearMethod):
+class TiledLinearMethod(LinearMethodVariant):
     """Batches of up to TILE_ROWS tokens on AMX tiles (layer.cpu_tiles, layer.tile_bias), larger ones by `large`."""
 
     def __init__(self, large: LinearMethod) -> None:

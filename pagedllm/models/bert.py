@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -15,17 +15,16 @@ from pagedllm.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
 )
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix
+from pagedllm.models.utils import join_prefix, load_weights
 
-# HF name fragment -> (our fragment, shard id of the fused projection)
-_RENAMES = [
-    (".attention.self.query.", ".attention.qkv_proj.", "q"),
-    (".attention.self.key.", ".attention.qkv_proj.", "k"),
-    (".attention.self.value.", ".attention.qkv_proj.", "v"),
+# (our fragment, HF fragment, shard id) of the fused q/k/v projection
+_STACKED = [
+    (".attention.qkv_proj.", ".attention.self.query.", "q"),
+    (".attention.qkv_proj.", ".attention.self.key.", "k"),
+    (".attention.qkv_proj.", ".attention.self.value.", "v"),
 ]
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GELU approximation
 
@@ -235,38 +234,21 @@ class BertForSequenceClassification(nn.Module):
         return load_bert_weights(self, weights, prefix="bert.")
 
 
-def _our_name(hf_name: str, prefix: str) -> tuple[str, object]:
-    """HF checkpoint name -> (our parameter name, shard id or None)."""
-    name = hf_name.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
-    if prefix and not name.startswith(prefix) and not name.startswith("classifier."):
-        name = prefix + name  # an encoder saved without its "bert." prefix
-    if not prefix and name.startswith("bert."):
-        name = name[len("bert.") :]  # BertModel weights taken from a task model
-    for theirs, ours, shard in _RENAMES:
-        if theirs in name:
-            return name.replace(theirs, ours), shard
-    return name, None
+def _renamer(prefix: str) -> Callable[[str], str]:
+    """HF checkpoint name -> our parameter name, before the fused q/k/v (_STACKED)."""
+
+    def rename(hf_name: str) -> str:
+        name = hf_name.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
+        if prefix and not name.startswith(prefix) and not name.startswith("classifier."):
+            name = prefix + name  # an encoder saved without its "bert." prefix
+        if not prefix and name.startswith("bert."):
+            name = name[len("bert.") :]  # BertModel weights taken from a task model
+        return name
+
+    return rename
 
 
 def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
     """Copies HF BERT weights into `model` (q/k/v fused); heads the model does not have (MLM, NSP, an unused
     pooler) are skipped. Returns the parameter names loaded completely."""
-    params = dict(model.named_parameters())
-    shards: dict[str, set] = {}
-    loaded: set[str] = set()
-    for hf_name, tensor in weights:
-        name, shard = _our_name(hf_name, prefix)
-        if name not in params:
-            if name.endswith("position_ids") or name.startswith(("cls.", "pooler.", "bert.pooler.")):
-                continue
-            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-        param = params[name]
-        if shard is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
-            continue
-        param.weight_loader(param, tensor, shard)
-        shards.setdefault(name, set()).add(shard)
-        if shards[name] == {"q", "k", "v"}:
-            loaded.add(name)
-    return loaded
+    return load_weights(model, weights, _STACKED, _renamer(prefix), ignore=("position_ids", "cls.", "pooler."))

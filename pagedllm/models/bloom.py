@@ -15,7 +15,7 @@ from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import join_prefix, load_weights, regroup_per_head_qkv, tied_ignore
 
 
 class BloomAttention(nn.Module):
@@ -91,12 +91,10 @@ class BloomForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         num_heads = self.config.num_attention_heads
 
-        def rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-            if not name.startswith(("transformer.", "lm_head.")):  # checkpoints saved from BloomModel
-                name = "transformer." + name
-            if ".query_key_value." in name:  # [(head, qkv, head_dim), ...] -> [(qkv, head, head_dim), ...]
-                rest = tensor.shape[1:]
-                tensor = tensor.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-            return name, tensor
+        def rename(name: str) -> str:  # checkpoints saved from BloomModel lack the prefix
+            return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
-        return load_weights(self, weights, ("lm_head.",) if self.tied else (), rename)
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return regroup_per_head_qkv(tensor, num_heads) if ".query_key_value." in name else tensor
+
+        return load_weights(self, weights, rename=rename, ignore=tied_ignore(self.tied), convert=convert)

@@ -16,7 +16,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, num_kv_heads_of
+from pagedllm.models.utils import join_prefix, load_weights, num_kv_heads_of, regroup_per_head_qkv, tied_ignore
 
 
 class FalconAttention(nn.Module):
@@ -123,12 +123,12 @@ class FalconForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ("lm_head.",) if self.tied else (), self._rename)
+        return load_weights(self, weights, ignore=tied_ignore(self.tied), convert=self._convert)
 
-    def _rename(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Regroups the fused q/k/v rows to [q, k, v] (multi-query checkpoints have them so already)."""
         if ".query_key_value." not in name:
-            return name, tensor
+            return tensor
         config, rest = self.config, tensor.shape[1:]
         num_heads = config.num_attention_heads
         if config.new_decoder_architecture:  # [(kv_head, (q x group, k, v), head_dim)]
@@ -137,5 +137,5 @@ class FalconForCausalLM(nn.Module):
             q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
             tensor = torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)])
         elif not config.multi_query:  # [(head, (q, k, v), head_dim)]
-            tensor = tensor.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-        return name, tensor
+            tensor = regroup_per_head_qkv(tensor, num_heads)
+        return tensor

@@ -14,7 +14,7 @@ from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
 
 CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # stored transposed
 
@@ -102,19 +102,14 @@ class GPT2LMHeadModel(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ("lm_head.",) if self.tied else (), self.rename)
+        ignore = (*tied_ignore(self.tied), ".attn.bias", ".attn.masked_bias")  # old checkpoints' mask buffers
+        return load_weights(self, weights, rename=_rename, ignore=ignore, convert=self.convert)
 
-    def rename(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        return _rename(name, tensor)
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The Conv1D weights to [out, in]."""
+        return tensor.t() if name.endswith(CONV1D) else tensor
 
 
-def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-    """Adds the `transformer.` prefix that checkpoints saved from GPT2Model lack, drops the attention-mask buffers
-    (attn.bias, attn.masked_bias) and transposes the Conv1D weights to [out, in]."""
-    if name.endswith((".attn.bias", ".attn.masked_bias")):
-        return None
-    if not name.startswith(("transformer.", "lm_head.")):
-        name = "transformer." + name
-    if name.endswith(CONV1D):
-        tensor = tensor.t()
-    return name, tensor
+def _rename(name: str) -> str:
+    """Adds the `transformer.` prefix that checkpoints saved from GPT2Model lack."""
+    return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name

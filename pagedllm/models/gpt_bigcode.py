@@ -10,7 +10,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.gpt2 import GPT2Block, GPT2LMHeadModel, GPT2Model
-from pagedllm.models.utils import join_prefix
+from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
 
 
 class GPTBigCodeAttention(nn.Module):
@@ -43,9 +43,8 @@ class GPTBigCodeModel(GPT2Model):
 class GPTBigCodeForCausalLM(GPT2LMHeadModel):
     model_cls = GPTBigCodeModel
 
-    def rename(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """Without multi-query, c_attn's rows are [(head, (q, k, v), head_dim)]: regrouped to q, k, v."""
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Plain Linear weights; without multi-query, c_attn's rows are per head: regrouped to q, k, v."""
         if ".c_attn." in name and not self.config.multi_query:
-            rest = tensor.shape[1:]
-            tensor = tensor.reshape(self.config.num_attention_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-        return name, tensor
+            return regroup_per_head_qkv(tensor, self.config.num_attention_heads)
+        return tensor

@@ -21,7 +21,7 @@ from pagedllm.layers.rotary_embedding import (
     rope_parameters,
 )
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import join_prefix, load_weights, regroup_per_head_qkv, tied_ignore
 
 
 class GPTNeoXAttention(nn.Module):
@@ -111,12 +111,8 @@ class GPTNeoXForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         num_heads = self.config.num_attention_heads
 
-        def rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-            if name.endswith((".attention.bias", ".attention.masked_bias")):  # old checkpoints' mask buffers
-                return None
-            if ".query_key_value." in name:  # [(head, qkv, head_dim), ...] -> [(qkv, head, head_dim), ...]
-                rest = tensor.shape[1:]
-                tensor = tensor.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-            return name, tensor
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return regroup_per_head_qkv(tensor, num_heads) if ".query_key_value." in name else tensor
 
-        return load_weights(self, weights, ("embed_out.",) if self.tied else (), rename)
+        ignore = (*tied_ignore(self.tied, "embed_out."), ".attention.bias", ".attention.masked_bias")  # mask buffers
+        return load_weights(self, weights, ignore=ignore, convert=convert)

@@ -16,7 +16,7 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_partial_rotary
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.phi import BiasedLMHead
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
 
 
 def rotary_dim_of(config) -> int:
@@ -99,9 +99,5 @@ class GPTJForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # old checkpoints' mask buffers
-                return None
-            return name, tensor
-
-        return load_weights(self, weights, ("lm_head.weight",) if self.tied else (), rename)
+        ignore = (*tied_ignore(self.tied, "lm_head.weight"), ".attn.bias", ".attn.masked_bias")  # mask buffers
+        return load_weights(self, weights, ignore=ignore)

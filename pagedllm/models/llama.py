@@ -14,7 +14,14 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, norm_eps_of, sliding_window_for_layer
+from pagedllm.models.utils import (
+    head_dim_of,
+    join_prefix,
+    load_weights,
+    norm_eps_of,
+    sliding_window_for_layer,
+    tied_ignore,
+)
 
 
 class LlamaMLP(nn.Module):
@@ -168,4 +175,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)  # [n, vocab] float32 (model dtype: upcast=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, skip=("lm_head.",) if self.tied else ())
+        return load_weights(self, weights, ignore=tied_ignore(self.tied))

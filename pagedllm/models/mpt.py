@@ -15,7 +15,7 @@ from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
 
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float) -> torch.Tensor:
@@ -104,4 +104,4 @@ class MPTForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ("lm_head.",) if self.tied else (), stacked=[])  # up_proj is no shard
+        return load_weights(self, weights, stacked=[], ignore=tied_ignore(self.tied))  # ffn.up_proj is no shard

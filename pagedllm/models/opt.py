@@ -14,7 +14,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
 
 
 class OPTAttention(nn.Module):
@@ -115,12 +115,12 @@ class OPTForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ("lm_head.",) if self.tied else (), _rename)
+        return load_weights(self, weights, rename=_rename, ignore=tied_ignore(self.tied))
 
 
-def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+def _rename(name: str) -> str:
     """Checkpoints saved from OPTModel name the decoder without the `model.` prefix (facebook/opt-*); the MLP's
     fc1/fc2 live in its `mlp` here."""
     if name.startswith("decoder."):
         name = "model." + name
-    return name.replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2."), tensor
+    return name.replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2.")

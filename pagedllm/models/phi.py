@@ -16,7 +16,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_partial_rotary, partial_rotary_dim, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, num_kv_heads_of
+from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, num_kv_heads_of, tied_ignore
 
 
 class PhiAttention(nn.Module):
@@ -116,4 +116,4 @@ class PhiForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ("lm_head.weight",) if self.tied else ())
+        return load_weights(self, weights, ignore=tied_ignore(self.tied, "lm_head.weight"))

@@ -19,43 +19,49 @@ STACKED_PARAMS = [
 ]
 
 
+def stacked_name(name: str, stacked: list[tuple[str, str, object]]) -> tuple[str, object]:
+    """(our parameter name, shard id or None) of a checkpoint name, through the first matching `stacked` entry."""
+    for ours, theirs, shard_id in stacked:
+        if theirs in name:
+            return name.replace(theirs, ours), shard_id
+    return name, None
+
+
 def load_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    skip: tuple[str, ...] = (),
-    rename: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None] | None = None,
     stacked: list[tuple[str, str, object]] = STACKED_PARAMS,
+    rename: Callable[[str], str] | None = None,
+    ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> set[str]:
-    """Copies each (hf_name, tensor) into its parameter; returns the names of the parameters loaded completely
-    (a merged projection only once every one of its shards came). `rename` maps a checkpoint entry to the one to
-    load (a model's own names or layouts), or None to drop it. `stacked`: the projections merged on load."""
+    """Hands each (hf_name, tensor) to its parameter's `weight_loader` (which takes its slice): the name as
+    `rename` makes it, a projection merged into one matmul (`stacked`) going to the merged parameter with its shard
+    id. A tensor that has no parameter is skipped where its name contains one of `ignore` (buffers HF saves, heads
+    the model has not), else refused. `convert(name, tensor)` rearranges a tensor stored in another layout (by its
+    renamed name: a transposed Conv1D, q/k/v interleaved per head). Returns the parameters loaded completely (a
+    merged one once all shards came)."""
     params = dict(model.named_parameters())
     shards: dict[str, set] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:
-        if rename is not None:
-            renamed = rename(hf_name, tensor)
-            if renamed is None:
+        name = rename(hf_name) if rename is not None else hf_name
+        if convert is not None:
+            tensor = convert(name, tensor)
+        name, shard_id = stacked_name(name, stacked)
+        param = params.get(name)
+        if param is None:
+            if any(s in name for s in ignore):
                 continue
-            hf_name, tensor = renamed
-        if any(s in hf_name for s in skip) or "rotary_emb.inv_freq" in hf_name:
-            continue
-        name, shard_id = hf_name, None
-        for ours, theirs, sid in stacked:
-            if theirs in hf_name:
-                name, shard_id = hf_name.replace(theirs, ours), sid
-                break
-        if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-        param = params[name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
         if shard_id is None:
-            getattr(param, "weight_loader", lambda p, t: default_weight_loader(p, t))(param, tensor)
+            loader(param, tensor)
             loaded.add(name)
             continue
-        param.weight_loader(param, tensor, shard_id)
+        loader(param, tensor, shard_id)
         shards.setdefault(name, set()).add(shard_id)
-        expected = {s for ours, _, s in stacked if ours in name}
-        if shards[name] == expected:
+        if shards[name] == {s for ours, _, s in stacked if ours in name}:
             loaded.add(name)
     return loaded
 
@@ -86,6 +92,18 @@ def num_kv_heads_of(config: object) -> int:
     if getattr(config, "multi_query", False):
         return 1
     return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+def regroup_per_head_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Fused q/k/v rows stored per head [(head, (q, k, v), head_dim), ...] -> [(q|k|v, head, head_dim), ...]
+    (GPT-NeoX, BLOOM, Falcon, GPTBigCode without multi-query)."""
+    rest = tensor.shape[1:]
+    return tensor.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
+
+
+def tied_ignore(tied: bool, head: str = "lm_head.") -> tuple[str, ...]:
+    """load_weights' `ignore` of a model whose LM head may be tied to the embedding (then it has no own weight)."""
+    return ("rotary_emb.inv_freq", head) if tied else ("rotary_emb.inv_freq",)
 
 
 def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:

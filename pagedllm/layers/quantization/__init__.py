@@ -7,10 +7,11 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 
 __all__ = [
     "LinearMethod",
+    "LinearMethodVariant",
     "QuantizationConfig",
     "get_quantization_config",
     "quantization_config_from_hf",

@@ -33,6 +33,13 @@ class LinearMethod(ABC):
         """x [..., in_features] -> [..., out_features] with the layer's bias (if any) added."""
 
 
+class LinearMethodVariant(LinearMethod):
+    """A method that `process_weights_after_loading` chose: the layer's weights are already made and processed."""
+
+    def create_weights(self, layer: LinearBase, input_size: int, output_sizes: list[int]) -> None:
+        raise TypeError(f"{type(self).__name__} is chosen after loading; build the layer with its loading method")
+
+
 class QuantizationConfig(ABC):
     """A checkpoint's quantization: which method each linear layer takes."""
 

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.layers.linear import DenseLinearMethod, LinearBase, pack_dense
 from pagedllm.layers.q4_linear import MAX_ROWS, PackedQ4, Q4Accumulator, q4_matmul
-from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 
 
 class Q4LinearMethod(DenseLinearMethod):
@@ -45,7 +45,7 @@ class Q4LinearMethod(DenseLinearMethod):
         return Q4KernelMethod(large)
 
 
-class Q4KernelMethod(Q4LinearMethod):
+class Q4KernelMethod(LinearMethodVariant):
     """Batches of up to MAX_ROWS tokens through the int4 kernel, larger ones by `large` (the dense packing)."""
 
     def __init__(self, large: LinearMethod) -> None:
