@@ -32,8 +32,8 @@ class Attention(nn.Module):
         self.extras: dict = {}
         if logits_soft_cap:
             self.extras["logits_soft_cap"] = float(logits_soft_cap)
-        if alibi_slopes is not None:
-            self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)  # [num_heads]
+        slopes = alibi_slopes.float() if alibi_slopes is not None else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)  # [num_heads] or None
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim], bound later
         self.backend = None  # module with forward(q, k, v, kv_cache, meta, scale, sliding_window), bound later
 
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         """q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim] -> same shape as q."""
         n = q.shape[0]
         extras = self.extras
-        if hasattr(self, "alibi_slopes"):
+        if self.alibi_slopes is not None:
             extras = {**extras, "alibi_slopes": self.alibi_slopes}
         out = self.backend.forward(
             q.view(n, self.num_heads, self.head_dim),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers.layernorm import LayerNorm
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import apply_qk_rotary
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -15,8 +16,14 @@ def olmo_norm(hidden_size: int, eps: float = 1e-5) -> LayerNorm:
 
 
 class OlmoAttention(LlamaAttention):
+    def __init__(
+        self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
+        super().__init__(config, layer_idx, quant_config, prefix)
+        self.clip_qkv = getattr(config, "clip_qkv", None)
+
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        clip = getattr(self, "clip_qkv", None)
+        clip = self.clip_qkv
         qkv = self.qkv_proj(x)
         if clip is not None:
             qkv = qkv.clamp(-clip, clip)
@@ -26,10 +33,6 @@ class OlmoAttention(LlamaAttention):
             q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), rope
         )
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
-
-    def make_attention(self, config, layer_idx: int):
-        self.clip_qkv = getattr(config, "clip_qkv", None)
-        return super().make_attention(config, layer_idx)
 
 
 class OlmoDecoderLayer(LlamaDecoderLayer):

@@ -33,7 +33,7 @@ class PoolingRunner:
         self.model = get_model(config.model, self.device)
         for layer in self.model.modules():
             if isinstance(layer, Attention):
-                if layer.extras or hasattr(layer, "alibi_slopes"):  # the encoder backend has plain SDPA only
+                if layer.extras or layer.alibi_slopes is not None:  # the encoder backend has plain SDPA only
                     raise ValueError(
                         f"{config.model.architecture} cannot run as a pooling model: its attention uses logits "
                         "soft-capping or ALiBi, which the pooling path does not compute"
