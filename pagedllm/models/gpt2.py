@@ -14,7 +14,7 @@ from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
+from pagedllm.models.utils import check_learned_positions, join_prefix, load_weights, tied_ignore
 
 CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # stored transposed
 
@@ -88,6 +88,7 @@ class GPT2LMHeadModel(nn.Module):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
         super().__init__()
+        check_learned_positions(config, max_position)
         self.config = config
         self.transformer = self.model_cls(config, quant_config, join_prefix(prefix, "transformer"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

@@ -14,7 +14,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
+from pagedllm.models.utils import check_learned_positions, join_prefix, load_weights, tied_ignore
 
 
 class OPTAttention(nn.Module):
@@ -101,6 +101,7 @@ class OPTForCausalLM(nn.Module):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
         super().__init__()
+        check_learned_positions(config, max_position)
         self.config = config
         self.model = OPTModel(config, quant_config, join_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)

@@ -106,6 +106,14 @@ def tied_ignore(tied: bool, head: str = "lm_head.") -> tuple[str, ...]:
     return ("rotary_emb.inv_freq", head) if tied else ("rotary_emb.inv_freq",)
 
 
+def check_learned_positions(config: object, max_position: int) -> None:
+    """A model with a learned position table cannot serve positions past it: refuse a longer max_model_len."""
+    table = int(config.max_position_embeddings)
+    if max_position > table:
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise ValueError(f"max_model_len={max_position} must be <= {table}: {arch} has {table} learned positions")
+
+
 def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:
     """The sliding-window size of one layer, or None for full attention (HF's layer_types / use_sliding_window)."""
     window = getattr(config, "sliding_window", None)
