@@ -28,6 +28,7 @@ _MODELS = {
     "MPTForCausalLM": ("mpt", "MPTForCausalLM"),
     "MptForCausalLM": ("mpt", "MPTForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
+    "InternLM2ForCausalLM": ("internlm2", "InternLM2ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }

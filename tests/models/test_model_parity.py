@@ -6,14 +6,23 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_BLOOM, TINY_DECODER, TINY_FALCON, TINY_GPT2, TINY_MHA, TINY_OPT, save_tiny_decoder
+from tiny_models import (
+    TINY_BLOOM,
+    TINY_DECODER,
+    TINY_FALCON,
+    TINY_GPT2,
+    TINY_MHA,
+    TINY_OPT,
+    as_internlm2_checkpoint,
+    save_tiny_decoder,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
 T = transformers
-# name -> (HF config class, HF model class, config kwargs)
+# name -> (HF config class, HF model class, config kwargs[, rewrite of the saved checkpoint for pagedllm])
 CASES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER)),
     "llama3-rope-tied": (
@@ -145,13 +154,17 @@ CASES = {
             },
         ),
     ),
+    # transformers has no InternLM2: HF's Llama on the same weights, saved in InternLM2's layout for pagedllm
+    "internlm2": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER), as_internlm2_checkpoint),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
-    config_cls, model_cls, kwargs = CASES[request.param]
+    config_cls, model_cls, kwargs, *rewrite = CASES[request.param]
     hf, path = save_tiny_decoder(request.param, config_cls, model_cls, kwargs, tmp_path_factory)
+    for fn in rewrite:
+        fn(path)
     llm = LLM(
         path,
         dtype="float32",
