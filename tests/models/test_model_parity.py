@@ -1,4 +1,6 @@
-"""Tiny random-weight models of each architecture: pagedllm's logits and greedy tokens against HF transformers."""
+"""Tiny random-weight models of each architecture against HF transformers in float32: all-position logits, and
+greedy tokens with their logprobs through the engine (chunked prefill, prefix caching). One row of CASES per
+architecture variant; a new architecture adds rows here."""
 
 from __future__ import annotations
 
