@@ -102,8 +102,9 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
-        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        from pagedllm.models.utils import num_kv_heads_of
+
+        return num_kv_heads_of(self.hf_config)
 
     @property
     def head_dim(self) -> int:

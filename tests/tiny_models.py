@@ -33,3 +33,63 @@ def save_tiny_decoder(name: str, config_cls, model_cls, kwargs: dict, tmp_path_f
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     return hf, str(path)
+
+
+TINY_OPT = dict(  # OPT's own field names
+    hidden_size=64,
+    ffn_dim=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=320,
+    max_position_embeddings=256,
+    word_embed_proj_dim=64,
+)
+
+TINY_GPT2 = dict(n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=320, n_positions=256)
+
+TINY_MHA = {k: v for k, v in TINY_DECODER.items() if k != "num_key_value_heads"}  # families without GQA
+
+TINY_BLOOM = dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=320)
+
+TINY_FALCON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320, ffn_hidden_size=96)
+
+
+def as_internlm2_checkpoint(path: str) -> None:
+    """Rewrites a saved HF Llama checkpoint in InternLM2's layout (its names, q/k/v fused per KV group in wqkv):
+    the same model, so HF's Llama stays the oracle for an architecture transformers does not ship."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // heads
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    out = {}
+    for name, tensor in weights.items():
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            q = tensor.reshape(kv_heads, heads // kv_heads, head_dim, -1)
+            k = weights[name.replace("q_proj", "k_proj")].reshape(kv_heads, 1, head_dim, -1)
+            v = weights[name.replace("q_proj", "v_proj")].reshape(kv_heads, 1, head_dim, -1)
+            tensor = torch.cat([q, k, v], dim=1).reshape(-1, tensor.shape[-1])  # [kv_head, (q..., k, v), head_dim]
+            name = name.replace(".self_attn.q_proj.", ".attention.wqkv.")
+        for llama, internlm2 in (
+            ("model.embed_tokens.", "model.tok_embeddings."),
+            (".self_attn.o_proj.", ".attention.wo."),
+            (".mlp.gate_proj.", ".feed_forward.w1."),
+            (".mlp.up_proj.", ".feed_forward.w3."),
+            (".mlp.down_proj.", ".feed_forward.w2."),
+            (".input_layernorm.", ".attention_norm."),
+            (".post_attention_layernorm.", ".ffn_norm."),
+            ("lm_head.", "output."),
+        ):
+            name = name.replace(llama, internlm2)
+        out[name] = tensor.contiguous()
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.update(architectures=["InternLM2ForCausalLM"], bias=False)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)

@@ -148,7 +148,12 @@ def forward(
     meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Scores are q.k * scale, then cap * tanh(scores / cap) with a soft cap, plus slope * (key_pos - q_pos) with
+    ALiBi slopes; causal, within the sliding window when there is one. The C kernels compute neither extra: with
+    one, every row attends on the torch-op path."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     block_size = kv_cache.shape[3] // head_dim
     in_c = cpu_kernels.supports(q, num_kv_heads, block_size)
@@ -156,6 +161,8 @@ def forward(
         cpu_kernels.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
     else:
         _write_kv(k, v, kv_cache, meta.slot_mapping)
+    extras = Extras(logits_soft_cap, alibi_slopes)
+    in_c = in_c and extras.none
     out = torch.empty_like(q)
     if in_c and meta.paged_token_idx is not None:
         cpu_kernels.decode_attention(
@@ -171,13 +178,13 @@ def forward(
         )
     elif meta.num_decodes:
         rows = meta.paged_token_idx[: meta.num_decodes]
-        out[rows] = _decode(q[rows], kv_cache, meta, scale, sliding_window)
+        out[rows] = _decode(q[rows], kv_cache, meta, scale, sliding_window, extras)
     for chunk in meta.prefills:
         if in_c and chunk.paged:
             continue
         # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
         qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
-        if chunk.context_len == 0 and sliding_window is None:
+        if chunk.context_len == 0 and sliding_window is None and extras.none:
             kc = _heads_first(k[chunk.q_start : chunk.q_end]).unsqueeze(0)
             vc = _heads_first(v[chunk.q_start : chunk.q_end]).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
@@ -193,11 +200,47 @@ def forward(
                 kc, vc = kc[:, :seq_len].contiguous(), vc[:, :seq_len].contiguous()
                 q_pos = chunk.positions
             mask = _window_mask(q_pos, kc.shape[1], sliding_window)
-            o = F.scaled_dot_product_attention(
-                qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            if extras.none:
+                o = F.scaled_dot_product_attention(
+                    qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            else:
+                o = _attend_with_extras(qc[0], kc, vc, q_pos, mask, scale, extras)[None]
         out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
     return out
+
+
+@dataclass
+class Extras:
+    """The score transforms beyond scale and mask: a soft cap, ALiBi slopes [num_heads]."""
+
+    logits_soft_cap: float | None
+    alibi_slopes: torch.Tensor | None
+
+    @property
+    def none(self) -> bool:
+        return not self.logits_soft_cap and self.alibi_slopes is None
+
+    def apply(self, scores: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, slope_shape: tuple) -> None:
+        """In place on float32 scores whose last dim is the keys; q_pos and the slopes (viewed as slope_shape)
+        broadcast against them."""
+        if self.logits_soft_cap:
+            cap = self.logits_soft_cap
+            scores.div_(cap).tanh_().mul_(cap)
+        if self.alibi_slopes is not None:
+            scores.add_(self.alibi_slopes.view(slope_shape) * (k_pos - q_pos).float())
+
+
+def _attend_with_extras(q, k, v, q_pos, mask, scale, extras: Extras) -> torch.Tensor:
+    """One prefill chunk in plain ops: q [num_heads, q_len, head_dim], k/v [num_kv_heads, k_len, head_dim],
+    mask [q_len, k_len] bool -> [num_heads, q_len, head_dim]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [num_heads, q_len, k_len]
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    extras.apply(scores, q_pos[None, :, None], k_pos, (-1, 1, 1))
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
 def _write_kv(k, v, kv_cache, slot_mapping):
@@ -208,7 +251,7 @@ def _write_kv(k, v, kv_cache, slot_mapping):
     slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _decode(q, kv_cache, meta, scale, sliding_window):
+def _decode(q, kv_cache, meta, scale, sliding_window, extras: Extras):
     """The decodes (one query token each), all at once over their gathered cache blocks, in torch ops.
 
     Grouped-query math with two batched matmuls, batched over (kv head, row): on CPU much faster than SDPA's
@@ -227,6 +270,11 @@ def _decode(q, kv_cache, meta, scale, sliding_window):
     group = num_heads // num_kv_heads
     qg = q.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
     scores = torch.bmm(qg, kd.transpose(1, 2)).float() * scale  # [(kv_head, row), group, len]
+    if not extras.none:
+        lens = meta.paged_seq_lens[: meta.num_decodes]
+        q_pos = (lens - 1)[None, :, None, None]  # [1, num_rows, 1, 1]
+        k_pos = torch.arange(seq_len, device=q.device)
+        extras.apply(scores.view(num_kv_heads, num_rows, group, seq_len), q_pos, k_pos, (num_kv_heads, 1, group, 1))
     bias = _decode_bias(meta, seq_len, sliding_window)
     if bias is not None:
         scores.view(num_kv_heads, num_rows, group, seq_len).add_(bias)

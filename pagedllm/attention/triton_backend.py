@@ -2,8 +2,9 @@
 
 Same interface as the torch backend: `build_metadata(layout)` once per step (every tensor on the device, built from
 the host arrays of the layout, so no host sync happens inside the forward), then `forward(q, k, v, kv_cache, meta,
-scale, sliding_window)` per layer: one launch writes the new K/V to the cache, one launch of the unified kernel
-attends for all prefill chunks and decodes of the batch, plus one reduce launch when split-K is on."""
+scale, sliding_window, logits_soft_cap=None, alibi_slopes=None)` per layer: one launch writes the new K/V to the
+cache, one launch of the unified kernel attends for all prefill chunks and decodes of the batch, plus one reduce
+launch when split-K is on."""
 
 from __future__ import annotations
 
@@ -151,6 +152,8 @@ def forward(
     meta: TritonAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     write_kv(k, v, kv_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
@@ -186,6 +189,9 @@ def forward(
         meta.num_reqs,
         num_heads,
         scale * math.log2(math.e),
+        scale / logits_soft_cap if logits_soft_cap else 0.0,
+        logits_soft_cap * math.log2(math.e) if logits_soft_cap else 0.0,
+        alibi_slopes if alibi_slopes is not None else q,  # q: an unused placeholder
         sliding_window or 0,
         num_splits,
         q.stride(0),
@@ -206,6 +212,8 @@ def forward(
         BLOCK_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=bool(logits_soft_cap),
+        USE_ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -54,6 +54,9 @@ def unified_attention_kernel(
     num_reqs,
     num_heads,
     scale_log2,  # softmax scale * log2(e)
+    softcap_scale,  # softmax scale / cap (USE_SOFTCAP only)
+    softcap_log2,  # cap * log2(e) (USE_SOFTCAP only)
+    alibi_slopes_ptr,  # [num_heads] fp32 (USE_ALIBI only)
     sliding_window,  # keys with q_pos - key_pos >= sliding_window are hidden (USE_WINDOW only)
     num_splits,  # key-range splits (SPLIT only)
     stride_q_tok,
@@ -74,6 +77,8 @@ def unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,  # scores become cap * tanh(scores / cap)
+    USE_ALIBI: tl.constexpr,  # scores gain slope[head] * (key_pos - q_pos)
     IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -98,6 +103,8 @@ def unified_attention_kernel(
     q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
     q_pos = context + q_idx  # [BLOCK_M] absolute position of each row's query
+    if USE_ALIBI:
+        slopes_log2 = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634  # [BLOCK_M]
 
     hi = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys [lo, hi) are visible to some row
     lo = 0
@@ -125,7 +132,12 @@ def unified_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale_log2  # [BLOCK_M, BLOCK_N]
+        if USE_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating to +-1 without overflow
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * softcap_scale) + 1.0))
+        else:
+            s = s * scale_log2  # [BLOCK_M, BLOCK_N]
+        if USE_ALIBI:
+            s += slopes_log2[:, None] * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if USE_WINDOW:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -9,19 +11,38 @@ from pagedllm.forward_context import get_attn_metadata
 
 
 class Attention(nn.Module):
+    """Causal attention over the paged cache. Options beyond the scale and window: `logits_soft_cap` (scores become
+    cap * tanh(scores / cap), Gemma 2) and `alibi_slopes` ([num_heads] float32: score + slope * (key_pos - q_pos),
+    Bloom / MPT); they reach the backend as keyword arguments only when set."""
+
     def __init__(
-        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.extras: dict = {}
+        if logits_soft_cap:
+            self.extras["logits_soft_cap"] = float(logits_soft_cap)
+        slopes = alibi_slopes.float() if alibi_slopes is not None else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)  # [num_heads] or None
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim], bound later
         self.backend = None  # module with forward(q, k, v, kv_cache, meta, scale, sliding_window), bound later
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim] -> same shape as q."""
         n = q.shape[0]
+        extras = self.extras
+        if self.alibi_slopes is not None:
+            extras = {**extras, "alibi_slopes": self.alibi_slopes}
         out = self.backend.forward(
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
@@ -30,5 +51,18 @@ class Attention(nn.Module):
             get_attn_metadata(),
             self.scale,
             self.sliding_window,
+            **extras,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes [num_heads] (Press et al.; for a head count that is not a power of two, the
+    power-of-two sequence followed by every other slope of the next one), as Bloom and MPT compute them."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** (2 * i + 1) for i in range(min(closest, num_heads - closest))]
+    return torch.tensor(slopes, dtype=torch.float32)

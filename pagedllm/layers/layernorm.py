@@ -1,8 +1,9 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (and Gemma's 1 + weight form) and LayerNorm, optionally fused with the residual add before them."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_kernels, use_triton
@@ -33,3 +34,29 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + weight): the checkpoint's weight plus one, added once after loading."""
+
+    def process_weights_after_loading(self) -> None:
+        self.weight.data += 1.0
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (and optionally no affine weight at all), with RMSNorm's residual form."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, affine: bool = True) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if affine else None
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if affine and bias else None
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            residual = x + residual
+            return F.layer_norm(residual, (self.hidden_size,), self.weight, self.bias, self.eps), residual
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)

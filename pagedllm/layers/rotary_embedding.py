@@ -49,18 +49,45 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
     raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
 
 
+def _longrope_inv_freqs(head_dim: int, theta: float, scaling: dict) -> tuple[list[torch.Tensor], float, int]:
+    """LongRoPE (Phi-3): ([short, long] inverse frequencies, the cos/sin scale, original_max_position_embeddings).
+    `factor` defaults to max_position_embeddings / original_max_position_embeddings, as HF derives it."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
+    mscale = scaling.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [head_dim/2]
+    inv = [1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base) for key in ("short_factor", "long_factor")]
+    return inv, float(mscale), original
+
+
 class RotaryEmbedding(nn.Module):
-    """One per model: the cos/sin tables, looked up once per forward and shared by every layer."""
+    """One per model: the cos/sin tables, looked up once per forward and shared by every layer.
+
+    LongRoPE keeps two tables one after the other (short factors, then long ones); a forward whose positions all
+    lie within original_max_position_embeddings reads the short table, else every token reads the long one (as
+    HF picks per forward), chosen on the device without a host sync."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, head_dim/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.long_offset, self.original_max = 0, 0
+        rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        positions = torch.arange(max_position, dtype=torch.float32)
+        if rope_type == "longrope":
+            inv_freqs, mscale, self.original_max = _longrope_inv_freqs(head_dim, theta, scaling)
+            freqs = torch.cat([torch.outer(positions, inv) for inv in inv_freqs])  # [2 * max_pos, head_dim/2]
+            self.long_offset = max_position
+        else:
+            freqs = torch.outer(positions, compute_inv_freq(head_dim, theta, scaling))  # [max_pos, head_dim/2]
+            mscale = 1.0
+        self.register_buffer("cos", freqs.cos() * mscale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * mscale, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [num_tokens, 1, head_dim/2] in `dtype`, for the tokens at `positions`."""
+        if self.long_offset:
+            positions = positions + (positions >= self.original_max).any() * self.long_offset
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
@@ -95,3 +122,39 @@ def apply_qk_rotary(
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
     return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+
+
+def partial_rotary_dim(config: Any, head_dim: int) -> int:
+    """How many leading dims of each head rotate: head_dim times the config's partial rotary factor (transformers
+    5's rope_parameters, or partial_rotary_factor / rotary_pct as older configs name it), or its rotary_dim."""
+    params = getattr(config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None)
+    if factor is None and getattr(config, "rotary_dim", None):
+        return int(config.rotary_dim)
+    return int(head_dim * (1.0 if factor is None else factor))
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates [num_tokens, num_heads, dim] in GPT-J's layout: pairs (x[2i], x[2i+1]) by frequency i."""
+    cos, sin = cos_sin
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def apply_partial_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [num_tokens, 1, rot_dim / 2]
+    rot_dim: int,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary of the first rot_dim dims of each head (rotate-half layout, or GPT-J's interleaved pairs); the rest
+    pass through."""
+    if rot_dim == q.shape[-1] and not interleaved:
+        return apply_qk_rotary(q, k, cos_sin)
+    rotate = apply_rotary_interleaved if interleaved else apply_rotary
+    q = torch.cat((rotate(q[..., :rot_dim], cos_sin), q[..., rot_dim:]), dim=-1)
+    k = torch.cat((rotate(k[..., :rot_dim], cos_sin), k[..., rot_dim:]), dim=-1)
+    return q, k

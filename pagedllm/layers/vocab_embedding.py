@@ -46,3 +46,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             logits = F.linear(hidden, self.weight)
         return logits.float() if upcast else logits
+
+
+class LearnedPositionEmbedding(VocabParallelEmbedding):
+    """A learned absolute position table (OPT, GPT-2, ...): position p reads row p + offset (OPT keeps 2 rows first)."""
+
+    def __init__(self, num_positions: int, hidden_size: int, offset: int = 0) -> None:
+        super().__init__(num_positions + offset, hidden_size)
+        self.offset = offset
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset if self.offset else positions, self.weight)

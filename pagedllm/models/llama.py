@@ -7,14 +7,21 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import gated_activation
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, sliding_window_for_layer
+from pagedllm.models.utils import (
+    head_dim_of,
+    join_prefix,
+    load_weights,
+    norm_eps_of,
+    sliding_window_for_layer,
+    tied_ignore,
+)
 
 
 class LlamaMLP(nn.Module):
@@ -25,6 +32,7 @@ class LlamaMLP(nn.Module):
         bias: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        act: str = "silu",
     ) -> None:
         super().__init__()
         gate_up = [intermediate_size] * 2
@@ -34,7 +42,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, bias, quant_config, join_prefix(prefix, "down_proj")
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -42,6 +50,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 normalizes q and k per head
+    norm_cls = RMSNorm
 
     def __init__(
         self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
@@ -64,10 +73,13 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, quant_config, join_prefix(prefix, "o_proj"))
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = self.norm_cls(self.head_dim, norm_eps_of(config))
+            self.k_norm = self.norm_cls(self.head_dim, norm_eps_of(config))
+        self.attn = self.make_attention(config, layer_idx)
+
+    def make_attention(self, config, layer_idx: int) -> Attention:
         window = sliding_window_for_layer(config, layer_idx)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, window)
+        return Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, window)
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -86,18 +98,22 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    norm_cls = RMSNorm
 
     def __init__(
         self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
     ) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, quant_config, join_prefix(prefix, "self_attn"))
+        self.mlp = self.make_mlp(config, quant_config, join_prefix(prefix, "mlp"))
+        self.input_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+
+    @staticmethod
+    def make_mlp(config, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
         mlp_bias = getattr(config, "mlp_bias", False)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, mlp_bias, quant_config, join_prefix(prefix, "mlp")
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        return LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, quant_config, prefix, act)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
@@ -113,6 +129,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
@@ -124,15 +141,17 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [num_tokens, hidden]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,5 +175,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, upcast)  # [n, vocab] float32 (model dtype: upcast=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignore = ("rotary_emb.inv_freq", "lm_head.") if self.tied else ("rotary_emb.inv_freq",)
-        return load_weights(self, weights, ignore=ignore)
+        return load_weights(self, weights, ignore=tied_ignore(self.tied))

@@ -33,16 +33,22 @@ def load_weights(
     stacked: list[tuple[str, str, object]] = STACKED_PARAMS,
     rename: Callable[[str], str] | None = None,
     ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> set[str]:
     """Hands each (hf_name, tensor) to its parameter's `weight_loader` (which takes its slice): the name as
     `rename` makes it, a projection merged into one matmul (`stacked`) going to the merged parameter with its shard
     id. A tensor that has no parameter is skipped where its name contains one of `ignore` (buffers HF saves, heads
-    the model has not), else refused. Returns the parameters loaded completely (a merged one once all shards came)."""
+    the model has not), else refused. `convert(name, tensor)` rearranges a tensor stored in another layout (by its
+    renamed name: a transposed Conv1D, q/k/v interleaved per head). Returns the parameters loaded completely (a
+    merged one once all shards came)."""
     params = dict(model.named_parameters())
     shards: dict[str, set] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:
-        name, shard_id = stacked_name(rename(hf_name) if rename is not None else hf_name, stacked)
+        name = rename(hf_name) if rename is not None else hf_name
+        if convert is not None:
+            tensor = convert(name, tensor)
+        name, shard_id = stacked_name(name, stacked)
         param = params.get(name)
         if param is None:
             if any(s in name for s in ignore):
@@ -68,6 +74,44 @@ def join_prefix(prefix: str, name: str) -> str:
 def head_dim_of(config: object) -> int:
     """config.head_dim where the config sets it, else hidden_size / num_attention_heads."""
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def norm_eps_of(config: object) -> float:
+    """The norms' epsilon under any of the names the families give it."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
+        eps = getattr(config, name, None)
+        if eps is not None:
+            return float(eps)
+    return 1e-5
+
+
+def num_kv_heads_of(config: object) -> int:
+    """The KV heads of a config of any family (GQA's num_key_value_heads, Falcon's num_kv_heads, multi-query: 1)."""
+    if getattr(config, "new_decoder_architecture", False):
+        return int(config.num_kv_heads)
+    if getattr(config, "multi_query", False):
+        return 1
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+def regroup_per_head_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Fused q/k/v rows stored per head [(head, (q, k, v), head_dim), ...] -> [(q|k|v, head, head_dim), ...]
+    (GPT-NeoX, BLOOM, Falcon, GPTBigCode without multi-query)."""
+    rest = tensor.shape[1:]
+    return tensor.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
+
+
+def tied_ignore(tied: bool, head: str = "lm_head.") -> tuple[str, ...]:
+    """load_weights' `ignore` of a model whose LM head may be tied to the embedding (then it has no own weight)."""
+    return ("rotary_emb.inv_freq", head) if tied else ("rotary_emb.inv_freq",)
+
+
+def check_learned_positions(config: object, max_position: int) -> None:
+    """A model with a learned position table cannot serve positions past it: refuse a longer max_model_len."""
+    table = int(config.max_position_embeddings)
+    if max_position > table:
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise ValueError(f"max_model_len={max_position} must be <= {table}: {arch} has {table} learned positions")
 
 
 def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:

@@ -88,6 +88,14 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         for layer in self.attn_layers:  # each backend lays its cache out in memory as its kernels read it best
+            if (layer.num_kv_heads, layer.head_dim) != (
+                m.num_kv_heads,
+                m.head_dim,
+            ):  # a cache too small corrupts memory
+                raise ValueError(
+                    f"{m.architecture}: attention has {layer.num_kv_heads} KV heads of {layer.head_dim} dims, the "
+                    f"config says {m.num_kv_heads} of {m.head_dim}"
+                )
             layer.kv_cache = self.backend.allocate_kv_cache(
                 num_blocks, self.block_size, m.num_kv_heads, m.head_dim, m.dtype, self.device
             )

@@ -33,6 +33,11 @@ class PoolingRunner:
         self.model = get_model(config.model, self.device)
         for layer in self.model.modules():
             if isinstance(layer, Attention):
+                if layer.extras or layer.alibi_slopes is not None:  # the encoder backend has plain SDPA only
+                    raise ValueError(
+                        f"{config.model.architecture} cannot run as a pooling model: its attention uses logits "
+                        "soft-capping or ALiBi, which the pooling path does not compute"
+                    )
                 layer.backend, layer.kv_cache = encoder_backend, None
         self.causal = getattr(self.model, "is_causal", True)
         self.uses_token_type_ids = getattr(self.model, "uses_token_type_ids", False)

@@ -72,7 +72,7 @@ def make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
     return q, k, v, kv_cache, layout
 
 
-def run_both(q, k, v, kv_cache, layout, sliding_window=None, num_splits=None, block_n=None):
+def run_both(q, k, v, kv_cache, layout, sliding_window=None, num_splits=None, block_n=None, **extras):
     """(triton output, torch output, triton cache, torch cache), both on DEVICE; the torch side gets no padding rows."""
     num_real = int(layout.query_start_loc[-1])
     q, k, v, kv_cache = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv_cache.to(DEVICE)
@@ -81,10 +81,13 @@ def run_both(q, k, v, kv_cache, layout, sliding_window=None, num_splits=None, bl
     ref_meta = torch_backend.build_metadata(ref_layout)
     ref_cache = torch_backend.from_slot_major(kv_cache)
     scale = q.shape[-1] ** -0.5
-    ref = torch_backend.forward(q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, scale, sliding_window)
+    extras = {key: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for key, x in extras.items()}
+    ref = torch_backend.forward(
+        q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, scale, sliding_window, **extras
+    )
     meta = triton_backend.build_metadata(BatchLayout(qsl, seq_lens, table, layout.slot_mapping.to(DEVICE), bs, DEVICE))
     meta.num_splits, meta.block_n = num_splits, block_n
-    out = triton_backend.forward(q, k, v, kv_cache, meta, scale, sliding_window)
+    out = triton_backend.forward(q, k, v, kv_cache, meta, scale, sliding_window, **extras)
     return out[:num_real].cpu(), ref.cpu(), kv_cache.cpu(), torch_backend.to_slot_major(ref_cache, q.shape[-1]).cpu()
 
 
@@ -135,6 +138,28 @@ def test_default_tiles_and_padding_rows():
     """Default key tile (64, several cache blocks per tile) and padded rows (slot -1) that write nothing."""
     q, k, v, cache, layout = make_batch([(0, 20), (70, 1), (100, 3)], 4, 1, 32, 16, torch.float32, seed=4, pad_tokens=2)
     check(q, k, v, cache, layout, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("extras", ["softcap", "alibi", "both+window"])
+def test_softcap_and_alibi(extras, num_splits):
+    """Gemma 2's score soft cap and Bloom's ALiBi slopes, in prefill chunks (with and without context) and
+    decodes. A cap of 0.5 on scores of magnitude ~1-5 changes them a lot; the slopes are large enough to matter."""
+    from pagedllm.layers.attention import alibi_slopes
+
+    kw = {}
+    if extras != "alibi":
+        kw["logits_soft_cap"] = 0.5
+    if extras != "softcap":
+        kw["alibi_slopes"] = alibi_slopes(4) * 4
+    if extras.endswith("window"):
+        kw["sliding_window"] = 7
+    q, k, v, cache, layout = make_batch([(0, 9), (13, 5), (40, 1), (4, 1)], 4, 2, 32, 4, torch.float32, seed=8)
+    check(q, k, v, cache, layout, torch.float32, num_splits=num_splits, block_n=16, **kw)
+    window = kw.pop("sliding_window", None)
+    with_extras, _, _, _ = run_both(q, k, v, cache.clone(), layout, window, num_splits, 16, **kw)
+    plain, _, _, _ = run_both(q, k, v, cache.clone(), layout, window, num_splits, 16)
+    assert (with_extras - plain).abs().max() > 0.05, "the extras should change the output"
 
 
 def test_choose_num_splits():

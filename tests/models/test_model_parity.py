@@ -1,4 +1,6 @@
-"""Tiny random-weight models of each architecture: pagedllm's logits and greedy tokens against HF transformers."""
+"""Tiny random-weight models of each architecture against HF transformers in float32: all-position logits, and
+greedy tokens with their logprobs through the engine (chunked prefill, prefix caching). One row of CASES per
+architecture variant; a new architecture adds rows here."""
 
 from __future__ import annotations
 
@@ -6,16 +8,28 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_DECODER, save_tiny_decoder
+from tiny_models import (
+    TINY_BLOOM,
+    TINY_DECODER,
+    TINY_FALCON,
+    TINY_GPT2,
+    TINY_MHA,
+    TINY_OPT,
+    as_internlm2_checkpoint,
+    save_tiny_decoder,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
+T = transformers
+# name -> (HF config class, HF model class, config kwargs[, rewrite of the saved checkpoint for pagedllm])
 CASES = {
-    "llama": (transformers.LlamaConfig, dict(TINY_DECODER)),
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER)),
     "llama3-rope-tied": (
-        transformers.LlamaConfig,
+        T.LlamaConfig,
+        T.LlamaForCausalLM,
         dict(
             TINY_DECODER,
             tie_word_embeddings=True,
@@ -28,23 +42,140 @@ CASES = {
             },
         ),
     ),
-    "mistral-sliding": (transformers.MistralConfig, dict(TINY_DECODER, sliding_window=8, head_dim=32)),
-    "qwen2-bias": (transformers.Qwen2Config, dict(TINY_DECODER, num_key_value_heads=1)),
-    "qwen3-qknorm": (transformers.Qwen3Config, dict(TINY_DECODER, head_dim=24)),
-}
-ARCH = {
-    transformers.LlamaConfig: transformers.LlamaForCausalLM,
-    transformers.MistralConfig: transformers.MistralForCausalLM,
-    transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
-    transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    "mistral-sliding": (T.MistralConfig, T.MistralForCausalLM, dict(TINY_DECODER, sliding_window=8, head_dim=32)),
+    "qwen2-bias": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(TINY_DECODER, num_key_value_heads=1)),
+    "qwen3-qknorm": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(TINY_DECODER, head_dim=24)),
+    "opt": (T.OPTConfig, T.OPTForCausalLM, dict(TINY_OPT)),
+    "opt-proj-postnorm": (
+        T.OPTConfig,
+        T.OPTForCausalLM,
+        dict(TINY_OPT, word_embed_proj_dim=48, do_layer_norm_before=False, tie_word_embeddings=False),
+    ),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(TINY_GPT2)),
+    "gpt2-inverse-layer-scale": (
+        T.GPT2Config,
+        T.GPT2LMHeadModel,
+        dict(TINY_GPT2, scale_attn_by_inverse_layer_idx=True, tie_word_embeddings=False, activation_function="gelu"),
+    ),
+    "gpt-neox-partial-rotary": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(TINY_MHA, rotary_pct=0.25)),
+    "gpt-neox-sequential": (
+        T.GPTNeoXConfig,
+        T.GPTNeoXForCausalLM,
+        dict(TINY_MHA, rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True),
+    ),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(TINY_DECODER, head_dim=32)),
+    "gemma2-softcap-sliding": (
+        T.Gemma2Config,
+        T.Gemma2ForCausalLM,
+        dict(
+            TINY_DECODER,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.5,  # small caps, so that capping changes the results
+            final_logit_softcapping=2.0,
+        ),
+    ),
+    "gemma3-text": (
+        T.Gemma3TextConfig,
+        T.Gemma3ForCausalLM,
+        dict(
+            TINY_DECODER,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            },
+        ),
+    ),
+    "phi3-partial-rotary": (
+        T.Phi3Config,
+        T.Phi3ForCausalLM,
+        dict(TINY_DECODER, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1),
+    ),
+    "phi": (T.PhiConfig, T.PhiForCausalLM, dict(TINY_DECODER, partial_rotary_factor=0.5)),
+    "phi-qk-layernorm": (T.PhiConfig, T.PhiForCausalLM, dict(TINY_MHA, partial_rotary_factor=0.25, qk_layernorm=True)),
+    "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, dict(TINY_DECODER, use_bias=True, sliding_window=8)),
+    "olmo-clip": (T.OlmoConfig, T.OlmoForCausalLM, dict(TINY_DECODER, clip_qkv=0.5, pad_token_id=0)),
+    "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, dict(TINY_DECODER, pad_token_id=0)),
+    "granite": (
+        T.GraniteConfig,
+        T.GraniteForCausalLM,
+        dict(
+            TINY_DECODER,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        ),
+    ),
+    "gpt-bigcode-mqa": (T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, dict(TINY_GPT2)),
+    "gpt-bigcode-mha": (T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, dict(TINY_GPT2, multi_query=False)),
+    "gptj": (T.GPTJConfig, T.GPTJForCausalLM, dict(TINY_GPT2, rotary_dim=8, bos_token_id=1, eos_token_id=1)),
+    "cohere-qk-norm": (
+        T.CohereConfig,
+        T.CohereForCausalLM,
+        dict(TINY_DECODER, use_qk_norm=True, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=1),
+    ),
+    "bloom-alibi": (T.BloomConfig, T.BloomForCausalLM, dict(TINY_BLOOM)),
+    "bloom-residual-post-norm": (
+        T.BloomConfig,
+        T.BloomForCausalLM,
+        dict(TINY_BLOOM, n_head=6, hidden_size=96, apply_residual_connection_post_layernorm=True),
+    ),
+    "mpt-alibi-clip": (
+        T.MptConfig,
+        T.MptForCausalLM,
+        dict(d_model=64, n_heads=4, n_layers=2, vocab_size=320, max_seq_len=256, attn_config={"clip_qkv": 0.5}),
+    ),
+    "falcon-mqa-parallel": (T.FalconConfig, T.FalconForCausalLM, dict(TINY_FALCON)),
+    "falcon-new-arch-gqa": (
+        T.FalconConfig,
+        T.FalconForCausalLM,
+        dict(TINY_FALCON, new_decoder_architecture=True, num_kv_heads=2, bias=True),
+    ),
+    "falcon-alibi-sequential": (
+        T.FalconConfig,
+        T.FalconForCausalLM,
+        dict(TINY_FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True),
+    ),
+    "phi3-longrope": (  # positions stay under original_max_position_embeddings: the short factors, scaled cos/sin
+        T.Phi3Config,
+        T.Phi3ForCausalLM,
+        dict(
+            TINY_DECODER,
+            pad_token_id=0,
+            eos_token_id=1,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+        ),
+    ),
+    # transformers has no InternLM2: HF's Llama on the same weights, saved in InternLM2's layout for pagedllm
+    "internlm2": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER), as_internlm2_checkpoint),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
-    config_cls, kwargs = CASES[request.param]
-    hf, path = save_tiny_decoder(request.param, config_cls, ARCH[config_cls], kwargs, tmp_path_factory)
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
+    config_cls, model_cls, kwargs, *rewrite = CASES[request.param]
+    hf, path = save_tiny_decoder(request.param, config_cls, model_cls, kwargs, tmp_path_factory)
+    for fn in rewrite:
+        fn(path)
+    llm = LLM(
+        path,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=1 << 24,
+        block_size=4,
+        max_num_batched_tokens=16,  # prompts run in chunks; decodes share steps with prefill chunks
+        enable_prefix_caching=True,
+    )
     return request.param, hf, llm
 
 
@@ -71,22 +202,37 @@ def test_logits_close(tiny):
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_greedy_equal_in_one_batch(tiny):
+def _hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and each one's logprob (float32 log-softmax of the step's logits)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def test_greedy_and_logprobs_equal(tiny):
+    """Greedy tokens identical to HF's and their logprobs within 1e-4, for a batch of six prompts run in chunks of
+    16 tokens, then one prompt that extends a finished one (its prefix blocks come from the prefix cache)."""
     name, hf, llm = tiny
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 5, 17, 30, 9, 2)]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        use_tqdm=False,
-    )
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=24,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"{name}: prompt {p}"
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    for batch in (prompts, [prompts[3] + [7, 11, 13]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        if len(batch) == 1:  # the 7 full blocks of prompts[3] came from the cache
+            assert outs[0].num_cached_tokens >= 28, outs[0].num_cached_tokens
+        for p, out in zip(batch, outs):
+            ref_tokens, ref_logprobs = _hf_greedy(hf, p, 16)
+            got = out.outputs[0]
+            assert got.token_ids == ref_tokens, f"{name}: prompt {p}"
+            ours = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+            np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, rtol=0, err_msg=f"{name}: prompt {p}")

@@ -1,0 +1,100 @@
+"""BLOOM: ALiBi instead of positions, a LayerNorm right after the embedding, q/k/v fused per head in the checkpoint
+([head, (q, k, v), head_dim] rows: regrouped on load), a GELU (tanh) MLP and, optionally, the residual taken after
+each block's LayerNorm (apply_residual_connection_post_layernorm)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import Attention, alibi_slopes
+from pagedllm.layers.layernorm import LayerNorm
+from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.mlp import PlainMLP
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.utils import join_prefix, load_weights, regroup_per_head_qkv, tied_ignore
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, num_heads = config.hidden_size, config.num_attention_heads
+        head_dim = hidden // num_heads
+        self.query_key_value = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_heads, True, quant_config, join_prefix(prefix, "query_key_value")
+        )
+        self.dense = RowParallelLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
+        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_heads, alibi_slopes=alibi_slopes(num_heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.query_key_value(x).chunk(3, dim=-1)
+        return self.dense(self.attn(q, k, v))
+
+
+class BloomBlock(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_epsilon
+        self.residual_after_norm = config.apply_residual_connection_post_layernorm
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.self_attention = BloomAttention(config, quant_config, join_prefix(prefix, "self_attention"))
+        self.post_attention_layernorm = LayerNorm(hidden, eps)
+        names = ("dense_h_to_4h", "dense_4h_to_h")
+        self.mlp = PlainMLP(hidden, 4 * hidden, True, "gelu_new", quant_config, join_prefix(prefix, "mlp"), names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = self.self_attention(h) + (h if self.residual_after_norm else x)
+        h = self.post_attention_layernorm(x)
+        return self.mlp(h) + (h if self.residual_after_norm else x)
+
+
+class BloomModel(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_epsilon
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden)
+        self.word_embeddings_layernorm = LayerNorm(hidden, eps)
+        self.h = nn.ModuleList(
+            BloomBlock(config, quant_config, join_prefix(prefix, f"h.{i}")) for i in range(config.num_hidden_layers)
+        )
+        self.ln_f = LayerNorm(hidden, eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # [num_tokens, hidden]
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class BloomForCausalLM(nn.Module):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = BloomModel(config, quant_config, join_prefix(prefix, "transformer"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tied:
+            self.lm_head.tie(self.transformer.word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, upcast)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        num_heads = self.config.num_attention_heads
+
+        def rename(name: str) -> str:  # checkpoints saved from BloomModel lack the prefix
+            return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return regroup_per_head_qkv(tensor, num_heads) if ".query_key_value." in name else tensor
+
+        return load_weights(self, weights, rename=rename, ignore=tied_ignore(self.tied), convert=convert)

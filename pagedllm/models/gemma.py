@@ -1,0 +1,31 @@
+"""Gemma: the Llama architecture with RMSNorm scaling by (1 + weight), a gated GELU (tanh) MLP, the embedding
+scaled by sqrt(hidden_size) and the LM head tied to it."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class GemmaAttention(LlamaAttention):
+    norm_cls = GemmaRMSNorm
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GemmaAttention
+    norm_cls = GemmaRMSNorm
+
+
+class GemmaModel(LlamaModel):
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        return x * torch.tensor(self.embed_tokens.weight.shape[1] ** 0.5, dtype=x.dtype)  # rounded as HF rounds it
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    model_cls = GemmaModel

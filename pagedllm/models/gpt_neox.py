@@ -1,0 +1,118 @@
+"""GPT-NeoX (Pythia): rotary over the first rotary_pct of each head, LayerNorm, a parallel residual
+(x + attn(ln1(x)) + mlp(ln2(x))) or a sequential one, and q/k/v fused per head in the checkpoint
+([head, (q, k, v), head_dim] rows: regrouped to q, k, v on load)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import LayerNorm
+from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.mlp import PlainMLP
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.rotary_embedding import (
+    RotaryEmbedding,
+    apply_partial_rotary,
+    partial_rotary_dim,
+    rope_parameters,
+)
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.utils import join_prefix, load_weights, regroup_per_head_qkv, tied_ignore
+
+
+class GPTNeoXAttention(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.rot_dim = partial_rotary_dim(config, self.head_dim)
+        bias = getattr(config, "attention_bias", True)
+        self.query_key_value = QKVParallelLinear(
+            hidden, self.head_dim, self.num_heads, self.num_heads, bias, quant_config,
+            join_prefix(prefix, "query_key_value"),
+        )  # fmt: skip
+        self.dense = RowParallelLinear(hidden, hidden, bias, quant_config, join_prefix(prefix, "dense"))
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.query_key_value(x).chunk(3, dim=-1)
+        q, k = apply_partial_rotary(
+            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_heads, self.head_dim), rope, self.rot_dim
+        )
+        return self.dense(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        self.parallel = config.use_parallel_residual
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.post_attention_layernorm = LayerNorm(hidden, eps)
+        self.attention = GPTNeoXAttention(config, quant_config, join_prefix(prefix, "attention"))
+        self.mlp = PlainMLP(
+            hidden, config.intermediate_size, True, config.hidden_act, quant_config, join_prefix(prefix, "mlp"),
+            ("dense_h_to_4h", "dense_4h_to_h"),
+        )  # fmt: skip
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        attn = self.attention(rope, self.input_layernorm(x))
+        if self.parallel:
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
+    ) -> None:
+        super().__init__()
+        self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            GPTNeoXLayer(config, quant_config, join_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers)
+        )
+        self.final_layer_norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        rot_dim = partial_rotary_dim(config, config.hidden_size // config.num_attention_heads)
+        self.rotary_emb = RotaryEmbedding(rot_dim, max_position, *rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_in(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(rope, x)
+        return self.final_layer_norm(x)
+
+
+class GPTNeoXForCausalLM(nn.Module):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.gpt_neox = GPTNeoXModel(config, quant_config, join_prefix(prefix, "gpt_neox"), max_position=max_position)
+        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.embed_out.tie(self.gpt_neox.embed_in)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.gpt_neox(input_ids, positions)  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.embed_out.compute_logits(hidden, upcast)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        num_heads = self.config.num_attention_heads
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return regroup_per_head_qkv(tensor, num_heads) if ".query_key_value." in name else tensor
+
+        ignore = (*tied_ignore(self.tied, "embed_out."), ".attention.bias", ".attention.masked_bias")  # mask buffers
+        return load_weights(self, weights, ignore=ignore, convert=convert)

@@ -1,0 +1,107 @@
+"""MPT: ALiBi instead of positions (MPT's slopes, alibi_bias_max), LayerNorm without bias, fused q/k/v (Wqkv,
+optionally clamped to clip_qkv), an exact-GELU MLP, and no bias on any projection (no_bias)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import LayerNorm
+from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.mlp import PlainMLP
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
+
+
+def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float) -> torch.Tensor:
+    """[num_heads]: 2^-(i * max / n) for i = 1..n over the next power of two n, odd ones first when cut down."""
+    n = 2 ** math.ceil(math.log2(num_heads))
+    slopes = 1.0 / torch.pow(2, torch.arange(1, n + 1, dtype=torch.float32) * (alibi_bias_max / n))
+    if n != num_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes
+
+
+class MPTAttention(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, num_heads, attn_config = config.hidden_size, config.num_attention_heads, config.attn_config
+        head_dim, bias = hidden // num_heads, not config.no_bias
+        self.clip_qkv = attn_config.clip_qkv
+        self.Wqkv = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_heads, bias, quant_config, join_prefix(prefix, "Wqkv")
+        )
+        self.out_proj = RowParallelLinear(hidden, hidden, bias, quant_config, join_prefix(prefix, "out_proj"))
+        scale = attn_config.softmax_scale or head_dim**-0.5
+        slopes = mpt_alibi_slopes(num_heads, attn_config.alibi_bias_max) if attn_config.alibi else None
+        self.attn = Attention(num_heads, head_dim, scale, num_heads, alibi_slopes=slopes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.Wqkv(x)
+        if self.clip_qkv:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.chunk(3, dim=-1)
+        return self.out_proj(self.attn(q, k, v))
+
+
+class MPTBlock(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, eps, bias = config.hidden_size, config.layer_norm_epsilon, not config.no_bias
+        self.norm_1 = LayerNorm(hidden, eps, bias=bias)
+        self.attn = MPTAttention(config, quant_config, join_prefix(prefix, "attn"))
+        self.norm_2 = LayerNorm(hidden, eps, bias=bias)
+        inner, names = config.expansion_ratio * hidden, ("up_proj", "down_proj")
+        self.ffn = PlainMLP(hidden, inner, bias, "gelu", quant_config, join_prefix(prefix, "ffn"), names)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.norm_1(x)
+        else:
+            x, residual = self.norm_1(x, residual)
+        x, residual = self.norm_2(self.attn(x), residual)
+        return self.ffn(x), residual
+
+
+class MPTModel(nn.Module):
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.wte = VocabParallelEmbedding(config.vocab_size, hidden)
+        self.blocks = nn.ModuleList(
+            MPTBlock(config, quant_config, join_prefix(prefix, f"blocks.{i}")) for i in range(config.num_hidden_layers)
+        )
+        self.norm_f = LayerNorm(hidden, config.layer_norm_epsilon, bias=not config.no_bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.wte(input_ids), None  # [num_tokens, hidden]
+        for block in self.blocks:
+            x, residual = block(x, residual)
+        return self.norm_f(x, residual)[0]
+
+
+class MPTForCausalLM(nn.Module):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = MPTModel(config, quant_config, join_prefix(prefix, "transformer"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tied:
+            self.lm_head.tie(self.transformer.wte)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, upcast)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights(self, weights, stacked=[], ignore=tied_ignore(self.tied))  # ffn.up_proj is no shard
