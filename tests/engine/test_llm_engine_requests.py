@@ -1,5 +1,6 @@
 """LLMEngine's request handling on a tiny random Llama: abort_request takes one id or many, stop_token_ids outside
-the vocabulary are accepted (they never match, as in vLLM), and bad_words become token sequences in linear time."""
+the vocabulary are accepted (they never match, as in vLLM), bad_words become token sequences in linear time, and
+multimodal data given to a text-only model is an error (not dropped)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,11 @@ def test_bad_words_token_ids_are_the_plain_rules_and_linear_in_the_words():
     got = _bad_words_token_ids(CharTokenizer(), words)
     assert got == plain_bad_words(words)
     assert CountingIds.comparisons <= 2 * len(words)  # no search of each sequence through a list: quadratic
+
+
+@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs"])
+def test_multimodal_data_for_a_text_only_model_is_an_error(llm, key):
+    prompt = {"prompt_token_ids": [3, 1, 4], key: {"image": [[0, 0, 0]]}}
+    with pytest.raises(ValueError, match=rf"prompts\[0\]\.{key}: LlamaForCausalLM is a text-only model"):
+        llm.generate(prompt, LONG, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
