@@ -51,20 +51,42 @@ def beam_score(seq: BeamSearchSequence, eos_token_id: int | None, length_penalty
     return seq.cum_logprob / (length**length_penalty)
 
 
-def _extend(beam: BeamSearchSequence, position: dict[int, Logprob]) -> list[BeamSearchSequence]:
+def _extend(beam: BeamSearchSequence, position: dict[int, Logprob], most: int) -> list[BeamSearchSequence]:
+    """The beam followed by each of its `most` likeliest next tokens."""
     return [
         BeamSearchSequence(beam.tokens + [tid], beam.logprobs + [position], beam.cum_logprob + lp.logprob)
         for tid, lp in position.items()
+        if lp.rank <= most
     ]
 
 
-def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def token_logprobs(seq: BeamSearchSequence, prompt_len: int, num_logprobs: int, tokenizer) -> list[dict[int, Logprob]]:
+    """A beam's logprobs as a sampled completion reports them: per generated token, that token and the
+    `num_logprobs` likeliest (its step must have asked for at least as many), with their text."""
+    out = []
+    for tid, position in zip(seq.tokens[prompt_len:], seq.logprobs):
+        picked = [tid] + [t for t, lp in position.items() if lp.rank <= num_logprobs and t != tid]
+        out.append({t: Logprob(position[t].logprob, position[t].rank, _text(tokenizer, t)) for t in picked})
+    return out
+
+
+def _text(tokenizer, token_id: int) -> str | None:
+    return tokenizer.decode([token_id]) if tokenizer is not None else None
+
+
+def run_beam_search(
+    llm, prompt_ids: list[list[int]], params: BeamSearchParams, num_logprobs: int = 0
+) -> list[BeamSearchOutput]:
+    """num_logprobs: the top logprobs each step keeps per beam beyond the 2 * beam_width it searches over (for
+    token_logprobs)."""
     from pagedllm.sampling_params import SamplingParams
 
     engine = llm.llm_engine
     eos = None if params.ignore_eos else engine.eos_token_id
     width = params.beam_width
-    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True, detokenize=False)
+    step_params = SamplingParams(
+        temperature=0.0, max_tokens=1, logprobs=max(2 * width, num_logprobs), ignore_eos=True, detokenize=False
+    )
     beams = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
     for _ in range(params.max_tokens):
@@ -74,7 +96,7 @@ def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) 
         outs = llm.generate([b.tokens for _, b in live], step_params, use_tqdm=False)
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
         for (i, beam), out in zip(live, outs):
-            candidates[i].extend(_extend(beam, out.outputs[0].logprobs[0]))
+            candidates[i].extend(_extend(beam, out.outputs[0].logprobs[0], 2 * width))
         for i, cands in enumerate(candidates):
             cands.sort(key=lambda s: s.cum_logprob, reverse=True)
             kept = cands[:width]

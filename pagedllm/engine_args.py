@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,9 +22,12 @@ from pagedllm.config import (
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
+from pagedllm.model_loader.weights import check_load_format
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,9 +68,7 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     def _device(self) -> torch.device:
-        if self.device in (None, "auto"):
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return parse_device(self.device)
 
     def create_model_config(self, device: torch.device) -> ModelConfig:
         if self.load_format not in LOAD_FORMATS:
@@ -76,6 +79,8 @@ class EngineArgs:
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
+        _check_not_quantized(path, hf_config)
+        check_load_format(path, self.load_format)
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
@@ -87,6 +92,7 @@ class EngineArgs:
         max_len = derived_len if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
+        _check_max_model_len(max_len, _longest_len(hf_config, derived_len))
         is_gguf = path.endswith(".gguf")
         dtype = parse_dtype(self.dtype, config_dtype, device, quantized=is_gguf)
         keep_q4 = (
@@ -140,3 +146,72 @@ class EngineArgs:
             DeviceConfig(device, self.enforce_eager, self.attention_backend),
             compilation,
         )
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: None / "auto" picks CUDA when torch sees a GPU, else the CPU. A ValueError names a
+    device this torch cannot run on."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device: allowed {allowed}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported: allowed {allowed}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(
+                f"device={device!r}: torch sees no CUDA GPU (torch {torch.__version__}, {build}); use device='cpu' "
+                "or install a CUDA build of torch on a machine with an NVIDIA GPU"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise ValueError(
+                f"device={device!r}: this machine has {count} CUDA GPU(s): allowed cuda:0 to cuda:{count - 1}"
+            )
+    return dev
+
+
+def _check_not_quantized(path: str, hf_config) -> None:
+    """Quantized HF checkpoints (AWQ, GPTQ, FP8, bitsandbytes, ...) have weights our layers cannot take yet."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    raise ValueError(
+        f"model {path!r} is quantized (config.json quantization_config.quant_method={method!r}): quantized HF "
+        "checkpoints are not supported yet; use an unquantized checkpoint (float32, float16 or bfloat16) or a "
+        "GGUF file"
+    )
+
+
+def _longest_len(hf_config, derived_len: int) -> int:
+    """The longest max_model_len the model allows: its derived length, stretched by a RoPE scaling factor as vLLM
+    does (not for llama3 / longrope, whose max_position_embeddings already counts it)."""
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    factor = scaling.get("factor") if isinstance(scaling, dict) and kind not in ("su", "longrope", "llama3") else None
+    return int(derived_len * factor) if isinstance(factor, (int, float)) and factor > 1 else derived_len
+
+
+def _check_max_model_len(max_len: int, longest: int) -> None:
+    if max_len <= longest:
+        return
+    allowed = next(
+        (v for v in ALLOW_LONG_MAX_MODEL_LEN if os.environ.get(v, "").strip().lower() in ("1", "true")), None
+    )
+    if allowed is not None:
+        logger.warning(
+            "max_model_len=%d is longer than the model's %d (%s is set): outputs past %d tokens may be wrong",
+            max_len, longest, allowed, longest,
+        )  # fmt: skip
+        return
+    raise ValueError(
+        f"max_model_len={max_len} is out of range: [1, {longest}] (the model's max_position_embeddings or "
+        f"trained length, in its config); a longer one may give wrong outputs or fail. To allow it anyway, set "
+        f"the environment variable {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or {ALLOW_LONG_MAX_MODEL_LEN[1]}=1)"
+    )

@@ -144,9 +144,9 @@ class SamplingParams:
         return max(self.top_k, 0)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Checks the token ids named in the params against the model's vocabulary (at submission)."""
+        """Checks the token ids named in the params against the model's vocabulary (at submission). stop_token_ids
+        may lie outside it (as vLLM): such an id never matches."""
         for name, ids in (
-            ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
             ("allowed_token_ids", self.allowed_token_ids or []),
         ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
@@ -103,7 +104,10 @@ class LLMEngine:
             report = seq_params.logprobs is not None
             if count > params.n and seq_params.logprobs is None:
                 seq_params.logprobs = 0  # best_of ranks sequences by cumulative logprob
-            requests.append(Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens, cache_salt))
+            vocab = self.config.model.vocab_size
+            requests.append(
+                Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens, cache_salt, vocab)
+            )
             seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
         return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
 
@@ -117,9 +121,11 @@ class LLMEngine:
     ) -> None:
         self.add(*self.make_request(prompt, prompt_token_ids, params, request_id))
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(self.output_processor.sequence_ids(list(request_ids)))
-        self.output_processor.abort(list(request_ids))
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Aborts one request (its id) or several (an iterable of ids); unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.core.abort_requests(self.output_processor.sequence_ids(ids))
+        self.output_processor.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -165,14 +171,12 @@ class LLMEngine:
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each bad word as token ids, alone and after a space (as it appears inside text), without special tokens."""
-    seqs = []
-    for word in words:
-        for text in (word, " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in seqs:
-                seqs.append(ids)
-    return seqs
+    """Each bad word as token ids, alone and after a space (as it appears inside text), without special tokens, in
+    order without repeats. One batch call to the tokenizer and a set for the repeats: linear in the number of words."""
+    texts = [text for word in words for text in (word, " " + word.lstrip())]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    unique = dict.fromkeys(tuple(ids) for ids in encoded if ids)  # an ordered set
+    return [list(ids) for ids in unique]
 
 
 _SAMPLING_DEFAULTS = {  # generation_config.json key -> SamplingParams field

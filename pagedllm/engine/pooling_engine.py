@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 from pagedllm.config import EngineConfig
-from pagedllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
+from pagedllm.pooling.outputs import EmbeddingPoolingOutput, PoolingOutput, PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.worker.pooling_runner import PoolingRequest, PoolingRunner
 
@@ -107,9 +107,8 @@ class PoolingEngine:
                 data = self.runner.execute([reqs[i] for i in batch])
                 for i, tensor in zip(batch, data):
                     r = reqs[i]
-                    results[i] = PoolingRequestOutput(
-                        r.request_id, PoolingOutput(tensor), r.prompt_token_ids, True, r.prompt
-                    )
+                    out = EmbeddingPoolingOutput(tensor) if r.params.task == "embed" else PoolingOutput(tensor)
+                    results[i] = PoolingRequestOutput(r.request_id, out, r.prompt_token_ids, True, r.prompt)
                 if bar:
                     bar.update(len(batch))
         finally:

@@ -37,8 +37,10 @@ class Request:
         eos_token_id: int | None,
         max_tokens: int,
         cache_salt: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.request_id = request_id
+        self.vocab_size = vocab_size  # stop ids at or above it never come: min_tokens need not ban them
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -88,7 +90,8 @@ class Request:
         if params.min_tokens == 0:
             return []
         eos = [] if params.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
-        return eos + [t for t in params.stop_token_ids if t != self.eos_token_id]
+        vocab = self.vocab_size
+        return eos + [t for t in params.stop_token_ids if t != self.eos_token_id and (vocab is None or t < vocab)]
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -194,6 +194,8 @@ def render(
         raise ValueError(f"chat_template: the sandbox refused an unsafe operation: {e}") from e
     except TemplateError as e:
         raise ValueError(f"chat_template: rendering failed: {e}") from e
+    except RecursionError as e:  # a template that recurses over deep (but allowed) data
+        raise ValueError("chat_template: rendering recursed too deep; nest messages and tools less deeply") from e
     if final_text is not None:
         text = _cut_at_tag(text, final_text)
     return text

@@ -33,6 +33,7 @@ MULTIMODAL_PART_TYPES = (
 )
 CONTENT_FORMATS = ("auto", "string", "openai")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+MAX_NESTING = 64  # how deep messages, tools and template kwargs may nest (lists and dicts); deeper is a ValueError
 # chat() sets these itself; a template variable of the same name in chat_template_kwargs would be ambiguous
 _RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize")
 
@@ -116,6 +117,8 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
                 function["arguments"] = json.loads(arguments)
             except json.JSONDecodeError:
                 function["arguments"] = {}
+            except RecursionError as e:
+                raise _too_deep(f"{where}.tool_calls[{j}].function.arguments") from e
         elif not isinstance(arguments, (dict, list)):
             function["arguments"] = {}
         calls.append({**call, "function": function})
@@ -144,21 +147,28 @@ def normalize_message(message: Any, index: int, content_format: str) -> dict:
         out["name"] = message["name"]
     if role == "developer" and message.get("tools") is not None:
         out["tools"] = message["tools"]
-    return _plain(out)
+    return _plain(out, where)
 
 
-def _plain(value: Any) -> Any:
-    """Only plain JSON data reaches a template (no objects whose methods the sandbox cannot judge)."""
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """Only plain JSON data reaches a template (no objects whose methods the sandbox cannot judge), nested at most
+    MAX_NESTING deep (deeper data would exhaust Python's recursion in the template)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     for base in (str, int, float):  # subclasses (enums, numpy scalars, ...) back to the base type
         if isinstance(value, base):
             return base(value) if base is not str else str.__str__(value)
+    if isinstance(value, (Mapping, list, tuple)) and depth >= MAX_NESTING:
+        raise _too_deep(where)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, where, depth + 1): _plain(v, where, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, where, depth + 1) for v in value]
     return f"<{type(value).__name__}>"
+
+
+def _too_deep(where: str) -> ValueError:
+    return ValueError(f"{where} is nested too deep: at most {MAX_NESTING} levels of lists and dicts are allowed")
 
 
 def _check_options(content_format: str, add_generation_prompt: bool, continue_final_message: bool, tools, kwargs):
@@ -206,11 +216,12 @@ def apply_chat_template(
     if content_format == "auto":
         content_format = detect_content_format(source)
     messages = [normalize_message(m, i, content_format) for i, m in enumerate(conversation)]
-    template_kwargs = {**getattr(tokenizer, "special_tokens_map", {}), **_plain(dict(chat_template_kwargs or {}))}
+    kwargs = _plain(dict(chat_template_kwargs or {}), "chat_template_kwargs")
+    template_kwargs = {**getattr(tokenizer, "special_tokens_map", {}), **kwargs}
     text = render(
         source,
         messages,
-        tools=_plain(list(tools)) if tools is not None else None,
+        tools=_plain(list(tools), "tools") if tools is not None else None,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,

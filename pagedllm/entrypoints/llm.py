@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search, token_logprobs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
@@ -97,13 +97,15 @@ class LLM(PoolingAPI):
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
         )
-        seqs = run_beam_search(self, [ids], beam)[0].sequences[: params.n]
+        seqs = run_beam_search(self, [ids], beam, params.logprobs or 0)[0].sequences[: params.n]
+        tok = self.llm_engine.tokenizer if params.detokenize else None
         outputs = [
             CompletionOutput(
                 index=i,
                 text=s.text or "",
                 token_ids=s.tokens[len(ids) :],
                 cumulative_logprob=s.cum_logprob,
+                logprobs=None if params.logprobs is None else token_logprobs(s, len(ids), params.logprobs, tok),
                 finish_reason=s.finish_reason,
             )
             for i, s in enumerate(seqs)
@@ -193,6 +195,12 @@ class LLM(PoolingAPI):
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
+            for key in _MULTIMODAL_KEYS:
+                if prompt.get(key):
+                    arch = self.llm_engine.config.model.architecture
+                    raise ValueError(
+                        f"prompts[{index}].{key}: {arch} is a text-only model; multimodal inputs are not supported"
+                    )
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):
@@ -239,6 +247,9 @@ class LLM(PoolingAPI):
             if bar:
                 bar.close()
         return results  # type: ignore[return-value]
+
+
+_MULTIMODAL_KEYS = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")  # a prompt dict's, as vLLM's
 
 
 def _as_prompt_list(prompts: Any) -> list:

@@ -6,7 +6,8 @@
    run in cache (49,152 logits are 192 KiB: L2), in the thread's part of the caller's scratch.
 
    The draw. x / T with NaN as -inf (never drawn); a row whose largest x / T is +inf draws among its +inf tokens
-   alone, a row of -inf takes token 0. Weights p = exp(x / T - max) (the largest 1); min-p drops p < min_p. top-k
+   alone, a row of -inf takes token 0. Weights p = exp(x / T - max) (the largest 1); min-p drops p < min_p, as
+   x / T < max + log(min_p) (exact for the max and its ties: min_p 1 keeps them, whatever exp's rounding). top-k
    keeps the tokens at or above the k-th largest (ties all kept, as HF's TopKLogitsWarper), top-p then keeps the
    tokens whose more likely ones weigh less than top_p of the kept mass (HF's TopPLogitsWarper: the sorted cumsum
    rule, ties at the cut all kept). The token is an inverse-CDF draw over the kept weights with the row's uniform
@@ -22,15 +23,15 @@
 
 #define GREEDY_BELOW 1e-5f /* a temperature below this takes the argmax (as SamplingMetadata) */
 
-/* The weights p = exp(s - top) of one block's tokens, 0 below min_p, into w[BLOCK]; returns their sum. */
-static inline float block_weights(const Row *r, int64_t start, float top, float min_p, float *w) {
+/* The weights p = exp(s - top) of one block's tokens, 0 where s < lowest_s (min-p), into w[BLOCK]; returns their sum. */
+static inline float block_weights(const Row *r, int64_t start, float top, float lowest_s, float *w) {
     const float *x = block_of(r, start);
     const float scale = r->inv_t * LOG2E, shift = top * LOG2E;
     const fvec zero = {0};
     fvec acc[4] = {zero, zero, zero, zero};
     for (int64_t i = 0; i < BLOCK; i += VL) {
         fvec p = exp2v(loadv(x + i) * scale - shift); /* (x / T - top) * log2(e) */
-        p = selectv((ivec)(p < min_p), zero, p);
+        p = selectv((ivec)(loadv(x + i) * r->inv_t < lowest_s), zero, p); /* s as row_max computed it */
         storev(w + i, p);
         acc[(i / VL) % 4] += p;
     }
@@ -38,10 +39,10 @@ static inline float block_weights(const Row *r, int64_t start, float top, float 
 }
 
 /* sums[b]: the weight of block b; with row, the weights are kept there. Returns their total. */
-static float weigh(const Row *r, float *restrict row, float *restrict sums, int64_t padded, float top, float min_p) {
+static float weigh(const Row *r, float *restrict row, float *restrict sums, int64_t padded, float top, float lowest_s) {
     float w[BLOCK], total = 0.0f;
     for (int64_t start = 0; start < padded; start += BLOCK) {
-        total += sums[start / BLOCK] = block_weights(r, start, top, min_p, row ? row + start : w);
+        total += sums[start / BLOCK] = block_weights(r, start, top, lowest_s, row ? row + start : w);
     }
     return total;
 }
@@ -65,7 +66,7 @@ static float weigh_above(const float *restrict row, float *restrict sums, int64_
    first token whose running sum exceeds u times the total. Weights come from row where given, else are computed
    again from x. */
 static int64_t draw(const Row *r, const float *row, const float *sums, int64_t padded, float total, float top,
-                    float min_p, float lower, float u) {
+                    float lowest_s, float lower, float u) {
     const int64_t blocks = padded / BLOCK;
     const float target = u * total;
     float acc = 0.0f, w[BLOCK];
@@ -79,7 +80,7 @@ static int64_t draw(const Row *r, const float *row, const float *sums, int64_t p
     if (last < 0) return 0;
     b = b < blocks ? b : last;
     const float *p = row ? row + b * BLOCK : w;
-    if (!row) block_weights(r, b * BLOCK, top, min_p, w);
+    if (!row) block_weights(r, b * BLOCK, top, lowest_s, w);
     int64_t pick = -1;
     for (int64_t i = 0; i < BLOCK; i++) {
         if (p[i] > lower) {
@@ -109,7 +110,7 @@ static int64_t draw_nucleus(float *row, float *sums, int64_t padded, float total
     const float target = top_p * total;
     float lower = 0.0f, above = total;
     for (int round = 0;; round++) {
-        const int64_t token = draw(NULL, row, sums, padded, above, 0.0f, 0.0f, lower, u);
+        const int64_t token = draw(NULL, row, sums, padded, above, 0.0f, -INFINITY, lower, u);
         lower = row[token];
         above = weigh_above(row, sums, padded, lower); /* the next round's blocks and total */
         if (above < target || lower >= 1.0f) return token;
@@ -137,10 +138,10 @@ static int64_t nucleus_size(const float *row, float *values, int64_t padded, flo
 }
 
 
-/* A top-k row (1 <= k < vocab): the candidates, the k-th largest as the cut, then min-p and top-p over them and the
-   draw, in token order (top-p: by weight). */
+/* A top-k row (1 <= k < vocab): the candidates, the k-th largest as the cut, then min-p (s >= lowest_s) and top-p over
+   them and the draw, in token order (top-p: by weight). */
 static int64_t draw_top_k(const Row *r, const float *maxima, Scratch *s, int64_t padded, float top, int64_t k,
-                          float top_p, float min_p, float u, int64_t *kept_out) {
+                          float top_p, float lowest_s, float u, int64_t *kept_out) {
     Entry *e = s->entries;
     const int64_t n = candidates(r, maxima, s, padded, k);
     for (int64_t i = 0; i < n; i++) s->values[i] = e[i].value;
@@ -149,7 +150,7 @@ static int64_t draw_top_k(const Row *r, const float *maxima, Scratch *s, int64_t
     float total = 0.0f;
     for (int64_t i = 0; i < n; i++) { /* the k largest (and ties), as weights, min-p applied */
         const float w = expf(e[i].value - top);
-        if (e[i].value >= cut && w >= min_p && w > 0.0f) {
+        if (e[i].value >= cut && e[i].value >= lowest_s && w > 0.0f) {
             e[kept].value = w, e[kept].token = e[i].token;
             kept++;
             total += w;
@@ -194,16 +195,17 @@ static int64_t sample_row(const float *x, Scratch *s, int64_t vocab, float tempe
         r = row_of(s->inf_row, padded, 1.0f);
         top = row_max(&r, top_k > 0 ? s->maxima : NULL, padded);
     }
-    if (top_k > 0) return draw_top_k(&r, s->maxima, s, padded, top, top_k, top_p, min_p, u, kept);
+    const float lowest_s = min_p > 0.0f ? top + logf(min_p) : -INFINITY; /* min-p in x / T */
+    if (top_k > 0) return draw_top_k(&r, s->maxima, s, padded, top, top_k, top_p, lowest_s, u, kept);
     if (top_p >= 1.0f) {
-        const float total = weigh(&r, kept ? s->row : NULL, s->sums, padded, top, min_p);
+        const float total = weigh(&r, kept ? s->row : NULL, s->sums, padded, top, lowest_s);
         if (kept) {
             *kept = 0;
             for (int64_t i = 0; i < padded; i++) *kept += s->row[i] > 0.0f;
         }
-        return draw(&r, NULL, s->sums, padded, total, top, min_p, 0.0f, u);
+        return draw(&r, NULL, s->sums, padded, total, top, lowest_s, 0.0f, u);
     }
-    const float total = weigh(&r, s->row, s->sums, padded, top, min_p);
+    const float total = weigh(&r, s->row, s->sums, padded, top, lowest_s);
     if (kept) *kept = nucleus_size(s->row, s->values, padded, top_p);
     return draw_nucleus(s->row, s->sums, padded, total, top_p, u);
 }

@@ -13,7 +13,13 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import gguf
+try:
+    import gguf
+except ModuleNotFoundError as e:  # a core dependency, but a hand-made environment may lack it
+    raise ModuleNotFoundError(
+        "reading a .gguf model (the default model is one) needs the gguf package: pip install 'gguf>=0.10'",
+        name="gguf",
+    ) from e
 import numpy as np
 import torch
 import transformers

@@ -49,6 +49,37 @@ def pt_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state.items()
 
 
+_FORMAT_FILES = {
+    "safetensors": (safetensors_files, "*.safetensors"),
+    "pt": (pt_files, "pytorch_model*.bin or model*.pt"),
+}
+
+
+def check_load_format(model_path: str, load_format: str) -> None:
+    """A ValueError, before anything loads, when the model holds no weights of the asked format; it names the weight
+    files that are there."""
+    if load_format in ("auto", "dummy"):
+        if load_format == "auto":
+            detect_format(model_path)
+        return
+    is_gguf = model_path.endswith(".gguf")
+    if load_format == "gguf" and is_gguf:
+        return
+    if load_format in _FORMAT_FILES and not is_gguf and _FORMAT_FILES[load_format][0](model_path):
+        return
+    wanted = ".gguf file" if load_format == "gguf" else _FORMAT_FILES[load_format][1]
+    found = [os.path.basename(model_path)] if is_gguf else _weight_files(model_path)
+    raise ValueError(
+        f"load_format={load_format!r} but {model_path!r} has no weights of that format ({wanted}); weight files "
+        f"found: {found}; use load_format='auto' to read them"
+    )
+
+
+def _weight_files(model_dir: str) -> list[str]:
+    names = sorted(os.listdir(model_dir))
+    return [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf"))]
+
+
 def detect_format(model_path: str) -> str:
     if model_path.endswith(".gguf"):
         return "gguf"

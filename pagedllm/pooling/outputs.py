@@ -14,6 +14,16 @@ class PoolingOutput:
 
 
 @dataclass
+class EmbeddingPoolingOutput(PoolingOutput):
+    """`encode`'s output for the embed task: the pooled tensor (`.data`, as vLLM's PoolingOutput) and the same vector
+    as a list of floats (`.embedding`, as vLLM's examples of `encode` on an embedding model read it)."""
+
+    @property
+    def embedding(self) -> list[float]:
+        return EmbeddingOutput.from_base(self).embedding
+
+
+@dataclass
 class PoolingRequestOutput:
     """One prompt's result of `LLM.encode`; the base of the task-specific outputs below."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 
 import pytest
 from jinja2.exceptions import SecurityError
@@ -174,3 +175,41 @@ def test_template_helpers_render_as_hf(llm, hf_tok):
     assert text == f'{year}|{json.dumps(tools, ensure_ascii=False)}|{{"a": 1}}|2|Hi'
     assert text == hf_tok.apply_chat_template([USER, USER], chat_template=template, tools=tools, tokenize=False)
     assert ids == hf_tok.encode(text, add_special_tokens=False)
+
+
+def _nested(depth: int, leaf):
+    """A JSON-schema-like dict `depth` levels deep."""
+    for _ in range(depth):
+        leaf = {"type": "object", "properties": {"a": leaf}}
+    return leaf
+
+
+def _call(arguments) -> dict:
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+@pytest.mark.parametrize(
+    "where, kwargs",
+    [
+        ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(600, {})}}])),
+        ("chat_template_kwargs", dict(chat_template_kwargs={"x": _nested(600, 1)})),
+        ("messages[1]", dict(messages=[USER, _call(_nested(600, 1))])),
+        ("messages[1].tool_calls[0].function.arguments", dict(messages=[USER, _call("[" * 5000 + "]" * 5000)])),
+    ],
+)
+def test_data_nested_too_deep_is_refused(llm, hf_tok, baseline, where, kwargs):
+    messages = kwargs.pop("messages", GOOD)
+    with pytest.raises(ValueError, match=rf"{re.escape(where)} is nested too deep: at most 64 levels"):
+        llm.chat(messages, GREEDY, use_tqdm=False, **kwargs)
+    _still_serves(llm, hf_tok, baseline)
+
+
+def test_data_nested_up_to_the_limit_renders(llm):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(30, {})}}]  # 64 levels in all
+    template = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    text, _ = apply_chat_template(llm.get_tokenizer(), GOOD, tools=tools, chat_template=template)
+    assert json.loads(text[: -len(GOOD[0]["content"])]) == tools
+    tools[0]["function"]["parameters"] = _nested(31, {})  # 66 levels
+    with pytest.raises(ValueError, match="tools is nested too deep"):
+        apply_chat_template(llm.get_tokenizer(), GOOD, tools=tools, chat_template=template)

@@ -86,9 +86,9 @@ def test_token_ids_outside_vocab(llm, baseline, bad):
     _still_serves(llm, baseline)
 
 
-def test_stop_token_ids_outside_vocab(llm):
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.generate(["hi"], SamplingParams(stop_token_ids=[10**7]))
+def test_allowed_token_ids_outside_vocab(llm):  # (stop_token_ids may lie outside: they never match, as in vLLM)
+    with pytest.raises(ValueError, match=r"allowed_token_ids=10000000.*\[0, 49152\)"):
+        llm.generate(["hi"], SamplingParams(allowed_token_ids=[3, 10**7]))
 
 
 def test_one_bad_prompt_rejects_the_batch_before_anything_runs(llm, baseline):

@@ -103,6 +103,17 @@ def test_encode_returns_pooled_tensors(llm, hf_mean):
         torch.testing.assert_close(out.outputs.data, F.normalize(hidden[i, :n], dim=-1), atol=1e-5, rtol=1e-4)
 
 
+def test_encode_of_an_embedding_model_reads_as_vllms_example(llm, st_model):
+    """`llm.encode(texts)[0].outputs.embedding` (vLLM's example for an embedding model) next to `.data`."""
+    out = llm.encode(DOCS[:2], use_tqdm=False)
+    for i, o in enumerate(out):
+        assert isinstance(o.outputs.embedding, list) and len(o.outputs.embedding) == 384
+        assert o.outputs.embedding == o.outputs.data.tolist()
+        assert _cos(o.outputs.embedding, st_model.encode([DOCS[i]])[0]) >= 0.9999
+    tokens = llm.encode(DOCS[:1], pooling_task="token_embed", use_tqdm=False)[0].outputs
+    assert not hasattr(tokens, "embedding")  # one vector per token: the tensor alone
+
+
 def test_normalize_false_gives_the_plain_mean(llm, hf_mean):
     outs = llm.embed(DOCS, pooling_params=PoolingParams(normalize=False), use_tqdm=False)
     mean, _, _ = hf_mean(DOCS)

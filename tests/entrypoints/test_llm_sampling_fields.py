@@ -283,3 +283,28 @@ def test_use_beam_search_in_generate_equals_beam_search(llm):
         SamplingParams(use_beam_search=True, best_of=2, temperature=0.5)
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(use_beam_search=True, temperature=0)
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 2, 8])  # 8: more than the 2 * beam_width the search asks for
+def test_use_beam_search_returns_logprobs_of_each_token(llm, hf, num_logprobs):
+    prompt = "The capital of France is"
+    params = SamplingParams(
+        use_beam_search=True, best_of=3, n=2, temperature=0, max_tokens=4, ignore_eos=True, logprobs=num_logprobs
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    for completion in out.outputs:
+        assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+        ids = out.prompt_token_ids + completion.token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)  # [len, vocab]
+        for j, (tid, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = ref[len(out.prompt_token_ids) + j - 1]
+            top = row.topk(num_logprobs).indices.tolist() if num_logprobs else []
+            assert list(position)[0] == tid and set(position) == {tid, *top}
+            for t, lp in position.items():
+                assert lp.logprob == pytest.approx(float(row[t]), abs=2e-3)
+                assert lp.decoded_token == tok.decode([t])
+            assert [position[t].rank for t in top] == list(range(1, num_logprobs + 1))
+        total = sum(d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids))
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
