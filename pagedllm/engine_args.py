@@ -176,16 +176,22 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 
 def _check_not_quantized(path: str, hf_config) -> None:
-    """Quantized HF checkpoints (AWQ, GPTQ, FP8, bitsandbytes, ...) have weights our layers cannot take yet."""
+    """A checkpoint quantized in a format no registered QuantizationConfig reads (AWQ, GPTQ, FP8, bitsandbytes, ...)
+    is refused before anything loads, naming the format and the supported ones."""
+    from pagedllm.layers.quantization import supported_quantizations
+
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    supported = supported_quantizations()
+    if method in supported:
+        return
     raise ValueError(
-        f"model {path!r} is quantized (config.json quantization_config.quant_method={method!r}): quantized HF "
-        "checkpoints are not supported yet; use an unquantized checkpoint (float32, float16 or bfloat16) or a "
-        "GGUF file"
+        f"model {path!r} is quantized (config.json quantization_config.quant_method={method!r}): this quantization "
+        f"method is not supported yet (supported: {supported}); use an unquantized checkpoint (float32, float16 or "
+        "bfloat16) or a GGUF file"
     )
 
 
