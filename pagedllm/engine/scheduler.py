@@ -1,4 +1,4 @@
-"""The scheduler: one rule, no phases (see DESIGN.md).
+"""The scheduler: one rule, no phases (see docs/ARCHITECTURE.md).
 
 Running requests are served first, then waiting ones, each getting min(tokens left to compute, budget left) tokens.
 When blocks run out, the newest running request is preempted (its blocks freed, recomputed later).

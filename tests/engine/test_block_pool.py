@@ -1,6 +1,6 @@
 """BlockPool and hash_block_tokens: hand-out order, ref counts, the LRU free queue and lazy eviction of cached blocks.
 
-Every expected value below is worked out by hand from the rules in DESIGN.md ("KV cache")."""
+Every expected value below is worked out by hand from the rules in docs/ARCHITECTURE.md ("KV cache")."""
 
 from __future__ import annotations
 

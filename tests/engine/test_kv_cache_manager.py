@@ -1,6 +1,6 @@
 """KVCacheManager: slot allocation, freeing order, prefix-cache lookups and shared prefixes (block_size 4).
 
-Expected block ids and hashes are worked out by hand from the rules in DESIGN.md ("KV cache")."""
+Expected block ids and hashes are worked out by hand from the rules in docs/ARCHITECTURE.md ("KV cache")."""
 
 from __future__ import annotations
 

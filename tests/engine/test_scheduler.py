@@ -1,6 +1,6 @@
 """Scheduler: token budget, chunked prefill, max_num_seqs, preemption, admission checks, finishing and prefix hits.
 
-Tiny configs (block_size 4, about 10 blocks). Every expected schedule is traced by hand from DESIGN.md
+Tiny configs (block_size 4, about 10 blocks). Every expected schedule is traced by hand from docs/ARCHITECTURE.md
 ("The scheduling rule"); the comments show the trace."""
 
 from __future__ import annotations
