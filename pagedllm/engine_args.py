@@ -23,6 +23,7 @@ from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
 from pagedllm.model_loader.weights import check_load_format
+from pagedllm.models.registry import check_supported
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -79,6 +80,7 @@ class EngineArgs:
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
+        check_supported(archs[0])
         _check_not_quantized(path, hf_config)
         check_load_format(path, self.load_format)
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)

@@ -38,8 +38,13 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architecture: str) -> type:
+def check_supported(architecture: str) -> None:
+    """One clear error for an architecture with no model class, before anything is loaded."""
     if architecture not in _MODELS:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {supported_architectures()}")
+
+
+def get_model_class(architecture: str) -> type:
+    check_supported(architecture)
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)

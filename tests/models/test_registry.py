@@ -47,13 +47,17 @@ def test_pooling_refuses_alibi_attention(tmp_path):
         LLM(str(tmp_path), task="embed", skip_tokenizer_init=True)
 
 
-def test_learned_positions_cap_max_model_len(tmp_path):
-    """GPT-2 has n_positions learned positions: a longer max_model_len is refused, not an index error later."""
+def test_learned_positions_cap_max_model_len(tmp_path, monkeypatch):
+    """GPT-2 has n_positions learned positions: a longer max_model_len is refused, not an index error later; also
+    when VLLM_ALLOW_LONG_MAX_MODEL_LEN lifts the general limit (a learned table cannot be stretched)."""
     import transformers
 
     from pagedllm import LLM
 
     config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=64)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"max_model_len=100 is out of range: \[1, 64\]"):
+        LLM(str(tmp_path), max_model_len=100, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     with pytest.raises(ValueError, match=r"max_model_len=100 must be <= 64: GPT2LMHeadModel has 64 learned positions"):
         LLM(str(tmp_path), max_model_len=100, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
