@@ -182,32 +182,38 @@ def forward(
     for chunk in meta.prefills:
         if in_c and chunk.paged:
             continue
-        # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
-        qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
-        if chunk.context_len == 0 and sliding_window is None and extras.none:
-            kc = _heads_first(k[chunk.q_start : chunk.q_end]).unsqueeze(0)
-            vc = _heads_first(v[chunk.q_start : chunk.q_end]).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            if chunk.context_len == 0:
-                kc, vc = _heads_first(k[chunk.q_start : chunk.q_end]), _heads_first(v[chunk.q_start : chunk.q_end])
-                q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
-            else:  # [num_kv_heads, seq_len, head_dim] from the cache's blocks
-                k_blocks, v_blocks = _blocks(kv_cache, head_dim)
-                seq_len = chunk.context_len + chunk.q_end - chunk.q_start
-                kc = k_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
-                vc = v_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
-                kc, vc = kc[:, :seq_len].contiguous(), vc[:, :seq_len].contiguous()
-                q_pos = chunk.positions
-            mask = _window_mask(q_pos, kc.shape[1], sliding_window)
-            if extras.none:
-                o = F.scaled_dot_product_attention(
-                    qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            else:
-                o = _attend_with_extras(qc[0], kc, vc, q_pos, mask, scale, extras)[None]
-        out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
+        out[chunk.q_start : chunk.q_end] = _attend_chunk(q, k, v, kv_cache, chunk, scale, sliding_window, extras)
     return out
+
+
+def _attend_chunk(q, k, v, kv_cache, chunk, scale: float, sliding_window: int | None, extras) -> torch.Tensor:
+    """One prefill chunk's attention on torch ops: [q_len, num_heads, head_dim]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    # 4-D [1, heads, len, dim]: with 3-D inputs SDPA takes its slow math kernel on CPU (several times slower)
+    qc = _heads_first(q[chunk.q_start : chunk.q_end]).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+    if chunk.context_len == 0 and sliding_window is None and extras.none:
+        kc = _heads_first(k[chunk.q_start : chunk.q_end]).unsqueeze(0)
+        vc = _heads_first(v[chunk.q_start : chunk.q_end]).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        if chunk.context_len == 0:
+            kc, vc = _heads_first(k[chunk.q_start : chunk.q_end]), _heads_first(v[chunk.q_start : chunk.q_end])
+            q_pos = torch.arange(chunk.q_end - chunk.q_start, device=q.device)
+        else:  # [num_kv_heads, seq_len, head_dim] from the cache's blocks
+            k_blocks, v_blocks = _blocks(kv_cache, head_dim)
+            seq_len = chunk.context_len + chunk.q_end - chunk.q_start
+            kc = k_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
+            vc = v_blocks.index_select(1, chunk.blocks).view(num_kv_heads, -1, head_dim)
+            kc, vc = kc[:, :seq_len].contiguous(), vc[:, :seq_len].contiguous()
+            q_pos = chunk.positions
+        mask = _window_mask(q_pos, kc.shape[1], sliding_window)
+        if extras.none:
+            o = F.scaled_dot_product_attention(
+                qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        else:
+            o = _attend_with_extras(qc[0], kc, vc, q_pos, mask, scale, extras)[None]
+    return o[0].transpose(0, 1)
 
 
 @dataclass

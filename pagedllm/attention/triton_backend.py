@@ -177,7 +177,36 @@ def forward(
             (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
         )  # [num_tokens, num_heads, num_splits, head_dim_pad]
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    unified_attention_kernel[(num_programs, num_kv_heads, num_splits)](
+    tiles = (block_q, block_m, block_n, num_warps, num_stages)
+    extras = (sliding_window, logits_soft_cap, alibi_slopes)
+    grid = (num_programs, num_kv_heads, num_splits)
+    _launch_unified((out, part_out, part_lse), q, kv_cache, meta, scale, extras, tiles, grid)
+    if num_splits > 1:
+        reduce_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_PAD=triton_next_pow2(max(num_splits, MAX_SPLITS)),  # one compiled variant for the usual counts
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
+    return out
+
+
+def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[int, int, int]) -> None:
+    """The attention kernel over the flat batch: outs = (out, partial outputs, partial log-sum-exps), extras =
+    (sliding window, logit soft-cap, ALiBi slopes), tiles = (BLOCK_Q, BLOCK_M, BLOCK_N, warps, stages), grid =
+    (programs, KV heads, splits)."""
+    out, part_out, part_lse = outs
+    sliding_window, logits_soft_cap, alibi_slopes = extras
+    block_q, block_m, block_n, num_warps, num_stages = tiles
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_splits = grid[2]
+    unified_attention_kernel[grid](
         out,
         part_out,
         part_lse,
@@ -203,12 +232,12 @@ def forward(
         kv_cache.stride(2),
         kv_cache.stride(3),
         meta.block_table.stride(0),
-        GROUP=group,
+        GROUP=num_heads // grid[1],
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=max(16, triton_next_pow2(head_dim)),
         BLOCK_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None,
@@ -218,17 +247,3 @@ def forward(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
-        reduce_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            num_heads,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            SPLITS_PAD=triton_next_pow2(max(num_splits, MAX_SPLITS)),  # one compiled variant for the usual counts
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-        )
-    return out

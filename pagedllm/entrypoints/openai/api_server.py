@@ -201,13 +201,7 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
-        state.check_model(req.model)
-        vocab = state.engine.engine.config.model.vocab_size
-        bad_id = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad_id is not None:
-            raise bad(f"tokens contains {bad_id}: token ids must be integers in [0, {vocab})", "tokens")
-        text = await state.engine.prepare(state.llm.get_tokenizer().decode, req.tokens)
-        return {"prompt": text}
+        return await _detokenize(state, req)
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, as the schema now says
     async def metrics() -> PlainTextResponse:
@@ -218,6 +212,16 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
             if "model_name" in metric.labels:
                 metric.labels["model_name"] = state.served_model_names[0]
         return PlainTextResponse(metrics_text.render(found), media_type=metrics_text.CONTENT_TYPE)
+
+
+async def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
+    state.check_model(req.model)
+    vocab = state.engine.engine.config.model.vocab_size
+    bad_id = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad_id is not None:
+        raise bad(f"tokens contains {bad_id}: token ids must be integers in [0, {vocab})", "tokens")
+    text = await state.engine.prepare(state.llm.get_tokenizer().decode, req.tokens)
+    return {"prompt": text}
 
 
 async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
