@@ -13,8 +13,18 @@ import torch
 
 from pagedllm.kernels import cpu_kernels
 
+# The slow tier (`pytest -m "not slow"` leaves it out; CI runs it): tests of the bundled real models end to end
+# (their fixtures), the OpenAI server (a real server process each), and the Triton kernels run in Triton's CPU
+# interpreter. Everything else builds tiny models or none and runs in a few minutes on two cores.
+REAL_MODEL_FIXTURES = {"smollm2", "minilm"}
+SLOW_PATHS = ("entrypoints/openai/", "kernels/test_triton_", "kernels/test_resident_inputs.py")
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path.as_posix()
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or any(p in path for p in SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
