@@ -1,10 +1,13 @@
-"""HF architecture name -> pagedllm model class, imported lazily."""
+"""HF architecture name -> pagedllm model class, imported lazily; `ModelRegistry` adds out-of-tree models (vLLM's
+API): `ModelRegistry.register_model("MyForCausalLM", "my_pkg.my_model:MyForCausalLM")` or `(name, cls)`."""
 
 from __future__ import annotations
 
 import importlib
+import re
 
-_MODELS = {
+# architecture -> (module under pagedllm.models, class name) for the native models
+_NATIVE = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
@@ -34,6 +37,11 @@ _MODELS = {
 }
 
 
+# architecture -> "module.path:ClassName" (imported when first used) or the class itself; the registry's one table
+_MODELS: dict[str, str | type] = {arch: f"pagedllm.models.{mod}:{name}" for arch, (mod, name) in _NATIVE.items()}
+_QUALNAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
@@ -46,5 +54,37 @@ def check_supported(architecture: str) -> None:
 
 def get_model_class(architecture: str) -> type:
     check_supported(architecture)
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)
+    entry = _MODELS[architecture]
+    if isinstance(entry, type):
+        return entry
+    module, name = entry.split(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"architecture {architecture!r}: model class {entry!r} cannot be imported: {e}") from e
+    _MODELS[architecture] = cls
+    return cls
+
+
+class ModelRegistry:
+    """vLLM's ModelRegistry over this module's table: register out-of-tree model classes by architecture name."""
+
+    @staticmethod
+    def register_model(model_arch: str, model_cls: str | type) -> None:
+        """model_cls: the class, or "module.path:ClassName" imported when the architecture is first loaded."""
+        if not isinstance(model_arch, str) or not model_arch:
+            raise ValueError(f"model_arch={model_arch!r}: expected a non-empty architecture name")
+        if isinstance(model_cls, str):
+            if not _QUALNAME.match(model_cls):
+                raise ValueError(f"model_cls={model_cls!r}: expected 'module.path:ClassName' or a class")
+        elif not isinstance(model_cls, type):
+            raise ValueError(f"model_cls={model_cls!r}: expected 'module.path:ClassName' or a class")
+        _MODELS[model_arch] = model_cls
+
+    @staticmethod
+    def get_supported_archs() -> list[str]:
+        return supported_architectures()
+
+    @staticmethod
+    def is_registered(model_arch: str) -> bool:
+        return model_arch in _MODELS

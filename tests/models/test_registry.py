@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
+from pagedllm.models import registry
+from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.registry import get_model_class, supported_architectures
 
 
@@ -61,3 +66,62 @@ def test_learned_positions_cap_max_model_len(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     with pytest.raises(ValueError, match=r"max_model_len=100 must be <= 64: GPT2LMHeadModel has 64 learned positions"):
         LLM(str(tmp_path), max_model_len=100, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
+
+
+class _OutOfTreeLlama(LlamaForCausalLM):
+    """An out-of-tree model: Llama's forward under another architecture name."""
+
+
+@pytest.fixture
+def registry_table(monkeypatch):
+    """The registry's table, restored after the test."""
+    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))
+
+
+@pytest.mark.parametrize("how", ["class", "lazy string"])
+def test_registered_out_of_tree_model_loads_by_its_architecture(how, registry_table, tmp_path_factory):
+    import transformers
+    from tiny_models import TINY_DECODER, save_tiny_decoder
+
+    from pagedllm import LLM, ModelRegistry, SamplingParams
+
+    _, path = save_tiny_decoder(
+        "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, {**TINY_DECODER}, tmp_path_factory
+    )
+    opts = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3, 4, 5, 6, 7]}, {"prompt_token_ids": [9]}]
+    want = [o.outputs[0].token_ids for o in LLM(path, **opts).generate(prompts, params, use_tqdm=False)]
+
+    config_file = pathlib.Path(path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["architectures"] = ["OutOfTreeLlamaForCausalLM"]
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'OutOfTreeLlamaForCausalLM' is not supported"):
+        LLM(path, **opts)
+    ModelRegistry.register_model(
+        "OutOfTreeLlamaForCausalLM", _OutOfTreeLlama if how == "class" else f"{__name__}:_OutOfTreeLlama"
+    )
+    assert "OutOfTreeLlamaForCausalLM" in ModelRegistry.get_supported_archs()
+    llm = LLM(path, **opts)
+    assert type(llm.llm_engine.core.executor.runner.model) is _OutOfTreeLlama
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
+@pytest.mark.parametrize("bad", ["no_colon_here", "a.b:", ":Cls", "a b:Cls", 3])
+def test_register_model_refuses_a_malformed_class(bad, registry_table):
+    from pagedllm import ModelRegistry
+
+    with pytest.raises(ValueError, match=r"model_cls=.*expected 'module.path:ClassName' or a class"):
+        ModelRegistry.register_model("XForCausalLM", bad)
+
+
+def test_register_model_unimportable_string_is_a_value_error_when_used(registry_table):
+    from pagedllm import ModelRegistry
+
+    ModelRegistry.register_model("XForCausalLM", "no_such_pkg.models:X")  # lazy: nothing imported yet
+    with pytest.raises(ValueError, match=r"'XForCausalLM': model class 'no_such_pkg.models:X' cannot be imported"):
+        get_model_class("XForCausalLM")
+    ModelRegistry.register_model("YForCausalLM", "pagedllm.models.llama:NoSuchClass")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        get_model_class("YForCausalLM")
