@@ -46,6 +46,11 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+def native_architectures() -> list[str]:
+    """The architectures pagedllm implements itself (without out-of-tree registrations)."""
+    return sorted(_NATIVE)
+
+
 def check_supported(architecture: str) -> None:
     """One clear error for an architecture with no model class, before anything is loaded."""
     if architecture not in _MODELS:

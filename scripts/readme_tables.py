@@ -1,0 +1,80 @@
+"""Rewrites README.md's architectures table (between its marker comments) from pagedllm's model registry.
+
+python scripts/readme_tables.py           # rewrite README.md
+python scripts/readme_tables.py --check   # exit 1 if README.md's table is stale
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from pagedllm.models.registry import native_architectures
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
+
+# architecture -> family / notes (short); every native architecture needs one
+NOTES = {
+    "BertForSequenceClassification": "BERT cross-encoder (classify, score)",
+    "BertModel": "BERT encoder (embed)",
+    "BloomForCausalLM": "BLOOM: ALiBi",
+    "CohereForCausalLM": "Cohere Command-R: parallel block, optional q/k norm",
+    "FalconForCausalLM": "Falcon: multi-query or GQA, rotary or ALiBi",
+    "Gemma2ForCausalLM": "Gemma 2: soft-capping, alternating sliding window",
+    "Gemma3ForCausalLM": "Gemma 3 (text): q/k norm, local and global rotary",
+    "GemmaForCausalLM": "Gemma",
+    "GPT2LMHeadModel": "GPT-2: learned positions",
+    "GPTBigCodeForCausalLM": "StarCoder, SantaCoder: multi-query",
+    "GPTJForCausalLM": "GPT-J: interleaved rotary, parallel block",
+    "GPTNeoXForCausalLM": "GPT-NeoX, Pythia: partial rotary",
+    "GraniteForCausalLM": "Granite: Llama with multipliers",
+    "InternLM2ForCausalLM": "InternLM2: Llama under other weight names",
+    "LlamaForCausalLM": "Llama: llama3 and linear rope scaling",
+    "MistralForCausalLM": "Mistral: sliding window",
+    "MPTForCausalLM": "MPT: ALiBi",
+    "MptForCausalLM": "MPT (transformers' name)",
+    "Olmo2ForCausalLM": "OLMo 2: norms after each block",
+    "OlmoForCausalLM": "OLMo: non-parametric LayerNorm, q/k/v clipping",
+    "OPTForCausalLM": "OPT: learned positions",
+    "Phi3ForCausalLM": "Phi-3, Phi-4-mini: LongRoPE",
+    "PhiForCausalLM": "Phi-1/1.5/2: parallel block, partial rotary",
+    "Qwen2ForCausalLM": "Qwen2, Qwen2.5: QKV bias",
+    "Qwen3ForCausalLM": "Qwen3: q/k norm",
+    "Starcoder2ForCausalLM": "StarCoder2: sliding window, biases",
+}
+
+
+def architectures_table() -> str:
+    """The markdown table of the native architectures, sorted by name."""
+    archs = native_architectures()
+    missing = [a for a in archs if a not in NOTES]
+    if missing:
+        raise SystemExit(f"scripts/readme_tables.py: add a NOTES entry for {missing}")
+    rows = [f"| `{a}` | {NOTES[a]} | native |" for a in archs]
+    return "\n".join(["| Architecture | Family / notes | Path |", "| --- | --- | --- |", *rows])
+
+
+def rewrite(text: str) -> str:
+    """text with the block between the markers replaced by the current table."""
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise SystemExit(f"README.md needs the markers {BEGIN} and {END}")
+    return f"{head}{BEGIN}\n{architectures_table()}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+    text = README.read_text()
+    new = rewrite(text)
+    if "--check" in argv:
+        if new != text:
+            print("README.md's architectures table is stale: run python scripts/readme_tables.py")
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
