@@ -42,6 +42,14 @@ NOTES = {
     "Qwen2ForCausalLM": "Qwen2, Qwen2.5: QKV bias",
     "Qwen3ForCausalLM": "Qwen3: q/k norm",
     "Starcoder2ForCausalLM": "StarCoder2: sliding window, biases",
+    "RobertaModel": "RoBERTa encoder (embed)",
+    "RobertaForSequenceClassification": "RoBERTa cross-encoder (classify, score)",
+    "XLMRobertaModel": "XLM-RoBERTa encoder, bge-m3 (embed)",
+    "XLMRobertaForSequenceClassification": "XLM-RoBERTa cross-encoder, bge-reranker (classify, score)",
+    "LlamaModel": "Llama without LM head: embedder (last-token pooling)",
+    "MistralModel": "Mistral without LM head, e5-mistral: embedder (last-token pooling)",
+    "Qwen2Model": "Qwen2 without LM head, gte-Qwen2: embedder (last-token pooling)",
+    "Qwen3Model": "Qwen3 without LM head, Qwen3-Embedding: embedder (last-token pooling)",
 }
 
 

@@ -58,6 +58,8 @@ class LinearGelu(ColumnParallelLinear):
 
 
 class BertEmbeddings(nn.Module):
+    position_offset = 0  # RoBERTa's positions start after its padding id
+
     def __init__(self, config) -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -68,6 +70,8 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [num_tokens, hidden]
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]
@@ -157,6 +161,7 @@ class BertModel(nn.Module):
 
     is_causal = False
     uses_token_type_ids = True
+    embeddings_cls = BertEmbeddings
 
     def __init__(
         self,
@@ -171,13 +176,14 @@ class BertModel(nn.Module):
         position_type = getattr(config, "position_embedding_type", "absolute")
         if position_type != "absolute":
             raise ValueError(f"position_embedding_type={position_type!r} is not supported; supported: 'absolute'")
-        if max_position is not None and max_position > config.max_position_embeddings:
+        self.embeddings = self.embeddings_cls(config)
+        longest = config.max_position_embeddings - self.embeddings.position_offset
+        if max_position is not None and max_position > longest:
             raise ValueError(
-                f"max_model_len={max_position} is out of range: [1, {config.max_position_embeddings}] "
-                "(BERT has one learned position embedding per position)"
+                f"max_model_len={max_position} is out of range: [1, {longest}] "
+                f"({type(self).__name__} has one learned position embedding per position)"
             )
         self.config = config
-        self.embeddings = BertEmbeddings(config)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(
             BertLayer(config, quant_config, join_prefix(prefix, f"encoder.layer.{i}"))
@@ -234,21 +240,28 @@ class BertForSequenceClassification(nn.Module):
         return load_bert_weights(self, weights, prefix="bert.")
 
 
-def _renamer(prefix: str) -> Callable[[str], str]:
-    """HF checkpoint name -> our parameter name, before the fused q/k/v (_STACKED)."""
+def _renamer(prefix: str, base: str) -> Callable[[str], str]:
+    """HF checkpoint name -> our parameter name, before the fused q/k/v (_STACKED). base: the encoder's name in a
+    task model ("bert.", "roberta.")."""
 
     def rename(hf_name: str) -> str:
         name = hf_name.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
         if prefix and not name.startswith(prefix) and not name.startswith("classifier."):
             name = prefix + name  # an encoder saved without its "bert." prefix
-        if not prefix and name.startswith("bert."):
-            name = name[len("bert.") :]  # BertModel weights taken from a task model
+        if not prefix and name.startswith(base):
+            name = name[len(base) :]  # encoder weights taken from a task model
         return name
 
     return rename
 
 
-def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
-    """Copies HF BERT weights into `model` (q/k/v fused); heads the model does not have (MLM, NSP, an unused
-    pooler) are skipped. Returns the parameter names loaded completely."""
-    return load_weights(model, weights, _STACKED, _renamer(prefix), ignore=("position_ids", "cls.", "pooler."))
+# tensors of heads and buffers the models do not use: MLM / NSP heads, an unused pooler, position / type id buffers
+_IGNORE = ("position_ids", "token_type_ids", "cls.", "lm_head.", "pooler.")
+
+
+def load_bert_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str, base: str = "bert."
+) -> set[str]:
+    """Copies HF BERT-layout weights into `model` (q/k/v fused); heads the model does not have are skipped.
+    Returns the parameter names loaded completely."""
+    return load_weights(model, weights, _STACKED, _renamer(prefix, base), ignore=_IGNORE)

@@ -34,6 +34,14 @@ _NATIVE = {
     "InternLM2ForCausalLM": ("internlm2", "InternLM2ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaModel": ("roberta", "RobertaModel"),
+    "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
+    "XLMRobertaModel": ("roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("roberta", "XLMRobertaForSequenceClassification"),
+    "LlamaModel": ("decoder_embedding", "LlamaEmbeddingModel"),
+    "MistralModel": ("decoder_embedding", "LlamaEmbeddingModel"),
+    "Qwen2Model": ("decoder_embedding", "Qwen2EmbeddingModel"),
+    "Qwen3Model": ("decoder_embedding", "Qwen3EmbeddingModel"),
 }
 
 

@@ -18,9 +18,21 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 POOLING_TYPES = ("MEAN", "CLS", "LAST", "MAX")
 
-# encoder architectures with their own pooling: architecture -> what it does
-_EMBEDDERS = ("BertModel",)
-_CLASSIFIERS = ("BertForSequenceClassification",)
+# architectures with their own pooling: encoders (CLS by default) and decoders shipped without an LM head (LAST)
+_ROBERTA = (
+    "RobertaModel",
+    "RobertaForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+)
+_ENCODER_EMBEDDERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+_DECODER_EMBEDDERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+_EMBEDDERS = _ENCODER_EMBEDDERS + _DECODER_EMBEDDERS
+_CLASSIFIERS = (
+    "BertForSequenceClassification",
+    "RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
 # sentence-transformers' pooling modes -> our pooling types
 _ST_MODES = {
     "pooling_mode_mean_tokens": "MEAN",
@@ -127,7 +139,7 @@ def _decoder_runner(architecture: str, task: str, runner: str, convert: str) -> 
     if "classify" in (task, convert):
         raise ValueError(
             f"task='classify': {architecture} has no classification head; allowed for it: 'generate' or 'embed' "
-            "(classifiers: BertForSequenceClassification)"
+            f"(classifiers: {', '.join(_CLASSIFIERS)})"
         )
     return "pooling", "embed"
 
@@ -181,7 +193,7 @@ def pooling_spec(kind: str, architecture: str, model_path: str, hf_config: Any, 
     """The pooling of a model: sentence-transformers files first, then the architecture's default (CLS for BERT
     embedders, LAST for decoders, both normalized), then the user's pooler_config on top."""
     st = read_sentence_transformers(model_path) if os.path.isdir(model_path) else None
-    is_encoder = architecture in _EMBEDDERS + _CLASSIFIERS
+    is_encoder = architecture in _ENCODER_EMBEDDERS + _CLASSIFIERS
     pooling_type = "CLS" if is_encoder else "LAST"
     normalize = kind == "embed"
     if st is not None and kind == "embed":
@@ -227,4 +239,8 @@ def resolve_pooling(
     if kind is None:
         return runner, None, None
     spec = pooling_spec(kind, architecture, model_path, hf_config, PoolerConfig.from_user(pooler_config))
-    return runner, spec, st_max_seq_length(model_path) if os.path.isdir(model_path) else None
+    trained = st_max_seq_length(model_path) if os.path.isdir(model_path) else None
+    if architecture in _ROBERTA:  # positions start at padding_idx + 1: the table holds that many fewer
+        longest = int(hf_config.max_position_embeddings) - int(hf_config.pad_token_id) - 1
+        trained = min(trained or longest, longest)
+    return runner, spec, trained

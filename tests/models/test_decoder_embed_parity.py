@@ -1,9 +1,13 @@
 """Decoder models as embedders (task="embed"): last-token and mean pooling of the final hidden states against HF
-transformers, on tiny random Llama / Qwen2 / Qwen3 / Mistral (sliding window) models."""
+transformers, on tiny random Llama / Qwen2 / Qwen3 / Mistral (sliding window) models, as task models (*ForCausalLM)
+and as the bare models embedders ship (LlamaModel, MistralModel, Qwen2Model, Qwen3Model)."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
+import safetensors
 import torch
 import torch.nn.functional as F
 import transformers
@@ -68,3 +72,45 @@ def test_decoder_generates_by_default_and_refuses_embed(tiny_decoder):
         llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)
     with pytest.raises(ValueError, match="task='classify'.* no classification head"):
         LLM(path, task="classify", skip_tokenizer_init=True)
+
+
+# -- bare decoder checkpoints (e5-mistral's MistralModel, gte-Qwen2's Qwen2Model): no LM head, no `model.` prefix --
+BARE = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaModel, dict(TINY_DECODER)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2Model, dict(TINY_DECODER, num_key_value_heads=1)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model, dict(TINY_DECODER, head_dim=24)),
+    "mistral-sliding": (transformers.MistralConfig, transformers.MistralModel, dict(TINY_DECODER, sliding_window=8)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BARE))
+def bare_decoder(request, tmp_path_factory):
+    config_cls, model_cls, kwargs = BARE[request.param]
+    torch.manual_seed(zlib.crc32(request.param.encode()))
+    hf = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():  # random norms, so that the final norm matters
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    path = tmp_path_factory.mktemp(f"bare-{request.param}")
+    hf.save_pretrained(path)
+    names = safetensors.safe_open(str(path / "model.safetensors"), "pt").keys()
+    assert "norm.weight" in names and not any(n.startswith(("model.", "lm_head.")) for n in names)
+    return str(path)
+
+
+def test_bare_decoder_embeds_last_token_by_default(bare_decoder):
+    """No task given: the bare model is an embedder (last token, normalized), against HF AutoModel."""
+    hf = transformers.AutoModel.from_pretrained(bare_decoder).eval()
+    llm = LLM(bare_decoder, dtype="float32", skip_tokenizer_init=True)
+    outs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = F.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_bare_decoder_refuses_generation(bare_decoder):
+    arch = transformers.AutoConfig.from_pretrained(bare_decoder).architectures[0]
+    with pytest.raises(ValueError, match=f"task/runner='generate': {arch} is a pooling model"):
+        LLM(bare_decoder, task="generate", skip_tokenizer_init=True)
