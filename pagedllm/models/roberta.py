@@ -14,12 +14,18 @@ from pagedllm.models.bert import BertEmbeddings, BertModel, load_bert_weights
 from pagedllm.models.utils import join_prefix
 
 
+def roberta_position_offset(config) -> int:
+    """padding_idx + 1: the position-table row of a sequence's first token (padding_idx 1 when the config has none)."""
+    pad = getattr(config, "pad_token_id", None)
+    return (1 if pad is None else int(pad)) + 1
+
+
 class RobertaEmbeddings(BertEmbeddings):
     """Position p of a sequence reads row padding_idx + 1 + p (HF counts positions past the padding id)."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.position_offset = int(config.pad_token_id) + 1
+        self.position_offset = roberta_position_offset(config)
 
 
 class RobertaModel(BertModel):

@@ -241,6 +241,7 @@ def resolve_pooling(
     spec = pooling_spec(kind, architecture, model_path, hf_config, PoolerConfig.from_user(pooler_config))
     trained = st_max_seq_length(model_path) if os.path.isdir(model_path) else None
     if architecture in _ROBERTA:  # positions start at padding_idx + 1: the table holds that many fewer
-        longest = int(hf_config.max_position_embeddings) - int(hf_config.pad_token_id) - 1
+        pad = getattr(hf_config, "pad_token_id", None)
+        longest = int(hf_config.max_position_embeddings) - (1 if pad is None else int(pad)) - 1
         trained = min(trained or longest, longest)
     return runner, spec, trained
