@@ -19,13 +19,16 @@ def _strip_model_prefix(hf_name: str) -> str:
 
 
 class _BareDecoder:
-    """Mixin over a decoder stack: the HF config kept, weights loaded without the task model's prefix."""
+    """Mixin over a decoder stack: the HF config kept, weights loaded without the task model's prefix. Causal
+    attention unless the config says `is_causal: false` (vLLM's switch for bidirectional embedders such as
+    gte-Qwen2-1.5B, e.g. through hf_overrides)."""
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
         super().__init__(config, quant_config, prefix, max_position=max_position)
         self.config = config
+        self.is_causal = bool(getattr(config, "is_causal", True))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights(self, weights, rename=_strip_model_prefix, ignore=("rotary_emb.inv_freq", "lm_head."))

@@ -39,7 +39,8 @@ class PoolingRunner:
                         "soft-capping or ALiBi, which the pooling path does not compute"
                     )
                 layer.backend, layer.kv_cache = encoder_backend, None
-        self.causal = getattr(self.model, "is_causal", True)
+        # encoders say so; a decoder is causal unless its HF config has is_causal=False (bidirectional embedders)
+        self.causal = getattr(self.model, "is_causal", getattr(config.model.hf_config, "is_causal", True))
         self.uses_token_type_ids = getattr(self.model, "uses_token_type_ids", False)
 
     def _inputs(self, reqs: list[PoolingRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

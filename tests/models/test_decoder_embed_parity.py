@@ -114,3 +114,22 @@ def test_bare_decoder_refuses_generation(bare_decoder):
     arch = transformers.AutoConfig.from_pretrained(bare_decoder).architectures[0]
     with pytest.raises(ValueError, match=f"task/runner='generate': {arch} is a pooling model"):
         LLM(bare_decoder, task="generate", skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("model_cls", [transformers.Qwen2Model, transformers.Qwen2ForCausalLM])
+def test_is_causal_false_attends_both_ways(model_cls, tmp_path):
+    """hf_overrides={"is_causal": False} (vLLM's switch for gte-Qwen2-1.5B style embedders): every token attends to
+    every other, as HF does with a full attention mask."""
+    torch.manual_seed(5)
+    hf = model_cls(transformers.Qwen2Config(**TINY_DECODER)).eval()
+    hf.save_pretrained(tmp_path)
+    base = hf if model_cls is transformers.Qwen2Model else hf.model
+    llm = LLM(str(tmp_path), task="embed", dtype="float32", skip_tokenizer_init=True, hf_overrides={"is_causal": False})
+    outs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
+    for ids, out in zip(PROMPTS[1:], outs[1:]):
+        full = torch.ones(1, 1, len(ids), len(ids), dtype=torch.bool)  # [batch, 1, query, key]
+        with torch.no_grad():
+            ref = F.normalize(base(torch.tensor([ids]), attention_mask=full).last_hidden_state[0, -1], dim=-1)
+            causal = F.normalize(base(torch.tensor([ids]), attention_mask=full.tril()).last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(causal, ref, atol=1e-3)  # the test tells the two apart
