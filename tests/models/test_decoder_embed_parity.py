@@ -4,6 +4,7 @@ and as the bare models embedders ship (LlamaModel, MistralModel, Qwen2Model, Qwe
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import pytest
@@ -133,3 +134,40 @@ def test_is_causal_false_attends_both_ways(model_cls, tmp_path):
             causal = F.normalize(base(torch.tensor([ids]), attention_mask=full.tril()).last_hidden_state[0, -1], dim=-1)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=1e-5, rtol=1e-4)
         assert not torch.allclose(causal, ref, atol=1e-3)  # the test tells the two apart
+
+
+def _word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer that appends </s> (the token e5-mistral / gte-Qwen2 pool), <pad> for batching."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = "the a man is eating food pasta sky blue dog cat runs fast slow house green red tree water".split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "</s>", *words, ".", ","])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+
+
+def test_e5_mistral_style_folder_matches_sentence_transformers(tmp_path):
+    """MistralModel + modules.json (last-token Pooling, Normalize), as e5-mistral ships, in batches of mixed length."""
+    st = pytest.importorskip("sentence_transformers")
+    torch.manual_seed(11)
+    config = transformers.MistralConfig(**dict(TINY_DECODER, vocab_size=32, sliding_window=8, pad_token_id=0))
+    transformers.MistralModel(config).save_pretrained(tmp_path)
+    _word_tokenizer().save_pretrained(tmp_path)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    texts = ["the man is eating food.", "a dog", "the sky is blue, the tree is green, the house is red and old."]
+    ref = st.SentenceTransformer(str(tmp_path), device="cpu").encode(texts, convert_to_tensor=True).cpu()
+    llm = LLM(str(tmp_path), dtype="float32")  # no task: a bare decoder embeds
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
