@@ -171,3 +171,17 @@ def test_e5_mistral_style_folder_matches_sentence_transformers(tmp_path):
     llm = LLM(str(tmp_path), dtype="float32")  # no task: a bare decoder embeds
     ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_bare_architecture_over_task_model_weights(tmp_path):
+    """config.json says LlamaModel but the weights are a LlamaForCausalLM's (`model.` prefix, lm_head): the prefix
+    is dropped and the head skipped, as HF's AutoModel does."""
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_DECODER)).eval()
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaModel"]}))
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True)
+    out = llm.embed({"prompt_token_ids": PROMPTS[4]}, use_tqdm=False)[0]
+    ref = F.normalize(_hf_states(hf, PROMPTS[4])[-1], dim=-1)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=1e-5, rtol=1e-4)
