@@ -194,3 +194,15 @@ def test_dynamic_ntk_equals_hf_on_a_forward_of_max_position_times_factor_tokens(
     ref_tokens, ref_logprobs = _hf_greedy(hf, prompt, 1)
     assert got.token_ids == ref_tokens
     np.testing.assert_allclose([got.logprobs[0][got.token_ids[0]].logprob], ref_logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_callable_hf_override_sees_the_rope_keywords_applied(llama):
+    """As in vLLM: the rope keywords go in with the dict overrides, a callable override runs last."""
+    seen = []
+
+    def override(config):
+        seen.append(rope_parameters(config))
+        return config
+
+    LLM(llama[1], **ENGINE, load_format="dummy", rope_theta=321.0, hf_overrides=override)
+    assert seen == [(321.0, None)]
