@@ -20,6 +20,7 @@ from pagedllm.config import (
     parse_dtype,
 )
 from pagedllm.layers.q4_linear import q4_kernel_available
+from pagedllm.layers.rope_config import rope_max_len
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
 from pagedllm.model_loader.weights import check_load_format
@@ -50,6 +51,8 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     hf_overrides: Any = None
+    rope_scaling: dict | None = None  # replaces the config's rope scaling, e.g. {"rope_type": "yarn", "factor": 4.0}
+    rope_theta: float | None = None
     load_format: str = "auto"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -76,7 +79,7 @@ class EngineArgs:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
         pooling_default = self.model is None and wants_pooling(self.task, self.runner, self.convert)
         path = default_embedding_model_path() if pooling_default else resolve_model(self.model, self.revision)
-        hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides)
+        hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides, self.rope_scaling, self.rope_theta)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
@@ -91,10 +94,11 @@ class EngineArgs:
         runner, pooler, trained_len = pooling
         derived_len = int(getattr(hf_config, "max_position_embeddings", 2048))
         derived_len = min(derived_len, trained_len or derived_len)
-        max_len = derived_len if self.max_model_len is None else self.max_model_len
+        longest = rope_max_len(hf_config, derived_len)
+        max_len = longest if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
-        _check_max_model_len(max_len, _longest_len(hf_config, derived_len))
+        _check_max_model_len(max_len, longest)
         is_gguf = path.endswith(".gguf")
         dtype = parse_dtype(self.dtype, config_dtype, device, quantized=is_gguf)
         keep_q4 = (
@@ -197,15 +201,6 @@ def _check_not_quantized(path: str, hf_config) -> None:
     )
 
 
-def _longest_len(hf_config, derived_len: int) -> int:
-    """The longest max_model_len the model allows: its derived length, stretched by a RoPE scaling factor as vLLM
-    does (not for llama3 / longrope, whose max_position_embeddings already counts it)."""
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    factor = scaling.get("factor") if isinstance(scaling, dict) and kind not in ("su", "longrope", "llama3") else None
-    return int(derived_len * factor) if isinstance(factor, (int, float)) and factor > 1 else derived_len
-
-
 def _check_max_model_len(max_len: int, longest: int) -> None:
     if max_len <= longest:
         return
@@ -220,6 +215,7 @@ def _check_max_model_len(max_len: int, longest: int) -> None:
         return
     raise ValueError(
         f"max_model_len={max_len} is out of range: [1, {longest}] (the model's max_position_embeddings or "
-        f"trained length, in its config); a longer one may give wrong outputs or fail. To allow it anyway, set "
-        f"the environment variable {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or {ALLOW_LONG_MAX_MODEL_LEN[1]}=1)"
+        "trained length, in its config, times its rope scaling factor); a longer one may give wrong outputs or "
+        f"fail. To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or "
+        f"{ALLOW_LONG_MAX_MODEL_LEN[1]}=1)"
     )

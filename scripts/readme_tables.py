@@ -30,7 +30,7 @@ NOTES = {
     "GPTNeoXForCausalLM": "GPT-NeoX, Pythia: partial rotary",
     "GraniteForCausalLM": "Granite: Llama with multipliers",
     "InternLM2ForCausalLM": "InternLM2: Llama under other weight names",
-    "LlamaForCausalLM": "Llama: llama3 and linear rope scaling",
+    "LlamaForCausalLM": "Llama: rope scaling (linear, dynamic NTK, YaRN, llama3)",
     "MistralForCausalLM": "Mistral: sliding window",
     "MPTForCausalLM": "MPT: ALiBi",
     "MptForCausalLM": "MPT (transformers' name)",

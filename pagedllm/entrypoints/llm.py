@@ -44,6 +44,8 @@ class LLM(PoolingAPI):
         trust_remote_code: bool = False,
         skip_tokenizer_init: bool = False,
         hf_overrides: Any = None,
+        rope_scaling: dict | None = None,
+        rope_theta: float | None = None,
         load_format: str = "auto",
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,

@@ -1,69 +1,22 @@
-"""Rotary position embedding (neox / HF rotate-half layout) with default, linear and llama3 frequency scaling."""
+"""Rotary position embedding (neox / HF rotate-half layout, or GPT-J's interleaved pairs) with the frequency
+scalings of rope_scaling.py: default, linear, dynamic NTK, YaRN, llama3 and LongRoPE."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_kernels, use_triton
-
-
-def rope_parameters(config: Any) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from a transformers config of either generation (4.x or 5.x)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        scaling = params if params.get("rope_type", params.get("type", "default")) != "default" else None
-        return theta, scaling
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(getattr(config, "rope_theta", 10000.0)), scaling
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend in between."""
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return torch.where(medium, blended, scaled)
-
-
-def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [head_dim/2]
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
-
-
-def _longrope_inv_freqs(head_dim: int, theta: float, scaling: dict) -> tuple[list[torch.Tensor], float, int]:
-    """LongRoPE (Phi-3): ([short, long] inverse frequencies, the cos/sin scale, original_max_position_embeddings).
-    `factor` defaults to max_position_embeddings / original_max_position_embeddings, as HF derives it."""
-    original = int(scaling["original_max_position_embeddings"])
-    factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
-    mscale = scaling.get("attention_factor")
-    if mscale is None:
-        mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [head_dim/2]
-    inv = [1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base) for key in ("short_factor", "long_factor")]
-    return inv, float(mscale), original
+from pagedllm.layers.rope_config import rope_parameters as rope_parameters  # re-exported for the models
+from pagedllm.layers.rope_scaling import longrope_inv_freqs, rope_inv_freq_and_mscale, rope_type_of
 
 
 class RotaryEmbedding(nn.Module):
-    """One per model: the cos/sin tables, looked up once per forward and shared by every layer.
+    """One per model: the cos/sin tables (times the scaling's cos/sin scale: YaRN, LongRoPE), looked up once per
+    forward and shared by every layer. Dynamic NTK uses one fixed base for every length, as vLLM does (see
+    rope_scaling._dynamic_ntk_base for where that differs from transformers).
 
     LongRoPE keeps two tables one after the other (short factors, then long ones); a forward whose positions all
     lie within original_max_position_embeddings reads the short table, else every token reads the long one (as
@@ -72,15 +25,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.long_offset, self.original_max = 0, 0
-        rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
         positions = torch.arange(max_position, dtype=torch.float32)
-        if rope_type == "longrope":
-            inv_freqs, mscale, self.original_max = _longrope_inv_freqs(head_dim, theta, scaling)
+        if rope_type_of(scaling) == "longrope":
+            inv_freqs, mscale, self.original_max = longrope_inv_freqs(head_dim, theta, scaling)
             freqs = torch.cat([torch.outer(positions, inv) for inv in inv_freqs])  # [2 * max_pos, head_dim/2]
             self.long_offset = max_position
         else:
-            freqs = torch.outer(positions, compute_inv_freq(head_dim, theta, scaling))  # [max_pos, head_dim/2]
-            mscale = 1.0
+            inv_freq, mscale = rope_inv_freq_and_mscale(head_dim, theta, scaling)  # [head_dim/2]
+            freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim/2]
         self.register_buffer("cos", freqs.cos() * mscale, persistent=False)
         self.register_buffer("sin", freqs.sin() * mscale, persistent=False)
 

@@ -11,13 +11,23 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.layers.build_context import BuildContext, building
 from pagedllm.layers.quantization import QuantizationConfig, get_quantization_config, quantization_config_from_hf
+from pagedllm.layers.rope_config import apply_rope_overrides
 from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
-def load_hf_config(model_path: str, trust_remote_code: bool, hf_overrides: dict | Callable | None) -> Any:
+def load_hf_config(
+    model_path: str,
+    trust_remote_code: bool,
+    hf_overrides: dict | Callable | None,
+    rope_scaling: dict | None = None,
+    rope_theta: float | None = None,
+) -> Any:
+    """The model's HF config with hf_overrides applied, then rope_scaling / rope_theta (vLLM applies a dict of
+    overrides with those two, then a callable override). Rope keys in an overrides dict go through
+    apply_rope_overrides, so that they work on transformers 5's rope_parameters too."""
     if model_path.endswith(".gguf"):
         from pagedllm.model_loader.gguf_loader import gguf_config
 
@@ -26,15 +36,16 @@ def load_hf_config(model_path: str, trust_remote_code: bool, hf_overrides: dict 
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if hf_overrides is None:
-        return config
-    if callable(hf_overrides):
-        return hf_overrides(config)
-    if not isinstance(hf_overrides, dict):
+    if hf_overrides is not None and not callable(hf_overrides) and not isinstance(hf_overrides, dict):
         raise TypeError(f"hf_overrides must be a dict or a callable, got {type(hf_overrides).__name__}")
-    for key, value in hf_overrides.items():
-        setattr(config, key, value)
-    return config
+    if isinstance(hf_overrides, dict):
+        rope = {k: hf_overrides[k] for k in ("rope_scaling", "rope_theta") if k in hf_overrides}
+        for key, value in hf_overrides.items():
+            if key not in rope:
+                setattr(config, key, value)
+        apply_rope_overrides(config, **rope, prefix="hf_overrides: ")
+    apply_rope_overrides(config, rope_scaling, rope_theta)
+    return hf_overrides(config) if callable(hf_overrides) else config
 
 
 def _weights(model_config: ModelConfig):

@@ -24,6 +24,24 @@ from pagedllm.attention.common import BatchLayout
 from pagedllm.forward_context import forward_context
 
 T = transformers
+# vLLM's fixed dynamic-NTK base for theta 10000, head_dim 16, factor 2: theta * (f * f - (f - 1)) ** (d / (d - 2))
+DYNAMIC_NTK_BASE = 10000.0 * (2.0 * 2.0 - 1.0) ** (16 / 14)
+
+
+def as_dynamic_ntk_checkpoint(path: str) -> None:
+    """The checkpoint's config for pagedllm: theta 10000 with dynamic NTK (factor 2) instead of HF's plain rope at
+    DYNAMIC_NTK_BASE; HF's own dynamic NTK changes its base with each forward's length (test_rope_keywords.py)."""
+    import json
+    import os
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 # name -> (HF config class, HF model class, config kwargs[, rewrite of the saved checkpoint for pagedllm])
 CASES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER)),
@@ -155,6 +173,45 @@ CASES = {
                 "long_factor": [2.0 + i for i in range(8)],
             },
         ),
+    ),
+    "llama-linear-rope": (
+        T.LlamaConfig,
+        T.LlamaForCausalLM,
+        dict(TINY_DECODER, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    "qwen2-yarn": (
+        T.Qwen2Config,
+        T.Qwen2ForCausalLM,
+        dict(
+            TINY_DECODER,
+            max_position_embeddings=64,
+            rope_theta=1000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        ),
+    ),
+    "llama-yarn-deepseek-mscale": (  # DeepSeek's mscale / mscale_all_dim ratio scales cos/sin; betas, no truncation
+        T.LlamaConfig,
+        T.LlamaForCausalLM,
+        dict(
+            TINY_DECODER,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 8,
+                "beta_slow": 2,
+                "truncate": False,
+            },
+        ),
+    ),
+    # HF's plain rope at vLLM's fixed dynamic-NTK base; pagedllm reads the same model as dynamic NTK
+    "llama-dynamic-ntk": (
+        T.LlamaConfig,
+        T.LlamaForCausalLM,
+        dict(TINY_DECODER, rope_theta=DYNAMIC_NTK_BASE),
+        as_dynamic_ntk_checkpoint,
     ),
     # transformers has no InternLM2: HF's Llama on the same weights, saved in InternLM2's layout for pagedllm
     "internlm2": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER), as_internlm2_checkpoint),

@@ -44,6 +44,8 @@ ENGINE_FLAGS: dict[str, Any] = {
     "tensor_parallel_size": int,
     "trust_remote_code": _BOOL,
     "hf_overrides": _json,
+    "rope_scaling": _json,
+    "rope_theta": float,
     "load_format": str,
     "num_gpu_blocks_override": int,
     "kv_cache_memory_bytes": int,
