@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels import use_triton
 from pagedllm.layers.activation import activation_fn
 from pagedllm.layers.build_context import current_build_context
 from pagedllm.layers.fused_moe.routing import check_routing, select_experts
@@ -103,6 +104,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select_experts(router_logits)  # [n, top_k] each
+        if use_triton(x) and self.activation in ("silu", "swish"):
+            from pagedllm.layers.fused_moe.triton_moe import fused_experts_triton
+
+            return fused_experts_triton(x, self.w13_weight, self.w2_weight, weights, ids)
         return fused_experts_torch(x, self.w13_weight, self.w2_weight, weights, ids, self.activation)
 
     def extra_repr(self) -> str:
