@@ -163,3 +163,24 @@ def test_per_expert_checkpoint_names_load_into_stacked_params(names):
         assert torch.equal(w13[:6], tensors[f"layer.experts.{x}.{gate}.weight"])
         assert torch.equal(w13[6:], tensors[f"layer.experts.{x}.{up}.weight"])
         assert torch.equal(w2, tensors[f"layer.experts.{x}.{down}.weight"])
+
+
+def test_mixtral_loads_transformers_fused_expert_tensors():
+    """transformers keeps a layer's experts fused in memory (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]); its state_dict loads into the stacked parameters as they are."""
+    import transformers
+    from tiny_models import TINY_DECODER
+
+    from pagedllm.models.mixtral import MixtralForCausalLM
+
+    config = transformers.MixtralConfig(**TINY_DECODER, num_local_experts=4)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(config)
+    ours = MixtralForCausalLM(config, max_position=256)
+    state = hf.state_dict()
+    loaded = ours.load_weights(state.items())
+    assert {"model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"} <= loaded
+    layer = ours.model.layers[1].mlp.experts
+    w13 = next(v for k, v in state.items() if "layers.1." in k and k.endswith("experts.gate_up_proj"))
+    w2 = next(v for k, v in state.items() if "layers.1." in k and k.endswith("experts.down_proj"))
+    assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w2_weight, w2)
