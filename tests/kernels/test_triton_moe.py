@@ -102,3 +102,28 @@ def test_gpu_bf16_experts_real_shapes(e, k, hidden, inter):
         assert ours.dtype == torch.bfloat16 and bool(torch.isfinite(ours).all())
         err, torch_err = (ours.float() - exact).abs().max().item(), (torch_bf16.float() - exact).abs().max().item()
         assert err <= 1.5 * torch_err + 1e-3, f"n={n}: triton {err:.4g} vs torch bf16 {torch_err:.4g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_gpu_moe_layer_replays_in_a_cuda_graph(n):
+    """FusedMoE.forward on CUDA (routing, expert alignment, both GEMMs) has no host sync: captured once, a replay
+    on new tokens gives what an eager call gives on them."""
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    layer = FusedMoE(16, 4, 256, 128, True, scoring_func="sigmoid", num_expert_group=4, topk_group=2)
+    w13, w2 = make_experts(16, 256, 128)
+    layer.w13_weight.data, layer.w2_weight.data = w13.bfloat16(), w2.bfloat16()
+    x, logits = torch.zeros(n, 256, device=DEVICE, dtype=torch.bfloat16), torch.zeros(n, 16, device=DEVICE)
+    with torch.inference_mode():
+        layer(x, logits)  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x, logits)
+        fresh_x, _, _ = make_tokens(n, 16, 4, 256, seed=7)
+        fresh_logits = torch.randn(n, 16, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(3))
+        x.copy_(fresh_x)
+        logits.copy_(fresh_logits)
+        graph.replay()
+        torch.testing.assert_close(out, layer(x, logits), atol=0, rtol=0)
