@@ -212,6 +212,41 @@ CASES = {
         T.LlamaForCausalLM,
         dict(TINY_DECODER, rope_theta=DYNAMIC_NTK_BASE),
         as_dynamic_ntk_checkpoint,
+    "mixtral-8-experts": (  # 8 experts, top-2: the random router sends tokens to the experts unevenly
+        T.MixtralConfig,
+        T.MixtralForCausalLM,
+        dict(TINY_DECODER, num_local_experts=8, num_experts_per_tok=2),
+    ),
+    "qwen2-moe-shared-dense-layer": (  # layer 1 dense (mlp_only_layers), 6 experts top-2 unnormalized + shared
+        T.Qwen2MoeConfig,
+        T.Qwen2MoeForCausalLM,
+        dict(
+            TINY_DECODER,
+            num_hidden_layers=3,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3-moe-sparse-step": (  # decoder_sparse_step=2: layer 0 dense, layer 1 has 8 experts top-3 normalized
+        T.Qwen3MoeConfig,
+        T.Qwen3MoeForCausalLM,
+        dict(
+            TINY_DECODER,
+            head_dim=24,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "olmoe-clip": (
+        T.OlmoeConfig,
+        T.OlmoeForCausalLM,
+        dict(TINY_DECODER, num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, pad_token_id=0),
     ),
     # transformers has no InternLM2: HF's Llama on the same weights, saved in InternLM2's layout for pagedllm
     "internlm2": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER), as_internlm2_checkpoint),
