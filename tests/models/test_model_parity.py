@@ -212,6 +212,7 @@ CASES = {
         T.LlamaForCausalLM,
         dict(TINY_DECODER, rope_theta=DYNAMIC_NTK_BASE),
         as_dynamic_ntk_checkpoint,
+    ),
     "mixtral-8-experts": (  # 8 experts, top-2: the random router sends tokens to the experts unevenly
         T.MixtralConfig,
         T.MixtralForCausalLM,
