@@ -16,6 +16,21 @@ TINY_DECODER = dict(  # small enough for CPU tests, with GQA (4 query heads over
     max_position_embeddings=256,
 )
 
+TINY_MLA = dict(  # DeepSeek's multi-head latent attention, 8 routed experts of which 2 per token
+    TINY_DECODER,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+
 
 def save_tiny_decoder(name: str, config_cls, model_cls, kwargs: dict, tmp_path_factory, random_norms: bool = True):
     """Builds model_cls(config_cls(**kwargs)) seeded by its name, saves it; returns (hf model, its folder).
