@@ -14,8 +14,8 @@ implemented.
 
 MoE layers (from first_k_dense_replace on, every moe_layer_freq-th): a router in float32 over n_routed_experts
 (V2: softmax, greedy or group_limited_greedy; V3: sigmoid plus e_score_correction_bias, grouped by the top-2 sum),
-top num_experts_per_tok renormalized when norm_topk_prob, times routed_scaling_factor, plus n_shared_experts
-always-on experts as one gated MLP."""
+top num_experts_per_tok (V3: renormalized when norm_topk_prob; V2 never, as in transformers), times
+routed_scaling_factor, plus n_shared_experts always-on experts as one gated MLP."""
 
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ class DeepseekV2MoE(nn.Module):
             top_k,
             config.hidden_size,
             config.moe_intermediate_size,
-            bool(getattr(config, "norm_topk_prob", False)) and top_k > 1,
+            v3 and bool(getattr(config, "norm_topk_prob", False)),  # transformers' V2 never renormalizes
             quant_config,
             join_prefix(prefix, "experts"),
             activation=getattr(config, "hidden_act", "silu"),
