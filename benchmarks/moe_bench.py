@@ -5,7 +5,8 @@ experts, so 8 layers are ~12 GB and the KV cache gets the rest of one H100).
 Workloads, each one JSON line on stdout (appended to benchmarks/results.jsonl unless --no-append):
   moe-decode   per batch size: decode step time = (wall(max_tokens=1 + S) - wall(max_tokens=1)) / S over the same
                prompts (prefix caching off, so both runs prefill alike), decode tokens/s = batch / step time, and
-               moe_frac = layers x (CUDA-event time of one FusedMoE.forward at that batch) / step time
+               moe_frac = layers x (CUDA-event time of one FusedMoE.forward at that batch, replayed from a
+               CUDA graph like the decode step) / step time
   moe-kernel   per token count: the fused Triton experts against the per-expert torch experts (FusedMoE's CPU path
                run on the GPU) on layer 0's weights, median CUDA-event time; expert_gbps = bytes of the experts the
                tokens touch / Triton time
@@ -96,12 +97,19 @@ def timed(fn, device: torch.device, reps: int) -> float:
 
 
 def moe_forward_time(experts, hidden: int, num_tokens: int, device, dtype, reps: int) -> float:
-    """One FusedMoE.forward (routing included) on random tokens and router logits."""
+    """One FusedMoE.forward (routing included) on random tokens and router logits; on a GPU replayed from a CUDA
+    graph, as the decode steps run it (eager launches would overstate small batches)."""
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=gen, device=device, dtype=dtype)
     logits = torch.randn(num_tokens, experts.num_experts, generator=gen, device=device, dtype=dtype)
     with torch.inference_mode():
-        return timed(lambda: experts(x, logits), device, reps)
+        if device.type != "cuda":
+            return timed(lambda: experts(x, logits), device, reps)
+        experts(x, logits)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            experts(x, logits)
+        return timed(graph.replay, device, reps)
 
 
 def decode_records(llm, args, experts, device, dtype, common: dict) -> list[dict]:

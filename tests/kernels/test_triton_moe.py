@@ -82,6 +82,16 @@ def test_triton_experts_wide_tiles_and_no_tokens():
     assert empty.shape == (0, 40)
 
 
+@pytest.mark.parametrize("n,e,k", [(1, 4, 2), (19, 8, 2)])
+def test_triton_experts_bfloat16(n, e, k):
+    """bf16 in and out, float32 inside: within bf16 rounding of the float32 experts."""
+    x, w13, w2, weights, ids = make_case(n, e, k, hidden=32, inter=16, seed=5)
+    out = moe.fused_experts_triton(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    assert out.dtype == torch.bfloat16
+    ref = fused_experts_torch(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(

@@ -184,3 +184,18 @@ def test_mixtral_loads_transformers_fused_expert_tensors():
     w13 = next(v for k, v in state.items() if "layers.1." in k and k.endswith("experts.gate_up_proj"))
     w2 = next(v for k, v in state.items() if "layers.1." in k and k.endswith("experts.down_proj"))
     assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w2_weight, w2)
+
+
+def test_correction_bias_stays_the_routers_parameter():
+    """A router's bias parameter handed to FusedMoE is read at forward time and keeps the router's name."""
+    block = torch.nn.Module()
+    bias = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+    block.experts = FusedMoE(8, 2, 16, 8, True, scoring_func="sigmoid", e_score_correction_bias=bias)
+    block.gate = torch.nn.Module()
+    block.gate.e_score_correction_bias = bias
+    assert "gate.e_score_correction_bias" in dict(block.named_parameters())
+    assert "experts.e_score_correction_bias" not in dict(block.named_parameters(remove_duplicate=False))
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        bias[7] = 10.0  # loaded after construction: expert 7 now always chosen
+    assert bool((block.experts.select_experts(logits)[1] == 7).any(dim=-1).all())

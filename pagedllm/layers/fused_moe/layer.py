@@ -70,7 +70,9 @@ class FusedMoE(nn.Module):
         self.activation, self.scoring_func = activation, scoring_func
         self.num_expert_group, self.topk_group = num_expert_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
-        self.e_score_correction_bias = e_score_correction_bias  # [E] float32, owned by the caller (a loaded param)
+        # [E] float32 or None: owned by the caller (the router's loaded parameter), so kept out of this module's
+        # parameters: the checkpoint names it under the router
+        self.__dict__["e_score_correction_bias"] = e_score_correction_bias
         loader = self.weight_loader
         self.w13_weight = new_param(num_experts, 2 * intermediate_size, hidden_size, weight_loader=loader)
         self.w2_weight = new_param(num_experts, hidden_size, intermediate_size, weight_loader=loader)
