@@ -45,3 +45,26 @@ def test_v2_router_follows_transformers():
     assert (moe.experts.num_expert_group, moe.experts.topk_group) == (4, 2)
     assert moe.gate.e_score_correction_bias is None and moe.gate.weight.dtype == torch.float32
     assert DeepseekV2MoE(_config(n_group=4, topk_group=2)).experts.num_expert_group is None
+
+
+def test_v3_router_matches_transformers_with_negative_bias():
+    """Experts outside the chosen groups never win, even where score + correction bias is below 0."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = transformers.DeepseekV3Config(
+        **dict(TINY_MLA, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    )
+    torch.manual_seed(0)
+    ref = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        ref.weight.normal_(0.0, 0.5)
+        ref.e_score_correction_bias.normal_(-1.0, 0.3)
+    moe = DeepseekV2MoE(config)
+    moe.gate.weight.data.copy_(ref.weight.data)
+    moe.gate.e_score_correction_bias.data.copy_(ref.e_score_correction_bias)
+    x = torch.randn(64, config.hidden_size)
+    with torch.no_grad():
+        _, ref_weights, ref_ids = ref(x)
+    weights, ids = moe.experts.select_experts(moe.gate(x))
+    dense = torch.zeros(64, 8).scatter_(1, ids.long(), weights)  # [n, E]: each token's weight per expert
+    torch.testing.assert_close(dense, torch.zeros(64, 8).scatter_(1, ref_ids, ref_weights))
