@@ -104,13 +104,27 @@ class ModelConfig:
     def num_kv_heads(self) -> int:
         from pagedllm.models.utils import num_kv_heads_of
 
+        if self._mla:
+            return self._mla_cache_dims()[0]
         return num_kv_heads_of(self.hf_config)
 
     @property
     def head_dim(self) -> int:
         from pagedllm.models.utils import head_dim_of
 
+        if self._mla:
+            return self._mla_cache_dims()[1]
         return head_dim_of(self.hf_config)
+
+    @property
+    def _mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): the cache holds per-head K and V of the model's own dims."""
+        return getattr(self.hf_config, "kv_lora_rank", None) is not None
+
+    def _mla_cache_dims(self) -> tuple[int, int]:
+        from pagedllm.models.deepseek_v2 import mla_cache_dims
+
+        return mla_cache_dims(self.hf_config)
 
 
 @dataclass

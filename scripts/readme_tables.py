@@ -20,6 +20,8 @@ NOTES = {
     "BertModel": "BERT encoder (embed)",
     "BloomForCausalLM": "BLOOM: ALiBi",
     "CohereForCausalLM": "Cohere Command-R: parallel block, optional q/k norm",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2: MLA attention (decompressed K/V cache), MoE with shared experts",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3: MLA, sigmoid-scored grouped MoE with score-correction bias",
     "FalconForCausalLM": "Falcon: multi-query or GQA, rotary or ALiBi",
     "Gemma2ForCausalLM": "Gemma 2: soft-capping, alternating sliding window",
     "Gemma3ForCausalLM": "Gemma 3 (text): q/k norm, local and global rotary",

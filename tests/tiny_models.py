@@ -16,12 +16,27 @@ TINY_DECODER = dict(  # small enough for CPU tests, with GQA (4 query heads over
     max_position_embeddings=256,
 )
 
+TINY_MLA = dict(  # DeepSeek's multi-head latent attention, 8 routed experts of which 2 per token
+    TINY_DECODER,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+
 
 def save_tiny_decoder(name: str, config_cls, model_cls, kwargs: dict, tmp_path_factory, random_norms: bool = True):
     """Builds model_cls(config_cls(**kwargs)) seeded by its name, saves it; returns (hf model, its folder).
 
-    random_norms: random biases and norm weights, so that every parameter matters. The model never stops at EOS
-    (pagedllm's side runs with ignore_eos)."""
+    random_norms: random biases (DeepSeek-V3's router bias too) and norm weights, so that every parameter matters.
+    The model never stops at EOS (pagedllm's side runs with ignore_eos)."""
     torch.manual_seed(zlib.crc32(name.encode()))
     hf = model_cls(config_cls(**kwargs)).eval()
     hf.generation_config.eos_token_id = None
@@ -30,6 +45,9 @@ def save_tiny_decoder(name: str, config_cls, model_cls, kwargs: dict, tmp_path_f
             for param_name, p in hf.named_parameters():
                 if param_name.endswith("bias") or "norm" in param_name:
                     p.normal_(0.0 if param_name.endswith("bias") else 1.0, 0.1)
+            for buffer_name, b in hf.named_buffers():  # DeepSeek-V3's router bias is a (saved) buffer
+                if buffer_name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.1)
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     return hf, str(path)

@@ -58,7 +58,7 @@ def select_experts(
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
     if num_expert_group is not None and num_expert_group > 1:
         mask = _group_mask(choice, num_expert_group, topk_group, e_score_correction_bias is not None)
-        choice = choice.masked_fill(~mask, 0.0)
+        choice = choice.masked_fill(~mask, float("-inf"))  # not 0: a biased choice score may be negative
     if e_score_correction_bias is None and num_expert_group is None:
         weights, ids = choice.topk(top_k, dim=-1)  # [n, top_k]
     else:
