@@ -30,7 +30,12 @@ from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q
 logger = logging.getLogger(__name__)
 
 # GGUF architecture name (also transformers' model_type) -> HF architecture. Mistral GGUFs use the "llama" name.
-_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -52,6 +57,27 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# GPT-2: HF keeps its linear weights as Conv1D [in, out]; the converter transposed them to [out, in].
+_GPT2_GLOBAL_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+_GPT2_LAYER_NAMES = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+# arch -> (global names, per-layer names, HF prefix of layer i)
+_NAMES = {
+    "gpt2": (_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, "transformer.h.{}"),
+    **{arch: (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers.{}") for arch in ("llama", "qwen2", "qwen3")},
+}
+_TRANSPOSED = frozenset({("gpt2", part) for part in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")})
 # Tensors with no HF parameter (llama3 rope frequency factors are not representable here).
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -185,49 +211,85 @@ def _token_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
     return {hf: _field(reader, f"tokenizer.ggml.{name}_token_id") for hf, name in keys.items()}
 
 
+def _tensor_shape(reader: gguf.GGUFReader, name: str) -> tuple[int, ...] | None:
+    """A tensor's shape in torch order (GGUF lists dims innermost first), None when the file lacks it."""
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tuple(int(s) for s in reversed(tensor.shape))
+    return None
+
+
 def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     """The config of a .gguf file's model, built from its metadata: a plain `PretrainedConfig` with the model's
     fields and `model_type`. Importing transformers' own config classes (LlamaConfig, ...) pulls in torch._dynamo and
     costs ~2 s of every start; `transformers.AutoConfig.for_model` makes one from these fields when needed."""
     reader = _reader(path)
     arch = _architecture(reader)
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    names = _tensor_names(reader)
+    kwargs = _gpt2_kwargs(reader) if arch == "gpt2" else _llama_kwargs(reader, arch)
+    if "rope_freqs.weight" in _tensor_names(reader):
+        logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
+    return transformers.PretrainedConfig(model_type=arch, **kwargs)
+
+
+def _common_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Config fields every architecture has under the same GGUF keys."""
     kwargs: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "hidden_size": int(_field(reader, f"{arch}.embedding_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "num_attention_heads": int(_field(reader, f"{arch}.attention.head_count")),
         "vocab_size": _vocab_size(reader, arch),
-        "tie_word_embeddings": "output.weight" not in names,
-        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
+        "tie_word_embeddings": "output.weight" not in _tensor_names(reader),
         **_token_ids(reader),
     }
     context = _field(reader, f"{arch}.context_length")
     if context is not None:
         kwargs["max_position_embeddings"] = int(context)
+    return kwargs
+
+
+def _llama_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    kwargs = _common_kwargs(reader, arch)
+    hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kwargs.update(
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
+    )
     if arch == "llama":
-        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    if "rope_freqs.weight" in names:
-        logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
-    return transformers.PretrainedConfig(model_type=arch, **kwargs)
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in _tensor_names(reader)
+    return kwargs
 
 
-def _hf_name(name: str) -> str:
+def _gpt2_kwargs(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """GPT-2 (gelu_new, LayerNorm, learned positions). The inner MLP width comes from ffn_up: llama.cpp's converter
+    writes 4 * n_embd as feed_forward_length whatever the checkpoint's n_inner."""
+    kwargs = _common_kwargs(reader, "gpt2")
+    up = _tensor_shape(reader, "blk.0.ffn_up.weight")  # (inner, hidden)
+    inner = up[0] if up is not None else int(_field(reader, "gpt2.feed_forward_length"))
+    dtype_key = "dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype"
+    kwargs.update(
+        n_inner=inner,
+        layer_norm_epsilon=float(_field(reader, "gpt2.attention.layer_norm_epsilon")),
+        activation_function="gelu_new",
+        **{dtype_key: torch.float32},
+    )
+    return kwargs
+
+
+def _hf_name(name: str, arch: str) -> str:
     """GGUF tensor name -> HF parameter name."""
+    global_names, layer_names, layer_prefix = _NAMES[arch]
     base, _, suffix = name.rpartition(".")
-    if base in _GLOBAL_NAMES and suffix == "weight":
-        return f"{_GLOBAL_NAMES[base]}.weight"
+    if base in global_names and suffix in ("weight", "bias"):
+        return f"{global_names[base]}.{suffix}"
     match = _LAYER_RE.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         raise ValueError(f"GGUF tensor {name!r} has no known HF counterpart")
     layer, part, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    return f"{layer_prefix.format(layer)}.{layer_names[part]}.{suffix}"
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -252,19 +314,23 @@ def _qk_heads(reader: gguf.GGUFReader, arch: str, part: str) -> int:
 def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file.
 
-    With keep_q4, Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values and per-32 scale/zero) instead."""
+    With keep_q4, Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values and per-32 scale/zero) instead, except
+    where HF's layout is transposed (GPT-2's Conv1D): those are dequantized."""
     reader = _reader(path)
     arch = _architecture(reader)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost first
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if keep_q4 and tensor.tensor_type in PACKABLE_Q4 and len(shape) == 2 and part:
+        transposed = (arch, part) in _TRANSPOSED and len(shape) == 2
+        if keep_q4 and tensor.tensor_type in PACKABLE_Q4 and len(shape) == 2 and part and not transposed:
             weight = PackedQ4(*unpack_q4(tensor.data, tensor.tensor_type, shape))
         else:
             weight = dequantize(tensor.data, tensor.tensor_type, shape)
+        if transposed:
+            weight = weight.t()  # [out, in] -> HF's Conv1D [in, out]
         if arch in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = _qk_heads(reader, arch, part)
             if isinstance(weight, PackedQ4):

@@ -1,0 +1,198 @@
+"""GPT-2 GGUF files, written the way llama.cpp's converter writes them (tensor names, transposed Conv1D weights,
+metadata, a byte-level BPE tokenizer), loaded by `LLM(model="x.gguf")` alone and run against HF transformers."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model_loader import gguf_loader
+from pagedllm.model_loader.gguf_loader import gguf_config, gguf_weights
+
+T = gguf.GGMLQuantizationType
+EOT = "<|endoftext|>"
+VOCAB = 320
+CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # HF [in, out]; GGUF [out, in]
+GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
+LAYER = {
+    "ln_1": "attn_norm",
+    "attn.c_attn": "attn_qkv",
+    "attn.c_proj": "attn_output",
+    "ln_2": "ffn_norm",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
+}
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n",
+    "Hello, world! Paged attention keeps the cache in blocks; a block holds sixteen tokens.",
+    "GGUF files carry the tokenizer: tokens, merges and token types.",
+]
+TEXTS = ["Hello, world!", "The lazy fox returns a + b", "  spaces\tand\nnewlines <|endoftext|> here", "Ünïcödé 🤖"]
+
+
+def train_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly VOCAB tokens (GPT-2's pre-tokenizer and byte alphabet), EOT as id 0."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    assert tok.get_vocab_size() == VOCAB
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, unk_token=EOT)
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    module, _, suffix = hf_name.rpartition(".")
+    if module == "lm_head":
+        return f"output.{suffix}"
+    if module in GLOBAL:
+        return f"{GLOBAL[module]}.{suffix}"
+    _, _, layer, rest = module.split(".", 3)  # transformer.h.N.<rest>
+    return f"blk.{layer}.{LAYER[rest]}.{suffix}"
+
+
+def encode(w: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
+    """(data to write, the float32 values it holds). 1-D tensors stay F32, as the converter keeps them."""
+    if w.ndim == 1 or qtype == T.F32:
+        return w, w
+    if qtype == T.F16:
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    data = gguf.quants.quantize(w, qtype)  # (rows, bytes per row) uint8
+    return data, gguf.quants.dequantize(data, qtype)
+
+
+def write_tokenizer(writer: gguf.GGUFWriter, tok: transformers.PreTrainedTokenizerFast) -> None:
+    vocab = tok.backend_tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t == EOT else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_unk_token_id(tok.unk_token_id)
+
+
+def write_gpt2_gguf(path: str, hf: transformers.GPT2LMHeadModel, tok, qtype: T) -> dict[str, torch.Tensor]:
+    """Write `hf` as llama.cpp's GPT-2 converter does; return the HF-layout float32 tensors the file holds."""
+    config = hf.config
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(config.n_layer)
+    writer.add_context_length(config.n_positions)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(4 * config.n_embd)  # the converter's value, whatever n_inner is
+    writer.add_head_count(config.n_head)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    write_tokenizer(writer, tok)
+    stored = {}
+    for hf_name, param in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = param.detach().numpy().astype(np.float32)
+        if hf_name.endswith(CONV1D):
+            w = np.ascontiguousarray(w.T)
+        data, values = encode(w, qtype)
+        values = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(w.shape)
+        stored[hf_name] = values.t() if hf_name.endswith(CONV1D) else values
+        raw_dtype = None if data.dtype == np.float32 else (T.F16 if data.dtype == np.float16 else qtype)
+        writer.add_tensor(gguf_tensor_name(hf_name), np.ascontiguousarray(data), raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+CASES = {"f32-tied": (T.F32, True), "f16-untied": (T.F16, False), "q8_0-tied": (T.Q8_0, True)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def gpt2_gguf(request, tmp_path_factory):
+    """(case, HF reference model holding the file's values, HF tokenizer, path, LLM on the .gguf alone)."""
+    qtype, tied = CASES[request.param]
+    tok = train_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, tie_word_embeddings=tied
+    )
+    config.bos_token_id = config.eos_token_id = tok.eos_token_id
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    hf.generation_config.eos_token_id = None
+    path = str(tmp_path_factory.mktemp(request.param) / f"tiny-gpt2-{request.param}.gguf")
+    stored = write_gpt2_gguf(path, hf, tok, qtype)
+    if qtype != T.F32:  # the reference holds the values the file holds (f16-rounded / Q8_0-dequantized)
+        hf.load_state_dict(stored, strict=False)
+    else:
+        assert all(torch.equal(stored[n], p) for n, p in hf.state_dict().items() if n in stored)
+    with pytest.MonkeyPatch.context() as mp:  # the converted tokenizer is cached under the test's folder
+        mp.setattr(gguf_loader, "_default_cache_dir", lambda: str(tmp_path_factory.mktemp("cache")))
+        llm = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 22, block_size=4, max_num_batched_tokens=16)
+    return request.param, hf, tok, path, stored, llm
+
+
+def test_weights_and_config(gpt2_gguf) -> None:
+    name, hf, _, path, stored, _ = gpt2_gguf
+    weights = dict(gguf_weights(path))
+    assert sorted(weights) == sorted(stored)
+    for key, value in stored.items():
+        assert weights[key].shape == value.shape and torch.equal(weights[key], value), key
+    config = gguf_config(path)
+    assert config.architectures == ["GPT2LMHeadModel"]
+    assert (config.hidden_size, config.n_inner, config.num_hidden_layers, config.num_attention_heads) == (64, 96, 2, 4)
+    assert (config.vocab_size, config.max_position_embeddings) == (VOCAB, 128)
+    assert config.tie_word_embeddings is hf.config.tie_word_embeddings
+    assert config.layer_norm_epsilon == pytest.approx(hf.config.layer_norm_epsilon)
+
+
+def test_tokenizer_from_gguf_matches_original(gpt2_gguf) -> None:
+    _, _, tok, _, _, llm = gpt2_gguf
+    ours = llm.get_tokenizer()
+    for text in TEXTS:
+        ids = tok(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids) == tok.decode(ids) == text
+    assert ours.eos_token_id == tok.eos_token_id == 0
+    assert ours(EOT)["input_ids"] == [0]
+
+
+def test_greedy_and_logprobs_match_hf(gpt2_gguf) -> None:
+    """Text prompts through the GGUF's own tokenizer; greedy tokens identical to HF's, logprobs within 1e-4."""
+    name, hf, tok, _, _, llm = gpt2_gguf
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(TEXTS, params, use_tqdm=False)
+    for text, out in zip(TEXTS, outs):
+        prompt = tok(text)["input_ids"]
+        assert out.prompt_token_ids == prompt
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        ref_tokens = ref.sequences[0, len(prompt) :].tolist()
+        ref_logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.logits, ref_tokens)]
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"{name}: {text!r}"
+        ours = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, rtol=0, err_msg=f"{name}: {text!r}")
