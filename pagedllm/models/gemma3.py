@@ -1,8 +1,10 @@
 """Gemma 3 (text): Gemma 2's layers with RMSNorm on each head of q and k before rotary, and separate rotary bases
-for sliding-window (local) and full-attention (global) layers (config.rope_parameters keyed by layer type)."""
+for sliding-window (local) and full-attention (global) layers (config.rope_parameters keyed by layer type).
+Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration) run as text models: their language model only."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
@@ -10,7 +12,7 @@ import torch
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
-from pagedllm.models.utils import head_dim_of, sliding_window_for_layer
+from pagedllm.models.utils import head_dim_of, load_weights, sliding_window_for_layer, tied_ignore
 
 
 class Gemma3Attention(Gemma2Attention):
@@ -62,3 +64,28 @@ class Gemma3Model(Gemma2Model):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_cls = Gemma3Model
+
+
+# the language model's prefix in Gemma3ForConditionalGeneration checkpoints -> Gemma3ForCausalLM's
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."),  # transformers >= 4.52
+    ("language_model.model.", "model."),  # earlier checkpoints
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # skipped: images are not supported yet
+
+
+def _text_name(name: str) -> str:
+    for theirs, ours in _TEXT_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
+    return name
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A Gemma 3 image-text checkpoint as a text model: built from its text_config (the loader hands over
+    `config.text_config`), its language model's weights loaded, the vision tower and projector skipped."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        ignore = (*tied_ignore(self.tied), *_VISION_PARTS)
+        return load_weights(self, weights, rename=_text_name, ignore=ignore)
