@@ -4,7 +4,6 @@ Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration) run as text mode
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
-from pagedllm.models.utils import head_dim_of, load_weights, sliding_window_for_layer, tied_ignore
+from pagedllm.models.utils import head_dim_of, sliding_window_for_layer
 
 
 class Gemma3Attention(Gemma2Attention):
@@ -86,6 +85,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """A Gemma 3 image-text checkpoint as a text model: built from its text_config (the loader hands over
     `config.text_config`), its language model's weights loaded, the vision tower and projector skipped."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignore = (*tied_ignore(self.tied), *_VISION_PARTS)
-        return load_weights(self, weights, rename=_text_name, ignore=ignore)
+    rename = staticmethod(_text_name)
+    extra_ignore = _VISION_PARTS
