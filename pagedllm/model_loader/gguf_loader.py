@@ -35,6 +35,7 @@ _ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "starcoder2": "Starcoder2ForCausalLM",
 }
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
@@ -75,6 +76,7 @@ _GPT2_LAYER_NAMES = {
 # arch -> (global names, per-layer names, HF prefix of layer i)
 _NAMES = {
     "gpt2": (_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, "transformer.h.{}"),
+    "starcoder2": (_GLOBAL_NAMES, {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}, "model.layers.{}"),
     **{arch: (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers.{}") for arch in ("llama", "qwen2", "qwen3")},
 }
 _TRANSPOSED = frozenset({("gpt2", part) for part in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")})
@@ -225,7 +227,7 @@ def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     costs ~2 s of every start; `transformers.AutoConfig.for_model` makes one from these fields when needed."""
     reader = _reader(path)
     arch = _architecture(reader)
-    kwargs = _gpt2_kwargs(reader) if arch == "gpt2" else _llama_kwargs(reader, arch)
+    kwargs = _KWARGS.get(arch, _llama_kwargs)(reader, arch)
     if "rope_freqs.weight" in _tensor_names(reader):
         logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
     return transformers.PretrainedConfig(model_type=arch, **kwargs)
@@ -263,10 +265,10 @@ def _llama_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     return kwargs
 
 
-def _gpt2_kwargs(reader: gguf.GGUFReader) -> dict[str, Any]:
+def _gpt2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     """GPT-2 (gelu_new, LayerNorm, learned positions). The inner MLP width comes from ffn_up: llama.cpp's converter
     writes 4 * n_embd as feed_forward_length whatever the checkpoint's n_inner."""
-    kwargs = _common_kwargs(reader, "gpt2")
+    kwargs = _common_kwargs(reader, arch)
     up = _tensor_shape(reader, "blk.0.ffn_up.weight")  # (inner, hidden)
     inner = up[0] if up is not None else int(_field(reader, "gpt2.feed_forward_length"))
     dtype_key = "dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype"
@@ -277,6 +279,25 @@ def _gpt2_kwargs(reader: gguf.GGUFReader) -> dict[str, Any]:
         **{dtype_key: torch.float32},
     )
     return kwargs
+
+
+def _starcoder2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """StarCoder2 (LayerNorm, plain gelu MLP, biases where attn_q has one, an optional sliding window)."""
+    kwargs = _common_kwargs(reader, arch)
+    heads = kwargs["num_attention_heads"]
+    kwargs.update(
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        norm_epsilon=float(_field(reader, f"{arch}.attention.layer_norm_epsilon")),
+        use_bias="blk.0.attn_q.bias" in _tensor_names(reader),
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
+    )
+    return kwargs
+
+
+_KWARGS = {"gpt2": _gpt2_kwargs, "starcoder2": _starcoder2_kwargs}
 
 
 def _hf_name(name: str, arch: str) -> str:

@@ -1,5 +1,6 @@
-"""GPT-2 GGUF files, written the way llama.cpp's converter writes them (tensor names, transposed Conv1D weights,
-metadata, a byte-level BPE tokenizer), loaded by `LLM(model="x.gguf")` alone and run against HF transformers."""
+"""GPT-2 and StarCoder2 GGUF files, written the way llama.cpp's converter writes them (tensor names, GPT-2's
+transposed Conv1D weights, metadata, a byte-level BPE tokenizer), loaded by `LLM(model="x.gguf")` alone and run
+against HF transformers."""
 
 from __future__ import annotations
 
@@ -20,14 +21,27 @@ T = gguf.GGMLQuantizationType
 EOT = "<|endoftext|>"
 VOCAB = 320
 CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # HF [in, out]; GGUF [out, in]
-GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
-LAYER = {
+GLOBAL = {  # HF module -> GGUF name, both families
+    "transformer.wte": "token_embd",
+    "transformer.wpe": "position_embd",
+    "transformer.ln_f": "output_norm",
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+LAYER = {  # HF module inside a block -> GGUF name
     "ln_1": "attn_norm",
     "attn.c_attn": "attn_qkv",
     "attn.c_proj": "attn_output",
     "ln_2": "ffn_norm",
     "mlp.c_fc": "ffn_up",
     "mlp.c_proj": "ffn_down",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -54,11 +68,9 @@ def train_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 def gguf_tensor_name(hf_name: str) -> str:
     module, _, suffix = hf_name.rpartition(".")
-    if module == "lm_head":
-        return f"output.{suffix}"
     if module in GLOBAL:
         return f"{GLOBAL[module]}.{suffix}"
-    _, _, layer, rest = module.split(".", 3)  # transformer.h.N.<rest>
+    _, _, layer, rest = module.split(".", 3)  # transformer.h.N.<rest> / model.layers.N.<rest>
     return f"blk.{layer}.{LAYER[rest]}.{suffix}"
 
 
@@ -86,27 +98,44 @@ def write_tokenizer(writer: gguf.GGUFWriter, tok: transformers.PreTrainedTokeniz
     writer.add_unk_token_id(tok.unk_token_id)
 
 
-def write_gpt2_gguf(path: str, hf: transformers.GPT2LMHeadModel, tok, qtype: T) -> dict[str, torch.Tensor]:
-    """Write `hf` as llama.cpp's GPT-2 converter does; return the HF-layout float32 tensors the file holds."""
+def write_metadata(writer: gguf.GGUFWriter, config) -> None:
+    """The hyperparameters llama.cpp's converter writes for the family."""
+    if config.model_type == "gpt2":
+        writer.add_block_count(config.n_layer)
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(4 * config.n_embd)  # the converter's value, whatever n_inner is
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+        return
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_eps(config.norm_epsilon)
+    writer.add_sliding_window(config.sliding_window)
+
+
+def write_gguf(path: str, hf: transformers.PreTrainedModel, tok, qtype: T) -> dict[str, torch.Tensor]:
+    """Write `hf` as llama.cpp's converter does; return the HF-layout float32 tensors the file holds."""
     config = hf.config
-    writer = gguf.GGUFWriter(path, "gpt2")
-    writer.add_block_count(config.n_layer)
-    writer.add_context_length(config.n_positions)
-    writer.add_embedding_length(config.n_embd)
-    writer.add_feed_forward_length(4 * config.n_embd)  # the converter's value, whatever n_inner is
-    writer.add_head_count(config.n_head)
-    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer = gguf.GGUFWriter(path, config.model_type)
+    write_metadata(writer, config)
     write_tokenizer(writer, tok)
     stored = {}
     for hf_name, param in hf.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = param.detach().numpy().astype(np.float32)
-        if hf_name.endswith(CONV1D):
+        conv1d = config.model_type == "gpt2" and hf_name.endswith(CONV1D)
+        if conv1d:
             w = np.ascontiguousarray(w.T)
         data, values = encode(w, qtype)
         values = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(w.shape)
-        stored[hf_name] = values.t() if hf_name.endswith(CONV1D) else values
+        stored[hf_name] = values.t() if conv1d else values
         raw_dtype = None if data.dtype == np.float32 else (T.F16 if data.dtype == np.float16 else qtype)
         writer.add_tensor(gguf_tensor_name(hf_name), np.ascontiguousarray(data), raw_dtype=raw_dtype)
     writer.write_header_to_file()
@@ -116,27 +145,47 @@ def write_gpt2_gguf(path: str, hf: transformers.GPT2LMHeadModel, tok, qtype: T) 
     return stored
 
 
-CASES = {"f32-tied": (T.F32, True), "f16-untied": (T.F16, False), "q8_0-tied": (T.Q8_0, True)}
+CASES = {  # name -> (family, file type, tied embedding)
+    "gpt2-f32-tied": ("gpt2", T.F32, True),
+    "gpt2-f16-untied": ("gpt2", T.F16, False),
+    "gpt2-q8_0-tied": ("gpt2", T.Q8_0, True),
+    "starcoder2-f32-untied": ("starcoder2", T.F32, False),
+    "starcoder2-q8_0-tied": ("starcoder2", T.Q8_0, True),
+}
+
+
+def hf_model(family: str, tied: bool, eos: int) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, tie_word_embeddings=tied
+        )
+        model_cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.Starcoder2Config(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=128, sliding_window=8, use_bias=True, tie_word_embeddings=tied,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        )  # fmt: skip
+        model_cls = transformers.Starcoder2ForCausalLM
+    config.bos_token_id = config.eos_token_id = eos
+    hf = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "ln_" in name or "norm" in name:
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    hf.generation_config.eos_token_id = None
+    return hf
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def gpt2_gguf(request, tmp_path_factory):
-    """(case, HF reference model holding the file's values, HF tokenizer, path, LLM on the .gguf alone)."""
-    qtype, tied = CASES[request.param]
+def gguf_model(request, tmp_path_factory):
+    """(case, HF reference model holding the file's values, HF tokenizer, path, stored tensors, LLM on the .gguf)."""
+    family, qtype, tied = CASES[request.param]
     tok = train_tokenizer()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, tie_word_embeddings=tied
-    )
-    config.bos_token_id = config.eos_token_id = tok.eos_token_id
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-    hf.generation_config.eos_token_id = None
-    path = str(tmp_path_factory.mktemp(request.param) / f"tiny-gpt2-{request.param}.gguf")
-    stored = write_gpt2_gguf(path, hf, tok, qtype)
+    hf = hf_model(family, tied, tok.eos_token_id)
+    path = str(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf")
+    stored = write_gguf(path, hf, tok, qtype)
     if qtype != T.F32:  # the reference holds the values the file holds (f16-rounded / Q8_0-dequantized)
         hf.load_state_dict(stored, strict=False)
     else:
@@ -147,22 +196,28 @@ def gpt2_gguf(request, tmp_path_factory):
     return request.param, hf, tok, path, stored, llm
 
 
-def test_weights_and_config(gpt2_gguf) -> None:
-    name, hf, _, path, stored, _ = gpt2_gguf
+def test_weights_and_config(gguf_model) -> None:
+    name, hf, _, path, stored, _ = gguf_model
     weights = dict(gguf_weights(path))
     assert sorted(weights) == sorted(stored)
     for key, value in stored.items():
         assert weights[key].shape == value.shape and torch.equal(weights[key], value), key
-    config = gguf_config(path)
-    assert config.architectures == ["GPT2LMHeadModel"]
-    assert (config.hidden_size, config.n_inner, config.num_hidden_layers, config.num_attention_heads) == (64, 96, 2, 4)
+    config, ref = gguf_config(path), hf.config
+    assert config.architectures == [type(hf).__name__]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)
     assert (config.vocab_size, config.max_position_embeddings) == (VOCAB, 128)
-    assert config.tie_word_embeddings is hf.config.tie_word_embeddings
-    assert config.layer_norm_epsilon == pytest.approx(hf.config.layer_norm_epsilon)
+    assert config.tie_word_embeddings is ref.tie_word_embeddings
+    if ref.model_type == "gpt2":
+        assert config.n_inner == 96
+        assert config.layer_norm_epsilon == pytest.approx(ref.layer_norm_epsilon)
+    else:
+        assert (config.intermediate_size, config.num_key_value_heads, config.sliding_window) == (96, 2, 8)
+        assert config.norm_epsilon == pytest.approx(ref.norm_epsilon) and config.use_bias is True
+        assert config.rope_parameters["rope_theta"] == 5000.0
 
 
-def test_tokenizer_from_gguf_matches_original(gpt2_gguf) -> None:
-    _, _, tok, _, _, llm = gpt2_gguf
+def test_tokenizer_from_gguf_matches_original(gguf_model) -> None:
+    _, _, tok, _, _, llm = gguf_model
     ours = llm.get_tokenizer()
     for text in TEXTS:
         ids = tok(text)["input_ids"]
@@ -172,9 +227,9 @@ def test_tokenizer_from_gguf_matches_original(gpt2_gguf) -> None:
     assert ours(EOT)["input_ids"] == [0]
 
 
-def test_greedy_and_logprobs_match_hf(gpt2_gguf) -> None:
+def test_greedy_and_logprobs_match_hf(gguf_model) -> None:
     """Text prompts through the GGUF's own tokenizer; greedy tokens identical to HF's, logprobs within 1e-4."""
-    name, hf, tok, _, _, llm = gpt2_gguf
+    name, hf, tok, _, _, llm = gguf_model
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     outs = llm.generate(TEXTS, params, use_tqdm=False)
     for text, out in zip(TEXTS, outs):
