@@ -36,6 +36,7 @@ _ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
@@ -73,10 +74,19 @@ _GPT2_LAYER_NAMES = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma's norms scale by (1 + w): llama.cpp's converter stores w + 1
+_NORM_PLUS_ONE = frozenset({"gemma3"})
 # arch -> (global names, per-layer names, HF prefix of layer i)
 _NAMES = {
     "gpt2": (_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, "transformer.h.{}"),
     "starcoder2": (_GLOBAL_NAMES, {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}, "model.layers.{}"),
+    "gemma3": (_GLOBAL_NAMES, _GEMMA3_LAYER_NAMES, "model.layers.{}"),
     **{arch: (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers.{}") for arch in ("llama", "qwen2", "qwen3")},
 }
 _TRANSPOSED = frozenset({("gpt2", part) for part in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")})
@@ -230,7 +240,7 @@ def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     kwargs = _KWARGS.get(arch, _llama_kwargs)(reader, arch)
     if "rope_freqs.weight" in _tensor_names(reader):
         logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
-    return transformers.PretrainedConfig(model_type=arch, **kwargs)
+    return transformers.PretrainedConfig(model_type=_MODEL_TYPES.get(arch, arch), **kwargs)
 
 
 def _common_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
@@ -297,7 +307,34 @@ def _starcoder2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     return kwargs
 
 
-_KWARGS = {"gpt2": _gpt2_kwargs, "starcoder2": _starcoder2_kwargs}
+def _gemma3_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Gemma 3 text. What llama.cpp fixes rather than stores: every 6th layer global, the others sliding; local
+    rotary base 10000 (unscaled); attention scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    kwargs = _llama_kwargs(reader, arch)
+    rope = kwargs.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    kwargs.pop("rope_scaling", None)
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    if _TRANSFORMERS_MAJOR >= 5:
+        kwargs["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    else:
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling = {**scaling, "type": scaling["rope_type"]} if scaling["rope_type"] != "default" else None
+        kwargs.update(rope_theta=rope["rope_theta"], rope_scaling=scaling, rope_local_base_freq=local["rope_theta"])
+    kwargs.update(
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        query_pre_attn_scalar=hidden // heads if layers == 62 else kwargs["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+    return kwargs
+
+
+_KWARGS = {"gpt2": _gpt2_kwargs, "starcoder2": _starcoder2_kwargs, "gemma3": _gemma3_kwargs}
+# model_type of the config, where transformers' differs from the GGUF architecture name
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def _hf_name(name: str, arch: str) -> str:
@@ -352,6 +389,8 @@ def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterato
             weight = dequantize(tensor.data, tensor.tensor_type, shape)
         if transposed:
             weight = weight.t()  # [out, in] -> HF's Conv1D [in, out]
+        if arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            weight = weight - 1
         if arch in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = _qk_heads(reader, arch, part)
             if isinstance(weight, PackedQ4):

@@ -1,6 +1,6 @@
-"""GPT-2 and StarCoder2 GGUF files, written the way llama.cpp's converter writes them (tensor names, GPT-2's
-transposed Conv1D weights, metadata, a byte-level BPE tokenizer), loaded by `LLM(model="x.gguf")` alone and run
-against HF transformers."""
+"""GPT-2, StarCoder2 and Gemma 3 GGUF files, written the way llama.cpp's converter writes them (tensor names, GPT-2's
+transposed Conv1D weights, Gemma's norms stored as 1 + w, metadata, a byte-level BPE tokenizer), loaded by
+`LLM(model="x.gguf")` alone and run against HF transformers."""
 
 from __future__ import annotations
 
@@ -66,12 +66,25 @@ def train_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, unk_token=EOT)
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+GEMMA3_LAYER = {
+    **LAYER,
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensor_name(hf_name: str, model_type: str) -> str:
     module, _, suffix = hf_name.rpartition(".")
     if module in GLOBAL:
         return f"{GLOBAL[module]}.{suffix}"
     _, _, layer, rest = module.split(".", 3)  # transformer.h.N.<rest> / model.layers.N.<rest>
-    return f"blk.{layer}.{LAYER[rest]}.{suffix}"
+    return f"blk.{layer}.{(GEMMA3_LAYER if model_type == 'gemma3_text' else LAYER)[rest]}.{suffix}"
 
 
 def encode(w: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
@@ -96,6 +109,7 @@ def write_tokenizer(writer: gguf.GGUFWriter, tok: transformers.PreTrainedTokeniz
     writer.add_bos_token_id(tok.bos_token_id)
     writer.add_eos_token_id(tok.eos_token_id)
     writer.add_unk_token_id(tok.unk_token_id)
+    writer.add_add_bos_token(False)
 
 
 def write_metadata(writer: gguf.GGUFWriter, config) -> None:
@@ -108,21 +122,30 @@ def write_metadata(writer: gguf.GGUFWriter, config) -> None:
         writer.add_head_count(config.n_head)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
         return
+    if config.model_type == "gemma3_text":  # llama.cpp fixes the layer pattern and the local rope base
+        full = config.rope_parameters["full_attention"]
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    else:
+        full = config.rope_parameters
+        writer.add_layer_norm_eps(config.norm_epsilon)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_eps(config.norm_epsilon)
+    writer.add_rope_freq_base(full["rope_theta"])
     writer.add_sliding_window(config.sliding_window)
 
 
 def write_gguf(path: str, hf: transformers.PreTrainedModel, tok, qtype: T) -> dict[str, torch.Tensor]:
     """Write `hf` as llama.cpp's converter does; return the HF-layout float32 tensors the file holds."""
     config = hf.config
-    writer = gguf.GGUFWriter(path, config.model_type)
+    writer = gguf.GGUFWriter(path, "gemma3" if config.model_type == "gemma3_text" else config.model_type)
     write_metadata(writer, config)
     write_tokenizer(writer, tok)
     stored = {}
@@ -133,11 +156,16 @@ def write_gguf(path: str, hf: transformers.PreTrainedModel, tok, qtype: T) -> di
         conv1d = config.model_type == "gpt2" and hf_name.endswith(CONV1D)
         if conv1d:
             w = np.ascontiguousarray(w.T)
+        gemma_norm = config.model_type == "gemma3_text" and hf_name.endswith("norm.weight")
+        if gemma_norm:
+            w = w + np.float32(1)
         data, values = encode(w, qtype)
         values = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(w.shape)
+        if gemma_norm:  # the reference holds the values the loader recovers
+            values = values - 1
         stored[hf_name] = values.t() if conv1d else values
         raw_dtype = None if data.dtype == np.float32 else (T.F16 if data.dtype == np.float16 else qtype)
-        writer.add_tensor(gguf_tensor_name(hf_name), np.ascontiguousarray(data), raw_dtype=raw_dtype)
+        writer.add_tensor(gguf_tensor_name(hf_name, config.model_type), np.ascontiguousarray(data), raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -151,6 +179,8 @@ CASES = {  # name -> (family, file type, tied embedding)
     "gpt2-q8_0-tied": ("gpt2", T.Q8_0, True),
     "starcoder2-f32-untied": ("starcoder2", T.F32, False),
     "starcoder2-q8_0-tied": ("starcoder2", T.Q8_0, True),
+    "gemma3-f32-tied": ("gemma3", T.F32, True),
+    "gemma3-q8_0-tied": ("gemma3", T.Q8_0, True),
 }
 
 
@@ -161,6 +191,17 @@ def hf_model(family: str, tied: bool, eos: int) -> transformers.PreTrainedModel:
             n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, tie_word_embeddings=tied
         )
         model_cls = transformers.GPT2LMHeadModel
+    elif family == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB, max_position_embeddings=128, sliding_window=8,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"], tie_word_embeddings=tied,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            },
+        )  # fmt: skip
+        model_cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.Starcoder2Config(
             hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -186,10 +227,10 @@ def gguf_model(request, tmp_path_factory):
     hf = hf_model(family, tied, tok.eos_token_id)
     path = str(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf")
     stored = write_gguf(path, hf, tok, qtype)
-    if qtype != T.F32:  # the reference holds the values the file holds (f16-rounded / Q8_0-dequantized)
-        hf.load_state_dict(stored, strict=False)
-    else:
+    if qtype == T.F32 and family != "gemma3":  # the file holds the checkpoint itself
         assert all(torch.equal(stored[n], p) for n, p in hf.state_dict().items() if n in stored)
+    # the reference holds the values the file holds (f16-rounded, Q8_0-dequantized, (1 + w) - 1)
+    hf.load_state_dict(stored, strict=False)
     with pytest.MonkeyPatch.context() as mp:  # the converted tokenizer is cached under the test's folder
         mp.setattr(gguf_loader, "_default_cache_dir", lambda: str(tmp_path_factory.mktemp("cache")))
         llm = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 22, block_size=4, max_num_batched_tokens=16)
@@ -204,16 +245,21 @@ def test_weights_and_config(gguf_model) -> None:
         assert weights[key].shape == value.shape and torch.equal(weights[key], value), key
     config, ref = gguf_config(path), hf.config
     assert config.architectures == [type(hf).__name__]
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)
+    assert (config.hidden_size, config.num_attention_heads) == (64, 4)
+    assert config.num_hidden_layers == ref.num_hidden_layers
     assert (config.vocab_size, config.max_position_embeddings) == (VOCAB, 128)
     assert config.tie_word_embeddings is ref.tie_word_embeddings
     if ref.model_type == "gpt2":
         assert config.n_inner == 96
         assert config.layer_norm_epsilon == pytest.approx(ref.layer_norm_epsilon)
-    else:
+    elif ref.model_type == "starcoder2":
         assert (config.intermediate_size, config.num_key_value_heads, config.sliding_window) == (96, 2, 8)
         assert config.norm_epsilon == pytest.approx(ref.norm_epsilon) and config.use_bias is True
         assert config.rope_parameters["rope_theta"] == 5000.0
+    else:
+        assert (config.head_dim, config.query_pre_attn_scalar, config.sliding_window) == (16, 16, 8)
+        assert config.layer_types == ref.layer_types
+        assert config.rope_parameters == ref.rope_parameters
 
 
 def test_tokenizer_from_gguf_matches_original(gguf_model) -> None:
