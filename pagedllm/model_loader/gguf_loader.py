@@ -36,6 +36,7 @@ _ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
@@ -74,19 +75,20 @@ _GPT2_LAYER_NAMES = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
-_GEMMA3_LAYER_NAMES = {
+_GEMMA2_LAYER_NAMES = {  # Gemma 2 and 3: norms after attention and around the MLP
     **_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Gemma's norms scale by (1 + w): llama.cpp's converter stores w + 1
-_NORM_PLUS_ONE = frozenset({"gemma3"})
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 # arch -> (global names, per-layer names, HF prefix of layer i)
 _NAMES = {
     "gpt2": (_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, "transformer.h.{}"),
     "starcoder2": (_GLOBAL_NAMES, {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}, "model.layers.{}"),
-    "gemma3": (_GLOBAL_NAMES, _GEMMA3_LAYER_NAMES, "model.layers.{}"),
+    "gemma2": (_GLOBAL_NAMES, _GEMMA2_LAYER_NAMES, "model.layers.{}"),
+    "gemma3": (_GLOBAL_NAMES, _GEMMA2_LAYER_NAMES, "model.layers.{}"),
     **{arch: (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers.{}") for arch in ("llama", "qwen2", "qwen3")},
 }
 _TRANSPOSED = frozenset({("gpt2", part) for part in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")})
@@ -307,6 +309,22 @@ def _starcoder2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     return kwargs
 
 
+def _gemma2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Gemma 2: soft-capping from the file; what llama.cpp fixes: even layers sliding, odd ones global; attention
+    scaled by head_dim ** -0.5 (hidden / heads for the 46-layer 27B); rope base 10000 (not stored)."""
+    kwargs = _llama_kwargs(reader, arch)
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kwargs.update(
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        query_pre_attn_scalar=hidden // heads if layers == 46 else kwargs["head_dim"],
+        attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    return kwargs
+
+
 def _gemma3_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     """Gemma 3 text. What llama.cpp fixes rather than stores: every 6th layer global, the others sliding; local
     rotary base 10000 (unscaled); attention scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
@@ -332,7 +350,12 @@ def _gemma3_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     return kwargs
 
 
-_KWARGS = {"gpt2": _gpt2_kwargs, "starcoder2": _starcoder2_kwargs, "gemma3": _gemma3_kwargs}
+_KWARGS = {
+    "gpt2": _gpt2_kwargs,
+    "starcoder2": _starcoder2_kwargs,
+    "gemma2": _gemma2_kwargs,
+    "gemma3": _gemma3_kwargs,
+}
 # model_type of the config, where transformers' differs from the GGUF architecture name
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 

@@ -1,6 +1,6 @@
-"""GPT-2, StarCoder2 and Gemma 3 GGUF files, written the way llama.cpp's converter writes them (tensor names, GPT-2's
-transposed Conv1D weights, Gemma's norms stored as 1 + w, metadata, a byte-level BPE tokenizer), loaded by
-`LLM(model="x.gguf")` alone and run against HF transformers."""
+"""GPT-2, StarCoder2, Gemma 2 and Gemma 3 GGUF files, written the way llama.cpp's converter writes them (tensor
+names, GPT-2's transposed Conv1D weights, Gemma's norms stored as 1 + w, metadata, a byte-level BPE tokenizer),
+loaded by `LLM(model="x.gguf")` alone and run against HF transformers."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ LAYER = {  # HF module inside a block -> GGUF name
     "self_attn.o_proj": "attn_output",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -66,16 +69,13 @@ def train_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, unk_token=EOT)
 
 
-GEMMA3_LAYER = {
+GEMMA2_LAYER = {  # Gemma 2 and 3
     **LAYER,
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -84,7 +84,8 @@ def gguf_tensor_name(hf_name: str, model_type: str) -> str:
     if module in GLOBAL:
         return f"{GLOBAL[module]}.{suffix}"
     _, _, layer, rest = module.split(".", 3)  # transformer.h.N.<rest> / model.layers.N.<rest>
-    return f"blk.{layer}.{(GEMMA3_LAYER if model_type == 'gemma3_text' else LAYER)[rest]}.{suffix}"
+    names = GEMMA2_LAYER if model_type in ("gemma2", "gemma3_text") else LAYER
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def encode(w: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
@@ -122,24 +123,30 @@ def write_metadata(writer: gguf.GGUFWriter, config) -> None:
         writer.add_head_count(config.n_head)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
         return
-    if config.model_type == "gemma3_text":  # llama.cpp fixes the layer pattern and the local rope base
-        full = config.rope_parameters["full_attention"]
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(full["factor"])
-    else:
-        full = config.rope_parameters
-        writer.add_layer_norm_eps(config.norm_epsilon)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(full["rope_theta"])
-    writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "starcoder2":
+        writer.add_layer_norm_eps(config.norm_epsilon)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_sliding_window(config.sliding_window)
+        return
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)  # Gemma: no layer pattern; no rope base for Gemma 2
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma3_text":
+        full = config.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_sliding_window(config.sliding_window)
 
 
 def write_gguf(path: str, hf: transformers.PreTrainedModel, tok, qtype: T) -> dict[str, torch.Tensor]:
@@ -156,7 +163,7 @@ def write_gguf(path: str, hf: transformers.PreTrainedModel, tok, qtype: T) -> di
         conv1d = config.model_type == "gpt2" and hf_name.endswith(CONV1D)
         if conv1d:
             w = np.ascontiguousarray(w.T)
-        gemma_norm = config.model_type == "gemma3_text" and hf_name.endswith("norm.weight")
+        gemma_norm = config.model_type.startswith("gemma") and hf_name.endswith("norm.weight")
         if gemma_norm:
             w = w + np.float32(1)
         data, values = encode(w, qtype)
@@ -179,6 +186,8 @@ CASES = {  # name -> (family, file type, tied embedding)
     "gpt2-q8_0-tied": ("gpt2", T.Q8_0, True),
     "starcoder2-f32-untied": ("starcoder2", T.F32, False),
     "starcoder2-q8_0-tied": ("starcoder2", T.Q8_0, True),
+    "gemma2-f16-untied": ("gemma2", T.F16, False),
+    "gemma2-f32-tied": ("gemma2", T.F32, True),
     "gemma3-f32-tied": ("gemma3", T.F32, True),
     "gemma3-q8_0-tied": ("gemma3", T.Q8_0, True),
 }
@@ -191,6 +200,13 @@ def hf_model(family: str, tied: bool, eos: int) -> transformers.PreTrainedModel:
             n_embd=64, n_inner=96, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, tie_word_embeddings=tied
         )
         model_cls = transformers.GPT2LMHeadModel
+    elif family == "gemma2":
+        config = transformers.Gemma2Config(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=tied,
+            query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+        )  # fmt: skip
+        model_cls = transformers.Gemma2ForCausalLM
     elif family == "gemma3":
         config = transformers.Gemma3TextConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -227,7 +243,7 @@ def gguf_model(request, tmp_path_factory):
     hf = hf_model(family, tied, tok.eos_token_id)
     path = str(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf")
     stored = write_gguf(path, hf, tok, qtype)
-    if qtype == T.F32 and family != "gemma3":  # the file holds the checkpoint itself
+    if qtype == T.F32 and not family.startswith("gemma"):  # the file holds the checkpoint itself
         assert all(torch.equal(stored[n], p) for n, p in hf.state_dict().items() if n in stored)
     # the reference holds the values the file holds (f16-rounded, Q8_0-dequantized, (1 + w) - 1)
     hf.load_state_dict(stored, strict=False)
@@ -259,7 +275,10 @@ def test_weights_and_config(gguf_model) -> None:
     else:
         assert (config.head_dim, config.query_pre_attn_scalar, config.sliding_window) == (16, 16, 8)
         assert config.layer_types == ref.layer_types
-        assert config.rope_parameters == ref.rope_parameters
+        if ref.model_type == "gemma2":
+            assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (1.5, 2.0)
+        else:
+            assert config.rope_parameters == ref.rope_parameters
 
 
 def test_tokenizer_from_gguf_matches_original(gguf_model) -> None:
