@@ -14,6 +14,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.q4_linear import PackedQ4
 from pagedllm.model_loader import gguf_loader
 from pagedllm.model_loader.gguf_loader import gguf_config, gguf_weights
 
@@ -316,3 +317,18 @@ def test_greedy_and_logprobs_match_hf(gguf_model) -> None:
         assert got.token_ids == ref_tokens, f"{name}: {text!r}"
         ours = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, rtol=0, err_msg=f"{name}: {text!r}")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "starcoder2"])
+def test_keep_q4_packs_only_untransposed_linears(tmp_path, family: str) -> None:
+    """GPT-2's linear weights are transposed to HF's Conv1D layout, so they come dense even with keep_q4;
+    StarCoder2's come packed, holding the same values."""
+    hf = hf_model(family, True, 0)
+    path = str(tmp_path / f"{family}-q4_0.gguf")
+    stored = write_gguf(path, hf, train_tokenizer(), T.Q4_0)
+    packed = dict(gguf_weights(path, keep_q4=True))
+    kinds = {name: isinstance(w, PackedQ4) for name, w in packed.items() if ".mlp.c_fc." in name and "weight" in name}
+    assert kinds and all(kinds.values()) is (family == "starcoder2")
+    for name, value in packed.items():
+        dense = value.dequantize() if isinstance(value, PackedQ4) else value
+        torch.testing.assert_close(dense, stored[name], rtol=0, atol=1e-6, msg=name)
