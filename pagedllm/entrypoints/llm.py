@@ -15,6 +15,7 @@ from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.metrics import Metric
+from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -200,9 +201,8 @@ class LLM(PoolingAPI):
             for key in _MULTIMODAL_KEYS:
                 if prompt.get(key):
                     arch = self.llm_engine.config.model.architecture
-                    raise ValueError(
-                        f"prompts[{index}].{key}: {arch} is a text-only model; multimodal inputs are not supported"
-                    )
+                    what = "runs as a text model" if arch in TEXT_ONLY_MULTIMODAL else "is a text-only model"
+                    raise ValueError(f"prompts[{index}].{key}: {arch} {what}; multimodal inputs are not supported")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):

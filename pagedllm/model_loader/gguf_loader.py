@@ -30,7 +30,15 @@ from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q
 logger = logging.getLogger(__name__)
 
 # GGUF architecture name (also transformers' model_type) -> HF architecture. Mistral GGUFs use the "llama" name.
-_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -52,6 +60,38 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# GPT-2: HF keeps its linear weights as Conv1D [in, out]; the converter transposed them to [out, in].
+_GPT2_GLOBAL_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+_GPT2_LAYER_NAMES = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+_GEMMA2_LAYER_NAMES = {  # Gemma 2 and 3: norms after attention and around the MLP
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma's norms scale by (1 + w): llama.cpp's converter stores w + 1
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
+# arch -> (global names, per-layer names, HF prefix of layer i)
+_NAMES = {
+    "gpt2": (_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, "transformer.h.{}"),
+    "starcoder2": (_GLOBAL_NAMES, {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}, "model.layers.{}"),
+    "gemma2": (_GLOBAL_NAMES, _GEMMA2_LAYER_NAMES, "model.layers.{}"),
+    "gemma3": (_GLOBAL_NAMES, _GEMMA2_LAYER_NAMES, "model.layers.{}"),
+    **{arch: (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers.{}") for arch in ("llama", "qwen2", "qwen3")},
+}
+_TRANSPOSED = frozenset({("gpt2", part) for part in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")})
 # Tensors with no HF parameter (llama3 rope frequency factors are not representable here).
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -185,49 +225,152 @@ def _token_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
     return {hf: _field(reader, f"tokenizer.ggml.{name}_token_id") for hf, name in keys.items()}
 
 
+def _tensor_shape(reader: gguf.GGUFReader, name: str) -> tuple[int, ...] | None:
+    """A tensor's shape in torch order (GGUF lists dims innermost first), None when the file lacks it."""
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tuple(int(s) for s in reversed(tensor.shape))
+    return None
+
+
 def gguf_config(path: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     """The config of a .gguf file's model, built from its metadata: a plain `PretrainedConfig` with the model's
     fields and `model_type`. Importing transformers' own config classes (LlamaConfig, ...) pulls in torch._dynamo and
     costs ~2 s of every start; `transformers.AutoConfig.for_model` makes one from these fields when needed."""
     reader = _reader(path)
     arch = _architecture(reader)
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    names = _tensor_names(reader)
+    kwargs = _KWARGS.get(arch, _llama_kwargs)(reader, arch)
+    if "rope_freqs.weight" in _tensor_names(reader):
+        logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
+    return transformers.PretrainedConfig(model_type=_MODEL_TYPES.get(arch, arch), **kwargs)
+
+
+def _common_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Config fields every architecture has under the same GGUF keys."""
     kwargs: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "hidden_size": int(_field(reader, f"{arch}.embedding_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "num_attention_heads": int(_field(reader, f"{arch}.attention.head_count")),
         "vocab_size": _vocab_size(reader, arch),
-        "tie_word_embeddings": "output.weight" not in names,
-        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
+        "tie_word_embeddings": "output.weight" not in _tensor_names(reader),
         **_token_ids(reader),
     }
     context = _field(reader, f"{arch}.context_length")
     if context is not None:
         kwargs["max_position_embeddings"] = int(context)
+    return kwargs
+
+
+def _llama_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    kwargs = _common_kwargs(reader, arch)
+    hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kwargs.update(
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
+    )
     if arch == "llama":
-        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    if "rope_freqs.weight" in names:
-        logger.warning("%s has rope_freqs (llama3-style rope scaling): it is ignored", path)
-    return transformers.PretrainedConfig(model_type=arch, **kwargs)
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in _tensor_names(reader)
+    return kwargs
 
 
-def _hf_name(name: str) -> str:
+def _gpt2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """GPT-2 (gelu_new, LayerNorm, learned positions). The inner MLP width comes from ffn_up: llama.cpp's converter
+    writes 4 * n_embd as feed_forward_length whatever the checkpoint's n_inner."""
+    kwargs = _common_kwargs(reader, arch)
+    up = _tensor_shape(reader, "blk.0.ffn_up.weight")  # (inner, hidden)
+    inner = up[0] if up is not None else int(_field(reader, "gpt2.feed_forward_length"))
+    dtype_key = "dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype"
+    kwargs.update(
+        n_inner=inner,
+        layer_norm_epsilon=float(_field(reader, "gpt2.attention.layer_norm_epsilon")),
+        activation_function="gelu_new",
+        **{dtype_key: torch.float32},
+    )
+    return kwargs
+
+
+def _starcoder2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """StarCoder2 (LayerNorm, plain gelu MLP, biases where attn_q has one, an optional sliding window)."""
+    kwargs = _common_kwargs(reader, arch)
+    heads = kwargs["num_attention_heads"]
+    kwargs.update(
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        norm_epsilon=float(_field(reader, f"{arch}.attention.layer_norm_epsilon")),
+        use_bias="blk.0.attn_q.bias" in _tensor_names(reader),
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        **_rope_and_dtype_kwargs(_rope_parameters(reader, arch)),
+    )
+    return kwargs
+
+
+def _gemma2_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Gemma 2: soft-capping from the file; what llama.cpp fixes: even layers sliding, odd ones global; attention
+    scaled by head_dim ** -0.5 (hidden / heads for the 46-layer 27B); rope base 10000 (not stored)."""
+    kwargs = _llama_kwargs(reader, arch)
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kwargs.update(
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        query_pre_attn_scalar=hidden // heads if layers == 46 else kwargs["head_dim"],
+        attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    return kwargs
+
+
+def _gemma3_kwargs(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Gemma 3 text. What llama.cpp fixes rather than stores: every 6th layer global, the others sliding; local
+    rotary base 10000 (unscaled); attention scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    kwargs = _llama_kwargs(reader, arch)
+    rope = kwargs.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    kwargs.pop("rope_scaling", None)
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    if _TRANSFORMERS_MAJOR >= 5:
+        kwargs["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    else:
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling = {**scaling, "type": scaling["rope_type"]} if scaling["rope_type"] != "default" else None
+        kwargs.update(rope_theta=rope["rope_theta"], rope_scaling=scaling, rope_local_base_freq=local["rope_theta"])
+    kwargs.update(
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        query_pre_attn_scalar=hidden // heads if layers == 62 else kwargs["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+    return kwargs
+
+
+_KWARGS = {
+    "gpt2": _gpt2_kwargs,
+    "starcoder2": _starcoder2_kwargs,
+    "gemma2": _gemma2_kwargs,
+    "gemma3": _gemma3_kwargs,
+}
+# model_type of the config, where transformers' differs from the GGUF architecture name
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+def _hf_name(name: str, arch: str) -> str:
     """GGUF tensor name -> HF parameter name."""
+    global_names, layer_names, layer_prefix = _NAMES[arch]
     base, _, suffix = name.rpartition(".")
-    if base in _GLOBAL_NAMES and suffix == "weight":
-        return f"{_GLOBAL_NAMES[base]}.weight"
+    if base in global_names and suffix in ("weight", "bias"):
+        return f"{global_names[base]}.{suffix}"
     match = _LAYER_RE.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         raise ValueError(f"GGUF tensor {name!r} has no known HF counterpart")
     layer, part, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    return f"{layer_prefix.format(layer)}.{layer_names[part]}.{suffix}"
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -252,19 +395,25 @@ def _qk_heads(reader: gguf.GGUFReader, arch: str, part: str) -> int:
 def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file.
 
-    With keep_q4, Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values and per-32 scale/zero) instead."""
+    With keep_q4, Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values and per-32 scale/zero) instead, except
+    where HF's layout is transposed (GPT-2's Conv1D): those are dequantized."""
     reader = _reader(path)
     arch = _architecture(reader)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost first
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if keep_q4 and tensor.tensor_type in PACKABLE_Q4 and len(shape) == 2 and part:
+        transposed = (arch, part) in _TRANSPOSED and len(shape) == 2
+        if keep_q4 and tensor.tensor_type in PACKABLE_Q4 and len(shape) == 2 and part and not transposed:
             weight = PackedQ4(*unpack_q4(tensor.data, tensor.tensor_type, shape))
         else:
             weight = dequantize(tensor.data, tensor.tensor_type, shape)
+        if transposed:
+            weight = weight.t()  # [out, in] -> HF's Conv1D [in, out]
+        if arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            weight = weight - 1
         if arch in _PERMUTED_QK and part in ("attn_q", "attn_k"):
             heads = _qk_heads(reader, arch, part)
             if isinstance(weight, PackedQ4):

@@ -16,6 +16,24 @@ from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+# image-text checkpoints that run as text models on their text_config (their vision weights are skipped)
+TEXT_ONLY_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})
+# fields a multimodal config sets at its top level that hold for its text model
+_TOP_LEVEL_FIELDS = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "quantization_config")
+
+
+def _text_part(config: Any) -> Any:
+    """The text config of an image-text checkpoint in TEXT_ONLY_MULTIMODAL, with the top level's fields; else
+    `config` itself."""
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in TEXT_ONLY_MULTIMODAL or getattr(config, "text_config", None) is None:
+        return config
+    text = config.text_config
+    for key in _TOP_LEVEL_FIELDS:
+        value = getattr(config, key, None)
+        if value is not None:
+            setattr(text, key, value)
+    return text
 
 
 def load_hf_config(
@@ -35,7 +53,7 @@ def load_hf_config(
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        config = _text_part(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     if hf_overrides is not None and not callable(hf_overrides) and not isinstance(hf_overrides, dict):
         raise TypeError(f"hf_overrides must be a dict or a callable, got {type(hf_overrides).__name__}")
     if isinstance(hf_overrides, dict):

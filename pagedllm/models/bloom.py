@@ -4,8 +4,6 @@ each block's LayerNorm (apply_residual_connection_post_layernorm)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -14,8 +12,9 @@ from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, regroup_per_head_qkv, tied_ignore
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
 
 
 class BloomAttention(nn.Module):
@@ -70,31 +69,17 @@ class BloomModel(nn.Module):
         return self.ln_f(x)
 
 
-class BloomForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.transformer = BloomModel(config, quant_config, join_prefix(prefix, "transformer"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie(self.transformer.word_embeddings)
+class BloomForCausalLM(CausalLM):
+    model_cls = BloomModel
+    model_attr, embedding_attr = "transformer", "word_embeddings"
+    tie_default, model_takes_max_position = True, False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
+    @staticmethod
+    def rename(name: str) -> str:
+        """Checkpoints saved from BloomModel lack the `transformer.` prefix."""
+        return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        num_heads = self.config.num_attention_heads
-
-        def rename(name: str) -> str:  # checkpoints saved from BloomModel lack the prefix
-            return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
-
-        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            return regroup_per_head_qkv(tensor, num_heads) if ".query_key_value." in name else tensor
-
-        return load_weights(self, weights, rename=rename, ignore=tied_ignore(self.tied), convert=convert)
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if ".query_key_value." in name:
+            return regroup_per_head_qkv(tensor, self.config.num_attention_heads)
+        return tensor

@@ -4,8 +4,6 @@ MLP in parallel from one or two LayerNorms (or in sequence, parallel_attn=False)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -15,8 +13,9 @@ from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
-from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, num_kv_heads_of, regroup_per_head_qkv, tied_ignore
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import join_prefix, num_kv_heads_of, regroup_per_head_qkv
 
 
 class FalconAttention(nn.Module):
@@ -102,30 +101,12 @@ class FalconModel(nn.Module):
         return self.ln_f(x)
 
 
-class FalconForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.transformer = FalconModel(
-            config, quant_config, join_prefix(prefix, "transformer"), max_position=max_position
-        )
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie(self.transformer.word_embeddings)
+class FalconForCausalLM(CausalLM):
+    model_cls = FalconModel
+    model_attr, embedding_attr = "transformer", "word_embeddings"
+    tie_default = True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ignore=tied_ignore(self.tied), convert=self._convert)
-
-    def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Regroups the fused q/k/v rows to [q, k, v] (multi-query checkpoints have them so already)."""
         if ".query_key_value." not in name:
             return tensor

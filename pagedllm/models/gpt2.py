@@ -3,8 +3,6 @@ checkpoint's Conv1D weights are stored [in, out]: transposed on load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -13,8 +11,9 @@ from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import check_learned_positions, join_prefix, load_weights, tied_ignore
+from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import join_prefix
 
 CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # stored transposed
 
@@ -81,36 +80,17 @@ class GPT2Model(nn.Module):
         return x
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     model_cls = GPT2Model
+    model_attr, embedding_attr = "transformer", "wte"
+    tie_default, model_takes_max_position, learned_positions = True, False, True
+    extra_ignore = (".attn.bias", ".attn.masked_bias")  # old checkpoints' mask buffers
 
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        check_learned_positions(config, max_position)
-        self.config = config
-        self.transformer = self.model_cls(config, quant_config, join_prefix(prefix, "transformer"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie(self.transformer.wte)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignore = (*tied_ignore(self.tied), ".attn.bias", ".attn.masked_bias")  # old checkpoints' mask buffers
-        return load_weights(self, weights, rename=_rename, ignore=ignore, convert=self.convert)
+    @staticmethod
+    def rename(name: str) -> str:
+        """Adds the `transformer.` prefix that checkpoints saved from GPT2Model lack."""
+        return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The Conv1D weights to [out, in]."""
         return tensor.t() if name.endswith(CONV1D) else tensor
-
-
-def _rename(name: str) -> str:
-    """Adds the `transformer.` prefix that checkpoints saved from GPT2Model lack."""
-    return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name

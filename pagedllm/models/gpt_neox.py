@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -20,8 +18,9 @@ from pagedllm.layers.rotary_embedding import (
     partial_rotary_dim,
     rope_parameters,
 )
-from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, regroup_per_head_qkv, tied_ignore
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
 
 
 class GPTNeoXAttention(nn.Module):
@@ -90,29 +89,12 @@ class GPTNeoXModel(nn.Module):
         return self.final_layer_norm(x)
 
 
-class GPTNeoXForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.gpt_neox = GPTNeoXModel(config, quant_config, join_prefix(prefix, "gpt_neox"), max_position=max_position)
-        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tied:
-            self.embed_out.tie(self.gpt_neox.embed_in)
+class GPTNeoXForCausalLM(CausalLM):
+    model_cls = GPTNeoXModel
+    model_attr, embedding_attr, head_attr = "gpt_neox", "embed_in", "embed_out"
+    extra_ignore = (".attention.bias", ".attention.masked_bias")  # mask buffers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.gpt_neox(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.embed_out.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        num_heads = self.config.num_attention_heads
-
-        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            return regroup_per_head_qkv(tensor, num_heads) if ".query_key_value." in name else tensor
-
-        ignore = (*tied_ignore(self.tied, "embed_out."), ".attention.bias", ".attention.masked_bias")  # mask buffers
-        return load_weights(self, weights, ignore=ignore, convert=convert)
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if ".query_key_value." in name:
+            return regroup_per_head_qkv(tensor, self.config.num_attention_heads)
+        return tensor

@@ -3,8 +3,6 @@ over the first rotary_dim dims of each head, no bias on q/k/v/out, and an LM hea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -15,8 +13,9 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_partial_rotary
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.phi import BiasedLMHead
-from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
+from pagedllm.models.utils import join_prefix
 
 
 def rotary_dim_of(config) -> int:
@@ -78,26 +77,8 @@ class GPTJModel(nn.Module):
         return self.ln_f(x)
 
 
-class GPTJForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.transformer = GPTJModel(
-            config, quant_config, join_prefix(prefix, "transformer"), max_position=max_position
-        )
-        self.lm_head = BiasedLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.transformer.wte)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ignore = (*tied_ignore(self.tied, "lm_head.weight"), ".attn.bias", ".attn.masked_bias")  # mask buffers
-        return load_weights(self, weights, ignore=ignore)
+class GPTJForCausalLM(CausalLM):
+    model_cls = GPTJModel
+    model_attr, embedding_attr = "transformer", "wte"
+    head_cls, tied_head_ignore = BiasedLMHead, "lm_head.weight"
+    extra_ignore = (".attn.bias", ".attn.masked_bias")  # mask buffers

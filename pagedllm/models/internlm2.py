@@ -4,12 +4,10 @@ rows: regrouped to q, k, v on load) and `bias` on wqkv and wo."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from pagedllm.models.utils import head_dim_of, load_weights, num_kv_heads_of, tied_ignore
+from pagedllm.models.utils import head_dim_of, num_kv_heads_of
 
 _RENAMES = [  # (InternLM2 fragment, Llama fragment)
     ("model.tok_embeddings.", "model.embed_tokens."),
@@ -48,11 +46,9 @@ class InternLM2Model(LlamaModel):
 
 class InternLM2ForCausalLM(LlamaForCausalLM):
     model_cls = InternLM2Model
+    rename = staticmethod(_rename)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, rename=_rename, ignore=tied_ignore(self.tied), convert=self._convert)
-
-    def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if ".self_attn.qkv_proj." not in name:
             return tensor
         config, rest = self.config, tensor.shape[1:]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -13,14 +11,13 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
-from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.utils import (
     head_dim_of,
     join_prefix,
-    load_weights,
     norm_eps_of,
     sliding_window_for_layer,
-    tied_ignore,
 )
 
 
@@ -154,25 +151,5 @@ class LlamaModel(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     model_cls = LlamaModel
-
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.model = self.model_cls(config, quant_config, join_prefix(prefix, "model"), max_position=max_position)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)  # [n, vocab] float32 (model dtype: upcast=False)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ignore=tied_ignore(self.tied))

@@ -4,7 +4,6 @@ optionally clamped to clip_qkv), an exact-GELU MLP, and no bias on any projectio
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -14,8 +13,9 @@ from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import join_prefix, load_weights, tied_ignore
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import join_prefix
 
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float) -> torch.Tensor:
@@ -85,23 +85,8 @@ class MPTModel(nn.Module):
         return self.norm_f(x, residual)[0]
 
 
-class MPTForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.transformer = MPTModel(config, quant_config, join_prefix(prefix, "transformer"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie(self.transformer.wte)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, stacked=[], ignore=tied_ignore(self.tied))  # ffn.up_proj is no shard
+class MPTForCausalLM(CausalLM):
+    model_cls = MPTModel
+    model_attr, embedding_attr = "transformer", "wte"
+    tie_default, model_takes_max_position = True, False
+    stacked = []  # ffn.up_proj is no shard

@@ -3,8 +3,6 @@ in and out of the embedding width when word_embed_proj_dim differs from hidden_s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -13,8 +11,9 @@ from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import check_learned_positions, join_prefix, load_weights, tied_ignore
+from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, VocabParallelEmbedding
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import join_prefix
 
 
 class OPTAttention(nn.Module):
@@ -96,32 +95,19 @@ class OPTModel(nn.Module):
         return self.decoder(input_ids, positions)
 
 
-class OPTForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        check_learned_positions(config, max_position)
-        self.config = config
-        self.model = OPTModel(config, quant_config, join_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie(self.model.decoder.embed_tokens)
+class OPTForCausalLM(CausalLM):
+    model_cls = OPTModel
+    embedding_attr = "decoder.embed_tokens"
+    tie_default, model_takes_max_position, learned_positions = True, False, True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, word_embed_proj_dim]
+    @staticmethod
+    def head_size(config) -> int:
+        return config.word_embed_proj_dim
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, rename=_rename, ignore=tied_ignore(self.tied))
-
-
-def _rename(name: str) -> str:
-    """Checkpoints saved from OPTModel name the decoder without the `model.` prefix (facebook/opt-*); the MLP's
-    fc1/fc2 live in its `mlp` here."""
-    if name.startswith("decoder."):
-        name = "model." + name
-    return name.replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2.")
+    @staticmethod
+    def rename(name: str) -> str:
+        """Checkpoints saved from OPTModel name the decoder without the `model.` prefix (facebook/opt-*); the MLP's
+        fc1/fc2 live in its `mlp` here."""
+        if name.startswith("decoder."):
+            name = "model." + name
+        return name.replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2.")

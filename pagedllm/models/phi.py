@@ -4,8 +4,6 @@ with a bias."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -16,7 +14,8 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_partial_rotary, partial_rotary_dim, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import head_dim_of, join_prefix, load_weights, num_kv_heads_of, tied_ignore
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.utils import head_dim_of, join_prefix, num_kv_heads_of
 
 
 class PhiAttention(nn.Module):
@@ -97,23 +96,6 @@ class BiasedLMHead(ParallelLMHead):
         return logits + (self.bias.float() if upcast else self.bias)
 
 
-class PhiForCausalLM(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.model = PhiModel(config, quant_config, join_prefix(prefix, "model"), max_position=max_position)
-        self.lm_head = BiasedLMHead(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden, upcast)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, weights, ignore=tied_ignore(self.tied, "lm_head.weight"))
+class PhiForCausalLM(CausalLM):
+    model_cls = PhiModel
+    head_cls, tied_head_ignore = BiasedLMHead, "lm_head.weight"

@@ -9,12 +9,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
-import transformers
-from tiny_models import TINY_DECODER, save_tiny_decoder
+from tiny_models import TINY_DECODER
 
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine_args import EngineArgs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -22,30 +20,6 @@ from pagedllm.worker.scheduler_output import CachedRequestData, NewRequestData, 
 VOCAB = TINY_DECODER["vocab_size"]  # 320: ten words per mask
 BLOCK = 4
 BLOCKS_PER_REQ = 16  # 64 tokens
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    hf, path = save_tiny_decoder(
-        "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
-    )
-    return hf, path
-
-
-@pytest.fixture(scope="module")
-def config(tiny):
-    args = EngineArgs(
-        model=tiny[1], dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=4, max_model_len=64,
-        skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22,
-    )  # fmt: skip
-    return args.create_engine_config()
-
-
-@pytest.fixture
-def runner(config):
-    runner = ModelRunner(config)
-    runner.allocate_kv_cache(4 * BLOCKS_PER_REQ)
-    return runner
 
 
 class Steps:

@@ -7,38 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
-from tiny_models import TINY_DECODER, save_tiny_decoder
 
-from pagedllm.engine_args import EngineArgs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 BLOCK, BLOCKS_PER_REQ = 4, 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_decoder(
-        "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
-    )
-
-
-@pytest.fixture(scope="module")
-def config(tiny):
-    args = EngineArgs(
-        model=tiny[1], dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=4, max_model_len=64,
-        skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22,
-    )  # fmt: skip
-    return args.create_engine_config()
-
-
-@pytest.fixture
-def runner(config):
-    runner = ModelRunner(config)
-    runner.allocate_kv_cache(4 * BLOCKS_PER_REQ)
-    return runner
 
 
 def hf_greedy(hf, tokens: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
