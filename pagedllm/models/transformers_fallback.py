@@ -12,7 +12,7 @@ backend applies causality per request). Parameter names are HF's, so checkpoints
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -102,13 +102,48 @@ def _make_attention(config, module: nn.Module, layer_idx: int) -> Attention:
     head_dim = int(getattr(module, "head_dim", 0) or head_dim_of(config))
     num_heads = int(config.num_attention_heads)
     scale = float(getattr(module, "scaling", None) or head_dim**-0.5)
-    window = getattr(module, "sliding_window", None) if hasattr(module, "sliding_window") else None
-    if not hasattr(module, "sliding_window"):
+    if hasattr(module, "sliding_window"):  # set per layer by the module (None: full attention)
+        window = module.sliding_window
+    else:
         window = sliding_window_for_layer(config, layer_idx)
     soft_cap = getattr(module, "attn_logit_softcapping", None)
     if soft_cap is None:
         soft_cap = getattr(config, "attn_logit_softcapping", None)
     return Attention(num_heads, head_dim, scale, num_kv_heads_of(config), window or None, soft_cap)
+
+
+def _checkpoint_renames(hf_model: nn.Module) -> Callable[[str], str]:
+    """transformers' own renames of checkpoint names (GPT-NeoX's `embed_out.` -> `lm_head.`, legacy names), so the
+    fallback loads what `from_pretrained` loads. Converters that merge tensors (stacked experts) are not applied."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renames = [t for t in get_model_conversion_mapping(hf_model) if type(t) is WeightRenaming]
+    except (ImportError, AttributeError, TypeError):  # another transformers version: names as they are
+        renames = []
+
+    def rename(name: str) -> str:
+        for t in renames:
+            name = t.rename_source_key(name)[0]
+        return name
+
+    return rename
+
+
+def _logits_post(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What HF's ForCausalLM.forward does to the LM head's output, for the config fields that say so (Cohere's
+    logit_scale, Granite's logits_scaling, Gemma 2/3's final soft-cap); None: nothing."""
+    scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if scale == 1.0 and not cap:
+        return None
+
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits * scale if scale != 1.0 else logits
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    return post
 
 
 class TransformersForCausalLM(nn.Module):
@@ -141,7 +176,8 @@ class TransformersForCausalLM(nn.Module):
             )
         for i, module in enumerate(modules):
             module.pagedllm_attn = _make_attention(config, module, i)
-        self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
+        self.logits_post = _logits_post(config)
+        self.rename = _checkpoint_renames(hf)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden [num_tokens, hidden] (the final norm applied)."""
@@ -150,8 +186,8 @@ class TransformersForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         logits = self.hf_model.get_output_embeddings()(hidden)  # [n, vocab]
-        if self.final_soft_cap:
-            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        if self.logits_post is not None:
+            logits = self.logits_post(logits)
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -161,6 +197,7 @@ class TransformersForCausalLM(nn.Module):
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for name, tensor in weights:
+            name = self.rename(name)
             target = params.get(name)
             if target is None:
                 target = buffers.get(name)
