@@ -12,6 +12,7 @@ backend applies causality per request). Parameter names are HF's, so checkpoints
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -112,6 +113,19 @@ def _make_attention(config, module: nn.Module, layer_idx: int) -> Attention:
     return Attention(num_heads, head_dim, scale, num_kv_heads_of(config), window or None, soft_cap)
 
 
+def _build(cls: type, config) -> nn.Module:
+    """The HF model on the current device and dtype, its parameters left uninitialized where transformers allows it
+    (the checkpoint or the dummy loader fills them), its embedding and LM head tied as the config says."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # another transformers version: random init, slower but the same model
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():
+        hf = cls._from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.get_default_dtype())
+    hf.tie_weights()
+    return hf
+
+
 def _checkpoint_renames(hf_model: nn.Module) -> Callable[[str], str]:
     """transformers' own renames of checkpoint names (GPT-NeoX's `embed_out.` -> `lm_head.`, legacy names), so the
     fallback loads what `from_pretrained` loads. Converters that merge tensors (stacked experts) are not applied."""
@@ -161,7 +175,7 @@ class TransformersForCausalLM(nn.Module):
         register_attention()
         config = copy.deepcopy(config)  # the attention implementation is this model's, not the caller's config's
         config._attn_implementation = ATTN_IMPLEMENTATION
-        hf = cls._from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.get_default_dtype())
+        hf = _build(cls, config)
         self.config = config
         # HF's top-level modules become ours, so parameter names are the checkpoint's; the HF wrapper stays reachable
         # outside the module tree (its modules are the same objects)
@@ -174,10 +188,15 @@ class TransformersForCausalLM(nn.Module):
                 f"architecture {architecture!r}: found {len(modules)} attention modules with a layer_idx for "
                 f"{config.num_hidden_layers} layers; model_impl='transformers' cannot place pagedllm's KV cache"
             )
+        if any(getattr(m, "is_causal", True) is False for m in modules):
+            raise ValueError(
+                f"architecture {architecture!r}: model_impl='transformers' runs causal (decoder) attention"
+            )
         for i, module in enumerate(modules):
             module.pagedllm_attn = _make_attention(config, module, i)
         self.logits_post = _logits_post(config)
         self.rename = _checkpoint_renames(hf)
+        self.ignored = [re.compile(p) for p in getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or ()]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden [num_tokens, hidden] (the final norm applied)."""
@@ -190,24 +209,36 @@ class TransformersForCausalLM(nn.Module):
             logits = self.logits_post(logits)
         return logits.float() if upcast else logits
 
+    def _checkpoint_name(self, name: str, targets: dict) -> str | None:
+        """The module name of a checkpoint name (transformers' renames; a base-model checkpoint saved without its
+        prefix); None: a tensor to skip (a tied LM head, saved rotary buffers, the model's ignored keys)."""
+        name = self.rename(name)
+        prefixed = f"{self.hf_model.base_model_prefix}.{name}"
+        if name not in targets and prefixed in targets:
+            name = prefixed
+        if name in targets:
+            return name
+        if (
+            name.endswith("rotary_emb.inv_freq")
+            or name.startswith("lm_head.")
+            or any(p.search(name) for p in self.ignored)
+        ):
+            return None
+        raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self.hf_model).__name__}")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies each checkpoint tensor into the parameter or buffer of the same name; returns the parameters
-        loaded. A tied LM head and HF's saved rotary buffers have nothing to load into and are skipped."""
+        """Copies each checkpoint tensor into the parameter or buffer of its name; returns the parameters loaded."""
         params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
+        targets = {**dict(self.named_buffers()), **params}
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = self.rename(name)
-            target = params.get(name)
-            if target is None:
-                target = buffers.get(name)
-            if target is None:
-                if name.endswith("rotary_emb.inv_freq") or name.startswith("lm_head."):
-                    continue
-                raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self.hf_model).__name__}")
+        for hf_name, tensor in weights:
+            name = self._checkpoint_name(hf_name, targets)
+            if name is None:
+                continue
+            target = targets[name]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                 )
             with torch.no_grad():
                 target.copy_(tensor)

@@ -4,6 +4,7 @@ routing of model_impl and its errors."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 
@@ -16,7 +17,7 @@ from test_model_parity import _our_logits
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS
+from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, add_serve_parser
 from pagedllm.models.registry import native_architectures, resolve_model_impl
 from pagedllm.models.transformers_fallback import TransformersForCausalLM
 
@@ -85,6 +86,21 @@ def test_runs_the_fallback(tiny):
     assert len(runner.attn_layers) == 2 and all(layer.kv_cache is not None for layer in runner.attn_layers)
 
 
+def test_load_weights_names(tiny):
+    """A checkpoint saved without the base-model prefix loads into the same parameters; an unknown name is refused."""
+    name, hf, llm = tiny
+    model = llm.llm_engine.core.executor.runner.model
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    expected = {n for n, _ in model.named_parameters()}
+    base = [(k.removeprefix("model."), torch.zeros_like(v) if "layernorm" in k else v) for k, v in state.items()]
+    assert model.load_weights(base) == expected
+    layernorm = next(p for n, p in model.named_parameters() if "layernorm" in n)
+    assert not layernorm.any()  # the unprefixed name reached the prefixed parameter
+    assert model.load_weights(state.items()) == expected  # put back
+    with pytest.raises(ValueError, match=r"'model.layers.0.extra.weight' has no parameter"):
+        model.load_weights([("model.layers.0.extra.weight", torch.zeros(2))])
+
+
 def test_greedy_and_logprobs_equal_hf(tiny):
     """Batches of 6, 3 and 1 prompts (1 to 30 tokens, in chunks of at most 16 tokens a step), then a prompt that
     extends a finished one: its prefix blocks come from the prefix cache."""
@@ -147,6 +163,22 @@ def test_custom_attention_is_refused_naming_the_architecture(tmp_path):
     assert resolve_model_impl("BloomForCausalLM", "auto") == "pagedllm"
 
 
+def test_bidirectional_attention_is_refused(monkeypatch):
+    """An attention module that is not causal (an encoder's) cannot run on the causal paged cache."""
+    attention_cls = T.models.llama.modeling_llama.LlamaAttention
+    init = attention_cls.__init__
+
+    def bidirectional_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.is_causal = False
+
+    monkeypatch.setattr(attention_cls, "__init__", bidirectional_init)
+    config = T.LlamaConfig(**TINY_DECODER)
+    config.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"'LlamaForCausalLM'.*causal"):
+        TransformersForCausalLM(config, max_position=64)
+
+
 def test_unknown_architecture_error_names_model_impl(tmp_path):
     config = T.LlamaConfig(**TINY_DECODER)
     config.architectures = ["FooForCausalLM"]
@@ -172,7 +204,10 @@ def test_model_impl_routing():
 
 
 def test_serve_flag_and_pooling_refusal(tmp_path):
-    assert ENGINE_FLAGS["model_impl"] is str  # --model-impl, handed to LLM(...)
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "m", "--model-impl", "transformers"])
+    assert args.model_impl == "transformers" and "model_impl" in ENGINE_FLAGS  # handed to LLM(...)
     bert = T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
     bert.architectures = ["BertModel"]
     with pytest.raises(ValueError, match=r"'BertModel'.*not among them"):  # no causal LM: refused before loading
