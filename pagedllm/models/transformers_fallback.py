@@ -6,7 +6,8 @@ Each HF attention module gets one pagedllm `Attention` layer (the runner binds i
 native model); the registered function hands it the module's already-rotated q/k/v. pagedllm flattens the batch
 into one sequence of tokens, so HF sees batch 1: q [1, num_heads, num_tokens, head_dim]. Positions go in as
 `position_ids`; transformers builds no mask for an attention function it has no mask function for (the paged
-backend applies causality per request). Parameter names are HF's, so checkpoints load 1:1.
+backend applies causality per request). Parameter names are HF's: checkpoints load 1:1 (after transformers' own
+renames of older names).
 """
 
 from __future__ import annotations
@@ -173,7 +174,13 @@ class TransformersForCausalLM(nn.Module):
             )
         cls = check_transformers_supported(architecture)
         register_attention()
-        config = copy.deepcopy(config)  # the attention implementation is this model's, not the caller's config's
+        # the attention implementation is this model's, not the caller's config's; a generic config (GGUF's) becomes
+        # the model's own config class, with its defaults
+        config_cls = getattr(cls, "config_class", None)
+        if config_cls is not None and not isinstance(config, config_cls):
+            config = config_cls.from_dict(config.to_dict())
+        else:
+            config = copy.deepcopy(config)
         config._attn_implementation = ATTN_IMPLEMENTATION
         hf = _build(cls, config)
         self.config = config

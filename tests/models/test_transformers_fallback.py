@@ -234,3 +234,16 @@ def test_bf16_greedy_matches_hf_on_gpu(name, tmp_path_factory):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_bundled_gguf_through_the_fallback(smollm2):
+    """The bundled GGUF (a generic config, GGUF weight names mapped to HF's) gives the native class's greedy tokens."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    tokens = {}
+    for impl in ("transformers", "pagedllm"):
+        llm = LLM(smollm2, model_impl=impl, max_model_len=256, dtype="float32")
+        assert llm.llm_engine.config.model.model_impl == impl
+        tokens[impl] = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+        del llm
+        gc.collect()
+    assert tokens["transformers"] == tokens["pagedllm"]
