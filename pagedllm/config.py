@@ -91,6 +91,7 @@ class ModelConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a path
     runner: str = "generate"  # "generate" | "pooling" (embeddings, classifiers: no KV cache, no sampler)
     pooler: Any = None  # pooling.config.PoolingSpec of a pooling model
+    model_impl: str = "pagedllm"  # resolved: "pagedllm" (native class) | "transformers" (the fallback)
 
     @property
     def vocab_size(self) -> int:

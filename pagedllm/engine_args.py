@@ -24,7 +24,7 @@ from pagedllm.layers.rope_config import rope_max_len
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
 from pagedllm.model_loader.weights import check_load_format
-from pagedllm.models.registry import check_supported
+from pagedllm.models.registry import resolve_model_impl
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -66,6 +66,7 @@ class EngineArgs:
     convert: str = "auto"  # auto | none | embed | classify
     pooler_config: Any = None  # PoolerConfig or dict(pooling_type=..., normalize=...)
     override_pooler_config: Any = None  # vLLM's older name of pooler_config
+    model_impl: str = "auto"  # auto | pagedllm (alias vllm) | transformers (models/transformers_fallback.py)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -83,7 +84,7 @@ class EngineArgs:
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
-        check_supported(archs[0])
+        model_impl = resolve_model_impl(archs[0], self.model_impl)
         _check_not_quantized(path, hf_config)
         check_load_format(path, self.load_format)
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -92,6 +93,8 @@ class EngineArgs:
         user_pooler = self.pooler_config if self.pooler_config is not None else self.override_pooler_config
         pooling = resolve_pooling(path, hf_config, archs[0], self.task, self.runner, self.convert, user_pooler)
         runner, pooler, trained_len = pooling
+        if runner == "pooling" and model_impl == "transformers":
+            raise ValueError(f"model_impl={self.model_impl!r}: the transformers fallback runs generative models only")
         derived_len = int(getattr(hf_config, "max_position_embeddings", 2048))
         derived_len = min(derived_len, trained_len or derived_len)
         longest = rope_max_len(hf_config, derived_len)
@@ -106,6 +109,7 @@ class EngineArgs:
             and device.type == "cpu"
             and dtype != torch.float32
             and self.load_format != "dummy"
+            and model_impl == "pagedllm"  # the fallback runs dense weights
             and q4_kernel_available()
         )
         return ModelConfig(
@@ -124,6 +128,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             runner=runner,
             pooler=pooler,
+            model_impl=model_impl,
         )
 
     def create_engine_config(self) -> EngineConfig:
@@ -149,7 +154,8 @@ class EngineArgs:
             cache,
             scheduler,
             parallel,
-            DeviceConfig(device, self.enforce_eager, self.attention_backend),
+            # the fallback runs eagerly: HF forwards are not checked to be CUDA-graph safe (host syncs, masks)
+            DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", self.attention_backend),
             compilation,
         )
 

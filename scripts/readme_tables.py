@@ -10,6 +10,7 @@ import pathlib
 import sys
 
 from pagedllm.models.registry import native_architectures
+from pagedllm.models.transformers_fallback import check_transformers_supported
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
@@ -60,13 +61,23 @@ NOTES = {
 }
 
 
+def path_of(architecture: str) -> str:
+    """Which implementations run it: the native class ("auto" takes it), and the transformers fallback where
+    `model_impl="transformers"` can run it too."""
+    try:
+        check_transformers_supported(architecture)
+    except ValueError:
+        return "native"
+    return "native; `transformers` too"
+
+
 def architectures_table() -> str:
     """The markdown table of the native architectures, sorted by name."""
     archs = native_architectures()
     missing = [a for a in archs if a not in NOTES]
     if missing:
         raise SystemExit(f"scripts/readme_tables.py: add a NOTES entry for {missing}")
-    rows = [f"| `{a}` | {NOTES[a]} | native |" for a in archs]
+    rows = [f"| `{a}` | {NOTES[a]} | {path_of(a)} |" for a in archs]
     return "\n".join(["| Architecture | Family / notes | Path |", "| --- | --- | --- |", *rows])
 
 

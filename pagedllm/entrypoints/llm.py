@@ -60,6 +60,7 @@ class LLM(PoolingAPI):
         convert: str = "auto",
         pooler_config: Any = None,
         override_pooler_config: Any = None,
+        model_impl: str = "auto",
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)

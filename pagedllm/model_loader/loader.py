@@ -89,7 +89,7 @@ def quant_config_of(model_config: ModelConfig) -> QuantizationConfig | None:
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    cls = get_model_class(model_config.architecture)
+    cls = get_model_class(model_config.architecture, model_config.model_impl)
     quant_config = quant_config_of(model_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)

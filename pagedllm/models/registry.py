@@ -66,14 +66,41 @@ def native_architectures() -> list[str]:
     return sorted(_NATIVE)
 
 
-def check_supported(architecture: str) -> None:
+MODEL_IMPLS = ("auto", "pagedllm", "vllm", "transformers")  # "vllm": vLLM's name of the native implementation
+
+
+def resolve_model_impl(architecture: str, model_impl: str = "auto") -> str:
+    """ "pagedllm" (the registered class) or "transformers" (models/transformers_fallback.py): "auto" takes the
+    registered class where there is one, else the fallback where transformers ships the architecture. One clear
+    error, before anything is loaded, where neither runs it."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl={model_impl!r} must be one of {MODEL_IMPLS}")
+    from pagedllm.models.transformers_fallback import check_transformers_supported, transformers_class
+
+    if model_impl == "transformers":
+        check_transformers_supported(architecture)
+        return "transformers"
+    if architecture in _MODELS:
+        return "pagedllm"
+    if model_impl == "auto" and transformers_class(architecture) is not None:
+        check_transformers_supported(architecture)
+        return "transformers"
+    raise ValueError(
+        f"architecture {architecture!r} is not supported; supported: {supported_architectures()}; for a causal LM "
+        'that transformers ships (its attention through the attention interface), try model_impl="transformers"'
+    )
+
+
+def check_supported(architecture: str, model_impl: str = "auto") -> None:
     """One clear error for an architecture with no model class, before anything is loaded."""
-    if architecture not in _MODELS:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: {supported_architectures()}")
+    resolve_model_impl(architecture, model_impl)
 
 
-def get_model_class(architecture: str) -> type:
-    check_supported(architecture)
+def get_model_class(architecture: str, model_impl: str = "auto") -> type:
+    if resolve_model_impl(architecture, model_impl) == "transformers":
+        from pagedllm.models.transformers_fallback import TransformersForCausalLM
+
+        return TransformersForCausalLM
     entry = _MODELS[architecture]
     if isinstance(entry, type):
         return entry
