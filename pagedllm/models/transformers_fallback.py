@@ -26,6 +26,16 @@ ATTN_IMPLEMENTATION = "pagedllm"
 _registered = False
 
 
+# config fields of layouts the fallback cannot run: MLA's latent K/V (the cache shape differs from the attention
+# modules' heads) and MoE experts (transformers fuses the per-expert checkpoint tensors at load)
+_NEEDS_NATIVE = {
+    "kv_lora_rank": "MLA attention",
+    "num_local_experts": "mixture-of-experts layers",
+    "num_experts": "mixture-of-experts layers",
+    "n_routed_experts": "mixture-of-experts layers",
+}
+
+
 def transformers_class(architecture: str) -> type | None:
     """The transformers class of a causal-LM architecture name, or None where transformers ships none."""
     import transformers
@@ -55,6 +65,14 @@ def check_transformers_supported(architecture: str) -> type:
             f"transformers' attention interface; {cls.__name__} has custom attention code "
             "(_supports_attention_backend is False)"
         )
+    config_cls = getattr(cls, "config_class", None)
+    defaults = config_cls() if config_cls is not None else None
+    for field, what in _NEEDS_NATIVE.items():
+        if getattr(defaults, field, None):
+            raise ValueError(
+                f"architecture {architecture!r}: model_impl='transformers' does not run {what} ({field} in the "
+                "config); use the native implementation (model_impl='auto')"
+            )
     return cls
 
 

@@ -133,6 +133,12 @@ def test_every_parity_case_forced_through_the_fallback(name, tmp_path_factory):
         with pytest.raises(ValueError, match="custom attention code"):
             LLM(path, model_impl="transformers", **ENGINE)
         return
+    if any(
+        getattr(hf.config, f, None) for f in ("kv_lora_rank", "num_local_experts", "num_experts", "n_routed_experts")
+    ):
+        with pytest.raises(ValueError, match="does not run (MLA attention|mixture-of-experts)"):
+            LLM(path, model_impl="transformers", **ENGINE)
+        return
     llm = LLM(path, dtype="float32", model_impl="transformers", **ENGINE)
     ids = list(range(3, 40))
     with torch.no_grad():
