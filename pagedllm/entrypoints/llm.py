@@ -45,6 +45,7 @@ class LLM(PoolingAPI):
         skip_tokenizer_init: bool = False,
         hf_overrides: Any = None,
         load_format: str = "auto",
+        quantization: str | None = None,
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,

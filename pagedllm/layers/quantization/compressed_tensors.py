@@ -1,0 +1,103 @@
+"""compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them) with FP8 schemes:
+weights fp8 e4m3 with per-tensor or per-channel scales, activations static per tensor, dynamic per token or
+dynamic per tensor, or not quantized (W8A16). Other schemes (int8, 4-bit, block-wise, sparsity, a quantized KV
+cache) are refused when the config is read, naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, layer_matches
+
+FORMATS = ("float-quantized", "naive-quantized")
+
+
+@dataclass
+class Group:
+    targets: list[str]
+    method: Fp8LinearMethod
+
+
+def _fp8_args(args: dict, where: str) -> dict:
+    """Checks quantization args describe symmetric 8-bit floats; returns them."""
+    if not isinstance(args, dict):
+        raise ValueError(f"quantization_config {where} must be an object, got {args!r}")
+    if (args.get("num_bits"), args.get("type")) != (8, "float"):
+        raise ValueError(
+            f"quantization_config {where}: num_bits={args.get('num_bits')!r} type={args.get('type')!r} is not "
+            "supported (supported: num_bits=8 type='float', FP8 e4m3)"
+        )
+    if args.get("symmetric", True) is not True:
+        raise ValueError(f"quantization_config {where}.symmetric=False: only symmetric FP8 is supported")
+    return args
+
+
+def _weight_strategy(args: dict, where: str) -> str:
+    args = _fp8_args(args, where)
+    strategy = args.get("strategy", "tensor")
+    if strategy not in ("tensor", "channel") or args.get("dynamic", False):
+        raise ValueError(
+            f"quantization_config {where}.strategy={strategy!r} dynamic={args.get('dynamic')!r} is not supported "
+            "(supported: static 'tensor' or 'channel' weight scales)"
+        )
+    return strategy
+
+
+def _activations(args: dict | None, where: str) -> str | None:
+    if args is None:
+        return None
+    args = _fp8_args(args, where)
+    strategy, dynamic = args.get("strategy", "tensor"), args.get("dynamic", False)
+    scheme = {("tensor", False): "static", ("token", True): "dynamic", ("tensor", True): "dynamic-tensor"}
+    if (strategy, dynamic) not in scheme:
+        raise ValueError(
+            f"quantization_config {where}.strategy={strategy!r} dynamic={dynamic!r} is not supported (supported: "
+            "static 'tensor', dynamic 'token', dynamic 'tensor')"
+        )
+    return scheme[strategy, dynamic]
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    """Each linear layer takes the method of the first config group whose `targets` name it ("Linear": every one),
+    unless `ignore` names it; a layer no group targets stays dense."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[Group], ignore: list[str]) -> None:
+        self.groups, self.ignore = groups, ignore
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+            if config.get(key):
+                raise ValueError(f"quantization_config.{key}={config[key]!r} is not supported yet")
+        groups_raw = config.get("config_groups")
+        if not isinstance(groups_raw, dict) or not groups_raw:
+            raise ValueError(f"quantization_config.config_groups={groups_raw!r} must name at least one group")
+        groups = []
+        for name, group in groups_raw.items():
+            where = f"config_groups.{name}"
+            fmt = group.get("format") or config.get("format")
+            if fmt not in FORMATS:
+                raise ValueError(f"quantization_config {where}.format={fmt!r} is not supported (supported: {FORMATS})")
+            if group.get("output_activations") is not None:
+                raise ValueError(f"quantization_config {where}.output_activations is not supported")
+            if group.get("weights") is None:
+                raise ValueError(f"quantization_config {where}.weights is missing: FP8 schemes quantize the weights")
+            strategy = _weight_strategy(group["weights"], f"{where}.weights")
+            activations = _activations(group.get("input_activations"), f"{where}.input_activations")
+            targets = list(group.get("targets") or [])
+            groups.append(Group(targets, Fp8LinearMethod(strategy, activations, serialized=True)))
+        return cls(groups, list(config.get("ignore") or []))
+
+    def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:
+        if self.ignore and layer_matches(prefix, self.ignore, "ignore"):
+            return None
+        for group in self.groups:
+            named = [t for t in group.targets if t != "Linear"]
+            if "Linear" in group.targets or (named and layer_matches(prefix, named, "targets")):
+                return group.method
+        return None

@@ -1,0 +1,146 @@
+"""FP8 checkpoints of a tiny random Llama end to end on CPU in float32 compute: compressed-tensors' FP8 (per-tensor
+weights, static activations) and FP8_DYNAMIC (per-channel weights, per-token activations) written by the
+compressed-tensors package, the "fp8" layout (static and dynamic activations), and quantization="fp8" of the float
+checkpoint at load.
+
+Oracles: transformers loading the compressed-tensors checkpoint itself (it decompresses the weights and rounds the
+activations to fp8 as the scheme says); for the "fp8" layout and quantization="fp8", which transformers does not run
+on CPU, the float HF model with the dequantized weights and its projections' inputs rounded to fp8 by the plain
+rule below (per token: scale = amax / 448; static: the checkpoint's input_scale). Logits close, greedy tokens
+identical; the logits are also checked to be far from the float model's, so the fp8 weights are in use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from fp8_checkpoints import (
+    FP8,
+    FP8_MAX,
+    PROJECTIONS,
+    dequantized_weights,
+    input_amax,
+    write_compressed_tensors,
+    write_fp8,
+)
+from tiny_models import TINY_DECODER, save_tiny_decoder
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.common import BatchLayout
+from pagedllm.forward_context import forward_context
+from pagedllm.layers.linear import LinearBase
+
+IDS = list(range(3, 40))
+CALIBRATION = [IDS, list(range(100, 140))]
+FORMATS = ["ct-FP8", "ct-FP8_DYNAMIC", "fp8-static", "fp8-dynamic", "at-load"]
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    hf, path = save_tiny_decoder(
+        "fp8-llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
+    )
+    return hf, path
+
+
+def _fake_quant(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """x rounded to fp8 per token (scale None) or with a static scale."""
+    s = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX if scale is None else torch.tensor(scale)
+    return (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
+
+
+def _reference(float_path: str, weights: dict[str, torch.Tensor], static: dict[str, float] | None):
+    """The float HF model with `weights`, its projections' inputs rounded to fp8 (static: per-projection scales)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_path, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
+            scale = static[name] if static is not None else None
+            module.register_forward_pre_hook(lambda mod, args, s=scale: (_fake_quant(args[0], s),))
+    return model
+
+
+def _per_channel(float_path: str) -> dict[str, torch.Tensor]:
+    """quantization="fp8" by hand: each projection's weight fp8 per output row (scale = row amax / 448)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_path, dtype=torch.float32)
+    out = {}
+    for name, param in model.named_parameters():
+        if name.endswith(".weight") and name[: -len(".weight")].endswith(PROJECTIONS):
+            s = param.abs().amax(dim=1, keepdim=True) / FP8_MAX
+            out[name] = (param / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
+    return out
+
+
+def _build(fmt: str, float_model, tmp_path_factory):
+    """(pagedllm LLM, oracle model) for one format."""
+    hf, float_path = float_model
+    kwargs = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
+    if fmt == "at-load":
+        return LLM(float_path, quantization="fp8", **kwargs), _reference(float_path, _per_channel(float_path), None)
+    out = str(tmp_path_factory.mktemp(fmt))
+    if fmt.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+        write_compressed_tensors(float_path, out, fmt[3:], CALIBRATION)
+        oracle = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        return LLM(out, **kwargs), oracle
+    static = fmt == "fp8-static"
+    write_fp8(float_path, out + "/ckpt", CALIBRATION if static else None)
+    scales = {k: v / FP8_MAX for k, v in input_amax(hf, CALIBRATION).items()} if static else None
+    return LLM(out + "/ckpt", **kwargs), _reference(float_path, dequantized_weights(out + "/ckpt"), scales)
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def fp8_pair(request, float_model, tmp_path_factory):
+    return request.param, *_build(request.param, float_model, tmp_path_factory)
+
+
+def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    runner = llm.llm_engine.core.executor.runner
+    n, dev = len(ids), runner.device
+    table = np.arange(-(-n // runner.block_size), dtype=np.int64)[None, :]
+    layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n, device=dev), runner.block_size, dev)
+    with torch.inference_mode(), forward_context(runner.backend.build_metadata(layout)):
+        hidden = runner.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev))
+        return runner.model.compute_logits(hidden).cpu()
+
+
+def test_every_projection_takes_the_fp8_method(fp8_pair):
+    _, llm, _ = fp8_pair
+    model = llm.llm_engine.core.executor.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 8
+    assert all(type(m.quant_method).__name__ == "Fp8EmulatedMethod" for m in linears)
+
+
+def test_logits_match_the_oracle(fp8_pair, float_model):
+    fmt, llm, oracle = fp8_pair
+    with torch.no_grad():
+        ref = oracle(torch.tensor([IDS])).logits[0]
+        float_logits = float_model[0](torch.tensor([IDS])).logits[0]
+    ours = _our_logits(llm, IDS)
+    # 2e-3: an activation a hair from an fp8 rounding boundary may round the other way (upstream float32 sums differ
+    # in the last bits), a step of 1/16 of its value; the fp8 rounding itself moves the logits by 1e-2 and more
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-4)
+    assert (ours - float_logits).abs().max() > 1e-2, "the fp8 rounding must show"
+
+
+def test_greedy_tokens_match_the_oracle(fp8_pair):
+    _, llm, oracle = fp8_pair
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 9, 21)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = oracle.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt {p}"
