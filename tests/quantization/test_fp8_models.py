@@ -11,6 +11,11 @@ identical; the logits are also checked to be far from the float model's, so the 
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +29,7 @@ from fp8_checkpoints import (
     write_compressed_tensors,
     write_fp8,
 )
+from safetensors.torch import load_file, save_file
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
@@ -144,3 +150,70 @@ def test_greedy_tokens_match_the_oracle(fp8_pair):
                 pad_token_id=0,
             )
         assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt {p}"
+
+
+def _config_only(src: str, dst) -> str:
+    """src's config.json beside a weights file that is never read: a check that fails must fail before loading."""
+    shutil.copy(os.path.join(src, "config.json"), dst / "config.json")
+    (dst / "model.safetensors").write_bytes(b"not read")
+    return str(dst)
+
+
+SUPPORTED = r"\['compressed-tensors', 'fp8', 'gguf'\]"
+
+
+@pytest.mark.parametrize("value", ["awq", "FP8", 8, ""])
+def test_unknown_quantization_is_refused_before_loading(float_model, tmp_path, value):
+    with pytest.raises(ValueError, match=rf"quantization={value!r} is not supported; supported: {SUPPORTED}"):
+        LLM(_config_only(float_model[1], tmp_path), quantization=value, skip_tokenizer_init=True)
+
+
+def test_quantization_that_contradicts_the_checkpoint(float_model, tmp_path):
+    write_fp8(float_model[1], str(tmp_path / "fp8"), None)
+    path = _config_only(str(tmp_path / "fp8"), tmp_path)
+    with pytest.raises(ValueError, match=r"quantization='compressed-tensors' contradicts the checkpoint.*'fp8'"):
+        LLM(path, quantization="compressed-tensors", skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("value", ["compressed-tensors", "gguf"])
+def test_formats_that_need_a_quantized_checkpoint(float_model, tmp_path, value):
+    with pytest.raises(ValueError, match=rf"quantization={value!r} needs a checkpoint quantized.*\['fp8'\]"):
+        LLM(_config_only(float_model[1], tmp_path), quantization=value, skip_tokenizer_init=True)
+
+
+def test_unsupported_checkpoint_scheme_is_refused_before_loading(float_model, tmp_path):
+    config = json.loads((pathlib.Path(float_model[1]) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"weight_block_size=\[128, 128\]: block-wise FP8 is not supported"):
+        LLM(str(tmp_path), skip_tokenizer_init=True)
+
+
+def test_static_checkpoint_without_input_scales(float_model, tmp_path):
+    path = str(tmp_path / "fp8")
+    write_fp8(float_model[1], path, CALIBRATION)
+    tensors = {
+        k: v for k, v in load_file(f"{path}/model.safetensors").items() if "layers.1.mlp" not in k or "input" not in k
+    }
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks weights for \['model.layers.1.mlp.down_proj.input_scale'"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_gemm_end_to_end(float_model):
+    """quantization="fp8" on CUDA in bfloat16: every projection on the scaled FP8 GEMM, logits near the float32
+    reference with the same fp8 rounding, greedy tokens mostly the same (bfloat16 compute may flip near-ties)."""
+    _, float_path = float_model
+    llm = LLM(float_path, quantization="fp8", device="cuda", dtype="bfloat16", skip_tokenizer_init=True)
+    model = llm.llm_engine.core.executor.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert {type(m.quant_method).__name__ for m in linears} == {"Fp8ScaledMMMethod"}
+    assert all(m.weight.dtype == FP8 for m in linears)
+    oracle = _reference(float_path, _per_channel(float_path), None)
+    with torch.no_grad():
+        ref = oracle(torch.tensor([IDS])).logits[0]
+    ours = _our_logits(llm, IDS).float()
+    torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
