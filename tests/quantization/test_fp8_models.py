@@ -217,3 +217,17 @@ def test_cuda_fp8_gemm_end_to_end(float_model):
     ours = _our_logits(llm, IDS).float()
     torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_dummy_weights_quantized_at_load(float_model):
+    """The benchmarks' path: dummy float weights, quantization="fp8"; the layers hold what fp8 represents."""
+    llm = LLM(float_model[1], load_format="dummy", quantization="fp8", dtype="float32", skip_tokenizer_init=True)
+    layer = llm.llm_engine.core.executor.runner.model.model.layers[0].mlp.down_proj
+    assert type(layer.quant_method).__name__ == "Fp8EmulatedMethod"
+    with torch.inference_mode():  # the rows of the identity pass fp8 rounding exactly (scale 1/448): W.T
+        w = layer(torch.eye(layer.input_size)).T  # [out, in]
+    scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    assert torch.equal((w / scale).to(FP8).float() * scale, w)  # every row on its fp8 grid
+    assert len(torch.unique(w)) > 256  # per-row scales: more distinct values than one fp8 grid has
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
