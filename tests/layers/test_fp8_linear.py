@@ -76,6 +76,65 @@ def test_merged_layer_against_dequantized(strategy, activations, hidden, head_di
         torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
 
 
+def block_reference(w: torch.Tensor, bn: int, bk: int):
+    """(fp8 [N, K], scales [ceil(N / bn), ceil(K / bk)], dequantized float32 [N, K]) with one scale per block."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8)
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    deq = torch.empty(n, k)
+    for i in range(0, n, bn):
+        for j in range(0, k, bk):
+            block = w[i : i + bn, j : j + bk]
+            s = block.abs().amax() / 448
+            scales[i // bn, j // bk] = s
+            q[i : i + bn, j : j + bk] = (block / s).clamp(-448, 448).to(FP8)
+            deq[i : i + bn, j : j + bk] = q[i : i + bn, j : j + bk].float() * s
+    return q, scales, deq
+
+
+def group_fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
+    out = torch.empty_like(x)
+    for j in range(0, x.shape[-1], group):
+        out[..., j : j + group] = ref_activations(x[..., j : j + group], "dynamic", None)
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("hidden,bk", [(40, 16), (64, 32), (8, 16)])
+def test_block_wise_merged_layer(hidden, bk, device):
+    """QKV of 32 / 16 / 16 rows in blocks of 8 rows x bk features (a short last block where bk does not divide K);
+    activations quantized per token and run of bk features (on CUDA: the dequantized weight, the Triton kernel)."""
+    config = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [8, bk]})
+    with torch.device(device):
+        layer = L.QKVParallelLinear(hidden, 8, 4, 2, False, config, "model.layers.0.self_attn.qkv_proj")
+    g = torch.Generator().manual_seed(hidden)
+    parts = []
+    for shard, heads in (("q", 4), ("k", 2), ("v", 2)):
+        w = torch.randn(heads * 8, hidden, generator=g) * torch.rand(heads * 8, 1, generator=g) * 10
+        q, scales, deq = block_reference(w, 8, bk)
+        layer.weight.weight_loader(layer.weight, q, shard)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scales, shard)
+        parts.append(deq)
+    layer.process_weights_after_loading()
+    for rows in (1, 5, 130):
+        x = torch.randn(rows, hidden, generator=g)
+        ref = F.linear(group_fake_quant(x, bk), torch.cat(parts))
+        torch.testing.assert_close(layer(x.to(device)).cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_block_rows_must_not_split_merged_projections():
+    config = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(
+        ValueError, match=r"qkv_proj: merged projections of \[32, 16, 16\] rows split fp8 blocks of 128"
+    ):
+        L.QKVParallelLinear(64, 8, 4, 2, False, config, "model.layers.0.self_attn.qkv_proj")
+    layer = L.QKVParallelLinear(
+        64, 8, 4, 2, False, Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [16, 16]}), "qkv"
+    )
+    with pytest.raises(ValueError, match=r"block scale of shape \(3, 4\) does not fit \(1, 4\)"):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, torch.ones(3, 4), "k")
+
+
 @pytest.mark.parametrize("n,k", [(17, 33), (48, 64), (1, 7)])
 def test_float_weights_quantized_per_channel_at_load(n, k):
     layer = L.ColumnParallelLinear(k, n, False, Fp8Config.dynamic(), "proj")
@@ -158,7 +217,8 @@ def ct_config(weights=None, acts="default", fmt="float-quantized", **top):
     "config,match",
     [
         (ct_config(weights={"num_bits": 4, "type": "int"}), r"weights: num_bits=4 type='int' is not supported"),
-        (ct_config(weights={"strategy": "block"}), r"weights.strategy='block' .*not supported"),
+        (ct_config(weights={"strategy": "block"}), r"weights.block_structure=None must be two positive integers"),
+        (ct_config(weights={"strategy": "block", "block_structure": [16, 32]}), r"group_size=32"),
         (ct_config(weights={"strategy": "group"}), r"weights.strategy='group'"),
         (ct_config(weights={"symmetric": False}), r"symmetric=False"),
         (ct_config(acts={"num_bits": 8, "type": "float", "strategy": "token"}), r"strategy='token' dynamic=False"),
@@ -166,7 +226,12 @@ def ct_config(weights=None, acts="default", fmt="float-quantized", **top):
         (ct_config(fmt="pack-quantized"), r"format='pack-quantized' is not supported"),
         (ct_config(kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme=.*not supported"),
         ({"quant_method": "compressed-tensors", "config_groups": {}}, r"config_groups=\{\} must name"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"weight_block_size=\[128, 128\].*block-wise"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\] must be two positive"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size=\[128, 0\] must be two"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            r"activation_scheme='static': block-wise FP8 takes 'dynamic'",
+        ),
         ({"quant_method": "fp8", "activation_scheme": "per-row"}, r"activation_scheme='per-row' must be"),
     ],
 )

@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from fp8_checkpoints import (
+    BLOCK,
     FP8,
     FP8_MAX,
     PROJECTIONS,
@@ -39,7 +40,7 @@ from pagedllm.layers.linear import LinearBase
 
 IDS = list(range(3, 40))
 CALIBRATION = [IDS, list(range(100, 140))]
-FORMATS = ["ct-FP8", "ct-FP8_DYNAMIC", "fp8-static", "fp8-dynamic", "at-load"]
+FORMATS = ["ct-FP8", "ct-FP8_DYNAMIC", "ct-FP8_BLOCK", "fp8-static", "fp8-dynamic", "fp8-block", "at-load"]
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +51,23 @@ def float_model(tmp_path_factory):
     return hf, path
 
 
-def _fake_quant(x: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """x rounded to fp8 per token (scale None) or with a static scale."""
+def _fake_quant(x: torch.Tensor, scale: float | None, group: int | None = None) -> torch.Tensor:
+    """x rounded to fp8 per token (scale None), per token and run of `group` features, or with a static scale."""
+    if group is not None:
+        return torch.cat([_fake_quant(x[..., j : j + group], None) for j in range(0, x.shape[-1], group)], dim=-1)
     s = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX if scale is None else torch.tensor(scale)
     return (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
 
 
-def _reference(float_path: str, weights: dict[str, torch.Tensor], static: dict[str, float] | None):
-    """The float HF model with `weights`, its projections' inputs rounded to fp8 (static: per-projection scales)."""
+def _reference(float_path: str, weights: dict[str, torch.Tensor], static: dict[str, float] | None, group=None):
+    """The float HF model with `weights`, its projections' inputs rounded to fp8 (static: per-projection scales;
+    group: per token and run of `group` features)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(float_path, dtype=torch.float32).eval()
     model.load_state_dict(weights, strict=False)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
             scale = static[name] if static is not None else None
-            module.register_forward_pre_hook(lambda mod, args, s=scale: (_fake_quant(args[0], s),))
+            module.register_forward_pre_hook(lambda mod, args, s=scale: (_fake_quant(args[0], s, group),))
     return model
 
 
@@ -90,10 +94,11 @@ def _build(fmt: str, float_model, tmp_path_factory):
         write_compressed_tensors(float_path, out, fmt[3:], CALIBRATION)
         oracle = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         return LLM(out, **kwargs), oracle
-    static = fmt == "fp8-static"
-    write_fp8(float_path, out + "/ckpt", CALIBRATION if static else None)
+    static, block = fmt == "fp8-static", BLOCK if fmt == "fp8-block" else None
+    write_fp8(float_path, out + "/ckpt", CALIBRATION if static else None, block)
     scales = {k: v / FP8_MAX for k, v in input_amax(hf, CALIBRATION).items()} if static else None
-    return LLM(out + "/ckpt", **kwargs), _reference(float_path, dequantized_weights(out + "/ckpt"), scales)
+    group = block[1] if block else None
+    return LLM(out + "/ckpt", **kwargs), _reference(float_path, dequantized_weights(out + "/ckpt"), scales, group)
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -183,10 +188,15 @@ def test_formats_that_need_a_quantized_checkpoint(float_model, tmp_path, value):
 
 def test_unsupported_checkpoint_scheme_is_refused_before_loading(float_model, tmp_path):
     config = json.loads((pathlib.Path(float_model[1]) / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"not read")
-    with pytest.raises(ValueError, match=r"weight_block_size=\[128, 128\]: block-wise FP8 is not supported"):
+    with pytest.raises(ValueError, match=r"config_groups.group_0.format='pack-quantized' is not supported"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 
@@ -231,3 +241,16 @@ def test_dummy_weights_quantized_at_load(float_model):
     assert len(torch.unique(w)) > 256  # per-row scales: more distinct values than one fp8 grid has
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_block_layout_as_transformers_reads_it(float_model, tmp_path):
+    """transformers dequantizes a block-wise "fp8" checkpoint on CPU (weights only): its weights are the ones the
+    reference above takes (weight_scale_inv multiplies, one per [16, 32] block)."""
+    path = str(tmp_path / "blk")
+    write_fp8(float_model[1], path, None, BLOCK)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours = dequantized_weights(path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    theirs = dict(hf.named_parameters())[name].float()
+    assert theirs.shape == ours[name].shape
+    torch.testing.assert_close(theirs, ours[name], atol=0, rtol=1e-2)  # transformers may keep bfloat16 copies

@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them) with FP8 schemes:
-weights fp8 e4m3 with per-tensor or per-channel scales, activations static per tensor, dynamic per token or
-dynamic per tensor, or not quantized (W8A16). Other schemes (int8, 4-bit, block-wise, sparsity, a quantized KV
-cache) are refused when the config is read, naming the field."""
+weights fp8 e4m3 with per-tensor or per-channel scales and activations static per tensor, dynamic per token or
+dynamic per tensor, or not quantized (W8A16); or block-wise weight scales with dynamic per-group activations
+(FP8_BLOCK). Other schemes (int8, 4-bit, sparsity, a quantized KV cache) are refused when the config is read,
+naming the field."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
-from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, layer_matches
+from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, check_block, layer_matches
 
 FORMATS = ("float-quantized", "naive-quantized")
 
@@ -35,22 +36,34 @@ def _fp8_args(args: dict, where: str) -> dict:
     return args
 
 
-def _weight_strategy(args: dict, where: str) -> str:
+def _weight_strategy(args: dict, where: str) -> tuple[str, tuple[int, int] | None]:
+    """(strategy, block shape or None) of the weights' args."""
     args = _fp8_args(args, where)
     strategy = args.get("strategy", "tensor")
-    if strategy not in ("tensor", "channel") or args.get("dynamic", False):
+    if strategy not in ("tensor", "channel", "block") or args.get("dynamic", False):
         raise ValueError(
             f"quantization_config {where}.strategy={strategy!r} dynamic={args.get('dynamic')!r} is not supported "
-            "(supported: static 'tensor' or 'channel' weight scales)"
+            "(supported: static 'tensor', 'channel' or 'block' weight scales)"
         )
-    return strategy
+    block = check_block(args.get("block_structure"), f"{where}.block_structure") if strategy == "block" else None
+    return strategy, block
 
 
-def _activations(args: dict | None, where: str) -> str | None:
+def _activations(args: dict | None, where: str, block: tuple[int, int] | None) -> str | None:
     if args is None:
+        if block is not None:
+            raise ValueError(f"quantization_config {where} is missing: block-wise weights take per-group activations")
         return None
     args = _fp8_args(args, where)
     strategy, dynamic = args.get("strategy", "tensor"), args.get("dynamic", False)
+    if block is not None:
+        if (strategy, dynamic, args.get("group_size")) != ("group", True, block[1]):
+            raise ValueError(
+                f"quantization_config {where}.strategy={strategy!r} dynamic={dynamic!r} "
+                f"group_size={args.get('group_size')!r}: block-wise weights take dynamic 'group' activations of "
+                f"group_size={block[1]}"
+            )
+        return "dynamic-group"
     scheme = {("tensor", False): "static", ("token", True): "dynamic", ("tensor", True): "dynamic-tensor"}
     if (strategy, dynamic) not in scheme:
         raise ValueError(
@@ -87,10 +100,10 @@ class CompressedTensorsConfig(QuantizationConfig):
                 raise ValueError(f"quantization_config {where}.output_activations is not supported")
             if group.get("weights") is None:
                 raise ValueError(f"quantization_config {where}.weights is missing: FP8 schemes quantize the weights")
-            strategy = _weight_strategy(group["weights"], f"{where}.weights")
-            activations = _activations(group.get("input_activations"), f"{where}.input_activations")
+            strategy, block = _weight_strategy(group["weights"], f"{where}.weights")
+            activations = _activations(group.get("input_activations"), f"{where}.input_activations", block)
             targets = list(group.get("targets") or [])
-            groups.append(Group(targets, Fp8LinearMethod(strategy, activations, serialized=True)))
+            groups.append(Group(targets, Fp8LinearMethod(strategy, activations, serialized=True, block=block)))
         return cls(groups, list(config.get("ignore") or []))
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:

@@ -89,9 +89,10 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def dequantize_weight(weight: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 [N, K] with scale [N] float32 -> [N, K] in dtype."""
-    return (weight.float() * row_scale.float()[:, None]).to(dtype)
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 [N, K] with scale [N] (per row) or [N, K] (blocks expanded) float32 -> [N, K] in dtype."""
+    scale = scale.float()
+    return (weight.float() * (scale[:, None] if scale.dim() == 1 else scale)).to(dtype)
 
 
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None, per_tensor_dynamic: bool = False):
@@ -102,11 +103,18 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None, per_
     return quantize_per_token(x, input_scale)
 
 
-def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None, per_tensor_dynamic: bool = False):
-    """x [..., K] rounded to what its fp8 quantization represents, in x's dtype (CPU: the dense matmul then sees
-    the activations the FP8 GEMM would)."""
-    q, scale = quantize_activations(x.reshape(-1, x.shape[-1]), input_scale, per_tensor_dynamic)
-    return (q.float() * scale).to(x.dtype).reshape(x.shape)
+def fake_quantize_activations(
+    x: torch.Tensor, input_scale: torch.Tensor | None, per_tensor_dynamic: bool = False, group: int | None = None
+) -> torch.Tensor:
+    """x [..., K] rounded to what its fp8 quantization represents, in x's dtype (the dense matmul then sees the
+    activations the FP8 GEMM would). `group`: one scale per token and run of `group` features (zero-padded)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    if group is not None:
+        x2 = F.pad(x2, (0, -k % group)).reshape(-1, group)  # [M * ceil(K / group), group]
+    q, scale = quantize_activations(x2, input_scale, per_tensor_dynamic)
+    return (q.float() * scale).to(x.dtype).reshape(m, -1)[:, :k].reshape(x.shape)
 
 
 def fp8_linear(
