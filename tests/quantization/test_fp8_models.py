@@ -216,7 +216,15 @@ def test_cuda_fp8_gemm_end_to_end(float_model):
     """quantization="fp8" on CUDA in bfloat16: every projection on the scaled FP8 GEMM, logits near the float32
     reference with the same fp8 rounding, greedy tokens mostly the same (bfloat16 compute may flip near-ties)."""
     _, float_path = float_model
-    llm = LLM(float_path, quantization="fp8", device="cuda", dtype="bfloat16", skip_tokenizer_init=True)
+    llm = LLM(
+        float_path,
+        quantization="fp8",
+        device="cuda",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=256,
+    )
     model = llm.llm_engine.core.executor.runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert {type(m.quant_method).__name__ for m in linears} == {"Fp8ScaledMMMethod"}

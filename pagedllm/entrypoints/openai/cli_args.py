@@ -45,6 +45,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "trust_remote_code": _BOOL,
     "hf_overrides": _json,
     "load_format": str,
+    "quantization": str,
     "num_gpu_blocks_override": int,
     "kv_cache_memory_bytes": int,
     "enable_prefix_caching": _BOOL,
