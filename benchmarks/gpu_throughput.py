@@ -18,11 +18,13 @@ Workloads, each one JSON line on stdout (appended to benchmarks/results.jsonl un
 The copy bandwidth is a device-to-device copy of a 4 GiB tensor, counting bytes read and written.
 --quantization fp8 runs pagedllm's engines with quantization="fp8" (the dummy bf16 weights quantized per channel at
 load, activations per token, cuBLASLt's FP8 GEMM); weight_bytes and the roofline figures then count the fp8 weights.
-The HF peers stay bf16. Compare with a run without the flag on the same machine.
+The HF peers stay bf16. Compare with a run without the flag on the same machine. --nano-config llama-3.1-8b runs
+nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
 
     python benchmarks/gpu_throughput.py --no-append
     python benchmarks/gpu_throughput.py --num-seqs 32 --hf-prompts 8 --prefill-prompts 4 --no-append   # smoke
-    python benchmarks/gpu_throughput.py --workloads nanovllm-bench,decode-bs1-llama-3.1-8b --quantization fp8
+    python benchmarks/gpu_throughput.py --workloads nanovllm-bench,decode-bs1-llama-3.1-8b --quantization fp8 \
+        --nano-config llama-3.1-8b
 """
 
 from __future__ import annotations
@@ -80,8 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="pagedllm's quantization of the dummy weights at load (none: bf16)",
     )
+    p.add_argument(
+        "--nano-config",
+        choices=("qwen3-0.6b", "llama-3.1-8b"),
+        default="qwen3-0.6b",
+        help="the model shapes of nanovllm-bench (default: Qwen3-0.6B, as nano-vllm's bench.py)",
+    )
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     args = p.parse_args(argv)
+    args.nano_model = str(BENCH_DIR / "configs" / args.nano_config)
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
@@ -164,7 +173,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(QWEN, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
+    llm = LLM(args.nano_model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
     load_s = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(), use_tqdm=False)  # bench.py's warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -197,7 +206,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
 
 
 def run_nano_hf(args, ours_tok_s: float | None, prompts, max_tokens) -> dict:
-    model = hf_peers.load_model(QWEN)
+    model = hf_peers.load_model(args.nano_model)
     n = min(args.hf_prompts, len(prompts))
     hf_peers.generate_tok_s(model, prompts[:2], [4, 4], 2, 0.6)  # warm-up
     by_batch = {}
@@ -304,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             "enforce_eager": args.enforce_eager,
             "async_scheduling": args.async_scheduling,
             "quantization": args.quantization,
+            **({"nano_config": args.nano_config} if workload.startswith("nanovllm") else {}),
         }
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
 
