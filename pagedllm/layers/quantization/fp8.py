@@ -1,11 +1,12 @@
-"""FP8 (e4m3) linear layers: checkpoints with `quant_method: "fp8"` (per-tensor `weight_scale`, static `input_scale`
-or dynamic activation scales), the FP8 schemes of compressed-tensors (compressed_tensors.py) and `quantization="fp8"`
-of a float checkpoint (weights quantized per output channel at load, activations per token on the fly).
+"""FP8 (e4m3) linear layers: checkpoints with `quant_method: "fp8"` (per-tensor `weight_scale` with static
+`input_scale` or dynamic activation scales, or `weight_block_size` blocks), the FP8 schemes of compressed-tensors
+(compressed_tensors.py) and `quantization="fp8"` of a float checkpoint (weights quantized per output channel at load,
+activations per token on the fly).
 
 On CUDA the weights stay fp8 and each matmul runs through the scaled FP8 GEMM with the activations quantized first
-(fp8_ops.fp8_linear). Elsewhere the fp8 weights are dequantized to the compute dtype once, at load, and take the
-dense path, with the activations rounded to their fp8 values first: the same numbers the GEMM computes with (and
-that transformers computes with on a compressed-tensors checkpoint)."""
+(fp8_ops.fp8_linear; block-wise weights: the Triton GEMM of fp8_block.py). Elsewhere the fp8 weights are dequantized
+to the compute dtype once, at load, and take the dense path, with the activations rounded to their fp8 values first:
+the same numbers the GEMM computes with (and that transformers computes with on a compressed-tensors checkpoint)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
+from pagedllm.layers.quantization.fp8_block import block_fp8_linear, block_gemm_supported
 from pagedllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize_weight,
@@ -155,6 +157,12 @@ class Fp8LinearMethod(LinearMethod):
         return layer.weight.data, scale
 
     def process_weights_after_loading(self, layer: LinearBase) -> LinearMethod:
+        if self.block is not None and block_gemm_supported(layer.weight.device, self.block):
+            scale = getattr(layer, self.scale_name).data.float().contiguous()  # [ceil(N / bn), ceil(K / bk)]
+            delattr(layer, self.scale_name)
+            layer.weight = nn.Parameter(layer.weight.data.contiguous(), requires_grad=False)  # [N, K] fp8
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+            return Fp8BlockGemmMethod(self.block)
         weight, scale = self.loaded_fp8(layer)
         input_scale = None
         if self.activations == "static":  # q, k and v (gate and up) share their input: one scale, the largest
@@ -166,7 +174,7 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)  # [N, K] fp8
             layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)  # [N] float32
             return Fp8ScaledMMMethod(per_tensor_dynamic)
-        # the weight dequantized once, for the dense path (CPU; on CUDA: block-wise and weight-only schemes)
+        # the weight dequantized once, for the dense path (CPU; on CUDA: weight-only schemes, blocks the GEMM refuses)
         layer.weight = nn.Parameter(dequantize_weight(weight, scale, layer.fp8_compute_dtype), requires_grad=False)
         dense = pack_dense(layer)
         if self.activations is None:
@@ -186,6 +194,16 @@ class Fp8ScaledMMMethod(LinearMethodVariant):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic)
+
+
+class Fp8BlockGemmMethod(LinearMethodVariant):
+    """CUDA, block-wise weights: activations quantized per token and group, the Triton block-scaled FP8 GEMM."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return block_fp8_linear(x, layer.weight, layer.weight_scale, self.block, layer.bias)
 
 
 class Fp8EmulatedMethod(LinearMethodVariant):
