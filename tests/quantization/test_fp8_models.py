@@ -85,7 +85,7 @@ def _per_channel(float_path: str) -> dict[str, torch.Tensor]:
 def _build(fmt: str, float_model, tmp_path_factory):
     """(pagedllm LLM, oracle model) for one format."""
     hf, float_path = float_model
-    kwargs = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
+    kwargs = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=4)
     if fmt == "at-load":
         return LLM(float_path, quantization="fp8", **kwargs), _reference(float_path, _per_channel(float_path), None)
     out = str(tmp_path_factory.mktemp(fmt))
@@ -208,7 +208,7 @@ def test_static_checkpoint_without_input_scales(float_model, tmp_path):
     }
     save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks weights for \['model.layers.1.mlp.down_proj.input_scale'"):
-        LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+        LLM(path, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
 
 
 @pytest.mark.gpu
@@ -239,7 +239,9 @@ def test_cuda_fp8_gemm_end_to_end(float_model):
 
 def test_dummy_weights_quantized_at_load(float_model):
     """The benchmarks' path: dummy float weights, quantization="fp8"; the layers hold what fp8 represents."""
-    llm = LLM(float_model[1], load_format="dummy", quantization="fp8", dtype="float32", skip_tokenizer_init=True)
+    llm = LLM(
+        float_model[1], load_format="dummy", quantization="fp8", dtype="float32", device="cpu", skip_tokenizer_init=True
+    )
     layer = llm.llm_engine.core.executor.runner.model.model.layers[0].mlp.down_proj
     assert type(layer.quant_method).__name__ == "Fp8EmulatedMethod"
     with torch.inference_mode():  # the rows of the identity pass fp8 rounding exactly (scale 1/448): W.T
