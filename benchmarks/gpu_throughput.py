@@ -16,9 +16,15 @@ Workloads, each one JSON line on stdout (appended to benchmarks/results.jsonl un
                           (params without the input embedding); HF's SDPA forward on the same prompts too
   cold-start              a fresh interpreter: LLM() to the first token, Qwen3-0.6B dummy (graph capture included)
 The copy bandwidth is a device-to-device copy of a 4 GiB tensor, counting bytes read and written.
+--quantization fp8 runs pagedllm's engines with quantization="fp8" (the dummy bf16 weights quantized per channel at
+load, activations per token, cuBLASLt's FP8 GEMM); weight_bytes and the roofline figures then count the fp8 weights.
+The HF peers stay bf16. Compare with a run without the flag on the same machine. --nano-config llama-3.1-8b runs
+nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
 
     python benchmarks/gpu_throughput.py --no-append
     python benchmarks/gpu_throughput.py --num-seqs 32 --hf-prompts 8 --prefill-prompts 4 --no-append   # smoke
+    python benchmarks/gpu_throughput.py --workloads nanovllm-bench,decode-bs1-llama-3.1-8b --quantization fp8 \
+        --nano-config llama-3.1-8b
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ COLD_START_CODE = """
 import json, time
 t0 = time.perf_counter()
 from pagedllm import LLM, SamplingParams
-llm = LLM({model!r}, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+llm = LLM({model!r}, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, quantization={quant!r})
 llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], SamplingParams(max_tokens=1), use_tqdm=False)
 graphs = llm.llm_engine.core.executor.runner.graphs
 print(json.dumps({{"seconds": time.perf_counter() - t0, "capture_seconds": graphs.capture_seconds if graphs else 0}}))
@@ -70,8 +76,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="pagedllm's async_scheduling (auto: on, the CUDA default)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="pagedllm's quantization of the dummy weights at load (none: bf16)",
+    )
+    p.add_argument(
+        "--nano-config",
+        choices=("qwen3-0.6b", "llama-3.1-8b"),
+        default="qwen3-0.6b",
+        help="the model shapes of nanovllm-bench (default: Qwen3-0.6B, as nano-vllm's bench.py)",
+    )
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     args = p.parse_args(argv)
+    args.nano_model = str(BENCH_DIR / "configs" / args.nano_config)
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
@@ -80,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engine_options = {
         "enforce_eager": args.enforce_eager,
         "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
+        "quantization": None if args.quantization == "none" else args.quantization,
     }
     return args
 
@@ -153,7 +173,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(QWEN, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
+    llm = LLM(args.nano_model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
     load_s = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(), use_tqdm=False)  # bench.py's warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -186,7 +206,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
 
 
 def run_nano_hf(args, ours_tok_s: float | None, prompts, max_tokens) -> dict:
-    model = hf_peers.load_model(QWEN)
+    model = hf_peers.load_model(args.nano_model)
     n = min(args.hf_prompts, len(prompts))
     hf_peers.generate_tok_s(model, prompts[:2], [4, 4], 2, 0.6)  # warm-up
     by_batch = {}
@@ -259,11 +279,11 @@ def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
     return out
 
 
-def cold_start() -> dict:
+def cold_start(quantization: str | None) -> dict:
     """LLM() to the first token in a fresh interpreter (run twice: the first also fills the Triton cache)."""
     runs = []
     for _ in range(2):
-        code = COLD_START_CODE.format(model=QWEN)
+        code = COLD_START_CODE.format(model=QWEN, quant=quantization)
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"cold-start subprocess failed:\n{proc.stderr[-4000:]}")
@@ -287,11 +307,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(workload: str, figures: dict) -> None:  # emitted at once: a later failure keeps earlier lines
         records[workload] = figures
-        figures = {**figures, **common, "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling}
+        figures = {
+            **figures,
+            **common,
+            "enforce_eager": args.enforce_eager,
+            "async_scheduling": args.async_scheduling,
+            "quantization": args.quantization,
+            **({"nano_config": args.nano_config} if workload.startswith("nanovllm") else {}),
+        }
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
 
     if "cold-start" in args.workloads:
-        record("cold-start", cold_start())
+        record("cold-start", cold_start(args.engine_options["quantization"]))
     prompts, max_tokens = nano_workload(args.num_seqs)
     if "nanovllm-bench" in args.workloads:
         record("nanovllm-bench", run_nano(args, bw, prompts, max_tokens))

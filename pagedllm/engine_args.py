@@ -20,6 +20,7 @@ from pagedllm.config import (
     parse_dtype,
 )
 from pagedllm.layers.q4_linear import q4_kernel_available
+from pagedllm.layers.quantization import resolve_quantization
 from pagedllm.layers.rope_config import rope_max_len
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
@@ -54,6 +55,7 @@ class EngineArgs:
     rope_scaling: dict | None = None  # replaces the config's rope scaling, e.g. {"rope_type": "yarn", "factor": 4.0}
     rope_theta: float | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # None: the checkpoint's; "fp8": quantize a float checkpoint while loading
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
@@ -86,6 +88,7 @@ class EngineArgs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
         model_impl = resolve_model_impl(archs[0], self.model_impl)
         _check_not_quantized(path, hf_config)
+        quantization = resolve_quantization(self.quantization, hf_config, is_gguf=path.endswith(".gguf"))
         check_load_format(path, self.load_format)
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
@@ -125,6 +128,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             skip_tokenizer_init=self.skip_tokenizer_init,
             keep_q4=keep_q4,
+            quantization=quantization,
             generation_config=self.generation_config,
             runner=runner,
             pooler=pooler,
@@ -188,17 +192,21 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 
 def _check_not_quantized(path: str, hf_config) -> None:
-    """A checkpoint quantized in a format no registered QuantizationConfig reads (AWQ, GPTQ, FP8, bitsandbytes, ...)
-    is refused before anything loads, naming the format and the supported ones."""
-    from pagedllm.layers.quantization import supported_quantizations
+    """A checkpoint quantized in a format no registered QuantizationConfig reads (AWQ, GPTQ, bitsandbytes, ...) is
+    refused before anything loads, naming the format and the supported ones; a supported one has its
+    quantization_config read here, so that a scheme it cannot run is refused before loading too."""
+    from pagedllm.layers.quantization import (
+        checkpoint_quantization,
+        quantization_config_from_hf,
+        supported_quantizations,
+    )
 
-    quant = getattr(hf_config, "quantization_config", None)
-    if not quant:
+    method = checkpoint_quantization(hf_config)
+    if method is None:
         return
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     supported = supported_quantizations()
     if method in supported:
+        quantization_config_from_hf(hf_config)
         return
     raise ValueError(
         f"model {path!r} is quantized (config.json quantization_config.quant_method={method!r}): this quantization "

@@ -48,6 +48,7 @@ class LLM(PoolingAPI):
         rope_scaling: dict | None = None,
         rope_theta: float | None = None,
         load_format: str = "auto",
+        quantization: str | None = None,
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,

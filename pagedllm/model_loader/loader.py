@@ -82,10 +82,16 @@ def _weights(model_config: ModelConfig):
 
 
 def quant_config_of(model_config: ModelConfig) -> QuantizationConfig | None:
-    """GGUF with 4-bit tensors kept packed, else the checkpoint's quantization_config; None: dense."""
+    """GGUF with 4-bit tensors kept packed, else the checkpoint's quantization_config, else the quantization asked
+    for at load (`quantization="fp8"` of a float checkpoint); None: dense."""
     if model_config.keep_q4:
         return get_quantization_config("gguf")()
-    return quantization_config_from_hf(model_config.hf_config)
+    found = quantization_config_from_hf(model_config.hf_config)
+    if found is None and model_config.quantization == "fp8":
+        from pagedllm.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config.dynamic()
+    return found
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:

@@ -54,7 +54,7 @@ def test_devices_that_pagedllm_does_not_run_on(model_dir, device):
     [
         {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
         {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
-        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
     ],
 )
 def test_quantized_checkpoint_is_refused_before_loading(tmp_path, quant):

@@ -47,6 +47,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "rope_scaling": _json,
     "rope_theta": float,
     "load_format": str,
+    "quantization": str,
     "num_gpu_blocks_override": int,
     "kv_cache_memory_bytes": int,
     "enable_prefix_caching": _BOOL,

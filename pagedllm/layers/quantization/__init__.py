@@ -14,12 +14,19 @@ __all__ = [
     "LinearMethodVariant",
     "QuantizationConfig",
     "get_quantization_config",
+    "checkpoint_quantization",
     "quantization_config_from_hf",
     "register_quantization_config",
+    "resolve_quantization",
     "supported_quantizations",
 ]
 
-_BUILTIN = {"gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig")}  # name -> (module, class)
+_BUILTIN = {  # name -> (module, class)
+    "compressed-tensors": ("pagedllm.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
+    "fp8": ("pagedllm.layers.quantization.fp8", "Fp8Config"),
+    "gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig"),
+}
+AT_LOAD = ("fp8",)  # quantizations `quantization=` applies to a float checkpoint while loading it
 _REGISTERED: dict[str, type[QuantizationConfig]] = {}
 
 
@@ -49,6 +56,36 @@ def get_quantization_config(name: str) -> type[QuantizationConfig]:
         raise ValueError(f"quantization {name!r} is not supported; supported: {supported_quantizations()}")
     module, cls_name = _BUILTIN[name]
     return getattr(importlib.import_module(module), cls_name)
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The quant_method a checkpoint's config.json names (None: not quantized)."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if not raw:
+        return None
+    method = raw.get("quant_method") if isinstance(raw, dict) else getattr(raw, "quant_method", None)
+    return getattr(method, "value", method)  # transformers' QuantizationMethod enum
+
+
+def resolve_quantization(requested: Any, hf_config: Any, is_gguf: bool = False) -> str | None:
+    """The quantization to load with: the user's `quantization=` (checked against the checkpoint) or the
+    checkpoint's own. A ValueError names an unknown format, or one that the checkpoint contradicts."""
+    found = "gguf" if is_gguf else checkpoint_quantization(hf_config)
+    if requested is None:
+        return found
+    if not isinstance(requested, str) or requested not in supported_quantizations():
+        raise ValueError(f"quantization={requested!r} is not supported; supported: {supported_quantizations()}")
+    if found is not None and requested != found:
+        raise ValueError(
+            f"quantization={requested!r} contradicts the checkpoint, which is quantized as {found!r} "
+            f"(config.json quantization_config.quant_method); leave quantization unset or pass {found!r}"
+        )
+    if found is None and requested not in AT_LOAD:
+        raise ValueError(
+            f"quantization={requested!r} needs a checkpoint quantized in that format, and this one is not "
+            f"quantized; a float checkpoint can be quantized while loading with quantization in {list(AT_LOAD)}"
+        )
+    return requested
 
 
 def quantization_config_from_hf(hf_config: Any) -> QuantizationConfig | None:

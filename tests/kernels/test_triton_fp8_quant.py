@@ -1,0 +1,92 @@
+"""The Triton per-token FP8 quantization kernel against a plain torch rule (scale = max(row amax / 448, floor),
+q = round-to-nearest fp8 of x / scale, clamped to +-448), dynamic and with a static scale. Without CUDA it runs in
+Triton's interpreter (see conftest.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytest.importorskip("triton")
+
+ops = importlib.import_module("pagedllm.layers.quantization.fp8_ops")
+if DEVICE.type == "cpu" and type(ops.per_token_quant_kernel).__name__ != "InterpretedFunction":
+    ops = importlib.reload(ops)  # imported before the interpreter was switched on
+
+FP8 = torch.float8_e4m3fn
+
+
+def reference(x: torch.Tensor, static: float | None):
+    x = x.float()
+    if static is None:
+        scale = torch.maximum(x.abs().amax(dim=1, keepdim=True) / 448.0, torch.tensor(1.0 / (448.0 * 512.0)))
+    else:
+        scale = torch.full((x.shape[0], 1), static)
+    return (x / scale).clamp(-448.0, 448.0).to(FP8), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 16), (3, 33), (5, 1500), (2, 7)])
+@pytest.mark.parametrize("static", [None, 0.05])
+def test_per_token_quant(dtype, shape, static):
+    g = torch.Generator().manual_seed(shape[0] * shape[1])
+    x = (4 * torch.randn(*shape, generator=g)).to(dtype)
+    x[0, 0] = 0.0
+    if shape[0] > 2:
+        x[2] = 0.0  # an all-zero row: the floor scale, zeros out
+    ref_q, ref_s = reference(x, static)
+    static_t = None if static is None else torch.tensor(static, device=DEVICE)
+    q, s = ops.quantize_per_token_triton(x.to(DEVICE), static_t)
+    assert q.dtype == FP8 and q.shape == shape and s.shape == (shape[0], 1)
+    torch.testing.assert_close(s.cpu(), ref_s, rtol=1e-6, atol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    torch.testing.assert_close(ops.quantize_per_token_torch(x, static_t)[1].cpu(), ref_s, rtol=1e-6, atol=0)
+
+
+def test_no_rows():
+    q, s = ops.quantize_per_token_triton(torch.empty(0, 32, device=DEVICE))
+    assert q.shape == (0, 32) and s.shape == (0, 1)
+
+
+blk = importlib.import_module("pagedllm.layers.quantization.fp8_block")
+if DEVICE.type == "cpu" and type(blk.block_fp8_matmul_kernel).__name__ != "InterpretedFunction":
+    blk = importlib.reload(blk)
+
+
+def block_case(m, n, k, bn, bk, seed=0):
+    """(x [m, k], fp8 weight [n, k], block scales, the float32 reference of the block GEMM on them)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    x = 3 * torch.randn(m, k, generator=g)
+    gn, gk = -(-n // bn), -(-k // bk)
+    scales = torch.rand(gn, gk, generator=g) / 100 + 1e-3
+    full = scales.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = (w / full).clamp(-448, 448).to(FP8)
+    xq = torch.empty(m, k)
+    for j in range(0, k, bk):  # per token and group of bk features
+        part = x[:, j : j + bk]
+        s = (part.abs().amax(dim=1, keepdim=True) / 448).clamp_min(1 / (448 * 512))
+        xq[:, j : j + bk] = (part / s).clamp(-448, 448).to(FP8).float() * s
+    return x, q, scales, xq @ (q.float() * full).T
+
+
+@pytest.mark.parametrize(
+    "m,n,k,bn,bk", [(1, 64, 64, 32, 32), (5, 80, 48, 16, 16), (17, 40, 72, 16, 32), (3, 8, 16, 8, 16)]
+)
+def test_block_fp8_gemm(m, n, k, bn, bk):
+    """Odd M, N not a multiple of the tile or the block, K not a multiple of the group."""
+    x, q, scales, ref = block_case(m, n, k, bn, bk, seed=m + n + k)
+    bias = torch.randn(n)
+    out = blk.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scales.to(DEVICE), (bn, bk), bias.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), ref + bias, atol=1e-3, rtol=1e-4)
+
+
+def test_block_fp8_gemm_leading_dims_and_no_rows():
+    x, q, scales, ref = block_case(6, 32, 32, 16, 16)
+    out = blk.block_fp8_linear(x.reshape(2, 3, 32).to(DEVICE), q.to(DEVICE), scales.to(DEVICE), (16, 16), None)
+    torch.testing.assert_close(out.cpu(), ref.reshape(2, 3, 32), atol=1e-3, rtol=1e-4)
+    empty = blk.block_fp8_linear(torch.empty(0, 32, device=DEVICE), q.to(DEVICE), scales.to(DEVICE), (16, 16), None)
+    assert empty.shape == (0, 32)
