@@ -44,7 +44,7 @@ if triton is not None:
         for start in range(0, K, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -448.0, 448.0)
+            q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)  # IEEE division: torch's rounding to fp8
             tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
 
 
