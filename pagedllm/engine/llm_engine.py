@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from collections.abc import Iterable
 
 from pagedllm.config import EngineConfig
@@ -38,9 +39,14 @@ class LLMEngine:
         }
         self._ids = itertools.count()
         self._structured = None  # StructuredOutputManager, made with the first constrained request
+        self._structured_lock = threading.Lock()  # the server prepares requests on several threads
 
     def structured_output_manager(self):
         """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
+        with self._structured_lock:
+            return self._structured or self._make_structured_output_manager()
+
+    def _make_structured_output_manager(self):
         if self._structured is None:
             if self.tokenizer is None or self.config.model.skip_tokenizer_init:
                 raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init=True gives none)")

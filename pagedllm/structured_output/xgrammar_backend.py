@@ -41,8 +41,8 @@ class XgrammarBackend:
         try:
             if kind == "json":
                 return xgr.Grammar.from_json_schema(spec, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
+            if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any JSON value)
+                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
             if kind == "regex":
                 return xgr.Grammar.from_regex(spec)
             if kind == "choice":  # one alternative per choice, each a quoted literal (json.dumps escapes it)
