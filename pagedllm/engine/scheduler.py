@@ -18,6 +18,7 @@ sampled token, and ends it when it terminates."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -218,6 +219,13 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(compiling))
         return new_reqs
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Blocks up to timeout until a waiting request's grammar is compiled: for a step that found nothing else
+        to run (the engine would spin otherwise)."""
+        pending = [r.grammar.compiled for r in self.waiting if r.grammar is not None and not r.grammar.ready()]
+        if pending:
+            concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         """Ends a request that cannot run (its grammar did not compile); it is reported at the next update."""

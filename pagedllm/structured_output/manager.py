@@ -37,7 +37,7 @@ def _depth(value: object) -> int:
 
 
 def spec_text(params: GuidedDecodingParams, field: str) -> str:
-    """The constraint's text (a schema as canonical JSON), checked against the size and depth limits."""
+    """The constraint's text (a schema as compact JSON), checked against the size and depth limits."""
     kind = params.kind
     value = getattr(params, kind)
     if kind == "json":
@@ -55,7 +55,7 @@ def spec_text(params: GuidedDecodingParams, field: str) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"{field}.json must be a JSON schema (an object), not {type(schema).__name__}")
         try:
-            text = json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema)  # key order kept: it is the order properties are written in
         except (TypeError, ValueError) as e:
             raise ValueError(f"{field}.json is not JSON data: {e}") from None
     elif kind == "choice":
