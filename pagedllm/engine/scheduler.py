@@ -282,30 +282,41 @@ class Scheduler:
         req.num_output_placeholders -= 1
         if num_drafts == 0:  # one token (the usual step)
             req.append_output_token(tokens[0])
-            if req.check_stop() or self._advance_grammar(req, tokens):
+            tokens = self._advance_grammar(req, tokens)
+            if req.status.finished or req.check_stop() or self._grammar_terminated(req):
                 self._remove(req)
             return tokens
-        kept = req.append_output_tokens(tokens)
-        self._advance_grammar(req, kept)
+        kept = self._advance_grammar(req, req.append_output_tokens(tokens))
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += len(tokens) - 1
         req.num_computed_tokens -= num_drafts + 1 - len(tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
-        if req.status.finished:
+        if req.status.finished or self._grammar_terminated(req):
             self._remove(req)
         return kept
 
-    def _advance_grammar(self, req: Request, tokens: list[int]) -> bool:
-        """The request's grammar takes its new tokens; returns whether that ends the request (the grammar
-        terminated, or refused a token: then no valid output can follow)."""
-        if req.grammar is None or req.status.finished:
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> list[int]:
+        """The request's grammar takes its new tokens (already appended); returns those kept. A refused token (a
+        rule that overrode the mask, such as min_tokens banning the EOS that alone was allowed) and those after it
+        are dropped, and end the request: stopped where the grammar was complete, else aborted."""
+        grammar = req.grammar
+        if grammar is None:
+            return tokens
+        num_kept = grammar.accept(tokens)
+        if num_kept < len(tokens):
+            del req.all_token_ids[len(req.all_token_ids) - len(tokens) + num_kept :]
+            complete = grammar.is_completed()
+            if not complete:
+                logger.warning("request %s: its grammar refused a sampled token; it is aborted", req.request_id)
+            req.status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
+        return tokens[:num_kept]
+
+    def _grammar_terminated(self, req: Request) -> bool:
+        """Ends a request whose grammar has terminated (it took a stop token that did not stop it: ignore_eos)."""
+        if req.grammar is None or not req.grammar.is_terminated():
             return False
-        if req.grammar.accept(tokens) < len(tokens):
-            logger.warning("request %s: its grammar refused a sampled token; it is aborted", req.request_id)
-            req.status = RequestStatus.FINISHED_ABORTED
-        elif req.grammar.is_terminated():
-            req.status = RequestStatus.FINISHED_STOPPED
-        return req.status.finished
+        req.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     # -- leaving ------------------------------------------------------------------------------------------------
     def _remove(self, req: Request) -> None:

@@ -99,6 +99,10 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self._state().is_terminated()
 
+    def is_completed(self) -> bool:
+        """Whether the tokens so far form a complete output (the grammar may end here)."""
+        return self._state().matcher.is_completed()
+
     def fill_bitmask(self, out, row: int) -> None:
         self._state().fill_bitmask(out, row)
 
@@ -125,7 +129,7 @@ class StructuredOutputManager:
                 "structured outputs need the xgrammar package: pip install 'pagedllm[structured]'"
             ) from None
         self.backend = XgrammarBackend(tokenizer, vocab_size, stop_token_ids)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-grammar")
         self.cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
         self.lock = threading.Lock()  # requests may be added from several threads (the server's)
 

@@ -213,3 +213,18 @@ def test_needs_a_tokenizer(tiny_char_model):
     llm = _engine(tiny_char_model, skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
     with pytest.raises(ValueError, match="structured_outputs need a tokenizer"):
         llm.generate([[1, 2, 3]], constrained(choice=["a"]), use_tqdm=False)
+
+
+def test_rules_that_fight_the_mask(tiny_llm):
+    """min_tokens bans the EOS that alone is allowed once the choice is written: the refused token is dropped and
+    the request stops there; with ignore_eos the grammar's end still ends it (EOS kept as the last token)."""
+    for kwargs in (dict(min_tokens=3), dict(min_tokens=2, temperature=0, logprobs=1)):
+        out = tiny_llm.generate(["hi"], constrained(kwargs, choice=["a"]), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == ("a", tok("a"), "stop")
+        assert out.logprobs is None or len(out.logprobs) == 1
+    out = tiny_llm.generate(["hi"], constrained({"ignore_eos": True}, choice=["ab"]), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (tok("ab") + [EOS_ID], "stop")
+
+
+def tok(text: str) -> list[int]:
+    return [ord(c) - 32 for c in text]
