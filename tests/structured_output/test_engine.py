@@ -228,3 +228,10 @@ def test_rules_that_fight_the_mask(tiny_llm):
 
 def tok(text: str) -> list[int]:
     return [ord(c) - 32 for c in text]
+
+
+def test_structural_tags(tiny_llm):
+    """xgrammar's structural tag format (vLLM's older one: test_manager.py)."""
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "exactly this"}}
+    out = tiny_llm.generate(["x"], constrained(structural_tag=json.dumps(tag)), use_tqdm=False)[0].outputs[0]
+    assert out.text == "exactly this" and out.finish_reason == "stop"

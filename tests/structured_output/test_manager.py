@@ -4,6 +4,7 @@ never allowed, and a matcher rolls back rejected tokens."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -99,3 +100,17 @@ def test_compile_failure_ends_only_its_request(tiny_llm, monkeypatch):
     outs = _step_until_done(engine)
     assert outs["bad"].outputs[0].finish_reason == "abort" and outs["bad"].outputs[0].token_ids == []
     assert len(outs["good"].outputs[0].token_ids) == 3
+
+
+def test_legacy_structural_tag(manager):
+    """vLLM's older structural tag: free text, and after a trigger the tagged JSON of its schema."""
+    legacy = {
+        "structures": [{"begin": "<f>", "schema": {"enum": ["yes"]}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    grammar = manager.request_grammar(manager.grammar(StructuredOutputsParams(structural_tag=json.dumps(legacy))))
+    grammar.compiled.result()
+    assert grammar.accept(tok("any text <f>")) == len("any text <f>")
+    assert allowed(manager, grammar) == set(tok('"'))  # the schema's JSON now
+    assert grammar.accept(tok('"yes"</f>')) == len('"yes"</f>')
+    assert grammar.accept(tok("x")) == 1  # free text again
