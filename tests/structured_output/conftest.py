@@ -1,23 +1,12 @@
-"""A tiny random Llama with a character-level tokenizer (one token per printable ASCII character, then </s>),
-its vocab padded past the tokenizer's (those ids must never be allowed), and engines on it."""
+"""A tiny random Llama with a character-level tokenizer (tests/char_tokenizer.py), its vocab padded past the
+tokenizer's (those ids must never be allowed), and an engine on it."""
 
 from __future__ import annotations
 
 import pytest
+from char_tokenizer import EOS_ID, MODEL_VOCAB, char_tokenizer
 from tiny_models import TINY_DECODER, save_tiny_decoder
-from tokenizers import Tokenizer, decoders, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
-EOS_ID = len(CHARS)  # 96
-MODEL_VOCAB = 128  # ids 97..127 have no token
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {c: i for i, c in enumerate(CHARS)} | {"</s>": EOS_ID}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))  # no merges: one token per character
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 @pytest.fixture(scope="session")

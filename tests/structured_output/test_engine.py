@@ -11,7 +11,7 @@ import time
 
 import jsonschema
 import pytest
-from conftest import EOS_ID
+from char_tokenizer import EOS_ID
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import EOS_ID, MODEL_VOCAB, char_tokenizer
+from char_tokenizer import EOS_ID, MODEL_VOCAB, char_tokenizer
 
 from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import StructuredOutputManager, fill_bitmasks
