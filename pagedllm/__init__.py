@@ -20,7 +20,7 @@ from pagedllm.pooling.outputs import (
     ScoringRequestOutput,
 )
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,8 @@ __all__ = [
     "LLM",
     "ModelRegistry",
     "SamplingParams",
+    "GuidedDecodingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "TextPrompt",

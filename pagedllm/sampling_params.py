@@ -16,6 +16,68 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is out of range: {allowed}")
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """One constraint on a request's output (structured outputs): a JSON schema, a regex, a list of choices, an
+    EBNF grammar, any JSON object, or an xgrammar structural tag. vLLM's names; exactly one constraint is set."""
+
+    json: str | dict | None = None  # a JSON schema (a dict, its JSON text, or a pydantic model class)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF) text
+    json_object: bool | None = None
+    structural_tag: str | None = None  # JSON text of an xgrammar structural tag
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    backend: str | None = None  # "xgrammar" or "auto" (the only backend)
+    whitespace_pattern: str | None = None  # not supported by the xgrammar backend: must stay None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()  # a pydantic model class
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"{self._name()}: exactly one of {', '.join(_CONSTRAINTS)} must be set, not {given or 'none'}"
+            )
+        self._check_types()
+
+    def _name(self) -> str:
+        return "structured_outputs" if isinstance(self, StructuredOutputsParams) else "guided_decoding"
+
+    def _check_types(self) -> None:
+        field_ = self._name()
+        _check(self.json is None or isinstance(self.json, (str, dict)), f"{field_}.json", self.json, "a dict or str")
+        for name in ("regex", "grammar", "structural_tag"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, str) and v != ""), f"{field_}.{name}", v, "a non-empty str")
+        c = self.choice
+        ok = c is None or (isinstance(c, (list, tuple)) and len(c) > 0 and all(isinstance(x, str) for x in c))
+        _check(ok, f"{field_}.choice", c, "a non-empty list of str")
+        if c is not None:
+            self.choice = list(c)
+        _check(self.json_object in (None, True, False), f"{field_}.json_object", self.json_object, "a bool")
+        _check(
+            isinstance(self.disable_any_whitespace, bool),
+            f"{field_}.disable_any_whitespace",
+            self.disable_any_whitespace,
+            "a bool",
+        )
+        _check(self.backend in (None, "auto", "xgrammar"), f"{field_}.backend", self.backend, '"xgrammar" or "auto"')
+        _check(self.whitespace_pattern is None, f"{field_}.whitespace_pattern", self.whitespace_pattern, "None")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+@dataclass
+class StructuredOutputsParams(GuidedDecodingParams):
+    """vLLM's current name for GuidedDecodingParams (SamplingParams.structured_outputs)."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -49,6 +111,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # a constraint on the output (structured outputs); guided_decoding is vLLM's older name of the same field
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -62,6 +127,7 @@ class SamplingParams:
         _check(ids is None or isinstance(ids, (list, tuple)), "stop_token_ids", ids, "a list of token ids")
         self.stop_token_ids = list(ids or [])
         self._validate()
+        self._validate_structured()
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
@@ -120,6 +186,25 @@ class SamplingParams:
             _check(ok, "logits_processors", self.logits_processors, "a list of callables")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text is what they are matched against)")
+
+    def _validate_structured(self) -> None:
+        """structured_outputs and guided_decoding are one field under two names: a dict becomes the params class;
+        either sets both."""
+        for name, cls in (("structured_outputs", StructuredOutputsParams), ("guided_decoding", GuidedDecodingParams)):
+            v = getattr(self, name)
+            if isinstance(v, dict):
+                try:
+                    setattr(self, name, cls(**v))
+                except TypeError as e:
+                    raise ValueError(f"{name}: {e}") from None
+            else:
+                _check(v is None or isinstance(v, GuidedDecodingParams), name, v, f"None or a {cls.__name__}")
+        so, gd = self.structured_outputs, self.guided_decoding
+        if so is not None and gd is not None and so is not gd:
+            raise ValueError("structured_outputs and guided_decoding are the same field: set only one of them")
+        self.structured_outputs = self.guided_decoding = so or gd
+        if self.structured_outputs is not None and self.use_beam_search:
+            raise ValueError("structured_outputs cannot be combined with use_beam_search")
 
     def _validate_token_maps(self) -> None:
         if self.logit_bias is not None:

@@ -15,6 +15,7 @@ from pagedllm.worker.executor import UniProcExecutor
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
+_GRAMMAR_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar being compiled
 
 
 def default_cpu_kv_cache_bytes() -> int:
@@ -70,6 +71,8 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
+        if not so.num_scheduled_tokens:  # nothing runnable: maybe waiting for a grammar to compile
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
         try:
             out = self.executor.execute_model(so)
         except BaseException:
@@ -96,6 +99,8 @@ class EngineCore:
         launched = None
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
+            if not so.num_scheduled_tokens and self.in_flight is None:
+                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             try:
                 launched = (so, self.executor.launch(so))
             except BaseException:

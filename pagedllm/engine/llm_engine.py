@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from collections.abc import Iterable
 
 from pagedllm.config import EngineConfig
@@ -37,6 +38,23 @@ class LLMEngine:
             if generation.get(theirs) is not None
         }
         self._ids = itertools.count()
+        self._structured = None  # StructuredOutputManager, made with the first constrained request
+        self._structured_lock = threading.Lock()  # the server prepares requests on several threads
+
+    def structured_output_manager(self):
+        """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
+        with self._structured_lock:
+            return self._structured or self._make_structured_output_manager()
+
+    def _make_structured_output_manager(self):
+        if self._structured is None:
+            if self.tokenizer is None or self.config.model.skip_tokenizer_init:
+                raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init=True gives none)")
+            from pagedllm.structured_output import StructuredOutputManager
+
+            stop_ids = [t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None]
+            self._structured = StructuredOutputManager(self.tokenizer, self.config.model.vocab_size, stop_ids)
+        return self._structured
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -89,7 +107,13 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.core.scheduler.requests or request_id in self.output_processor.states:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        return self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        compiled = None  # the grammar's compilation (shared by the request's sequences), started now
+        if params.structured_outputs is not None:
+            compiled = self.structured_output_manager().grammar(params.structured_outputs)
+        requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        for req in requests if compiled is not None else []:
+            req.grammar = self.structured_output_manager().request_grammar(compiled)  # a matcher each
+        return requests, state
 
     def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt):
         """n (or best_of) sequences of one request; with a seed, sequence i draws from seed + i."""

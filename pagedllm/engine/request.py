@@ -56,6 +56,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, filled by the KV manager
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)
+        self.grammar = None  # its RequestGrammar (structured outputs), set by the engine; None: unconstrained
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -80,9 +81,12 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether drafts may be verified for it: its sampling reads no output tokens (penalties, bad words and
-        logits processors would need the drafts among them at each draft position)."""
+        logits processors would need the drafts among them at each draft position; a grammar's mask would need its
+        matcher advanced over them)."""
         params = self.sampling_params
-        return not (params.has_penalties or params.bad_words_token_ids or params.logits_processors)
+        return not (
+            params.has_penalties or params.bad_words_token_ids or params.logits_processors or self.grammar is not None
+        )
 
     def min_tokens_stop_ids(self) -> list[int]:
         """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""

@@ -9,22 +9,32 @@ runner takes its value on the device), and a request whose placeholder is its la
 
 A running request may also verify draft tokens (speculative decoding, synchronous scheduling only): they are
 scheduled after its known tokens and take budget and KV slots like any; the runner answers with the accepted drafts
-and one sampled token, and the rejected drafts' slots are reused (num_computed_tokens rolls back)."""
+and one sampled token, and the rejected drafts' slots are reused (num_computed_tokens rolls back).
+
+A request with a grammar (structured outputs) waits until its grammar is compiled; each step it samples in carries
+its allowed-token bitmask, filled here from the tokens it has. So it is never scheduled while its last token is still
+on the device (async scheduling): it takes every other step, the others still overlap. Its grammar takes each
+sampled token, and ends it when it terminates."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.structured_output.manager import fill_bitmasks
 from pagedllm.worker.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +69,7 @@ class Scheduler:
         # step id -> the request objects it scheduled, until its update: a request id used again by a new request
         # while the step was on the device must not take that step's token (the step message holds ids only)
         self.step_reqs: dict[int, dict[str, Request]] = {}
+        self.failed: list[EngineCoreOutput] = []  # requests ended before running (a grammar failed to compile)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -92,12 +103,15 @@ class Scheduler:
         spec: dict[str, list[int]] = {}
         cached_reqs, budget, preempted = self._schedule_running(num_scheduled, spec)
         new_reqs = [] if preempted else self._schedule_waiting(num_scheduled, budget)
+        grammars = {}  # the constrained requests that sample this step
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
             num_drafts = len(spec[req_id]) if spec and req_id in spec else 0
             if req.num_computed_tokens - num_drafts == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # it samples this step (after its drafts are verified)
+                if req.grammar is not None:
+                    grammars[req_id] = req.grammar
         out = SchedulerOutput(
             new_reqs,
             cached_reqs,
@@ -106,6 +120,7 @@ class Scheduler:
             self.finished_req_ids,
             self.preempted_req_ids,
             self.num_steps,
+            grammar_bitmask=fill_bitmasks(grammars),
             scheduled_spec_decode_tokens=spec,
         )
         self.step_reqs[self.num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
@@ -124,8 +139,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_known = req.num_tokens + req.num_output_placeholders  # a placeholder is the input of its next step
-            if num_known <= req.num_computed_tokens or req.num_output_tokens + req.num_output_placeholders >= (
-                req.max_tokens
+            if (
+                num_known <= req.num_computed_tokens
+                or req.num_output_tokens + req.num_output_placeholders >= req.max_tokens
+                or (req.grammar is not None and req.num_output_placeholders)  # its mask needs its last token
             ):  # its last token is still on the device
                 i += 1
                 continue
@@ -167,8 +184,15 @@ class Scheduler:
     def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> list[NewRequestData]:
         """Waiting requests in order while the budget, max_num_seqs and the free blocks allow."""
         new_reqs: list[NewRequestData] = []
+        compiling: list[Request] = []  # passed over until their grammar is compiled (they keep their place)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready():
+                compiling.append(self.waiting.popleft())
+                continue
+            if req.grammar is not None and req.grammar.error() is not None:
+                self._fail(self.waiting.popleft(), req.grammar.error())
+                continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, computed_blocks) is None:
@@ -193,7 +217,23 @@ class Scheduler:
             )
             num_scheduled[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         return new_reqs
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Blocks up to timeout until a waiting request's grammar is compiled: for a step that found nothing else
+        to run (the engine would spin otherwise)."""
+        pending = [r.grammar.compiled for r in self.waiting if r.grammar is not None and not r.grammar.ready()]
+        if pending:
+            concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """Ends a request that cannot run (its grammar did not compile); it is reported at the next update."""
+        logger.warning("request %s: its grammar failed to compile: %s", req.request_id, error)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.requests.pop(req.request_id, None)
+        self.finished_req_ids.add(req.request_id)
+        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", None, 0))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -207,7 +247,7 @@ class Scheduler:
         self.preempted_req_ids.add(req.request_id)
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs, self.failed = self.failed, []
         scheduled = self.step_reqs.pop(so.step_id, {})
         spec = so.scheduled_spec_decode_tokens
         for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
@@ -242,17 +282,41 @@ class Scheduler:
         req.num_output_placeholders -= 1
         if num_drafts == 0:  # one token (the usual step)
             req.append_output_token(tokens[0])
-            if req.check_stop():
+            tokens = self._advance_grammar(req, tokens)
+            if req.status.finished or req.check_stop() or self._grammar_terminated(req):
                 self._remove(req)
             return tokens
-        kept = req.append_output_tokens(tokens)
+        kept = self._advance_grammar(req, req.append_output_tokens(tokens))
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += len(tokens) - 1
         req.num_computed_tokens -= num_drafts + 1 - len(tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
-        if req.status.finished:
+        if req.status.finished or self._grammar_terminated(req):
             self._remove(req)
         return kept
+
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> list[int]:
+        """The request's grammar takes its new tokens (already appended); returns those kept. A refused token (a
+        rule that overrode the mask, such as min_tokens banning the EOS that alone was allowed) and those after it
+        are dropped, and end the request: stopped where the grammar was complete, else aborted."""
+        grammar = req.grammar
+        if grammar is None:
+            return tokens
+        num_kept = grammar.accept(tokens)
+        if num_kept < len(tokens):
+            del req.all_token_ids[len(req.all_token_ids) - len(tokens) + num_kept :]
+            complete = grammar.is_completed()
+            if not complete:
+                logger.warning("request %s: its grammar refused a sampled token; it is aborted", req.request_id)
+            req.status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
+        return tokens[:num_kept]
+
+    def _grammar_terminated(self, req: Request) -> bool:
+        """Ends a request whose grammar has terminated (it took a stop token that did not stop it: ignore_eos)."""
+        if req.grammar is None or not req.grammar.is_terminated():
+            return False
+        req.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     # -- leaving ------------------------------------------------------------------------------------------------
     def _remove(self, req: Request) -> None:

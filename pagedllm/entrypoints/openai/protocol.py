@@ -104,14 +104,14 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False
-    # structured outputs (a later release): any value is a 400 naming the field
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
+    # structured outputs (vLLM's fields; checked by serving_structured, a bad value is a 400 naming the field)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -122,7 +122,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     prompt_logprobs: int | None = None
     add_special_tokens: bool = True
-    response_format: Any = None  # structured outputs: a 400
+    response_format: dict[str, Any] | None = None  # structured outputs, as in chat completions
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
+from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
@@ -123,8 +124,6 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> None:
         raise bad("chat_template: a request may not bring its own template; start the server with --chat-template")
     if req.tool_choice not in (None, "none", "auto"):
         raise bad("tool_choice: only 'none' or 'auto' (tools are given to the chat template; no forced calls)")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad("response_format: only {'type': 'text'} is supported (no structured output)", "response_format")
     check_limit(req.top_logprobs, state.limits.max_logprobs, "top_logprobs")
     check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -163,6 +162,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     )
     job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer())
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
+    check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)
     if params.use_beam_search:
         refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
         work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)

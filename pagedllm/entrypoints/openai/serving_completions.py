@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, from_value_error, now, random_id
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
+from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
@@ -83,8 +84,6 @@ def _check(state: ServerState, req: CompletionRequest) -> list:
         raise bad("suffix is not supported", "suffix")
     if req.stream and req.prompt_logprobs is not None:
         raise bad("prompt_logprobs are not available when stream=true (as vLLM)", "prompt_logprobs")
-    if req.response_format is not None:
-        raise bad("response_format: structured outputs are not supported by this server yet", "response_format")
     items = _prompt_items(req.prompt)
     if not items or any(not p for p in items):
         raise bad("prompt is empty: give at least one prompt, each with at least one token", "prompt")
@@ -109,6 +108,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     job = _Job(req, model, random_id("cmpl"), now(), state.llm.get_tokenizer(), echo_only)
     make_prompts = _tokenize(state, job.tokenizer, items, req)
     check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
+    check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)
     if params.use_beam_search:
         refuse_with_beam_search(bool(req.stream), req.logprobs is not None, req.prompt_logprobs is not None)
         work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)

@@ -15,6 +15,7 @@ from fastapi import Request
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import APIError, error_body, from_value_error
+from pagedllm.entrypoints.openai.serving_structured import structured_outputs
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -95,22 +96,9 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-_STRUCTURED = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-    "structured_outputs",
-)
-
-
 def refuse_unsupported(req: Any) -> None:
-    """Fields this server knows but does not honour yet: a 400 naming the field, never a 200 that ignores it."""
-    for name in _STRUCTURED:
-        if getattr(req, name) is not None:
-            raise bad(f"{name}: structured outputs are not supported by this server yet", name)
+    """Fields this server knows but does not honour in this combination: a 400 naming the field, never a 200 that
+    ignores it."""
     if not req.use_beam_search:
         for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
             if getattr(req, name) != default:
@@ -137,6 +125,7 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
     (as vLLM). `fields` sets what differs between endpoints (max_tokens, logprobs, prompt_logprobs)."""
     limits = state.limits
     refuse_unsupported(req)
+    constraint, _ = structured_outputs(req)
     check_limit(req.n, limits.max_n, "n")
     check_limit(req.best_of, limits.max_n, "best_of")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -165,6 +154,7 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
         use_beam_search=req.use_beam_search,
         length_penalty=req.length_penalty,
         early_stopping=req.early_stopping,
+        structured_outputs=constraint,
         **{k: v for k, v in chosen.items() if v is not None},
         **fields,
     )

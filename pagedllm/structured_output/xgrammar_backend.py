@@ -1,0 +1,105 @@
+"""The xgrammar backend: a constraint becomes an xgrammar Grammar (parsed at once, so a bad one is refused when the
+request is added), a CompiledGrammar (the token-level tables, compiled on a worker thread), and per request a
+GrammarMatcher that takes the sampled tokens and fills the packed allowed-token bitmask of the next one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from pagedllm.sampling_params import GuidedDecodingParams
+
+# where xgrammar's error text starts: its messages begin with "[time] /path/file.cc:line: "
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")
+
+
+def _message(error: Exception) -> str:
+    text = str(error).strip()
+    return _CPP_PREFIX.sub("", text).split("\n")[0][:500]
+
+
+class XgrammarBackend:
+    """One per engine: the tokenizer's vocabulary as xgrammar sees it, padded to the model's vocab size (the ids
+    past the tokenizer's are never allowed), and a compiler shared by all requests."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], num_threads: int = 2) -> None:
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        except Exception as e:  # e.g. a tokenizer with more tokens than the model's vocab
+            raise ValueError(f"structured outputs: the tokenizer is not usable by xgrammar: {_message(e)}") from e
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32  # packed int32 words per bitmask row
+        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads)
+
+    def parse(self, params: GuidedDecodingParams, spec: str, field: str) -> xgr.Grammar:
+        """The constraint as a Grammar (fast; no tokenizer work). Raises ValueError naming the field."""
+        kind = params.kind
+        try:
+            if kind == "json":
+                return xgr.Grammar.from_json_schema(spec, any_whitespace=not params.disable_any_whitespace)
+            if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any JSON value)
+                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(spec)
+            if kind == "choice":  # one alternative per choice, each a quoted literal (json.dumps escapes it)
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(spec)
+            return _structural_tag(spec)
+        except Exception as e:
+            raise ValueError(f"{field}.{kind} is invalid: {_message(e)}") from None
+
+    def compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        return self.compiler.compile_grammar(grammar)
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarState:
+        return GrammarState(xgr.GrammarMatcher(compiled), self.num_words)
+
+
+def _structural_tag(spec: str) -> xgr.Grammar:
+    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}) or xgrammar's own."""
+    tag = json.loads(spec)
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in tag["structures"]
+        ]
+        return xgr.Grammar.from_structural_tag(items, tag["triggers"])
+    return xgr.Grammar.from_structural_tag(spec)
+
+
+class GrammarState:
+    """A request's position in its grammar: the tokens it accepted so far."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, num_words: int) -> None:
+        self.matcher = matcher
+        self.num_words = num_words
+
+    def accept(self, token_ids: list[int]) -> int:
+        """Takes tokens in order until one is rejected; returns how many were taken."""
+        for i, token_id in enumerate(token_ids):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                return i
+        return len(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forgets the last num_tokens accepted (draft tokens that verification rejected)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill_bitmask(self, out: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into out[row] (int32 [rows, num_words], on the CPU)."""
+        self.matcher.fill_next_token_bitmask(out, row)
+
+
+def new_bitmask(num_rows: int, num_words: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A bitmask buffer: the tensor xgrammar fills and the numpy view of it."""
+    t = torch.full((num_rows, num_words), -1, dtype=torch.int32)  # [num_rows, num_words]
+    return t, t.numpy()

@@ -1,0 +1,124 @@
+"""The scheduler's side of structured outputs, with a stand-in grammar (no xgrammar): a request waits while its
+grammar compiles (keeping its place), only rows that sample get a bitmask (the grammar's, for the tokens it has),
+the grammar takes each sampled token and ends the request when it terminates, and with async scheduling a
+constrained request is never scheduled while its last token is on the device."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import numpy as np
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.scheduler_output import ModelRunnerOutput
+
+
+class StandInGrammar:
+    """Allows one token: the length of what it accepted so far; terminates after `length` tokens."""
+
+    backend = SimpleNamespace(num_words=2)
+
+    def __init__(self, length: int, ready: bool = True) -> None:
+        self.compiled: Future = Future()
+        if ready:
+            self.compiled.set_result(None)
+        self.length, self.accepted = length, []
+
+    def ready(self) -> bool:
+        return self.compiled.done()
+
+    def error(self):
+        return self.compiled.exception() if self.compiled.done() else None
+
+    def accept(self, tokens: list[int]) -> int:
+        for i, t in enumerate(tokens):
+            if t != len(self.accepted):
+                return i
+            self.accepted.append(t)
+        return len(tokens)
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+    def is_completed(self) -> bool:
+        return self.is_terminated()
+
+    def fill_bitmask(self, out, row: int) -> None:
+        out[row] = 0
+        out[row, 0] = 1 << len(self.accepted)
+
+
+def make(async_scheduling: bool = False, budget: int = 32) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, async_scheduling=async_scheduling)
+    return Scheduler(config, CacheConfig(block_size=4, enable_prefix_caching=False), 20)
+
+
+def request(req_id: str, grammar=None, prompt_len: int = 5) -> Request:
+    req = Request(req_id, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=8), 99, 8)
+    req.grammar = grammar
+    return req
+
+
+def answer(sched: Scheduler, so, tokens: dict[str, int]):
+    return sched.update_from_output(so, ModelRunnerOutput({r: [t] for r, t in tokens.items()}))
+
+
+def test_waits_for_its_grammar_in_its_place():
+    sched = make()
+    g = StandInGrammar(3, ready=False)
+    sched.add_request(request("a", g))
+    sched.add_request(request("b"))
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == ["b"] and so.grammar_bitmask == {}
+    assert [r.request_id for r in sched.waiting] == ["a"]
+    g.compiled.set_result(None)
+    answer(sched, so, {"b": 1})
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == ["b", "a"]
+    assert list(so.grammar_bitmask) == ["a"] and so.grammar_bitmask["a"].dtype == np.int32
+    assert so.grammar_bitmask["a"].tolist() == [1, 0]  # token 0 allowed
+
+
+def test_mask_only_where_it_samples_and_the_grammar_ends_the_request():
+    sched = make(budget=3)  # the 5-token prompt takes two steps: no mask on the first chunk
+    g = StandInGrammar(2)
+    sched.add_request(request("a", g))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 3} and so.grammar_bitmask == {}
+    answer(sched, so, {})
+    so = sched.schedule()
+    assert so.grammar_bitmask["a"].tolist() == [1, 0]
+    (out,) = answer(sched, so, {"a": 0})
+    assert out.new_token_ids == [0] and out.finish_reason is None and g.accepted == [0]
+    so = sched.schedule()
+    assert so.grammar_bitmask["a"].tolist() == [2, 0]  # the mask follows the accepted tokens
+    (out,) = answer(sched, so, {"a": 1})
+    assert out.finish_reason == "stop" and not sched.has_unfinished_requests()
+
+
+def test_refused_token_is_dropped():
+    sched = make()
+    g = StandInGrammar(5)
+    sched.add_request(request("a", g))
+    so = sched.schedule()
+    (out,) = answer(sched, so, {"a": 7})  # not the allowed token 0
+    assert out.new_token_ids == [] and out.finish_reason == "abort"
+    assert sched.requests == {}
+
+
+def test_async_never_schedules_a_constrained_request_on_its_placeholder():
+    sched = make(async_scheduling=True)
+    g = StandInGrammar(3)
+    sched.add_request(request("a", g))
+    sched.add_request(request("b"))
+    so1 = sched.schedule()  # both prefill and sample
+    assert set(so1.grammar_bitmask) == {"a"}
+    so2 = sched.schedule()  # b decodes on its placeholder; a waits for its token
+    assert list(so2.num_scheduled_tokens) == ["b"] and so2.grammar_bitmask == {}
+    answer(sched, so1, {"a": 0, "b": 5})
+    so3 = sched.schedule()
+    assert "a" in so3.num_scheduled_tokens and so3.grammar_bitmask["a"].tolist() == [2, 0]
