@@ -79,10 +79,10 @@ class Request:
 
     @property
     def can_speculate(self) -> bool:
-        """Whether drafts may be verified for it: its sampling reads no output tokens (penalties, bad words and
-        logits processors would need the drafts among them at each draft position)."""
+        """Whether drafts may be verified for it: bad words and logits processors read the request's output tokens
+        on the host, without the drafts before each draft position (penalties count them: sample/adjust.py)."""
         params = self.sampling_params
-        return not (params.has_penalties or params.bad_words_token_ids or params.logits_processors)
+        return not (params.bad_words_token_ids or params.logits_processors)
 
     def min_tokens_stop_ids(self) -> list[int]:
         """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""

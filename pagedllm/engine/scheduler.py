@@ -53,8 +53,10 @@ class Scheduler:
         # drafts are verified only with synchronous scheduling (asynchronously, a request's last token may still be
         # on the device when its next step is scheduled)
         self.drafts_enabled = not config.async_scheduling
+        self.num_drafts = 0  # draft sequences verified so far (one per request and step with drafts)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of which accepted
+        self.num_accepted_per_pos: list[int] = []  # [position in the draft sequence] drafts accepted there
         self.num_steps = 0
         # step id -> the request objects it scheduled, until its update: a request id used again by a new request
         # while the step was on the device must not take that step's token (the step message holds ids only)
@@ -246,13 +248,21 @@ class Scheduler:
                 self._remove(req)
             return tokens
         kept = req.append_output_tokens(tokens)
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += len(tokens) - 1
+        self._count_drafts(num_drafts, len(tokens) - 1)
         req.num_computed_tokens -= num_drafts + 1 - len(tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
         if req.status.finished:
             self._remove(req)
         return kept
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_per_pos) < num_drafts:
+            self.num_accepted_per_pos += [0] * (num_drafts - len(self.num_accepted_per_pos))
+        for pos in range(num_accepted):  # drafts are accepted from the first on: positions 0 .. num_accepted - 1
+            self.num_accepted_per_pos[pos] += 1
 
     # -- leaving ------------------------------------------------------------------------------------------------
     def _remove(self, req: Request) -> None:

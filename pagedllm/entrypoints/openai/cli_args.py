@@ -58,6 +58,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "runner": str,
     "convert": str,
     "pooler_config": _json,
+    "speculative_config": _json,
 }
 
 
