@@ -1,7 +1,7 @@
 """Draft verification end to end on the bundled SmolLM2 (float32, CPU), with a proposer replaying the outputs of a
 run without drafts (some drafts corrupted): the same tokens, text, finish reasons and logprobs as without drafts,
 greedy and seeded, with stop strings, stop tokens, max_tokens, prefix caching, chunked prefill, preemption and
-n > 1; requests whose sampling reads their outputs (penalties) run beside them without drafts."""
+n > 1; penalized requests verify drafts too (the penalties at a draft position count the drafts before it)."""
 
 from __future__ import annotations
 
