@@ -36,8 +36,8 @@ def pad_right_aligned(histories: list[list[int]]) -> np.ndarray:
     """histories -> [batch, longest] int64, each row's tokens at its end, PAD before them."""
     lengths = np.fromiter((len(h) for h in histories), dtype=np.int64, count=len(histories))
     out = np.full((len(histories), int(lengths.max(initial=0))), PAD, dtype=np.int64)
-    if out.size:
-        flat = np.fromiter((t for h in histories for t in h), dtype=np.int64, count=int(lengths.sum()))
+    if out.size:  # one conversion per row (in C), none per token
+        flat = np.concatenate([np.asarray(h, dtype=np.int64) for h in histories])
         mask = np.arange(out.shape[1]) >= (out.shape[1] - lengths)[:, None]  # [batch, longest] the real tokens
         out[mask] = flat  # row-major: each row's tokens in order
     return out
