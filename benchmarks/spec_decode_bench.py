@@ -92,7 +92,8 @@ def run_engine(args, spec: dict | None) -> dict[int, tuple[list[list[int]], floa
     """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted)) for one engine configuration."""
     kwargs = dict(speculative_config=spec, gpu_memory_utilization=0.5)
     if args.tiny:
-        llm = LLM(tiny_model_path(), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20, **kwargs)
+        kwargs |= dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
+        llm = LLM(tiny_model_path(), **kwargs)
     else:
         llm = LLM(args.model, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny)
