@@ -54,8 +54,9 @@ def chat_prompts(llm: LLM, count: int, num_sentences: int) -> list[dict]:
     prompts = []
     for i in range(count):
         message = f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{make_text(i, num_sentences)}"
-        ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
-        prompts.append({"prompt_token_ids": list(ids)})
+        chat = [{"role": "user", "content": message}]
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompts.append({"prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]})
     return prompts
 
 
@@ -95,7 +96,7 @@ def run_engine(args, spec: dict | None) -> dict[int, tuple[list[list[int]], floa
         kwargs |= dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
         llm = LLM(tiny_model_path(), **kwargs)
     else:
-        llm = LLM(args.model, **kwargs)
+        llm = LLM(args.model, dtype=args.dtype, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny)
     results = {}
     for batch in args.batch_sizes:
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU (smoke run)")
+    parser.add_argument("--dtype", default="auto", help="in half precision a verifying step's sums may round apart")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 512 (--tiny: 48)")
     parser.add_argument("--sentences", type=int, default=80, help="sentences of the text (~12 tokens each)")
