@@ -60,3 +60,21 @@ def test_drafts_turn_off_above_disable_by_batch_size():
     history = [1, 2, 1, 2, 1]
     assert NgramProposer(config).propose({"a": history, "b": history}) == {"a": [2, 1], "b": [2, 1]}
     assert NgramProposer(config).propose({"a": history, "b": history, "c": history}) == {}
+
+
+def test_histories_kept_between_steps_propose_as_a_fresh_proposer():
+    """The proposer converts only the tokens appended since its last call: over growing histories, an id used again
+    for another request and requests that leave, it proposes what a fresh proposer proposes."""
+    rng = np.random.default_rng(5)
+    config = SpeculativeConfig("ngram", 3, 3, 1)
+    kept = NgramProposer(config)
+    histories = {str(i): rng.integers(0, 4, 10).tolist() for i in range(4)}
+    for step in range(60):
+        for tokens in histories.values():
+            tokens.extend(rng.integers(0, 4, rng.integers(1, 4)).tolist())
+        if step % 7 == 3:  # request 0 leaves; a new request takes its id
+            histories["0"] = rng.integers(0, 4, rng.integers(1, 90)).tolist()
+        if step % 5 == 0:
+            histories.pop("3", None)
+        assert kept.propose(histories) == NgramProposer(config).propose(histories)
+        assert set(kept.histories) == set(histories)
