@@ -91,10 +91,10 @@ def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[l
 
 def run_engine(args, spec: dict | None) -> dict[int, tuple[list[list[int]], float, tuple[int, int, int]]]:
     """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted)) for one engine configuration."""
-    kwargs = dict(speculative_config=spec, gpu_memory_utilization=0.5)
+    # a fixed KV cache (no memory profile): the engine built before may not have handed all of its memory back
+    kwargs = dict(speculative_config=spec, kv_cache_memory_bytes=(64 << 20) if args.tiny else (8 << 30))
     if args.tiny:
-        kwargs |= dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
-        llm = LLM(tiny_model_path(), **kwargs)
+        llm = LLM(tiny_model_path(), dtype="float32", skip_tokenizer_init=True, **kwargs)
     else:
         llm = LLM(args.model, dtype=args.dtype, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny)
