@@ -213,6 +213,7 @@ class EngineConfig:
     # internal, off by default: a spec_decode Proposer whose drafts the engine verifies each step (synchronous
     # scheduling only)
     speculative_proposer: Any = None
+    speculative_config: Any = None  # the user's SpeculativeConfig (spec_decode/config.py), None: no speculation
 
 
 def cpu_has_bf16() -> bool:

@@ -27,6 +27,7 @@ from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_
 from pagedllm.model_loader.weights import check_load_format
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
+from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")
@@ -69,6 +70,11 @@ class EngineArgs:
     pooler_config: Any = None  # PoolerConfig or dict(pooling_type=..., normalize=...)
     override_pooler_config: Any = None  # vLLM's older name of pooler_config
     model_impl: str = "auto"  # auto | pagedllm (alias vllm) | transformers (models/transformers_fallback.py)
+    speculative_config: Any = None  # dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} (spec_decode/config)
+    speculative_model: str | None = None  # vLLM's older keywords: "[ngram]" ...
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
 
     @classmethod
     def names(cls) -> list[str]:
@@ -139,6 +145,15 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
         compilation = CompilationConfig.from_user(self.compilation_config)
         device = self._device()
+        speculative = SpeculativeConfig.from_user(
+            self.speculative_config,
+            self.speculative_model,
+            self.num_speculative_tokens,
+            self.ngram_prompt_lookup_max,
+            self.ngram_prompt_lookup_min,
+        )
+        if speculative is not None and self.async_scheduling:
+            raise ValueError("async_scheduling=True: speculative decoding runs with synchronous scheduling only")
         model = self.create_model_config(device)
         cache = CacheConfig(
             block_size=self.block_size,
@@ -151,7 +166,9 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=model.max_model_len,
-            async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=(device.type == "cuda" and speculative is None)
+            if self.async_scheduling is None
+            else self.async_scheduling,
         )
         return EngineConfig(
             model,
@@ -161,6 +178,8 @@ class EngineArgs:
             # the fallback runs eagerly: HF forwards are not checked to be CUDA-graph safe (host syncs, masks)
             DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", self.attention_backend),
             compilation,
+            speculative_proposer=NgramProposer(speculative) if speculative is not None else None,
+            speculative_config=speculative,
         )
 
 

@@ -186,12 +186,28 @@ class LLMEngine:
             Counter("pagedllm:prompt_tokens_total", labels, stats.prompt_tokens),
             Counter("pagedllm:generation_tokens_total", labels, stats.generation_tokens),
         ]
+        if self.config.speculative_config is not None:
+            metrics += _spec_decode_metrics(sched, labels)
         for reason, count in stats.success_by_reason.items():
             metrics.append(Counter("pagedllm:request_success_total", {**labels, "finished_reason": reason}, count))
         metrics.append(stats.time_to_first_token.to_metric("pagedllm:time_to_first_token_seconds", labels))
         metrics.append(stats.inter_token_latency.to_metric("pagedllm:inter_token_latency_seconds", labels))
         metrics.append(stats.e2e_request_latency.to_metric("pagedllm:e2e_request_latency_seconds", labels))
         return metrics
+
+
+def _spec_decode_metrics(sched, labels: dict[str, str]) -> list[Metric]:
+    """vLLM's speculative-decoding counters: draft sequences, draft tokens, accepted tokens, and accepted tokens
+    per position in the draft sequence (label `position`)."""
+    metrics: list[Metric] = [
+        Counter("pagedllm:spec_decode_num_drafts_total", labels, sched.num_drafts),
+        Counter("pagedllm:spec_decode_num_draft_tokens_total", labels, sched.num_draft_tokens),
+        Counter("pagedllm:spec_decode_num_accepted_tokens_total", labels, sched.num_accepted_tokens),
+    ]
+    for pos, count in enumerate(sched.num_accepted_per_pos):
+        name = "pagedllm:spec_decode_num_accepted_tokens_per_pos_total"
+        metrics.append(Counter(name, {**labels, "position": str(pos)}, count))
+    return metrics
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -80,13 +80,11 @@ class Request:
 
     @property
     def can_speculate(self) -> bool:
-        """Whether drafts may be verified for it: its sampling reads no output tokens (penalties, bad words and
-        logits processors would need the drafts among them at each draft position; a grammar's mask would need its
-        matcher advanced over them)."""
+        """Whether drafts may be verified for it: bad words and logits processors read the request's output tokens
+        on the host, without the drafts before each draft position (penalties count them: sample/adjust.py); a
+        grammar's mask would need its matcher advanced over them."""
         params = self.sampling_params
-        return not (
-            params.has_penalties or params.bad_words_token_ids or params.logits_processors or self.grammar is not None
-        )
+        return not (params.bad_words_token_ids or params.logits_processors or self.grammar is not None)
 
     def min_tokens_stop_ids(self) -> list[int]:
         """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""

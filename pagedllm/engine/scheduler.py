@@ -63,8 +63,10 @@ class Scheduler:
         # drafts are verified only with synchronous scheduling (asynchronously, a request's last token may still be
         # on the device when its next step is scheduled)
         self.drafts_enabled = not config.async_scheduling
+        self.num_drafts = 0  # draft sequences verified so far (one per request and step with drafts)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of which accepted
+        self.num_accepted_per_pos: list[int] = []  # [position in the draft sequence] drafts accepted there
         self.num_steps = 0
         # step id -> the request objects it scheduled, until its update: a request id used again by a new request
         # while the step was on the device must not take that step's token (the step message holds ids only)
@@ -287,36 +289,15 @@ class Scheduler:
                 self._remove(req)
             return tokens
         kept = self._advance_grammar(req, req.append_output_tokens(tokens))
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += len(tokens) - 1
+        self._count_drafts(num_drafts, len(tokens) - 1)
         req.num_computed_tokens -= num_drafts + 1 - len(tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)  # blocks now full of accepted, computed tokens
         if req.status.finished or self._grammar_terminated(req):
             self._remove(req)
         return kept
 
-    def _advance_grammar(self, req: Request, tokens: list[int]) -> list[int]:
-        """The request's grammar takes its new tokens (already appended); returns those kept. A refused token (a
-        rule that overrode the mask, such as min_tokens banning the EOS that alone was allowed) and those after it
-        are dropped, and end the request: stopped where the grammar was complete, else aborted."""
-        grammar = req.grammar
-        if grammar is None:
-            return tokens
-        num_kept = grammar.accept(tokens)
-        if num_kept < len(tokens):
-            del req.all_token_ids[len(req.all_token_ids) - len(tokens) + num_kept :]
-            complete = grammar.is_completed()
-            if not complete:
-                logger.warning("request %s: its grammar refused a sampled token; it is aborted", req.request_id)
-            req.status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
-        return tokens[:num_kept]
-
-    def _grammar_terminated(self, req: Request) -> bool:
-        """Ends a request whose grammar has terminated (it took a stop token that did not stop it: ignore_eos)."""
-        if req.grammar is None or not req.grammar.is_terminated():
-            return False
-        req.status = RequestStatus.FINISHED_STOPPED
-        return True
+        kept = self._advance_grammar(req, req.append_output_tokens(tokens))
+        self._count_drafts(num_drafts, len(tokens) - 1)
 
     # -- leaving ------------------------------------------------------------------------------------------------
     def _remove(self, req: Request) -> None:

@@ -62,6 +62,11 @@ class LLM(PoolingAPI):
         pooler_config: Any = None,
         override_pooler_config: Any = None,
         model_impl: str = "auto",
+        speculative_config: dict | None = None,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        ngram_prompt_lookup_max: int | None = None,
+        ngram_prompt_lookup_min: int | None = None,
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)

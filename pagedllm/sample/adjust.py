@@ -72,19 +72,21 @@ def _call_processor(fn, batch: InputBatch, row: int, logits: torch.Tensor) -> to
     return fn(_outputs(batch, row), logits)
 
 
-def penalties(batch: InputBatch, rows: np.ndarray) -> Penalties | None:
+def penalties(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray | None = None) -> Penalties | None:
     """The penalties of these rows (None: none has any); their tokens are on the host (the rows that read their
-    outputs wait for them)."""
+    outputs wait for them). num_tokens [rows]: the tokens each row counts (default: the request's known tokens; a
+    draft position counts the drafts before it, written after them)."""
     penalized = np.nonzero(batch.penalized[rows])[0]
     if not len(penalized):
         return None
     sel = rows[penalized]
-    width = int(batch.num_tokens[sel].max())
+    lengths = batch.num_tokens[sel] if num_tokens is None else num_tokens[penalized]
+    width = int(lengths.max())
     return Penalties(
         penalized,
         batch.token_ids[sel, :width],
         batch.num_prompt[sel],
-        batch.num_tokens[sel],
+        lengths,
         batch.repetition_penalty[sel],
         batch.presence_penalty[sel],
         batch.frequency_penalty[sel],

@@ -83,11 +83,12 @@ class StepSampler:
             self.resident.last = None  # the kernel's resident inputs advance one position per row: rebuilt next
         if self.resident is not None and num_drafts is None:
             meta = self.resident.update(b, rows, num_tokens)
-        else:
+        else:  # a draft position's penalties count the drafts before it
+            pens = penalties(b, rows, num_tokens if num_drafts is not None else None)
             meta = SamplingMetadata.build(
                 b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows],
                 seeds=b.seed[rows], seeded=b.has_seed[rows], positions=num_tokens - b.num_prompt[rows],
-                device=self.device, penalties=penalties(b, rows), num_top=b.num_logprobs[rows], impl=self.impl,
+                device=self.device, penalties=pens, num_top=b.num_logprobs[rows], impl=self.impl,
             )  # fmt: skip
         bitmask = stack_bitmasks(bitmasks, self.impl, self.device) if bitmasks else None
         return SamplingStep(rows, num_tokens, meta, b.num_logprobs[rows], bitmask)

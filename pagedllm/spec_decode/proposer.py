@@ -11,8 +11,8 @@ from typing import Protocol
 
 class Proposer(Protocol):
     def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """request id -> its tokens so far (prompt + output; read only) => request id -> draft tokens to verify
-        after them (requests left out get none)."""
+        """request id -> its tokens so far (prompt + output; the request's own list, read only, which only grows) =>
+        request id -> draft tokens to verify after them (requests left out get none)."""
         ...
 
 

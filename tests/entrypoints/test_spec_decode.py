@@ -1,7 +1,7 @@
 """Draft verification end to end on the bundled SmolLM2 (float32, CPU), with a proposer replaying the outputs of a
 run without drafts (some drafts corrupted): the same tokens, text, finish reasons and logprobs as without drafts,
 greedy and seeded, with stop strings, stop tokens, max_tokens, prefix caching, chunked prefill, preemption and
-n > 1; requests whose sampling reads their outputs (penalties) run beside them without drafts."""
+n > 1; penalized requests verify drafts too (the penalties at a draft position count the drafts before it)."""
 
 from __future__ import annotations
 
@@ -114,3 +114,20 @@ def test_preemption_and_chunked_prefill(small_llm):
     assert preemptions > 0
     assert_same(run(small_llm, PROMPTS, params, replay(reference, corrupt_every=3)), reference)
     assert small_llm.llm_engine.core.scheduler.num_preemptions > preemptions
+
+
+def test_ngram_drafts_with_stop_strings(llm):
+    """The n-gram proposer of speculative_config on prompts that ask to copy their text: drafts are accepted, and the
+    outputs (cut by a stop string inside the copied text) are those without drafts."""
+    from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
+
+    text = "The red fox jumps over the lazy dog near the river bank, and the dog sleeps in the warm sun all day."
+    prompts = [f"Repeat this sentence exactly: {text}\nRepeated: ", f"Copy: {text} {text}\nCopy: "]
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["warm sun"])
+    reference = run(llm, prompts, params)
+    assert "stop" in {c.finish_reason for o in reference for c in o.outputs}
+    before = accepted(llm)
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
+    assert_same(run(llm, prompts, params, NgramProposer(config)), reference)
+    num_accepted, num_drafts = (a - b for a, b in zip(accepted(llm), before))
+    assert 0 < num_accepted <= num_drafts

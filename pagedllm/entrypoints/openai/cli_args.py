@@ -60,6 +60,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "convert": str,
     "pooler_config": _json,
     "model_impl": str,
+    "speculative_config": _json,
 }
 
 

@@ -1,0 +1,108 @@
+"""The user's speculative-decoding options, as vLLM spells them: `speculative_config={"method": "ngram",
+"num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m}`, or the older keywords
+`speculative_model="[ngram]"`, `num_speculative_tokens`, `ngram_prompt_lookup_max`, `ngram_prompt_lookup_min`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+# vLLM's other methods: named so that asking for one says it is not built, rather than that it is unknown
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "deepseek_mtp", "mtp", "suffix")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None  # K: drafts proposed per request and step
+    prompt_lookup_max: int | None = None  # longest n-gram matched (default: prompt_lookup_min, else 5)
+    prompt_lookup_min: int | None = None  # shortest n-gram matched (default: prompt_lookup_max, else 1)
+    # no drafts in a step where more requests than this decode (None: always drafts); at large batches the step is
+    # compute bound and the rejected drafts' work costs more than the accepted ones save
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_BUILT:
+            raise ValueError(
+                f"speculative_config method={self.method!r} is not implemented yet; supported methods: {METHODS}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is not a method; supported: {METHODS}")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs num_speculative_tokens (an integer >= 1)")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max, self.prompt_lookup_min = 5, 1
+        elif self.prompt_lookup_max is None:
+            _positive("prompt_lookup_min", self.prompt_lookup_min)
+            self.prompt_lookup_max = self.prompt_lookup_min
+        elif self.prompt_lookup_min is None:
+            _positive("prompt_lookup_max", self.prompt_lookup_max)
+            self.prompt_lookup_min = self.prompt_lookup_max
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None:
+            _positive("disable_by_batch_size", self.disable_by_batch_size)
+
+    @classmethod
+    def from_user(
+        cls,
+        speculative_config: Any = None,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        ngram_prompt_lookup_max: int | None = None,
+        ngram_prompt_lookup_min: int | None = None,
+    ) -> SpeculativeConfig | None:
+        """The config from LLM's arguments (None: no speculative decoding). The dict form and the older keywords
+        are not mixed."""
+        legacy = {
+            "speculative_model": speculative_model,
+            "num_speculative_tokens": num_speculative_tokens,
+            "ngram_prompt_lookup_max": ngram_prompt_lookup_max,
+            "ngram_prompt_lookup_min": ngram_prompt_lookup_min,
+        }
+        given = [k for k, v in legacy.items() if v is not None]
+        if speculative_config is not None:
+            if given:
+                raise ValueError(f"give speculative_config or {given}, not both")
+            return cls.from_dict(speculative_config)
+        if not given:
+            return None
+        if speculative_model is None:
+            raise ValueError(f"{given} need speculative_model='[ngram]' (or use speculative_config)")
+        if speculative_model != "[ngram]":
+            raise ValueError(
+                f"speculative_model={speculative_model!r}: draft-model speculation is not implemented yet; "
+                "supported: '[ngram]'"
+            )
+        return cls("ngram", num_speculative_tokens, ngram_prompt_lookup_max, ngram_prompt_lookup_min)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config={value!r} must be a dict, e.g. {{'method': 'ngram', ...}}")
+        value = dict(value)
+        if "model" in value and "method" not in value:  # vLLM's older spelling: {"model": "[ngram]"} / a model
+            model = value.pop("model")
+            value["method"] = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; allowed: {sorted(names)}")
+        method = value.get("method", "ngram")
+        if not isinstance(method, str):
+            raise ValueError(f"speculative_config method={method!r} must be a string, e.g. 'ngram'")
+        return cls(**value)
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config {name}={value!r} must be an integer >= 1")

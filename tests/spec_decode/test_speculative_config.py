@@ -1,0 +1,77 @@
+"""The speculative-decoding options as the user gives them: vLLM's speculative_config dict, the older keywords and the
+server flag; bad values are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.cli import build_parser
+from pagedllm.engine_args import EngineArgs
+from pagedllm.spec_decode import SpeculativeConfig
+
+
+def test_the_dict_and_the_older_keywords_give_the_same_config():
+    new = SpeculativeConfig.from_user(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    )
+    old = SpeculativeConfig.from_user(None, "[ngram]", 4, 3, 2)
+    assert new == old == SpeculativeConfig("ngram", 4, 3, 2)
+    assert SpeculativeConfig.from_user({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.from_user() is None
+
+
+def test_lookup_bounds_default_from_each_other():
+    assert (SpeculativeConfig(num_speculative_tokens=2).prompt_lookup_min, 1) == (1, 1)
+    only_max = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4)
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    only_min = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2)
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' is not implemented yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "method='draft_model' is not implemented yet"),
+        ({"model": "some/draft-model", "num_speculative_tokens": 3}, "'draft_model' is not implemented yet"),
+        ({"method": "lookahead", "num_speculative_tokens": 3}, "method='lookahead' is not a method"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens=2.5 must be an integer"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max=0 must be an integer >= 1"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 must"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size=-1"),
+        ({"num_speculative_tokens": 2, "lookup": 3}, r"unknown field\(s\) \['lookup'\]"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_bad_config(config, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_user(config)
+
+
+def test_bad_older_keywords():
+    with pytest.raises(ValueError, match="speculative_model='some/model': draft-model speculation is not implemented"):
+        SpeculativeConfig.from_user(None, "some/model", 3)
+    with pytest.raises(ValueError, match=r"\['num_speculative_tokens'\] need speculative_model='\[ngram\]'"):
+        SpeculativeConfig.from_user(None, None, 3)
+    with pytest.raises(ValueError, match="not both"):
+        SpeculativeConfig.from_user({"num_speculative_tokens": 2}, "[ngram]", 2)
+
+
+def test_engine_args_check_before_loading_and_refuse_async_scheduling():
+    # the model does not exist: the speculative config is checked first
+    with pytest.raises(ValueError, match="method='eagle' is not implemented yet"):
+        EngineArgs(model="/nonexistent", speculative_config={"method": "eagle"}).create_engine_config()
+    with pytest.raises(ValueError, match="async_scheduling=True: speculative decoding runs with synchronous"):
+        EngineArgs(
+            model="/nonexistent", async_scheduling=True, speculative_config={"num_speculative_tokens": 2}
+        ).create_engine_config()
+
+
+def test_the_server_flag_takes_json():
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = build_parser().parse_args(["serve", "--speculative-config", flag])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])
