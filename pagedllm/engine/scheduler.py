@@ -296,8 +296,37 @@ class Scheduler:
             self._remove(req)
         return kept
 
-        kept = self._advance_grammar(req, req.append_output_tokens(tokens))
-        self._count_drafts(num_drafts, len(tokens) - 1)
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> list[int]:
+        """The request's grammar takes its new tokens (already appended); returns those kept. A refused token (a
+        rule that overrode the mask, such as min_tokens banning the EOS that alone was allowed) and those after it
+        are dropped, and end the request: stopped where the grammar was complete, else aborted."""
+        grammar = req.grammar
+        if grammar is None:
+            return tokens
+        num_kept = grammar.accept(tokens)
+        if num_kept < len(tokens):
+            del req.all_token_ids[len(req.all_token_ids) - len(tokens) + num_kept :]
+            complete = grammar.is_completed()
+            if not complete:
+                logger.warning("request %s: its grammar refused a sampled token; it is aborted", req.request_id)
+            req.status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
+        return tokens[:num_kept]
+
+    def _grammar_terminated(self, req: Request) -> bool:
+        """Ends a request whose grammar has terminated (it took a stop token that did not stop it: ignore_eos)."""
+        if req.grammar is None or not req.grammar.is_terminated():
+            return False
+        req.status = RequestStatus.FINISHED_STOPPED
+        return True
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_per_pos) < num_drafts:
+            self.num_accepted_per_pos += [0] * (num_drafts - len(self.num_accepted_per_pos))
+        for pos in range(num_accepted):  # drafts are accepted from the first on: positions 0 .. num_accepted - 1
+            self.num_accepted_per_pos[pos] += 1
 
     # -- leaving ------------------------------------------------------------------------------------------------
     def _remove(self, req: Request) -> None:
