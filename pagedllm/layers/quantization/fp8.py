@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 from pagedllm.layers.quantization.fp8_block import block_fp8_linear, block_gemm_supported
+from pagedllm.layers.quantization.fp8_gemv import fp8_gemv_linear, gemv_applies
 from pagedllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize_weight,
@@ -193,6 +194,13 @@ class Fp8ScaledMMMethod(LinearMethodVariant):
         self.per_tensor_dynamic = per_tensor_dynamic
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        n, k = layer.weight.shape
+        x2 = x.reshape(-1, k)  # [M, K]
+        if gemv_applies(x2, layer.weight):  # decode-sized batches: the bandwidth-bound skinny kernel
+            out = fp8_gemv_linear(
+                x2, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic
+            )
+            return out.reshape(*x.shape[:-1], n)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic)
 
 
