@@ -17,7 +17,7 @@ import torch
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
-BLOCK_N, BLOCK_K = 64, 256  # a [64, 256] fp8 weight tile (16 KiB) per pipeline stage
+BLOCK_N, BLOCK_K = 64, 256  # a [64, 256] fp8 weight tile (16 KiB) per pipeline stage; BLOCK_K >= 128
 PROGRAMS_PER_SM = 2  # split K until about this many programs per SM
 
 if triton is not None:
