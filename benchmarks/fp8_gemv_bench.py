@@ -95,14 +95,14 @@ def table() -> None:
 
 def sweep() -> None:
     """M = 1, the kernel alone: GB/s per (BLOCK_N, BLOCK_K, PROGRAMS_PER_SM)."""
-    saved = fp8_gemv.BLOCK_N, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM
+    saved = fp8_gemv.BLOCK_NS, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM
     for n, k in SHAPES:
         fns, nbytes = ops_for(1, n, k)["gemv_kernel_only"]
         row = []
         for bn in (16, 32, 64, 128):
             for bk in (128, 256, 512):
                 for pps in (1, 2, 4):
-                    fp8_gemv.BLOCK_N, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM = bn, bk, pps
+                    fp8_gemv.BLOCK_NS, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM = (bn,), bk, pps
                     try:
                         row.append((nbytes / time_us(fns) / 1e3, bn, bk, pps))
                     except Exception as e:  # a tile whose pipeline stages overflow shared memory
@@ -111,7 +111,7 @@ def sweep() -> None:
         row.sort(reverse=True)
         best = ", ".join(f"{gbps:.0f} GB/s (BN={bn} BK={bk} P/SM={pps})" for gbps, bn, bk, pps in row[:4])
         print(f"N={n} K={k} M=1 best: {best}")
-    fp8_gemv.BLOCK_N, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM = saved
+    fp8_gemv.BLOCK_NS, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM = saved
 
 
 def main() -> None:

@@ -58,9 +58,10 @@ def assert_float32_close(out, ref):
 @pytest.mark.parametrize("n,k", [(17, 33), (70, 300), (130, 520)])
 @pytest.mark.parametrize("split", [True, False])
 def test_gemv_dynamic_per_channel(m, n, k, split, monkeypatch):
-    """Odd N and K (partial tiles both ways), every K split into its chunks or one program over all of K."""
+    """Odd N and K (partial tiles both ways): 16-row tiles with every K chunk its own split, or 64-row tiles, one
+    program over all of K."""
     if not split:
-        monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", 0)  # one program per n-block
+        monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", 0)  # 64-row tiles, one program per n-block
     x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=m * n + k)
     x[0, :5] = 0.0
     ref_q, ref_s = quantize_reference(x, None)
@@ -100,12 +101,15 @@ def test_gemv_bfloat16_output():
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-2, atol=1e-2 * ref.float().abs().max().item())
 
 
-def test_split_k_fills_the_gpu():
-    """K is split only where N / BLOCK_N programs would leave SMs idle, in whole chunks, never into empty splits."""
-    assert gemv.split_k(28672, 4096, 132) == (1, 4096)
-    assert gemv.split_k(1024, 4096, 132) == (16, 256)
-    for n, k in [(4096, 4096), (6144, 4096), (4096, 14336), (1024, 4096), (17, 33), (130, 520)]:
-        splits, k_split = gemv.split_k(n, k, 132)
+def test_plan_fills_the_gpu():
+    """Wide tiles where N allows, 16-row tiles filling the SMs once, K split only for narrow N, in whole chunks and
+    never into empty splits."""
+    assert gemv.plan(28672, 4096, 132) == (64, 1, 4096)
+    assert gemv.plan(6144, 4096, 132) == (16, 1, 4096)
+    assert gemv.plan(4096, 14336, 132) == (16, 1, 14336)
+    assert gemv.plan(1024, 4096, 132) == (16, 4, 1024)
+    for n, k in [(4096, 4096), (1024, 4096), (1024, 300), (17, 33), (130, 520)]:
+        block_n, splits, k_split = gemv.plan(n, k, 132)
         assert k_split % gemv.BLOCK_K == 0 and (splits - 1) * k_split < k <= splits * k_split
 
 

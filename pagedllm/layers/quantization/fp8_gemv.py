@@ -1,12 +1,12 @@
 """FP8 (W8A8) skinny GEMM for small batches (decode): out [M, N] = (qx [M, K] fp8 @ qw [N, K].T fp8) * sx [M] * sw [N]
 + bias, for M <= GEMV_MAX_M, where cuBLASLt's scaled GEMM leaves most of the memory bandwidth unused.
 
-The weight read dominates (N * K bytes against M * K of activations), so each program owns BLOCK_N weight rows and a
-slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies them with the activations' [BLOCK_K, 16] tile
-(rows past M zero) on the tensor cores ("swap AB": the weight is the MMA's tall operand), summing in float32. When
-N / BLOCK_N programs would not fill the GPU, K is split and a second small kernel sums the float32 partials (in a
-fixed order: deterministic), adds the bias and casts. The activations are quantized first by the same per-token
-kernel the large-M path uses, so both paths see bit-identical fp8 activations."""
+The weight read dominates (N * K bytes against M * K of activations, whose rows past M are masked off, so not
+read): each program owns BLOCK_N weight rows and a slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies
+them with the activations' [BLOCK_K, 16] tile on the tensor cores ("swap AB": the weight is the MMA's tall operand),
+summing in float32. When N / 16 programs would not fill the GPU, K is split and a second small kernel sums the
+float32 partials (in a fixed order: deterministic), adds the bias and casts. The activations are quantized first by
+the same per-token kernel the large-M path uses, so both paths see bit-identical fp8 activations."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import torch
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
-BLOCK_N, BLOCK_K = 64, 256  # a [64, 256] fp8 weight tile (16 KiB) per pipeline stage; BLOCK_K >= 128
-PROGRAMS_PER_SM = 2  # split K until about this many programs per SM
+BLOCK_NS = (64, 32, 16)  # weight rows per program: the widest that still gives every SM enough programs
+BLOCK_K = 256  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
+PROGRAMS_PER_SM = 2  # programs per SM wanted before settling for one wave, or splitting K
 
 if triton is not None:
     import triton.language as tl
@@ -78,13 +79,19 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k(n: int, k: int, sms: int) -> tuple[int, int]:
-    """(number of K splits, K per split, a multiple of BLOCK_K) so that about PROGRAMS_PER_SM * sms programs run."""
-    grid_n = triton.cdiv(n, BLOCK_N)
+def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, number of K splits, K per split: a multiple of BLOCK_K) for an [N, K] weight on `sms` SMs: the
+    widest tile with PROGRAMS_PER_SM programs per SM, else the narrowest if that fills every SM once, else the
+    narrowest with K split (in whole chunks, no empty split) up to PROGRAMS_PER_SM programs per SM."""
     chunks = triton.cdiv(k, BLOCK_K)
-    want = max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * sms, grid_n)))
+    for block_n in BLOCK_NS:
+        if triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * sms:
+            return block_n, 1, chunks * BLOCK_K
+    block_n = BLOCK_NS[-1]
+    grid_n = triton.cdiv(n, block_n)
+    want = 1 if grid_n >= sms else max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * sms, grid_n)))
     k_split = triton.cdiv(chunks, want) * BLOCK_K
-    return triton.cdiv(k, k_split), k_split
+    return block_n, triton.cdiv(k, k_split), k_split
 
 
 def fp8_gemv(
@@ -94,15 +101,15 @@ def fp8_gemv(
     bias [N] or None -> [M, N] in dtype."""
     m, k = xq.shape
     n = weight.shape[0]
-    splits, k_split = split_k(n, k, sm_count(xq.device))
+    block_n, splits, k_split = plan(n, k, sm_count(xq.device))
     out = torch.empty((m, n), dtype=dtype, device=xq.device)  # [M, N]
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=xq.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
-    fp8_gemv_kernel[(triton.cdiv(n, BLOCK_N), splits)](
+    fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         xq, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
         xq.stride(0), weight.stride(0), m * n, n,
-        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
+        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
     )  # fmt: skip
     if splits > 1:
         block = 1024
