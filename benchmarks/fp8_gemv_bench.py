@@ -5,12 +5,13 @@ capturable) cycling over enough weight copies to miss the L2 cache; printed: the
 events and GB/s = (weight + activation + output bytes) / time.
 
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py             # the table
-    PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep     # also the kernel's tile sizes and split target, M=1
+    PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep     # also tiles, stages and split target at M=1 (minutes)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -78,40 +79,57 @@ def ops_for(m: int, n: int, k: int) -> dict:
     }
 
 
-def table() -> None:
+def table() -> dict:
+    """Print one row per (N, K, M); return {(n, k, m): {op name: microseconds}}."""
     names = ["triton_gemv", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
     print(f"{'N':>6} {'K':>6} {'M':>3} " + " ".join(f"{name + ' us (GB/s)':>28}" for name in names) + "  speedup")
+    results = {}
     for n, k in SHAPES:
         for m in BATCHES:
             ops = ops_for(m, n, k)
-            us = {name: time_us(ops[name][0]) for name in names}
+            us = results[n, k, m] = {name: time_us(ops[name][0]) for name in names}
             cells = " ".join(f"{us[name]:>16.1f} ({ops[name][1] / us[name] / 1e3:>7.0f})" for name in names)
             gemv_us = us["triton_gemv"]
             speed = f"x{us['scaled_mm+quant'] / gemv_us:.2f} vs mm, x{us['bf16_linear'] / gemv_us:.2f} vs bf16"
             print(f"{n:>6} {k:>6} {m:>3} {cells}  {speed}")
             del ops
             torch.cuda.empty_cache()
+    return results
+
+
+def layer_summary(results: dict) -> None:
+    """The linears of one Llama-3.1-8B decoder layer (qkv, o, gate_up, down), summed per M."""
+    layer = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    print("one Llama-3.1-8B layer's linears (qkv + o + gate_up + down), us:")
+    for m in BATCHES:
+        total = {name: sum(results[n, k, m][name] for n, k in layer) for name in results[layer[0] + (m,)]}
+        gemv_us = total["triton_gemv"]
+        print(
+            f"  M={m:>2}: triton_gemv {gemv_us:.1f}, scaled_mm+quant {total['scaled_mm+quant']:.1f}, "
+            f"bf16 {total['bf16_linear']:.1f}  -> x{total['bf16_linear'] / gemv_us:.2f} vs bf16, "
+            f"x{total['scaled_mm+quant'] / gemv_us:.2f} vs scaled_mm"
+        )
 
 
 def sweep() -> None:
-    """M = 1, the kernel alone: GB/s per (BLOCK_N, BLOCK_K, PROGRAMS_PER_SM)."""
-    saved = fp8_gemv.BLOCK_NS, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM
+    """M = 1, the kernel alone: GB/s per (BLOCK_N, BLOCK_K, pipeline stages, PROGRAMS_PER_SM)."""
+    knobs = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM")
+    saved = [getattr(fp8_gemv, name) for name in knobs]
     for n, k in SHAPES:
         fns, nbytes = ops_for(1, n, k)["gemv_kernel_only"]
         row = []
-        for bn in (16, 32, 64, 128):
-            for bk in (128, 256, 512):
-                for pps in (1, 2, 4):
-                    fp8_gemv.BLOCK_NS, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM = (bn,), bk, pps
-                    try:
-                        row.append((nbytes / time_us(fns) / 1e3, bn, bk, pps))
-                    except Exception as e:  # a tile whose pipeline stages overflow shared memory
-                        print(f"  BN={bn} BK={bk}: {type(e).__name__}")
-                        break
+        for config in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 4, 6), (1, 2, 4)):
+            for name, value in zip(knobs, ((config[0],),) + config[1:]):
+                setattr(fp8_gemv, name, value)
+            try:
+                row.append((nbytes / time_us(fns) / 1e3, config))
+            except Exception as e:  # a tile whose pipeline stages overflow shared memory
+                print(f"  BN, BK, stages, P/SM = {config}: {type(e).__name__}")
         row.sort(reverse=True)
-        best = ", ".join(f"{gbps:.0f} GB/s (BN={bn} BK={bk} P/SM={pps})" for gbps, bn, bk, pps in row[:4])
-        print(f"N={n} K={k} M=1 best: {best}")
-    fp8_gemv.BLOCK_NS, fp8_gemv.BLOCK_K, fp8_gemv.PROGRAMS_PER_SM = saved
+        best = ", ".join(f"{gbps:.0f} GB/s {config}" for gbps, config in row[:4])
+        print(f"N={n} K={k} M=1 best (BN, BK, stages, P/SM): {best}")
+        for name, value in zip(knobs, saved):
+            setattr(fp8_gemv, name, value)
 
 
 def main() -> None:
@@ -121,7 +139,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("fp8_gemv_bench needs a CUDA GPU")
     print(torch.cuda.get_device_name(0))
-    table()
+    layer_summary(table())
     if args.sweep:
         sweep()
 

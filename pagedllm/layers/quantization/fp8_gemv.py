@@ -20,6 +20,7 @@ GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once 
 BLOCK_NS = (64, 32, 16)  # weight rows per program: the widest that still gives every SM enough programs
 BLOCK_K = 256  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
 PROGRAMS_PER_SM = 2  # programs per SM wanted before settling for one wave, or splitting K
+NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
 
 if triton is not None:
     import triton.language as tl
@@ -109,7 +110,8 @@ def fp8_gemv(
     fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         xq, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
         xq.stride(0), weight.stride(0), m * n, n,
-        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
+        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
         block = 1024
