@@ -4,7 +4,8 @@
 activations per token on the fly).
 
 On CUDA the weights stay fp8 and each matmul runs through the scaled FP8 GEMM with the activations quantized first
-(fp8_ops.fp8_linear; block-wise weights: the Triton GEMM of fp8_block.py). Elsewhere the fp8 weights are dequantized
+(fp8_ops.fp8_linear; batches of up to 16 rows: the skinny Triton GEMM of fp8_gemv.py; block-wise weights: the Triton
+GEMM of fp8_block.py). Elsewhere the fp8 weights are dequantized
 to the compute dtype once, at load, and take the dense path, with the activations rounded to their fp8 values first:
 the same numbers the GEMM computes with (and that transformers computes with on a compressed-tensors checkpoint)."""
 
@@ -20,6 +21,7 @@ from torch import nn
 from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 from pagedllm.layers.quantization.fp8_block import block_fp8_linear, block_gemm_supported
+from pagedllm.layers.quantization.fp8_gemv import fp8_gemv_linear, gemv_applies
 from pagedllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize_weight,
@@ -187,12 +189,20 @@ class Fp8LinearMethod(LinearMethod):
 
 
 class Fp8ScaledMMMethod(LinearMethodVariant):
-    """CUDA: activations quantized to fp8 (per token, or the static / per-batch scale), the scaled FP8 GEMM."""
+    """CUDA: activations quantized to fp8 (per token, or the static / per-batch scale), then the scaled FP8 GEMM, or
+    the skinny Triton GEMM for batches of up to GEMV_MAX_M rows."""
 
     def __init__(self, per_tensor_dynamic: bool = False) -> None:
         self.per_tensor_dynamic = per_tensor_dynamic
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        n, k = layer.weight.shape
+        x2 = x.reshape(-1, k)  # [M, K]
+        if gemv_applies(x2, layer.weight):  # decode-sized batches: the bandwidth-bound skinny kernel
+            out = fp8_gemv_linear(
+                x2, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic
+            )
+            return out.reshape(*x.shape[:-1], n)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic)
 
 

@@ -1,0 +1,141 @@
+"""FP8 (W8A8) skinny GEMM for small batches (decode): out [M, N] = (qx [M, K] fp8 @ qw [N, K].T fp8) * sx [M] * sw [N]
++ bias, for M <= GEMV_MAX_M, where cuBLASLt's scaled GEMM leaves most of the memory bandwidth unused.
+
+The weight read dominates (N * K bytes against M * K of activations, whose rows past M are masked off, so not
+read): each program owns BLOCK_N weight rows and a slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies
+them with the activations' [BLOCK_K, 16] tile on the tensor cores ("swap AB": the weight is the MMA's tall operand),
+summing in float32. When N / 16 programs would not fill the GPU, K is split and a second small kernel sums the
+float32 partials (in a fixed order: deterministic), adds the bias and casts. The activations are quantized first by
+the same per-token kernel the large-M path uses, so both paths see bit-identical fp8 activations."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
+
+GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
+BLOCK_NS = (64, 32, 16)  # weight rows per program: the widest that still gives every SM enough programs
+BLOCK_K = 256  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
+PROGRAMS_PER_SM = 2  # programs per SM wanted before settling for one wave, or splitting K
+NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_gemv_kernel(
+        x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, k_split,
+        stride_xm, stride_wn, stride_os, stride_om,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Program (n, s): out[s, m, n-block] = sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
+        times xs[m] * ws[n] (+ bias[n] when HAS_BIAS, only with one split). x [M, K] fp8, w [N, K] fp8,
+        xs [M] and ws [N] float32; out [S, M, N] (the result in x's dtype for S = 1, float32 partials otherwise)."""
+        pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m, mask_n = offs_m < M, offs_n < N
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        k_lo = pid_s * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for start in range(k_lo, k_hi, BLOCK_K):
+            mask_k = offs_k < K - start
+            x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            # Hopper's fp8 MMA accumulates with a short mantissa: fold into the float32 sum every 128 products
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
+        xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
+        ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+        acc = acc * xs[None, :] * ws[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+    @triton.jit
+    def split_k_reduce_kernel(
+        part_ptr, out_ptr, bias_ptr, MN, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """out [M, N] = sum over s of part [S, M, N] (float32, in order s = 0, 1, ...) + bias [N], in out's dtype."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: an H100's count, so CPU tests take the same split decisions
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, number of K splits, K per split: a multiple of BLOCK_K) for an [N, K] weight on `sms` SMs: the
+    widest tile with PROGRAMS_PER_SM programs per SM, else the narrowest if that fills every SM once, else the
+    narrowest with K split (in whole chunks, no empty split) up to PROGRAMS_PER_SM programs per SM."""
+    chunks = triton.cdiv(k, BLOCK_K)
+    for block_n in BLOCK_NS:
+        if triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * sms:
+            return block_n, 1, chunks * BLOCK_K
+    block_n = BLOCK_NS[-1]
+    grid_n = triton.cdiv(n, block_n)
+    want = 1 if grid_n >= sms else max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * sms, grid_n)))
+    k_split = triton.cdiv(chunks, want) * BLOCK_K
+    return block_n, triton.cdiv(k, k_split), k_split
+
+
+def fp8_gemv(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype: torch.dtype
+) -> torch.Tensor:
+    """xq [M, K] fp8 (1 <= M <= GEMV_MAX_M), xs [M, 1] float32, weight [N, K] fp8, weight_scale [N] float32,
+    bias [N] or None -> [M, N] in dtype."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    block_n, splits, k_split = plan(n, k, sm_count(xq.device))
+    out = torch.empty((m, n), dtype=dtype, device=xq.device)  # [M, N]
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=xq.device)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight_scale
+    fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        xq, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
+        xq.stride(0), weight.stride(0), m * n, n,
+        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, out, bias_arg, m * n, n, splits, HAS_BIAS=has_bias, BLOCK=block
+        )
+    return out
+
+
+def gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The skinny kernel takes CUDA batches of 1..GEMV_MAX_M rows with a contiguous [N, K] fp8 weight."""
+    return (
+        x2.is_cuda and triton is not None and 0 < x2.shape[0] <= GEMV_MAX_M and weight.stride(1) == 1
+    )  # fmt: skip
+
+
+def fp8_gemv_linear(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    per_tensor_dynamic: bool = False,
+) -> torch.Tensor:
+    """x2 [M, K] -> [M, N] in x2's dtype: the activations quantized as fp8_linear does, then the skinny kernel."""
+    xq, xs = quantize_activations(x2, input_scale, per_tensor_dynamic)  # [M, K] fp8, [M, 1]
+    return fp8_gemv(xq, xs, weight, weight_scale.float(), bias, x2.dtype)

@@ -1,0 +1,178 @@
+"""The small-M FP8 skinny GEMM against the float32 GEMM of its dequantized operands (the activations quantized per
+token by the torch rule, bit-checked against the Triton quantization the kernel path uses), split-K or not, per-channel
+and per-tensor weight scales, static and dynamic activation scales, with and without bias; and, on a GPU, against
+torch._scaled_mm on the same quantized inputs at Llama-3.1-8B shapes. Without CUDA it runs in Triton's interpreter
+(see conftest.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytest.importorskip("triton")
+
+ops = importlib.import_module("pagedllm.layers.quantization.fp8_ops")
+gemv = importlib.import_module("pagedllm.layers.quantization.fp8_gemv")
+if DEVICE.type == "cpu" and type(gemv.fp8_gemv_kernel).__name__ != "InterpretedFunction":
+    ops = importlib.reload(ops)  # imported before the interpreter was switched on
+    gemv = importlib.reload(gemv)
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantize_reference(x: torch.Tensor, static: float | None):
+    """The per-token rule: scale = max(row amax / 448, 1 / (448 * 512)) (or the static one), q = fp8(x / scale)."""
+    x = x.float()
+    if static is None:
+        scale = torch.maximum(x.abs().amax(dim=1, keepdim=True) / 448.0, torch.tensor(1.0 / (448.0 * 512.0)))
+    else:
+        scale = torch.full((x.shape[0], 1), static)
+    return (x / scale).clamp(-448.0, 448.0).to(FP8), scale
+
+
+def make_case(m, n, k, per_tensor, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = 4 * torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    ws = torch.full((n,), 0.004) if per_tensor else torch.rand(n, generator=g) / 100 + 1e-3
+    qw = (w / ws[:, None]).clamp(-448, 448).to(FP8)
+    bias = torch.randn(n, generator=g)
+    return x, qw, ws, bias
+
+
+def gemm_reference(qx, sx, qw, ws, bias):
+    """float64 (qx @ qw.T) * sx * ws + bias: exact sums, so the kernel differs by its float32 rounding only."""
+    out = (qx.double() @ qw.double().T) * sx.double() * ws.double()[None, :]
+    return out if bias is None else out + bias.double()
+
+
+def assert_float32_close(out, ref):
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 13, 16])
+@pytest.mark.parametrize("n,k", [(17, 33), (70, 300), (130, 520)])
+@pytest.mark.parametrize("split", [True, False])
+def test_gemv_dynamic_per_channel(m, n, k, split, monkeypatch):
+    """Odd N and K (partial tiles both ways): 16-row tiles with every K chunk its own split, or 64-row tiles, one
+    program over all of K."""
+    if not split:
+        monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", 0)  # 64-row tiles, one program per n-block
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=m * n + k)
+    x[0, :5] = 0.0
+    ref_q, ref_s = quantize_reference(x, None)
+    xq, xs = ops.quantize_per_token_triton(x.to(DEVICE))  # the kernel path's quantization
+    assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    out = gemv.fp8_gemv(xq, xs, qw.to(DEVICE), ws.to(DEVICE), bias.to(DEVICE), torch.float32)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert_float32_close(out.cpu(), gemm_reference(ref_q, xs.cpu(), qw, ws, bias))
+
+
+@pytest.mark.parametrize("static", [None, 0.03])
+@pytest.mark.parametrize("per_tensor", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gemv_linear_scales_and_bias(static, per_tensor, with_bias, m):
+    """fp8_gemv_linear: static or dynamic activation scale, per-tensor or per-channel weight scale, bias or none."""
+    n, k = 45, 272
+    x, qw, ws, bias = make_case(m, n, k, per_tensor, seed=m + 7 * with_bias + 3 * per_tensor)
+    bias = bias if with_bias else None
+    ref_q, ref_s = quantize_reference(x, static)
+    static_t = None if static is None else torch.tensor(static, device=DEVICE)
+    out = gemv.fp8_gemv_linear(
+        x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), static_t, None if bias is None else bias.to(DEVICE)
+    )
+    assert_float32_close(out.cpu(), gemm_reference(ref_q, ref_s, qw, ws, bias))
+
+
+def test_gemv_bfloat16_output():
+    """bfloat16 activations: the result is rounded once, from the float32 sum, to bfloat16."""
+    m, n, k = 4, 40, 96
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=11)
+    x = x.to(torch.bfloat16)
+    ref_q, ref_s = quantize_reference(x, None)
+    out = gemv.fp8_gemv_linear(x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), None, bias.to(torch.bfloat16).to(DEVICE))
+    assert out.dtype == torch.bfloat16
+    ref = gemm_reference(ref_q, ref_s, qw, ws, bias.to(torch.bfloat16)).float().to(torch.bfloat16)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-2, atol=1e-2 * ref.float().abs().max().item())
+
+
+def test_plan_fills_the_gpu():
+    """Wide tiles where N allows, 16-row tiles filling the SMs once, K split only for narrow N, in whole chunks and
+    never into empty splits."""
+    assert gemv.plan(28672, 4096, 132) == (64, 1, 4096)
+    assert gemv.plan(6144, 4096, 132) == (16, 1, 4096)
+    assert gemv.plan(4096, 14336, 132) == (16, 1, 14336)
+    assert gemv.plan(1024, 4096, 132) == (16, 4, 1024)
+    for n, k in [(4096, 4096), (1024, 4096), (1024, 300), (17, 33), (130, 520)]:
+        block_n, splits, k_split = gemv.plan(n, k, 132)
+        assert k_split % gemv.BLOCK_K == 0 and (splits - 1) * k_split < k <= splits * k_split
+
+
+def test_gemv_applies_only_to_small_cuda_batches():
+    w = torch.zeros(8, 32, dtype=FP8)
+    assert not gemv.gemv_applies(torch.zeros(1, 32), w)  # CPU: the dense path
+    if torch.cuda.is_available():
+        assert gemv.gemv_applies(torch.zeros(16, 32, device="cuda"), w.cuda())
+        assert not gemv.gemv_applies(torch.zeros(17, 32, device="cuda"), w.cuda())
+        assert not gemv.gemv_applies(torch.zeros(0, 32, device="cuda"), w.cuda())
+
+
+LLAMA_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (1024, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n,k", LLAMA_8B + [(11008, 4096)])  # the last: 32-row tiles
+def test_gemv_matches_scaled_mm(m, n, k):
+    """Llama-3.1-8B projection shapes: the kernel against cuBLASLt's row-wise scaled GEMM on the same fp8 inputs
+    (both end in bfloat16), and against the float64 GEMM of the operands."""
+    torch.manual_seed(m + n + k)
+    x = 4 * torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = torch.rand(n, device="cuda") / 100 + 1e-3
+    qw = (torch.randn(n, k, device="cuda") / ws[:, None]).clamp(-448, 448).to(FP8)
+    xq, xs = ops.quantize_per_token_triton(x)
+    out = gemv.fp8_gemv(xq, xs, qw, ws, None, torch.bfloat16)
+    ref = torch._scaled_mm(xq, qw.t(), scale_a=xs, scale_b=ws.reshape(1, n), out_dtype=torch.bfloat16)
+    exact = gemm_reference(xq, xs, qw, ws, None)
+    atol = 1e-2 * exact.abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=atol)
+    torch.testing.assert_close(out.double(), exact, rtol=8e-3, atol=atol / 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_scaled_mm_method_dispatch(m):
+    """The CUDA FP8 linear method: M <= 16 through the skinny kernel, larger M through _scaled_mm, same results."""
+    from pagedllm.layers.quantization.fp8 import Fp8ScaledMMMethod
+
+    n, k = 1024, 4096
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=m)
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale = qw.cuda(), ws.cuda()
+    layer.input_scale, layer.bias = None, bias.cuda().to(torch.bfloat16)
+    x = x.cuda().to(torch.bfloat16).reshape(1, m, k)
+    out = Fp8ScaledMMMethod().apply(layer, x)
+    ref = ops.fp8_linear(x, layer.weight, layer.weight_scale, None, layer.bias)
+    assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gemv_in_cuda_graph():
+    """Captured once, replayed on new activations: no host sync, no allocation that changes between calls."""
+    n, k = 1024, 4096  # split K: the partials buffer and the reduce kernel are captured too
+    _, qw, ws, bias = make_case(4, n, k, per_tensor=False, seed=3)
+    qw, ws, bias = qw.cuda(), ws.cuda(), bias.cuda().to(torch.bfloat16)
+    x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    gemv.fp8_gemv_linear(x, qw, ws, None, bias)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.fp8_gemv_linear(x, qw, ws, None, bias)
+    x.copy_(3 * torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, gemv.fp8_gemv_linear(x, qw, ws, None, bias), rtol=0, atol=0)
