@@ -102,12 +102,11 @@ def test_gemv_bfloat16_output():
 
 
 def test_plan_fills_the_gpu():
-    """Wide tiles where N allows, 16-row tiles filling the SMs once, K split only for narrow N, in whole chunks and
-    never into empty splits."""
+    """64-row tiles; K split (in whole chunks, never into empty splits) until every SM has a program."""
     assert gemv.plan(28672, 4096, 132) == (64, 1, 4096)
-    assert gemv.plan(6144, 4096, 132) == (16, 1, 4096)
-    assert gemv.plan(4096, 14336, 132) == (16, 1, 14336)
-    assert gemv.plan(1024, 4096, 132) == (16, 4, 1024)
+    assert gemv.plan(6144, 4096, 132) == (64, 2, 2048)
+    assert gemv.plan(4096, 14336, 132) == (64, 3, 4864)
+    assert gemv.plan(1024, 4096, 132) == (64, 8, 512)
     for n, k in [(4096, 4096), (1024, 4096), (1024, 300), (17, 33), (130, 520)]:
         block_n, splits, k_split = gemv.plan(n, k, 132)
         assert k_split % gemv.BLOCK_K == 0 and (splits - 1) * k_split < k <= splits * k_split

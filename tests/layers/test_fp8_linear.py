@@ -122,7 +122,9 @@ def test_block_wise_merged_layer(hidden, bk, device):
     for rows in (1, 5, 130):
         x = torch.randn(rows, hidden, generator=g)
         ref = F.linear(group_fake_quant(x, bk), torch.cat(parts))
-        atol = 2e-3 if gemm else 1e-4  # the GEMM sums each k-group's products in its own order
+        # the GEMM sums each k-group on fp8 tensor cores, whose accumulator keeps fewer mantissa bits than float32
+        # (measured on H100/H200: up to 1.3e-4 of the largest output): a tolerance relative to the output's scale
+        atol = 2e-4 * ref.abs().max().item() if gemm else 1e-4
         torch.testing.assert_close(layer(x.to(device)).cpu(), ref, atol=atol, rtol=1e-4)
 
 

@@ -17,9 +17,9 @@ import torch
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
-BLOCK_NS = (64, 32, 16)  # weight rows per program: the widest that still gives every SM enough programs
-BLOCK_K = 256  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
-PROGRAMS_PER_SM = 2  # programs per SM wanted before settling for one wave, or splitting K
+BLOCK_NS = (64,)  # weight rows per program (an H200 sweep: 64 rows with K split beat narrower tiles)
+BLOCK_K = 128  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
+PROGRAMS_PER_SM = 1  # programs per SM wanted before settling for one wave, or splitting K
 NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
 
 if triton is not None:
