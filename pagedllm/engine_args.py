@@ -21,7 +21,7 @@ from pagedllm.config import (
 )
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import resolve_quantization
-from pagedllm.layers.rope_config import rope_max_len
+from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
 from pagedllm.model_loader.weights import check_load_format
@@ -89,6 +89,7 @@ class EngineArgs:
         pooling_default = self.model is None and wants_pooling(self.task, self.runner, self.convert)
         path = default_embedding_model_path() if pooling_default else resolve_model(self.model, self.revision)
         hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides, self.rope_scaling, self.rope_theta)
+        check_rope_keywords(hf_config, self.rope_scaling, self.rope_theta)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")

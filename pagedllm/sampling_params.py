@@ -65,6 +65,12 @@ class GuidedDecodingParams:
             self.disable_any_whitespace,
             "a bool",
         )
+        _check(
+            not self.disable_any_whitespace or self.kind in ("json", "json_object"),
+            f"{field_}.disable_any_whitespace",
+            self.disable_any_whitespace,
+            "False unless the constraint is json or json_object",
+        )
         _check(self.backend in (None, "auto", "xgrammar"), f"{field_}.backend", self.backend, '"xgrammar" or "auto"')
         _check(self.whitespace_pattern is None, f"{field_}.whitespace_pattern", self.whitespace_pattern, "None")
 

@@ -73,10 +73,45 @@ def apply_rope_overrides(config: Any, rope_scaling: Any = None, rope_theta: Any 
     return config
 
 
+# architectures whose positions are not rotary (learned tables, ALiBi, encoders' absolute positions)
+NO_ROPE_ARCHITECTURES = frozenset(
+    {
+        "GPT2LMHeadModel",
+        "GPTBigCodeForCausalLM",
+        "OPTForCausalLM",
+        "BloomForCausalLM",
+        "MPTForCausalLM",
+        "MptForCausalLM",
+        "BertModel",
+        "BertForSequenceClassification",
+        "RobertaModel",
+        "RobertaForSequenceClassification",
+        "XLMRobertaModel",
+        "XLMRobertaForSequenceClassification",
+    }
+)
+
+
+def uses_rope(config: Any) -> bool:
+    """Whether the model rotates q/k by position (False: learned positions or ALiBi, where rope settings mean
+    nothing)."""
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    return arch not in NO_ROPE_ARCHITECTURES and not getattr(config, "alibi", False)
+
+
+def check_rope_keywords(config: Any, rope_scaling: Any, rope_theta: Any) -> None:
+    """rope_scaling / rope_theta given for a model without rotary positions: an error, not a silent no-op."""
+    if (rope_scaling is not None or rope_theta is not None) and not uses_rope(config):
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise ValueError(f"rope_scaling / rope_theta: {arch} does not use rotary position embeddings")
+
+
 def rope_max_len(config: Any, derived_len: int) -> int:
     """vLLM's longest max_model_len under rope scaling: the derived length times the factor (YaRN: its
     original_max_position_embeddings times the factor); llama3 and longrope (whose max_position_embeddings
     already counts it) and Gemma 3 keep the derived length."""
+    if not uses_rope(config):
+        return derived_len
     _, scaling = rope_parameters(config)
     kind = rope_type_of(scaling)
     if scaling is None or kind in ("longrope", "llama3") or "gemma3" in str(getattr(config, "model_type", "")):

@@ -59,6 +59,8 @@ def check_rope_scaling(value, field: str = "rope_scaling") -> dict | None:
         raise ValueError(f"{field}['truncate']={scaling['truncate']!r} must be true or false")
     if kind == "longrope" and not all(isinstance(scaling.get(k), list) for k in ("short_factor", "long_factor")):
         raise ValueError(f"{field}: rope_type 'longrope' needs 'short_factor' and 'long_factor' lists")
+    if kind == "llama3" and "original_max_position_embeddings" not in scaling:
+        raise ValueError(f"{field}: rope_type 'llama3' needs 'original_max_position_embeddings'")
     if kind == "llama3" and scaling.get("low_freq_factor", 1.0) >= scaling.get("high_freq_factor", 4.0):
         raise ValueError(f"{field}: llama3's 'low_freq_factor' must be below its 'high_freq_factor'")
     return scaling
@@ -165,5 +167,11 @@ def longrope_inv_freqs(head_dim: int, theta: float, scaling: dict) -> tuple[list
     if mscale is None:
         mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [head_dim/2]
+    for key in ("short_factor", "long_factor"):
+        if len(scaling[key]) != base.numel():
+            raise ValueError(
+                f"rope_scaling[{key!r}] has {len(scaling[key])} factors: longrope needs one per rotary frequency "
+                f"({base.numel()} = rotary dim {head_dim} / 2)"
+            )
     inv = [1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base) for key in ("short_factor", "long_factor")]
     return inv, float(mscale), original

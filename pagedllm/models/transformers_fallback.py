@@ -66,14 +66,20 @@ def check_transformers_supported(architecture: str) -> type:
             "(_supports_attention_backend is False)"
         )
     config_cls = getattr(cls, "config_class", None)
-    defaults = config_cls() if config_cls is not None else None
+    if config_cls is not None:
+        check_layout(architecture, config_cls())
+    return cls
+
+
+def check_layout(architecture: str, config) -> None:
+    """ValueError where a config (the class's defaults, or a checkpoint's own) has MLA or MoE fields set."""
+    ffn = getattr(config, "ffn_config", None)  # DBRX keeps its experts there
     for field, what in _NEEDS_NATIVE.items():
-        if getattr(defaults, field, None):
+        if getattr(config, field, None) or (field == "num_experts" and getattr(ffn, "moe_num_experts", None)):
             raise ValueError(
                 f"architecture {architecture!r}: model_impl='transformers' does not run {what} ({field} in the "
                 "config); use the native implementation (model_impl='auto')"
             )
-    return cls
 
 
 def pagedllm_attention(
@@ -191,6 +197,7 @@ class TransformersForCausalLM(nn.Module):
                 f"quantization {type(quant_config).__name__} needs a native model class"
             )
         cls = check_transformers_supported(architecture)
+        check_layout(architecture, config)
         register_attention()
         # the attention implementation is this model's, not the caller's config's; a generic config (GGUF's) becomes
         # the model's own config class, with its defaults

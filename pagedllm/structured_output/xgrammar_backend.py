@@ -33,7 +33,8 @@ class XgrammarBackend:
             raise ValueError(f"structured outputs: the tokenizer is not usable by xgrammar: {_message(e)}") from e
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32  # packed int32 words per bitmask row
-        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads)
+        # xgrammar's own cache has no size limit by default: the manager's bounded LRU of compiled grammars is the one
+        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
 
     def parse(self, params: GuidedDecodingParams, spec: str, field: str) -> xgr.Grammar:
         """The constraint as a Grammar (fast; no tokenizer work). Raises ValueError naming the field."""
@@ -42,7 +43,9 @@ class XgrammarBackend:
             if kind == "json":
                 return xgr.Grammar.from_json_schema(spec, any_whitespace=not params.disable_any_whitespace)
             if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any JSON value)
-                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+                return xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', strict_mode=False, any_whitespace=not params.disable_any_whitespace
+                )
             if kind == "regex":
                 return xgr.Grammar.from_regex(spec)
             if kind == "choice":  # one alternative per choice, each a quoted literal (json.dumps escapes it)

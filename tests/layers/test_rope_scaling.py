@@ -139,6 +139,7 @@ def test_deepseek_softmax_scale_helpers_match_transformers():
         ({"rope_type": "yarn", "factor": 2.0, "truncate": 1}, r"rope_scaling\['truncate'\]=1 must be true or false"),
         ({"rope_type": "longrope", "short_factor": [1.0]}, r"needs 'short_factor' and 'long_factor' lists"),
         ({"type": "linear", "rope_type": "yarn", "factor": 2.0}, r"'type'='linear' and 'rope_type'='yarn' differ"),
+        ({"rope_type": "llama3", "factor": 8.0}, r"rope_type 'llama3' needs 'original_max_position_embeddings'"),
     ],
 )
 def test_bad_rope_scaling_is_a_value_error_naming_the_field(value, match):
@@ -150,3 +151,11 @@ def test_rope_scaling_legacy_type_key_is_read():
     assert check_rope_scaling({"type": "linear", "factor": 2.0}) == {"rope_type": "linear", "factor": 2.0}
     assert check_rope_scaling({"type": "su", "short_factor": [1.0], "long_factor": [2.0]})["rope_type"] == "longrope"
     assert check_rope_scaling(None) is None
+
+
+def test_longrope_factor_lists_must_cover_every_frequency():
+    from pagedllm.layers.rope_scaling import longrope_inv_freqs
+
+    scaling = {"original_max_position_embeddings": 16, "short_factor": [1.0], "long_factor": [2.0] * 4}
+    with pytest.raises(ValueError, match=r"rope_scaling\['short_factor'\] has 1 factors: .* \(4 = rotary dim 8"):
+        longrope_inv_freqs(8, 10000.0, scaling)

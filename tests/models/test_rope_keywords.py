@@ -206,3 +206,15 @@ def test_a_callable_hf_override_sees_the_rope_keywords_applied(llama):
 
     LLM(llama[1], **ENGINE, load_format="dummy", rope_theta=321.0, hf_overrides=override)
     assert seen == [(321.0, None)]
+
+
+@pytest.mark.parametrize("kw", [{"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, {"rope_theta": 1e5}])
+def test_rope_keywords_on_a_model_without_rotary_are_refused(tmp_path_factory, kw):
+    """GPT-2 has learned positions: a rope setting would be a silent no-op (and used to stretch max_model_len past
+    its position table)."""
+    from tiny_models import TINY_GPT2
+
+    _, path = save_tiny_decoder("rope-kw-gpt2", transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                                dict(TINY_GPT2), tmp_path_factory)  # fmt: skip
+    with pytest.raises(ValueError, match="GPT2LMHeadModel does not use rotary"):
+        LLM(path, **ENGINE, **kw)

@@ -253,3 +253,16 @@ def test_bundled_gguf_through_the_fallback(smollm2):
         del llm
         gc.collect()
     assert tokens["transformers"] == tokens["pagedllm"]
+
+
+def test_moe_or_mla_fields_in_a_checkpoints_own_config_are_refused():
+    """The layout check reads the checkpoint's config too, not only the class's defaults (DBRX: ffn_config)."""
+    from pagedllm.models.transformers_fallback import check_layout
+
+    check_layout("LlamaForCausalLM", transformers.LlamaConfig())
+    with pytest.raises(ValueError, match="does not run mixture-of-experts"):
+        check_layout("DbrxForCausalLM", transformers.DbrxConfig())
+    config = transformers.LlamaConfig()
+    config.num_experts = 4
+    with pytest.raises(ValueError, match=r"'LlamaForCausalLM'.*num_experts in the config"):
+        check_layout("LlamaForCausalLM", config)

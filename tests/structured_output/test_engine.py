@@ -98,6 +98,16 @@ def test_json_object_and_free_whitespace(tiny_llm):
     assert any(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
+def test_json_object_without_free_whitespace(tiny_llm):
+    """disable_any_whitespace holds for json_object too: outside strings, whitespace only in the fixed separators."""
+    params = constrained({"max_tokens": 400, "n": 3, "seed": 2}, json_object=True, disable_any_whitespace=True)
+    outs = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
+    for c in (c for o in outs for c in o.outputs):
+        outside = re.sub(r'"(\\.|[^"\\])*"', "", c.text)  # the text with its (complete) strings removed
+        outside = outside.split('"')[0].replace(", ", ",").replace(": ", ":")
+        assert not re.search(r"\s", outside), c.text
+
+
 @pytest.mark.parametrize("regex", [r"[a-c]{2,5}-\d\d", r"(yes|no)!", r"\w+@\w+\.com", r"[0-9]{3}( [A-Z])?"])
 def test_regex_fully_matches(tiny_llm, regex):
     outs = tiny_llm.generate(PROMPTS, constrained({"n": 2, "max_tokens": 60}, regex=regex), use_tqdm=False)

@@ -52,6 +52,7 @@ def test_pydantic_model_class_is_its_schema():
         ({"regex": "a", "backend": "outlines"}, "guided_decoding.backend"),
         ({"regex": "a", "whitespace_pattern": " *"}, "guided_decoding.whitespace_pattern"),
         ({"regex": "a", "disable_any_whitespace": "yes"}, "guided_decoding.disable_any_whitespace"),
+        ({"regex": "a", "disable_any_whitespace": True}, "guided_decoding.disable_any_whitespace"),
     ],
 )
 def test_bad_params_name_the_field(kwargs, field):
