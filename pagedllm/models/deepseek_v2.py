@@ -19,7 +19,6 @@ routed_scaling_factor, plus n_shared_experts always-on experts as one gated MLP.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
@@ -32,6 +31,7 @@ from pagedllm.layers.fused_moe import FusedMoE, expert_stacked_params
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, new_param
 from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.rope_scaling import rope_inv_freq_and_mscale, yarn_softmax_scale
 from pagedllm.layers.rotary_embedding import apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -52,39 +52,6 @@ def mla_cache_dims(config) -> tuple[int, int]:
     return int(config.num_attention_heads), int(max(qk, config.v_head_dim))
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_inv_freq(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """YaRN's ([dim/2] inverse frequencies, cos/sin attention factor), as transformers computes them."""
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_position_embeddings / original
-    attention_factor = scaling.get("attention_factor")
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim/2]
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    return inv_freq, float(attention_factor)
-
-
 def _rope_scaling(config) -> tuple[float, dict | None]:
     theta, scaling = rope_parameters(config)
     rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
@@ -95,11 +62,8 @@ def _rope_scaling(config) -> tuple[float, dict | None]:
 
 def softmax_scale(config) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
-    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     _, scaling = _rope_scaling(config)
-    if scaling and scaling.get("mscale_all_dim"):
-        scale *= _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-    return scale
+    return yarn_softmax_scale(scaling, (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5)
 
 
 class DeepseekRotaryEmbedding(nn.Module):
@@ -109,10 +73,7 @@ class DeepseekRotaryEmbedding(nn.Module):
         super().__init__()
         dim = config.qk_rope_head_dim
         theta, scaling = _rope_scaling(config)
-        if scaling is None:
-            inv_freq, factor = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
-        else:
-            inv_freq, factor = _yarn_inv_freq(dim, theta, scaling, config.max_position_embeddings)
+        inv_freq, factor = rope_inv_freq_and_mscale(dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, dim/2]
         self.register_buffer("cos", freqs.cos() * factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * factor, persistent=False)
