@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 TINY_DECODER = dict(  # small enough for CPU tests, with GQA (4 query heads over 2 KV heads)
@@ -111,3 +112,36 @@ def as_internlm2_checkpoint(path: str) -> None:
     config.update(architectures=["InternLM2ForCausalLM"], bias=False)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+def our_logits(llm, ids: list[int]) -> torch.Tensor:
+    """All-position logits of one prompt through pagedllm's model and the runner's attention backend."""
+    from pagedllm.attention.common import BatchLayout
+    from pagedllm.forward_context import forward_context
+
+    runner = llm.llm_engine.core.executor.runner
+    n = len(ids)
+    num_blocks = -(-n // runner.block_size)
+    table = np.arange(num_blocks, dtype=np.int64)[None, :]
+    dev = runner.device
+    layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n, device=dev), runner.block_size, dev)
+    with torch.inference_mode(), forward_context(runner.backend.build_metadata(layout)):
+        hidden = runner.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev))
+        return runner.model.compute_logits(hidden).cpu()
+
+
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and each one's logprob (float32 log-softmax of the step's logits)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from tiny_models import TINY_DECODER
+from tiny_models import hf_greedy as _hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
@@ -63,21 +64,6 @@ def test_checkpoint_holds_vision_weights(gemma3_mm, tmp_path) -> None:
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"
     assert not any("vision" in n for n, _ in model.named_parameters())
     assert llm.llm_engine.config.model.hf_config.num_hidden_layers == 2
-
-
-def _hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
 
 
 def test_greedy_and_logprobs_match_hf_text_only(gemma3_mm) -> None:

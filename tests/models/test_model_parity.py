@@ -19,10 +19,14 @@ from tiny_models import (
     as_internlm2_checkpoint,
     save_tiny_decoder,
 )
+from tiny_models import (
+    hf_greedy as _hf_greedy,
+)
+from tiny_models import (
+    our_logits as _our_logits,
+)
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.common import BatchLayout
-from pagedllm.forward_context import forward_context
 
 T = transformers
 # vLLM's fixed dynamic-NTK base for theta 10000, head_dim 16, factor 2: theta * (f * f - (f - 1)) ** (d / (d - 2))
@@ -314,19 +318,6 @@ def tiny(request, tmp_path_factory):
     return request.param, hf, llm
 
 
-def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """All-position logits of one prompt through pagedllm's model and the runner's attention backend."""
-    runner = llm.llm_engine.core.executor.runner
-    n = len(ids)
-    num_blocks = -(-n // runner.block_size)
-    table = np.arange(num_blocks, dtype=np.int64)[None, :]
-    dev = runner.device
-    layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n, device=dev), runner.block_size, dev)
-    with torch.inference_mode(), forward_context(runner.backend.build_metadata(layout)):
-        hidden = runner.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev))
-        return runner.model.compute_logits(hidden).cpu()
-
-
 def test_logits_close(tiny):
     name, hf, llm = tiny
     ids = list(range(3, 40))
@@ -335,23 +326,6 @@ def test_logits_close(tiny):
     ours = _our_logits(llm, ids)
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
-
-
-def _hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens and each one's logprob (float32 log-softmax of the step's logits)."""
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
 
 
 def test_greedy_and_logprobs_equal(tiny):

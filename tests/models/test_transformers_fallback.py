@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from test_model_parity import CASES as PARITY_CASES
-from test_model_parity import _our_logits
+from test_model_parity import _hf_greedy, _our_logits
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
@@ -60,22 +60,6 @@ def tiny(request, tmp_path_factory):
     yield request.param, hf, llm
     del llm
     gc.collect()
-
-
-def _hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
 
 
 def test_runs_the_fallback(tiny):

@@ -18,7 +18,6 @@ import pathlib
 import re
 import shutil
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -34,10 +33,9 @@ from fp8_checkpoints import (
 )
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_DECODER, save_tiny_decoder
+from tiny_models import our_logits as _our_logits
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.common import BatchLayout
-from pagedllm.forward_context import forward_context
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import supported_quantizations
 
@@ -110,16 +108,6 @@ def _build(fmt: str, float_model, tmp_path_factory, engine: dict = CPU):
 @pytest.fixture(scope="module", params=FORMATS)
 def fp8_pair(request, float_model, tmp_path_factory):
     return request.param, *_build(request.param, float_model, tmp_path_factory)
-
-
-def _our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    runner = llm.llm_engine.core.executor.runner
-    n, dev = len(ids), runner.device
-    table = np.arange(-(-n // runner.block_size), dtype=np.int64)[None, :]
-    layout = BatchLayout(np.array([0, n]), np.array([n]), table, torch.arange(n, device=dev), runner.block_size, dev)
-    with torch.inference_mode(), forward_context(runner.backend.build_metadata(layout)):
-        hidden = runner.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev))
-        return runner.model.compute_logits(hidden).cpu()
 
 
 def test_every_projection_takes_the_fp8_method(fp8_pair):
