@@ -33,9 +33,8 @@ from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLin
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rope_scaling import rope_inv_freq_and_mscale, yarn_softmax_scale
 from pagedllm.layers.rotary_embedding import apply_qk_rotary, rope_parameters
-from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
-from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from pagedllm.models.utils import STACKED_PARAMS, join_prefix, load_weights, norm_eps_of, tied_ignore
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from pagedllm.models.utils import STACKED_PARAMS, join_prefix, load_weights, tied_ignore
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm keep RMSNorm's default epsilon in HF, not rms_norm_eps
 # checkpoint names -> merged parameters: q_a / kv_a into one matmul (with q_lora_rank), the MLPs' gate / up
@@ -232,28 +231,11 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         return LlamaMLP(config.hidden_size, config.intermediate_size, bias, quant_config, prefix, act)
 
 
-class DeepseekV2Model(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, quant_config, join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
-        self.rotary_emb = DeepseekRotaryEmbedding(config, max_position)
-        self.norm = RMSNorm(config.hidden_size, norm_eps_of(config))
+class DeepseekV2Model(LlamaModel):
+    layer_cls = DeepseekV2DecoderLayer
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # [num_tokens, hidden]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
-        rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+    def make_rotary(self, config, max_position: int) -> nn.Module:
+        return DeepseekRotaryEmbedding(config, max_position)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -46,10 +46,11 @@ class Gemma3Model(Gemma2Model):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
         super().__init__(config, quant_config, prefix, max_position=max_position)
-        head_dim = head_dim_of(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, *_rope_for(config, "full_attention", ""))
         local = _rope_for(config, "sliding_attention", "rope_local_base_freq")
-        self.rotary_emb_local = RotaryEmbedding(head_dim, max_position, *local)
+        self.rotary_emb_local = RotaryEmbedding(head_dim_of(config), max_position, *local)
+
+    def make_rotary(self, config, max_position: int) -> RotaryEmbedding:
+        return RotaryEmbedding(head_dim_of(config), max_position, *_rope_for(config, "full_attention", ""))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed(input_ids), None  # [num_tokens, hidden]

@@ -137,8 +137,12 @@ class LlamaModel(nn.Module):
             self.layer_cls(config, i, quant_config, join_prefix(prefix, f"layers.{i}"))
             for i in range(config.num_hidden_layers)
         )
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
+        self.rotary_emb = self.make_rotary(config, max_position)
         self.norm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+
+    def make_rotary(self, config, max_position: int) -> nn.Module:
+        """The model's one cos/sin table module (a family with other rope dims or scaling overrides this)."""
+        return RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [num_tokens, hidden]

@@ -34,10 +34,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 class Phi3Model(LlamaModel):
     layer_cls = Phi3DecoderLayer
 
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
-    ) -> None:
-        super().__init__(config, quant_config, prefix, max_position=max_position)
+    def make_rotary(self, config, max_position: int) -> RotaryEmbedding:
         rot_dim = partial_rotary_dim(config, head_dim_of(config))
         theta, scaling = rope_parameters(config)
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
@@ -47,7 +44,7 @@ class Phi3Model(LlamaModel):
                 "max_position_embeddings": config.max_position_embeddings,
             }
             scaling = {**scaling, **extra}
-        self.rotary_emb = RotaryEmbedding(rot_dim, max_position, theta, scaling)
+        return RotaryEmbedding(rot_dim, max_position, theta, scaling)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
