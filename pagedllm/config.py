@@ -171,19 +171,39 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be >= 1")
 
 
+EXECUTOR_BACKENDS = (None, "mp", "ray", "uni")
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # None: "uni" for one rank, else "mp" (processes on this machine), or "ray" when a Ray cluster is reached and
+    # this machine has fewer GPUs than the ranks need
+    distributed_executor_backend: str | None = None
+    distributed_timeout_s: float = 10.0  # a collective waiting longer on a peer (gloo) fails the step
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported "
-                "(tensor parallelism is not implemented yet)"
+                f"distributed_executor_backend={self.distributed_executor_backend!r} must be one of "
+                f"{EXECUTOR_BACKENDS}"
             )
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: only 1 is supported")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank, not tensor_parallel_size * "
+                f"pipeline_parallel_size = {self.world_size}"
+            )
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -50,6 +50,7 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: on for CUDA devices, where it overlaps host and device work
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None | "mp" | "ray" | "uni" (distributed/)
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     hf_overrides: Any = None
@@ -143,7 +144,9 @@ class EngineArgs:
         )
 
     def create_engine_config(self) -> EngineConfig:
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        parallel = ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
+        )
         compilation = CompilationConfig.from_user(self.compilation_config)
         device = self._device()
         speculative = SpeculativeConfig.from_user(

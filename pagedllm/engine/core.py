@@ -10,7 +10,7 @@ import os
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
-from pagedllm.worker.executor import UniProcExecutor
+from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,14 @@ def default_cpu_kv_cache_bytes() -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None) -> None:
         self.config = config
-        self.executor = executor if executor is not None else UniProcExecutor(config)  # another: for tests
-        num_blocks = self._num_blocks()
-        config.cache.num_blocks = num_blocks
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor = executor if executor is not None else make_executor(config)  # another: for tests
+        try:
+            num_blocks = self._num_blocks()
+            config.cache.num_blocks = num_blocks
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
@@ -52,6 +56,12 @@ class EngineCore:
                 f"kv_cache_memory_bytes={memory} holds no KV-cache block; one block needs {per_block} bytes"
             )
         return int(num_blocks)
+
+    def shutdown(self) -> None:
+        """Ends the executor's worker processes, if it has any (they also end with this process)."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params

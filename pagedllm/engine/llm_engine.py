@@ -168,6 +168,9 @@ class LLMEngine:
         finished = self.step()
         return finished + self.output_processor.unfinished_outputs()
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         return self.core.scheduler.kv.reset_prefix_cache()
 

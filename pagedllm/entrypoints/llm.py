@@ -42,6 +42,7 @@ class LLM(PoolingAPI):
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         trust_remote_code: bool = False,
         skip_tokenizer_init: bool = False,
         hf_overrides: Any = None,

@@ -1,4 +1,5 @@
-"""What the layers need to know while a model is built: this worker's tensor-parallel rank and group size.
+"""What the layers need to know while a model is built: this worker's tensor-parallel rank, group size and group
+(the Communicator the parallel layers sum or gather over), and its pipeline stage.
 
 Set once around a model's construction (`with building(BuildContext(...)):`); the parallel layers read it in their
 constructors to size their shards. With one rank (the default) every layer holds its whole weight."""
@@ -9,16 +10,24 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class BuildContext:
     tp_rank: int = 0
     tp_size: int = 1
+    tp_group: Any = None  # a distributed.Communicator over the tensor-parallel ranks (None: one rank)
+    pp_rank: int = 0
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
+        if self.tp_size > 1 and self.tp_group is None:
+            raise ValueError(f"tp_size={self.tp_size} needs a tp_group to reduce over")
+        if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank={self.pp_rank} must be in [0, pp_size={self.pp_size})")
 
 
 _ONE_RANK = BuildContext()

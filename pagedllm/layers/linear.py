@@ -1,6 +1,6 @@
 """Linear layers named for tensor parallelism: column-parallel layers split their output rows across ranks,
-row-parallel layers their input features. The shard sizes come from the build context (one rank today: each layer
-holds its whole weight).
+row-parallel layers their input features (and sum their outputs over the ranks). The shard sizes and the group come
+from the build context; with one rank each layer holds its whole weight.
 
 A layer's weights and matmul belong to its `LinearMethod`, the quant_config's choice for the layer's dotted name
 (`prefix`), dense when none. Each parameter carries `weight_loader(param, loaded, shard_id=None)`, which copies a
@@ -123,7 +123,7 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         context = current_build_context()
-        self.tp_rank, self.tp_size = context.tp_rank, context.tp_size
+        self.tp_rank, self.tp_size, self.tp_group = context.tp_rank, context.tp_size, context.tp_group
         self.prefix = prefix
         self.input_size, self.output_sizes, self.output_size = input_size, list(output_sizes), sum(output_sizes)
         self.input_size_per_partition = self.partition_input(input_size)
@@ -201,7 +201,9 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks (their outputs summed)."""
+    """Input features split across ranks, their outputs summed over the ranks (one all-reduce). The bias is added
+    once: the first rank holds it, the others zeros. reduce_results=False leaves the partial sums (the caller sums
+    several layers' outputs in one all-reduce)."""
 
     def __init__(
         self,
@@ -210,11 +212,25 @@ class RowParallelLinear(LinearBase):
         bias: bool,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        reduce_results: bool = True,
     ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
+        self.reduce_results = reduce_results
 
     def partition_input(self, input_size: int) -> int:
         return divide(input_size, self.tp_size, "input_size")
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if param is self.bias and self.tp_rank > 0:
+            param.data.zero_()
+            return
+        super().weight_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.quant_method.apply(self, x)
+        if self.tp_size > 1 and self.reduce_results:
+            self.tp_group.all_reduce(out)
+        return out
 
 
 class MergedColumnParallelLinear(LinearBase):

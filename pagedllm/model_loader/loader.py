@@ -94,13 +94,21 @@ def quant_config_of(model_config: ModelConfig) -> QuantizationConfig | None:
     return found
 
 
-def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def get_model(model_config: ModelConfig, device: torch.device, context: BuildContext | None = None) -> nn.Module:
+    """The model on `device`, built for this rank's shard (`context`; default one rank) and its weights loaded (each
+    parameter copies its slice of the checkpoint tensor)."""
+    context = context if context is not None else BuildContext()
     cls = get_model_class(model_config.architecture, model_config.model_impl)
+    if context.tp_size > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor_parallel_size={context.tp_size}: {model_config.architecture} does not support tensor "
+            "parallelism in pagedllm yet"
+        )
     quant_config = quant_config_of(model_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
-        with torch.device(device), building(BuildContext(tp_rank=0, tp_size=1)):
+        with torch.device(device), building(context):
             model = cls(model_config.hf_config, quant_config, max_position=model_config.max_model_len)
     finally:
         torch.set_default_dtype(previous)

@@ -54,21 +54,24 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVParallelLinear(
             hidden,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            total_heads,
+            total_kv_heads,
             qkv_bias,
             quant_config,
             join_prefix(prefix, "qkv_proj"),
         )
-        self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, quant_config, join_prefix(prefix, "o_proj"))
+        # this rank's heads (all of them with one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        o_size = total_heads * self.head_dim
+        self.o_proj = RowParallelLinear(o_size, hidden, o_bias, quant_config, join_prefix(prefix, "o_proj"))
         if self.qk_norm:
             self.q_norm = self.norm_cls(self.head_dim, norm_eps_of(config))
             self.k_norm = self.norm_cls(self.head_dim, norm_eps_of(config))
@@ -157,3 +160,4 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     model_cls = LlamaModel
+    supports_tensor_parallel = True

@@ -1,10 +1,26 @@
-"""Executor: runs the model runner. One process today; tensor-parallel executors plug in here."""
+"""Executor: runs the model runner. UniProcExecutor: one rank, in the engine's process; several ranks: the
+multiprocess or Ray executor of distributed/ (make_executor picks)."""
 
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
 from pagedllm.worker.model_runner import ModelRunner, StepFuture
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+def make_executor(config: EngineConfig):
+    """The executor for the config's ranks and distributed_executor_backend."""
+    p = config.parallel
+    if p.world_size == 1 and p.distributed_executor_backend in (None, "uni", "mp"):
+        return UniProcExecutor(config)
+    backend = p.distributed_executor_backend or "mp"
+    if backend == "ray":
+        from pagedllm.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    from pagedllm.distributed.mp_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config)
 
 
 class UniProcExecutor:

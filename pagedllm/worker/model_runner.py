@@ -13,6 +13,7 @@ from pagedllm.attention import get_backend
 from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
 from pagedllm.device import HostCopies, to_device
+from pagedllm.distributed.parallel_state import ParallelGroups, kv_heads_per_rank
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
@@ -41,12 +42,18 @@ class FlatBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's runner. With tensor parallelism every rank of the group runs the same steps on its shard of the
+    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch."""
+
+    def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
         self.device = config.device.device
+        self.groups = groups if groups is not None else ParallelGroups.single(self.device)
+        self.is_driver = self.groups.info.is_driver
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
-        self.model = get_model(config.model, self.device)
+        self.num_kv_heads = kv_heads_per_rank(config.model.num_kv_heads, self.groups.info.tp_size)
+        self.model = get_model(config.model, self.device, self.groups.build_context())
         self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.on_cuda = self.device.type == "cuda"
@@ -76,28 +83,25 @@ class ModelRunner:
             max_blocks,
             self.block_size,
             self.max_model_len,
-            m.num_kv_heads,
+            self.num_kv_heads,
             self.device,
         )
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
-        per_layer = 2 * self.block_size * m.num_kv_heads * m.head_dim * m.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * m.head_dim * m.dtype.itemsize
         return per_layer * len(self.attn_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         for layer in self.attn_layers:  # each backend lays its cache out in memory as its kernels read it best
-            if (layer.num_kv_heads, layer.head_dim) != (
-                m.num_kv_heads,
-                m.head_dim,
-            ):  # a cache too small corrupts memory
+            if (layer.num_kv_heads, layer.head_dim) != (self.num_kv_heads, m.head_dim):  # too small corrupts memory
                 raise ValueError(
                     f"{m.architecture}: attention has {layer.num_kv_heads} KV heads of {layer.head_dim} dims, the "
-                    f"config says {m.num_kv_heads} of {m.head_dim}"
+                    f"config says {self.num_kv_heads} of {m.head_dim} per rank"
                 )
             layer.kv_cache = self.backend.allocate_kv_cache(
-                num_blocks, self.block_size, m.num_kv_heads, m.head_dim, m.dtype, self.device
+                num_blocks, self.block_size, self.num_kv_heads, m.head_dim, m.dtype, self.device
             )
             layer.backend = self.backend
 
@@ -186,15 +190,27 @@ class ModelRunner:
                 logits_rows, num_tokens = logits_positions(logits_rows + 1, num_drafts), num_tokens - num_drafts
                 drafts = [d if m is None else [-1] * len(d) for d, m in zip(drafts, bitmasks or [None] * len(drafts))]
             logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
-            step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts)
+            step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts) if self.is_driver else rows
         hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden]
         prompt_lps = self._prompt_logprobs(hidden, flat)
         if step is None:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        logits = self.model.compute_logits(hidden[logits_rows], self.sampler.needs_float32(step))  # [n, vocab]
-        output = self.sampler.sample(logits, step)
-        self.last_step = StepFuture(self, sample_req_ids, step.rows, output, prompt_lps, drafts)
+        output = self._sample(hidden[logits_rows], step)
+        sampled_rows = step.rows if self.is_driver else np.repeat(step, (num_drafts + 1) if spec else 1)
+        self.last_step = StepFuture(self, sample_req_ids, sampled_rows, output, prompt_lps, drafts)
         return self.last_step
+
+    def _sample(self, hidden: torch.Tensor, step) -> SamplerOutput:
+        """The driver samples from the logits of hidden [n, hidden]; with tensor parallelism the other ranks take
+        part in the logits' gather and receive the sampled tokens."""
+        upcast = self.sampler.needs_float32(step) if self.is_driver else False
+        logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
+        if self.is_driver:
+            output = self.sampler.sample(logits, step)
+        else:
+            output = SamplerOutput(torch.empty(hidden.shape[0], dtype=torch.int64, device=self.device), None)
+        self.groups.tp.broadcast(output.sampled, 0)
+        return output
 
     def _write_drafts(self, spec: dict[str, list[int]]) -> None:
         """Drafts go after their request's known tokens in the persistent batch, as its inputs (its num_tokens stays:
@@ -306,6 +322,8 @@ class ModelRunner:
         if not spans:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
+        if not self.is_driver:  # (it took part in the logits' gather)
+            return {}
         num_top = np.repeat([k for _, _, k in spans.values()], [count for _, count, _ in spans.values()])
         entries = self.sampler.token_logprobs(logits, torch.tensor(targets, device=self.device), num_top)
         out, offset = {}, 0
@@ -348,6 +366,10 @@ class StepFuture:
         step = cls.__new__(cls)
         step.committed, step._output = True, output
         return step
+
+    def done(self) -> bool:
+        """Whether result() would return without waiting for the device."""
+        return self._output is not None or self._copied is None or self._copied.query()
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:

@@ -42,6 +42,8 @@ ENGINE_FLAGS: dict[str, Any] = {
     "enforce_eager": _BOOL,
     "async_scheduling": _BOOL,
     "tensor_parallel_size": int,
+    "pipeline_parallel_size": int,
+    "distributed_executor_backend": str,
     "trust_remote_code": _BOOL,
     "hf_overrides": _json,
     "rope_scaling": _json,

@@ -1,0 +1,100 @@
+"""A process group of ranks and the collectives pagedllm uses on it, through torch.distributed (NCCL between GPUs,
+gloo between CPU processes).
+
+The groups are torch ProcessGroup objects built directly on a store (no `init_process_group`): a process may hold
+several engines, and nothing is registered globally. A group of one rank needs no process group at all: every
+collective is then the identity, so single-process code paths never touch torch.distributed."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator:
+    """Collectives over `ranks` (global ranks, in group order) for the process at group rank `rank`."""
+
+    def __init__(self, pg: dist.ProcessGroup | None, rank: int, ranks: list[int], device: torch.device) -> None:
+        self.pg, self.rank, self.ranks, self.device = pg, rank, list(ranks), device
+        self.size = len(self.ranks)
+
+    @classmethod
+    def single(cls, device: torch.device) -> Communicator:
+        return cls(None, 0, [0], device)
+
+    @classmethod
+    def create(
+        cls,
+        store: dist.Store,
+        name: str,
+        rank: int,
+        ranks: list[int],
+        device: torch.device,
+        timeout_s: float,
+    ) -> Communicator:
+        """The group `name` of global `ranks`, this process being group rank `rank`; every member calls this."""
+        if len(ranks) == 1:
+            return cls(None, 0, ranks, device)
+        store = dist.PrefixStore(f"pagedllm/{name}/", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, len(ranks), options)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, len(ranks), timeout)
+        return cls(pg, rank, ranks, device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the group, in place (also inside CUDA graphs: the collective is queued on the stream)."""
+        if self.pg is not None:
+            self.pg.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[*, d] on each rank -> [*, size * d], the ranks' parts in rank order along the last dim."""
+        if self.pg is None:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [size * n, *]
+        self.pg._allgather_base(out, x).wait()
+        out = out.view(self.size, *x.shape)  # [size, n, ..., d]
+        return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x from group rank `src` on every rank, in place."""
+        if self.pg is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            self.pg.broadcast([x], opts).wait()
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        self.pg.send([x.contiguous()], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fills x (its shape and dtype agreed beforehand) with what group rank `src` sends."""
+        self.pg.recv([x], src, 0).wait()
+        return x
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            self.all_reduce(torch.zeros(1, device=self.device))
+
+    def shutdown(self) -> None:
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            try:
+                self.pg.shutdown()
+            except RuntimeError:
+                pass
+        self.pg = None

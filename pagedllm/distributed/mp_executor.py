@@ -1,0 +1,213 @@
+"""The multiprocess executor: rank 0 in the engine's process, ranks 1.. in worker processes on this machine.
+
+Each worker is a fresh interpreter (python -m pagedllm.distributed.worker: spawned, never forked, so no CUDA state
+is inherited and a user script without a main guard is not re-run), bound to its GPU by index among the visible
+ones (CUDA_VISIBLE_DEVICES is honoured). The engine sends each step's scheduler output to every worker over a
+socket pair, then runs its own rank; the ranks meet in the collectives. A monitor thread per worker notices one
+that exits: the engine's next call raises an error naming it, and the other workers are ended."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import RankInfo
+from pagedllm.distributed.worker import Worker, WorkerSpec
+from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+_SHUTDOWN_WAIT_S = 5.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process died, hung past the collectives' timeout or raised."""
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        p = config.parallel
+        world = p.tensor_parallel_size * p.pipeline_parallel_size
+        on_cuda = config.device.device.type == "cuda"
+        if on_cuda and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size * pipeline_parallel_size = {world} GPUs, but this machine shows "
+                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                "use distributed_executor_backend='ray' to span machines"
+            )
+        threads = 0 if on_cuda else max(1, torch.get_num_threads() // world)
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        self.failure: str | None = None
+        self.closing = False
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self._finalizer = weakref.finalize(self, _end_workers, self.procs, self.conns)
+        follower_config = replace(config, speculative_proposer=None)
+        base = dict(store_host="127.0.0.1", store_port=store.port, timeout_s=p.distributed_timeout_s)
+        for rank in range(1, world):
+            spec = WorkerSpec(RankInfo(rank, p.tensor_parallel_size, p.pipeline_parallel_size), **base,
+                              local_device=rank, num_threads=threads)  # fmt: skip
+            self._spawn(follower_config, spec)
+        if threads:
+            torch.set_num_threads(threads)
+        spec0 = WorkerSpec(RankInfo(0, p.tensor_parallel_size, p.pipeline_parallel_size), **base,
+                           local_device=config.device.device.index or 0, num_threads=threads)  # fmt: skip
+        try:
+            self.driver = Worker(config, spec0, store)
+            self._answers()  # every worker built its model
+        except BaseException as e:
+            self.shutdown()
+            raise self._error(e) from e
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=self._monitor, args=(rank, proc), daemon=True, name=f"pagedllm-rank{rank}").start()
+
+    def _spawn(self, config: EngineConfig, spec: WorkerSpec) -> None:
+        ours, theirs = multiprocessing.Pipe()
+        fd = theirs.fileno()
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.distributed.worker", str(fd)], pass_fds=[fd])
+        theirs.close()
+        self.procs.append(proc)
+        self.conns.append(ours)
+        ours.send((config, spec))
+
+    def _monitor(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self.closing or self.failure is not None:
+            return
+        self.failure = f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
+        self._abort()
+
+    def _abort(self) -> None:
+        """Ends every worker and aborts this rank's groups, so that no collective waits for a dead peer."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for comm in (self.driver.groups.tp, self.driver.groups.pp) if hasattr(self, "driver") else ():
+            abort = getattr(comm.pg, "abort", None)
+            if abort is not None and comm.device.type == "cuda":
+                abort()
+
+    def _answers(self) -> list:
+        """Each worker's answer to the last call, in rank order (an error answer or a dead worker raises)."""
+        results = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            while not conn.poll(0.05):
+                if proc.poll() is not None and not conn.poll():
+                    raise WorkerFailed(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
+            status, value = conn.recv()
+            if status != "ok":
+                raise WorkerFailed(value)
+            results.append(value)
+        return results
+
+    def _error(self, error: BaseException) -> BaseException:
+        """The error to raise for `error`: with the worker's own traceback where one sent it."""
+        if isinstance(error, WorkerFailed):
+            return error
+        detail = self.failure
+        for conn in self.conns:
+            try:
+                if conn.poll():
+                    status, value = conn.recv()
+                    if status == "error":
+                        detail = value
+            except (EOFError, OSError):
+                continue
+        if detail is None and not isinstance(error, (RuntimeError, dist.DistBackendError)):
+            return error
+        self.failure = self.failure or detail or str(error)
+        self._abort()
+        return WorkerFailed(f"a tensor/pipeline-parallel worker failed: {detail or error}")
+
+    def _call(self, method: str, *args):
+        """Calls `method` on every rank (the workers' answers and the driver's); returns [driver's, workers'...]."""
+        self._check()
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(message)
+            mine = getattr(self.driver, method)(*args)
+            return [mine, *self._answers()]
+        except BaseException as e:
+            raise self._error(e) from e
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise WorkerFailed(f"a tensor/pipeline-parallel worker failed: {self.failure}")
+
+    def kv_bytes_per_block(self) -> int:
+        return max(self._call("kv_bytes_per_block"))
+
+    def available_kv_cache_bytes(self) -> int | None:
+        found = self._call("available_kv_cache_bytes")
+        return None if found[0] is None else min(found)
+
+    def register_logits_processors(self, req_id: str, processors: list) -> None:
+        self.driver.runner.register_logits_processors(req_id, processors)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> GuardedFuture:
+        self._check()
+        follower_so = replace(scheduler_output, grammar_bitmask={})  # the driver alone samples
+        message = pickle.dumps(("launch", (follower_so,)), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(message)
+            return GuardedFuture(self.driver.launch(scheduler_output), self)
+        except BaseException as e:
+            raise self._error(e) from e
+
+    def shutdown(self) -> None:
+        self.closing = True
+        if hasattr(self, "driver"):
+            self.driver.shutdown()
+        self._finalizer()
+
+
+class GuardedFuture:
+    """A step's future that stops waiting, with the worker's error, when a worker fails meanwhile."""
+
+    def __init__(self, future, executor: MultiprocExecutor) -> None:
+        self.future, self.executor = future, executor
+
+    def result(self) -> ModelRunnerOutput:
+        while not self.future.done():  # the device waits on a collective a dead peer will never join
+            if self.executor.failure is not None:
+                self.executor._check()
+            time.sleep(0)
+        try:
+            return self.future.result()
+        except BaseException as e:
+            raise self.executor._error(e) from e
+
+
+def _end_workers(procs: list[subprocess.Popen], conns: list) -> None:
+    """Asks the workers to stop, then kills those still running after a few seconds (also at interpreter exit)."""
+    for conn in conns:
+        try:
+            conn.send(("shutdown", ()))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()

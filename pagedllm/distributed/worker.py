@@ -1,0 +1,152 @@
+"""The worker each rank runs: its device, its process groups and its ModelRunner, driven by the executor's calls.
+
+Rank 0 lives in the engine's process (the executor calls it directly); the other ranks run `serve` in a process of
+their own (python -m pagedllm.distributed.worker), reading calls from a local socket: plain data (the engine config,
+scheduler outputs), pickled over a socket pair that only the two processes hold, never over a network port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import ParallelGroups, RankInfo
+from pagedllm.worker.scheduler_output import SchedulerOutput
+
+# a collective waiting this much longer on NCCL than on gloo: a GPU rank's first steps compile kernels and capture
+# graphs, and a dead GPU worker is found by the executor's monitor, not by the timeout
+_NCCL_MIN_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start: its place among the ranks and where the rendezvous store listens."""
+
+    info: RankInfo
+    store_host: str
+    store_port: int
+    local_device: int  # the CUDA device index on its machine (ignored on CPU)
+    timeout_s: float
+    num_threads: int  # torch CPU threads (0: leave torch's default)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, spec: WorkerSpec, store: dist.Store | None = None) -> None:
+        from pagedllm.worker.model_runner import ModelRunner
+
+        device = config.device.device
+        if device.type == "cuda":
+            device = torch.device("cuda", spec.local_device)
+            torch.cuda.set_device(device)
+            config = replace(config, device=replace(config.device, device=device))
+        elif spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        _warm_cpu_kernels(device)
+        if store is None:
+            store = dist.TCPStore(spec.store_host, spec.store_port, spec.info.world_size, is_master=False)
+        timeout = spec.timeout_s if device.type != "cuda" else max(spec.timeout_s, _NCCL_MIN_TIMEOUT_S)
+        self.info = spec.info
+        self.groups = ParallelGroups.create(store, spec.info, device, timeout)
+        self.runner = ModelRunner(config, self.groups)
+        self.pending = None  # the launched step whose tokens this rank has not put in its batch yet
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def available_kv_cache_bytes(self) -> int | None:
+        return self.runner.available_kv_cache_bytes()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cudagraphs()
+
+    def launch(self, so: SchedulerOutput):
+        """A step on this rank. A follower keeps one step in flight as the engine does: the previous step's tokens
+        enter its batch after this one is queued (a step with drafts reads its inputs on the host: before)."""
+        if so.scheduled_spec_decode_tokens:
+            self.commit_pending()
+        future = self.runner.launch(so)
+        if not self.info.is_driver:
+            self.commit_pending()
+            self.pending = future
+        return future
+
+    def commit_pending(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def shutdown(self) -> None:
+        self.groups.shutdown()
+
+
+def _warm_cpu_kernels(device: torch.device) -> None:
+    """Builds (or loads) the C kernels before the first collective, so no rank waits on another's compiler."""
+    if device.type == "cpu":
+        from pagedllm.kernels import cpu_kernels
+
+        cpu_kernels.compiled()
+
+
+def _die_with_parent() -> None:
+    """Ends this process within a second of the engine's process dying, however it dies (the main thread may be
+    waiting in a collective that will never complete)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
+
+
+def serve(conn: Connection) -> None:
+    """A follower's loop: the first message builds the worker; then each message is (method, args); "launch" gets
+    no answer, the others get ("ok", result) or ("error", traceback). Ends when the engine hangs up."""
+    try:
+        config, spec = conn.recv()
+        worker = Worker(config, spec)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if method == "shutdown":
+            break
+        try:
+            result = getattr(worker, method)(*args)
+            if method != "launch":
+                conn.send(("ok", result))
+        except BaseException:
+            conn.send(("error", f"rank {spec.info.rank}: {traceback.format_exc()}"))
+            os._exit(1)
+    worker.shutdown()
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which ends its workers
+    conn = Connection(int(sys.argv[1]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+        os._exit(0)  # skip interpreter teardown: a process group may still hold threads
+
+
+if __name__ == "__main__":
+    main()
