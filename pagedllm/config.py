@@ -190,8 +190,7 @@ class ParallelConfig:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r} must be one of "
-                f"{EXECUTOR_BACKENDS}"
+                f"distributed_executor_backend={self.distributed_executor_backend!r} must be one of {EXECUTOR_BACKENDS}"
             )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(

@@ -62,6 +62,7 @@ class MultiprocExecutor:
         spec0 = WorkerSpec(RankInfo(0, p.tensor_parallel_size, p.pipeline_parallel_size), **base,
                            local_device=config.device.device.index or 0, num_threads=threads)  # fmt: skip
         try:
+            self._answers()  # every worker started (the groups' rendezvous waits for the slowest)
             self.driver = Worker(config, spec0, store)
             self._answers()  # every worker built its model
         except BaseException as e:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import ParallelGroups, RankInfo
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.scheduler_output import SchedulerOutput
 
 # a collective waiting this much longer on NCCL than on gloo: a GPU rank's first steps compile kernels and capture
@@ -41,8 +42,6 @@ class WorkerSpec:
 
 class Worker:
     def __init__(self, config: EngineConfig, spec: WorkerSpec, store: dist.Store | None = None) -> None:
-        from pagedllm.worker.model_runner import ModelRunner
-
         device = config.device.device
         if device.type == "cuda":
             device = torch.device("cuda", spec.local_device)
@@ -111,10 +110,13 @@ def _die_with_parent() -> None:
 
 
 def serve(conn: Connection) -> None:
-    """A follower's loop: the first message builds the worker; then each message is (method, args); "launch" gets
-    no answer, the others get ("ok", result) or ("error", traceback). Ends when the engine hangs up."""
+    """A follower's loop: the first message builds the worker (answered twice: once started, so that the ranks
+    meet in the groups' rendezvous at about the same time, once built); then each message is (method, args);
+    "launch" gets no answer, the others get ("ok", result) or ("error", traceback). Ends when the engine hangs up."""
     try:
         config, spec = conn.recv()
+        _warm_cpu_kernels(config.device.device)
+        conn.send(("ok", None))
         worker = Worker(config, spec)
         conn.send(("ok", None))
     except BaseException:

@@ -60,3 +60,27 @@ class LayerNorm(nn.Module):
             residual = x + residual
             return F.layer_norm(residual, (self.hidden_size,), self.weight, self.bias, self.eps), residual
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a vector split across the tensor-parallel ranks (OLMo 2's norm over a whole q or k projection):
+    each rank holds its slice of x and of the weight; the sum of squares is added over the ranks (a [n, 1]
+    all-reduce). `replicas`: ranks holding the same slice (KV heads replicated over more ranks than heads), counted
+    once. With one rank it is RMSNorm."""
+
+    def __init__(self, full_size: int, local_size: int, eps: float, context, replicas: int = 1) -> None:
+        super().__init__(local_size, eps)
+        self.full_size, self.replicas, self.tp_group = full_size, replicas, context.tp_group
+        self.offset = (context.tp_rank // replicas) * local_size
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        param.data.copy_(loaded.narrow(0, self.offset, param.shape[0]))
+
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor:
+        if self.tp_group is None:
+            return super().forward(x)
+        h = x.float()
+        squares = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True))  # [n, 1] over the whole vector
+        h = h * torch.rsqrt(squares / (self.replicas * self.full_size) + self.eps)
+        return self.weight * h.to(x.dtype)

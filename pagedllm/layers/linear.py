@@ -179,6 +179,20 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, method={type(self.quant_method).__name__}"
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (small layers every rank needs whole, such as an MoE router)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output rows split across ranks."""
 
@@ -249,19 +263,48 @@ class MergedColumnParallelLinear(LinearBase):
     def partition_outputs(self, output_sizes: list[int]) -> list[int]:
         return [divide(size, self.tp_size, "output_size") for size in output_sizes]
 
+    shard_ids: tuple = ()  # the projections' ids in output order (default: 0, 1, ...)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """A checkpoint tensor holding all the projections fused (shard_id None) is cut into them first, each rank
+        then taking its rows of each."""
+        if shard_id is None and self.tp_size > 1 and getattr(param, "output_dim", None) is not None:
+            dim, start = param.output_dim, 0
+            for sid, size in zip(self.shard_ids or range(len(self.output_sizes)), self.output_sizes):
+                super().weight_loader(param, loaded.narrow(dim, start, size), sid)
+                start += size
+            return
+        super().weight_loader(param, loaded, shard_id)
+
     def output_shard(self, shard_id: object) -> tuple[int, int, int]:
-        if shard_id is None:  # the projections stored fused in the checkpoint: one rank takes them whole
-            if self.tp_size > 1:
-                raise ValueError(f"{self.prefix}: a fused checkpoint tensor cannot be split across ranks")
+        if shard_id is None:  # the projections stored fused in the checkpoint, taken whole (one rank)
             return 0, self.output_size_per_partition, 0
         index = int(shard_id)
         size = self.output_partition_sizes[index]
         return sum(self.output_partition_sizes[:index]), size, self.tp_rank * size
 
 
+class MergedReplicatedLinear(MergedColumnParallelLinear):
+    """Several projections of the same input in one matmul, whole on every rank (DeepSeek's q_a and kv_a)."""
+
+    def partition_outputs(self, output_sizes: list[int]) -> list[int]:
+        return list(output_sizes)
+
+    def output_shard(self, shard_id: object) -> tuple[int, int, int]:
+        if shard_id is None:
+            return 0, self.output_size_per_partition, 0
+        index = int(shard_id)
+        return sum(self.output_sizes[:index]), self.output_sizes[index], 0
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        LinearBase.weight_loader(self, param, loaded, shard_id)
+
+
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Q, K and V projections in one matmul; shards "q", "k", "v". Heads split across ranks; with more ranks than
     KV heads each KV head is replicated on tp_size / num_kv_heads ranks."""
+
+    shard_ids = ("q", "k", "v")
 
     def __init__(
         self,

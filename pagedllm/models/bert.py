@@ -63,7 +63,9 @@ class BertEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = VocabParallelEmbedding(config.max_position_embeddings, config.hidden_size, parallel=False)
+        self.position_embeddings = VocabParallelEmbedding(
+            config.max_position_embeddings, config.hidden_size, parallel=False
+        )
         self.token_type_embeddings = VocabParallelEmbedding(config.type_vocab_size, config.hidden_size, parallel=False)
         self.LayerNorm = _layer_norm(config)
 

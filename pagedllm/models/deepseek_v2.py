@@ -27,9 +27,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.build_context import current_build_context, divide
 from pagedllm.layers.fused_moe import FusedMoE, expert_stacked_params
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, new_param
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedReplicatedLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    new_param,
+)
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rope_scaling import rope_inv_freq_and_mscale, yarn_softmax_scale
 from pagedllm.layers.rotary_embedding import apply_qk_rotary, rope_parameters
@@ -93,19 +100,20 @@ class DeepseekV2Attention(nn.Module):
     ) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
-        self.num_heads = config.num_attention_heads
+        self.num_heads = divide(config.num_attention_heads, current_build_context().tp_size, "num_attention_heads")
+        total_heads = config.num_attention_heads
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, config.q_lora_rank
         self.interleaved = bool(getattr(config, "rope_interleave", True))
-        q_out = self.num_heads * (self.nope + self.rope)
+        q_out = total_heads * (self.nope + self.rope)
         kv_a = self.kv_lora_rank + self.rope
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, q_out, False, quant_config, join_prefix(prefix, "q_proj"))
-            self.kv_a_proj_with_mqa = ColumnParallelLinear(
+            self.kv_a_proj_with_mqa = ReplicatedLinear(
                 hidden, kv_a, bias, quant_config, join_prefix(prefix, "kv_a_proj_with_mqa")
             )
         else:  # q_a_proj and kv_a_proj_with_mqa read the same input: one matmul
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+            self.fused_qkv_a_proj = MergedReplicatedLinear(
                 hidden, [self.q_lora_rank, kv_a], bias, quant_config, join_prefix(prefix, "fused_qkv_a_proj")
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
@@ -115,13 +123,13 @@ class DeepseekV2Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank,
-            self.num_heads * (self.nope + self.v_dim),
+            total_heads * (self.nope + self.v_dim),
             False,
             quant_config,
             join_prefix(prefix, "kv_b_proj"),
         )
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.v_dim, hidden, bias, quant_config, join_prefix(prefix, "o_proj")
+            total_heads * self.v_dim, hidden, bias, quant_config, join_prefix(prefix, "o_proj")
         )
         _, self.cache_dim = mla_cache_dims(config)
         self.attn = Attention(self.num_heads, self.cache_dim, softmax_scale(config), self.num_heads)

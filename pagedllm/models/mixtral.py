@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.fused_moe import FusedMoE, expert_stacked_params
-from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from pagedllm.models.utils import STACKED_PARAMS, join_prefix, load_weights, tied_ignore
@@ -35,7 +35,7 @@ class MoEBlock(nn.Module):
     ) -> None:
         super().__init__()
         num_experts = num_experts_of(config)
-        self.gate = ColumnParallelLinear(config.hidden_size, num_experts, False, None, join_prefix(prefix, "gate"))
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, False, None, join_prefix(prefix, "gate"))
         self.experts = FusedMoE(
             num_experts,
             config.num_experts_per_tok,

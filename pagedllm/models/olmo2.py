@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.build_context import current_build_context
+from pagedllm.layers.layernorm import RMSNorm, ShardedRMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import apply_qk_rotary
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -16,8 +17,10 @@ class Olmo2Attention(LlamaAttention):
         self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
     ) -> None:
         super().__init__(config, layer_idx, quant_config, prefix)
-        self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        context, qkv = current_build_context(), self.qkv_proj
+        total_q, total_kv = qkv.total_num_heads * self.head_dim, qkv.total_num_kv_heads * self.head_dim
+        self.q_norm = ShardedRMSNorm(total_q, self.q_size, config.rms_norm_eps, context)
+        self.k_norm = ShardedRMSNorm(total_kv, self.kv_size, config.rms_norm_eps, context, qkv.kv_replicas)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from pagedllm.models.mixtral import MoEBlock, load_moe_weights
@@ -33,7 +33,7 @@ class Qwen2MoeSparseBlock(MoEBlock):
             prefix=join_prefix(prefix, "shared_expert"),
             act=config.hidden_act,
         )
-        self.shared_expert_gate = ColumnParallelLinear(
+        self.shared_expert_gate = ReplicatedLinear(
             config.hidden_size, 1, False, None, join_prefix(prefix, "shared_expert_gate")
         )
 

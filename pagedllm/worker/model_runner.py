@@ -75,7 +75,6 @@ class ModelRunner:
         sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
         if not sizes:
             return None
-        m = self.config.model
         return CudaGraphRunner(
             self.model,
             self.backend,

@@ -1,6 +1,9 @@
 """FusedMoE: the routed experts of a mixture-of-experts block, all experts' weights in two stacked parameters
 (w13_weight [E, 2 * I, H]: gate rows then up rows; w2_weight [E, H, I]), the Triton grouped GEMM on CUDA and one
-matmul pair per active expert elsewhere."""
+matmul pair per active expert elsewhere.
+
+With tensor parallelism each rank holds every expert's slice of the intermediate dim (I / tp_size: its gate and up
+rows, its down columns), as vLLM splits experts, and the ranks' partial sums are added in one all-reduce."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from torch import nn
 
 from pagedllm.kernels import use_triton
 from pagedllm.layers.activation import activation_fn
-from pagedllm.layers.build_context import current_build_context
+from pagedllm.layers.build_context import current_build_context, divide
 from pagedllm.layers.fused_moe.routing import check_routing, select_experts
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import default_weight_loader, new_param
@@ -61,8 +64,9 @@ class FusedMoE(nn.Module):
                 f"{prefix or 'FusedMoE'}: quantized experts ({type(quant_config).__name__}) are not "
                 "supported; use an unquantized checkpoint"
             )
-        if current_build_context().tp_size != 1:
-            raise ValueError(f"tp_size={current_build_context().tp_size}: FusedMoE supports tensor parallel size 1")
+        context = current_build_context()
+        self.tp_rank, self.tp_size, self.tp_group = context.tp_rank, context.tp_size, context.tp_group
+        intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")  # this rank's
         check_routing(num_experts, top_k, scoring_func, num_expert_group, topk_group)
         activation_fn(activation)  # refuses an unknown name now
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -78,19 +82,28 @@ class FusedMoE(nn.Module):
         self.w2_weight = new_param(num_experts, hidden_size, intermediate_size, weight_loader=loader)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """shard_id (expert, "w1" | "w3" | "w2") copies one expert's projection [rows, cols] into its slice;
-        None copies a whole stacked tensor (a checkpoint that stores the experts fused)."""
+        """shard_id (expert, "w1" | "w3" | "w2") copies this rank's part of one expert's projection [rows, cols]
+        into its slice; None copies a whole stacked tensor (a checkpoint that stores the experts fused: [E, 2I, H]
+        or [E, H, I])."""
+        inter = self.intermediate_size  # this rank's
         if shard_id is None:
-            default_weight_loader(param, loaded)
+            if param is self.w2_weight:
+                default_weight_loader(param, loaded.narrow(2, self.tp_rank * inter, inter))
+                return
+            full = loaded.shape[1] // 2
+            for index, shard in enumerate(("w1", "w3")):
+                part = loaded.narrow(1, index * full, full)
+                for expert in range(self.num_experts):
+                    self.weight_loader(param, part[expert], (expert, shard))
             return
         expert, shard = shard_id
         target = param.data[expert]  # [2 * I, H] or [H, I]
-        inter = self.intermediate_size
         if shard == "w1":
             target = target[:inter]
         elif shard == "w3":
             target = target[inter:]
-        default_weight_loader(target, loaded)
+        dim = 1 if shard == "w2" else 0  # down: its input columns; gate, up: their output rows
+        default_weight_loader(target, loaded.narrow(dim, self.tp_rank * inter, inter))
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts(
@@ -109,8 +122,12 @@ class FusedMoE(nn.Module):
         if use_triton(x) and self.activation in ("silu", "swish"):
             from pagedllm.layers.fused_moe.triton_moe import fused_experts_triton
 
-            return fused_experts_triton(x, self.w13_weight, self.w2_weight, weights, ids)
-        return fused_experts_torch(x, self.w13_weight, self.w2_weight, weights, ids, self.activation)
+            out = fused_experts_triton(x, self.w13_weight, self.w2_weight, weights, ids)
+        else:
+            out = fused_experts_torch(x, self.w13_weight, self.w2_weight, weights, ids, self.activation)
+        if self.tp_size > 1:
+            self.tp_group.all_reduce(out)
+        return out
 
     def extra_repr(self) -> str:
         return (

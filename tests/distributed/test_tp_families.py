@@ -1,0 +1,69 @@
+"""Tensor parallelism across the model families: each family that supports it, split over two CPU processes (gloo,
+float32), gives HF transformers' greedy tokens, with logprobs within 1e-4, through chunked prefill and the prefix
+cache (the same check as tests/models/test_model_parity.py on one rank). Families without tensor-parallel support
+refuse it with a clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models.test_model_parity import CASES
+from tiny_models import hf_greedy, save_tiny_decoder
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.registry import get_model_class
+
+QUICK = {"llama", "qwen2-bias"}  # the rest run in the slow tier
+
+
+def _tp_cases() -> list:
+    cases = []
+    for name in sorted(CASES):
+        arch = CASES[name][1].__name__
+        if name == "internlm2":
+            arch = "InternLM2ForCausalLM"
+        try:
+            supported = getattr(get_model_class(arch, "pagedllm"), "supports_tensor_parallel", False)
+        except (KeyError, ValueError):
+            continue
+        if supported:
+            cases.append(pytest.param(name, marks=() if name in QUICK else pytest.mark.slow))
+    return cases
+
+
+def tp_llm(path: str, tp: int = 2, **kwargs) -> LLM:
+    base = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
+    return LLM(path, tensor_parallel_size=tp, **{**base, **kwargs})
+
+
+@pytest.mark.parametrize("name", _tp_cases())
+def test_tp2_greedy_matches_hf(name, tmp_path_factory):
+    config_cls, model_cls, kwargs, *rewrite = CASES[name]
+    hf, path = save_tiny_decoder(name, config_cls, model_cls, kwargs, tmp_path_factory)
+    for fn in rewrite:
+        fn(path)
+    llm = tp_llm(path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 17, 30, 9)]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+        for batch in (prompts, [prompts[2] + [7, 11, 13]]):
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            if len(batch) == 1:
+                assert outs[0].num_cached_tokens >= 28, outs[0].num_cached_tokens
+            for p, out in zip(batch, outs):
+                ref_tokens, ref_logprobs = hf_greedy(hf, p, 12)
+                got = out.outputs[0]
+                assert got.token_ids == ref_tokens, f"{name}: prompt {p}"
+                ours = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+                np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, rtol=0, err_msg=f"{name}: prompt {p}")
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_unsupported_family_is_refused(tmp_path_factory):
+    config_cls, model_cls, kwargs = CASES["gpt2"]
+    _, path = save_tiny_decoder("gpt2-tp", config_cls, model_cls, kwargs, tmp_path_factory)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel does not support tensor parallelism"):
+        tp_llm(path)
