@@ -1,8 +1,8 @@
 """compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them) with FP8 schemes:
 weights fp8 e4m3 with per-tensor or per-channel scales and activations static per tensor, dynamic per token or
 dynamic per tensor, or not quantized (W8A16); or block-wise weight scales with dynamic per-group activations
-(FP8_BLOCK). Other schemes (int8, 4-bit, sparsity, a quantized KV cache) are refused when the config is read,
-naming the field."""
+(FP8_BLOCK); or weight-only int schemes, "pack-quantized" W4A16 / W8A16 (compressed_tensors_wna16.py). Other schemes
+(W8A8 INT8, sparsity, a quantized KV cache) are refused when the config is read, naming the field."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from typing import Any
 
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.compressed_tensors_wna16 import ct_int_method
 from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, check_block, layer_matches
 
-FORMATS = ("float-quantized", "naive-quantized")
+FORMATS = ("float-quantized", "naive-quantized")  # of FP8 weights
+INT_FORMAT = "pack-quantized"  # of int weights (compressed_tensors_wna16.py)
 
 
 @dataclass
@@ -73,6 +75,30 @@ def _activations(args: dict | None, where: str, block: tuple[int, int] | None) -
     return scheme[strategy, dynamic]
 
 
+def _group_method(group: dict, fmt: str | None, where: str) -> LinearMethod:
+    """The method of one config group: FP8 schemes, or weight-only int ones (pack-quantized)."""
+    if group["weights"].get("type") == "int":
+        if group.get("input_activations") is not None:
+            raise ValueError(
+                f"quantization_config {where}.input_activations: int weights with quantized activations (W8A8 INT8) "
+                "are not supported yet (supported: int weights with unquantized activations, W4A16 / W8A16)"
+            )
+        if fmt != INT_FORMAT:
+            raise ValueError(
+                f"quantization_config {where}.format={fmt!r} is not supported for int weights "
+                f"(supported: {INT_FORMAT!r})"
+            )
+        return ct_int_method(group["weights"], f"{where}.weights")
+    if fmt not in FORMATS:
+        raise ValueError(
+            f"quantization_config {where}.format={fmt!r} is not supported (supported: {FORMATS} for float weights, "
+            f"{INT_FORMAT!r} for int weights)"
+        )
+    strategy, block = _weight_strategy(group["weights"], f"{where}.weights")
+    activations = _activations(group.get("input_activations"), f"{where}.input_activations", block)
+    return Fp8LinearMethod(strategy, activations, serialized=True, block=block)
+
+
 class CompressedTensorsConfig(QuantizationConfig):
     """Each linear layer takes the method of the first config group whose `targets` name it ("Linear": every one),
     unless `ignore` names it; a layer no group targets stays dense."""
@@ -93,17 +119,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         groups = []
         for name, group in groups_raw.items():
             where = f"config_groups.{name}"
-            fmt = group.get("format") or config.get("format")
-            if fmt not in FORMATS:
-                raise ValueError(f"quantization_config {where}.format={fmt!r} is not supported (supported: {FORMATS})")
             if group.get("output_activations") is not None:
                 raise ValueError(f"quantization_config {where}.output_activations is not supported")
-            if group.get("weights") is None:
-                raise ValueError(f"quantization_config {where}.weights is missing: FP8 schemes quantize the weights")
-            strategy, block = _weight_strategy(group["weights"], f"{where}.weights")
-            activations = _activations(group.get("input_activations"), f"{where}.input_activations", block)
+            if not isinstance(group.get("weights"), dict):
+                raise ValueError(f"quantization_config {where}.weights is missing: the schemes quantize the weights")
             targets = list(group.get("targets") or [])
-            groups.append(Group(targets, Fp8LinearMethod(strategy, activations, serialized=True, block=block)))
+            groups.append(Group(targets, _group_method(group, group.get("format") or config.get("format"), where)))
         return cls(groups, list(config.get("ignore") or []))
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:
