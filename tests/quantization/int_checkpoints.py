@@ -160,3 +160,41 @@ def write_compressed_tensors(hf_path: str, out: str, bits: int, group_size: int 
     model.save_pretrained(out)
     compressor.update_config(out)
     return reference
+
+
+def write_compressed_tensors_w8a8(hf_path: str, out: str, input_amax: dict[str, float] | None):
+    """compressed-tensors' W8A8 INT8 ("int-quantized") through its ModelCompressor: int8 weights with a scale per
+    output channel (row amax / 127), activations dynamic per token, or with `input_amax` a static per-tensor scale
+    (amax / 127) per projection. Returns the float32 weights the int8 weights stand for (weight * scale, read back
+    from the saved checkpoint)."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
+    weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
+    static = input_amax is not None
+    acts = QuantizationArgs(num_bits=8, type="int", strategy="tensor" if static else "token", dynamic=not static)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "weight_scale"):
+                module.weight_scale.copy_(module.weight.abs().amax(dim=1, keepdim=True) / 127.0)
+            if static and hasattr(module, "input_scale"):
+                module.input_scale.fill_(input_amax[name] / 127.0)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    return {
+        name: t.float() * tensors[name + "_scale"].float()
+        for name, t in tensors.items()
+        if t.dtype == torch.int8 and name.endswith(".weight")
+    }
