@@ -71,7 +71,8 @@ if triton is not None:
         for start in range(k_lo, k_hi, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :])
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             w = dequant_tile(
                 qw_ptr, s_ptr, z_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size, BITS, HAS_ZP, ONE_GROUP
             ).to(x.dtype)  # [BLOCK_K, BLOCK_N]
