@@ -81,7 +81,13 @@ def _activations(args: dict | None, where: str, block: tuple[int, int] | None) -
 def _group_method(group: dict, fmt: str | None, where: str) -> LinearMethod:
     """The method of one config group: FP8 schemes, or weight-only int ones (pack-quantized)."""
     if group["weights"].get("type") == "int":
-        if group.get("input_activations") is not None:
+        acts = group.get("input_activations")
+        if acts is not None and acts.get("type") != "int":
+            raise ValueError(
+                f"quantization_config {where}: int weights with {acts.get('type')} activations are not supported "
+                "(supported: int weights with int8 activations, W8A8, or unquantized ones, W4A16 / W8A16)"
+            )
+        if acts is not None:
             return _int8_method(group, fmt, where)
         if fmt != INT_FORMAT:
             raise ValueError(
