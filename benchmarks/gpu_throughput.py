@@ -18,6 +18,9 @@ Workloads, each one JSON line on stdout (appended to benchmarks/results.jsonl un
 The copy bandwidth is a device-to-device copy of a 4 GiB tensor, counting bytes read and written.
 --quantization fp8 runs pagedllm's engines with quantization="fp8" (the dummy bf16 weights quantized per channel at
 load, activations per token, cuBLASLt's FP8 GEMM); weight_bytes and the roofline figures then count the fp8 weights.
+--quantization w4a16-gptq | w4a16-awq | w4a16-ct | w8a16-gptq gives pagedllm's engines a copy of the config with the
+format's quantization_config (group size 128; WEIGHT_ONLY below) and dummy weights in that format (random packed
+ints, the Triton dequant-GEMM); weight_bytes then counts the packed weights and their scales.
 The HF peers stay bf16. Compare with a run without the flag on the same machine. --nano-config llama-3.1-8b runs
 nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
 
@@ -25,6 +28,8 @@ nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
     python benchmarks/gpu_throughput.py --num-seqs 32 --hf-prompts 8 --prefill-prompts 4 --no-append   # smoke
     python benchmarks/gpu_throughput.py --workloads nanovllm-bench,decode-bs1-llama-3.1-8b --quantization fp8 \
         --nano-config llama-3.1-8b
+    python benchmarks/gpu_throughput.py --workloads decode-bs1-llama-3.1-8b,prefill-llama-3.1-8b \
+        --quantization w4a16-gptq
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,6 +56,23 @@ except ImportError:  # run as a script: benchmarks/ is sys.path[0]
 QWEN = str(BENCH_DIR / "configs" / "qwen3-0.6b")
 LLAMA = str(BENCH_DIR / "configs" / "llama-3.1-8b")
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 dense bf16
+# weight-only integer formats: the quantization_config a copy of the model's config.json gets (dummy weights)
+WEIGHT_ONLY = {
+    "w4a16-gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "w4a16-awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "w4a16-ct": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+    "w8a16-gptq": {"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False, "sym": True},
+}
 WORKLOADS = ("cold-start", "nanovllm-bench", "nanovllm-bench-vs-hf", "decode-bs1-llama-3.1-8b", "prefill-llama-3.1-8b")
 COLD_START_CODE = """
 import json, time
@@ -78,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--quantization",
-        choices=("none", "fp8"),
+        choices=("none", "fp8", *WEIGHT_ONLY),
         default="none",
         help="pagedllm's quantization of the dummy weights at load (none: bf16)",
     )
@@ -99,9 +123,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engine_options = {
         "enforce_eager": args.enforce_eager,
         "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
-        "quantization": None if args.quantization == "none" else args.quantization,
+        "quantization": quantization_name(args.quantization),
     }
     return args
+
+
+def quantization_name(choice: str) -> str | None:
+    """The `quantization=` pagedllm's engines get for a --quantization choice."""
+    if choice in WEIGHT_ONLY:
+        return WEIGHT_ONLY[choice]["quant_method"]
+    return None if choice == "none" else choice
+
+
+def engine_model(path: str, choice: str) -> str:
+    """The model folder pagedllm loads: `path`, or for a weight-only format a copy of its config.json with the
+    format's quantization_config (the HF peers keep loading `path`)."""
+    if choice not in WEIGHT_ONLY:
+        return path
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["quantization_config"] = WEIGHT_ONLY[choice]
+    folder = Path(tempfile.mkdtemp(prefix=f"{choice}-"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
@@ -173,7 +216,8 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.nano_model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
+    model = engine_model(args.nano_model, args.quantization)
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args.engine_options)
     load_s = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(), use_tqdm=False)  # bench.py's warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -233,7 +277,8 @@ def run_nano_hf(args, ours_tok_s: float | None, prompts, max_tokens) -> dict:
 def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(LLAMA, load_format="dummy", skip_tokenizer_init=True, max_model_len=8192, **args.engine_options)
+    model = engine_model(LLAMA, args.quantization)
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=8192, **args.engine_options)
     weight_bytes, num_params, kv_per_token = model_bytes(llm)
     rng = random.Random(1)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -279,11 +324,12 @@ def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
     return out
 
 
-def cold_start(quantization: str | None) -> dict:
+def cold_start(choice: str) -> dict:
     """LLM() to the first token in a fresh interpreter (run twice: the first also fills the Triton cache)."""
     runs = []
+    model = engine_model(QWEN, choice)
     for _ in range(2):
-        code = COLD_START_CODE.format(model=QWEN, quant=quantization)
+        code = COLD_START_CODE.format(model=model, quant=quantization_name(choice))
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"cold-start subprocess failed:\n{proc.stderr[-4000:]}")
@@ -318,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
 
     if "cold-start" in args.workloads:
-        record("cold-start", cold_start(args.engine_options["quantization"]))
+        record("cold-start", cold_start(args.quantization))
     prompts, max_tokens = nano_workload(args.num_seqs)
     if "nanovllm-bench" in args.workloads:
         record("nanovllm-bench", run_nano(args, bw, prompts, max_tokens))

@@ -215,7 +215,7 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 
 def _check_not_quantized(path: str, hf_config) -> None:
-    """A checkpoint quantized in a format no registered QuantizationConfig reads (AWQ, GPTQ, bitsandbytes, ...) is
+    """A checkpoint quantized in a format no registered QuantizationConfig reads (bitsandbytes, ...) is
     refused before anything loads, naming the format and the supported ones; a supported one has its
     quantization_config read here, so that a scheme it cannot run is refused before loading too."""
     from pagedllm.layers.quantization import (

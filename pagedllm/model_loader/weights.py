@@ -95,9 +95,16 @@ def dummy_init(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     gpu_gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if param.device.type == "cuda" and param.device not in gpu_gens:
+            gpu_gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        fill = getattr(param, "dummy_fill", None)
+        if fill is not None:  # a tensor with structure (a group index, a shape): its method fills it
+            fill(param.data)
+            continue
+        if not param.dtype.is_floating_point:  # packed integer weights: random bits
+            param.data.random_(generator=gpu_gens[param.device] if param.device.type == "cuda" else gen)
+            continue
         if param.device.type == "cuda":  # drawn in place on the GPU: an 8B model in seconds, not minutes
-            if param.device not in gpu_gens:
-                gpu_gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
             param.data.uniform_(-1e-2, 1e-2, generator=gpu_gens[param.device])
             if "norm" in name:
                 param.data += 1.0

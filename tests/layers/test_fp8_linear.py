@@ -222,7 +222,7 @@ def ct_config(weights=None, acts="default", fmt="float-quantized", **top):
 @pytest.mark.parametrize(
     "config,match",
     [
-        (ct_config(weights={"num_bits": 4, "type": "int"}), r"weights: num_bits=4 type='int' is not supported"),
+        (ct_config(weights={"num_bits": 4, "type": "int"}), r"int weights with float activations are not supported"),
         (ct_config(weights={"strategy": "block"}), r"weights.block_structure=None must be two positive integers"),
         (ct_config(weights={"strategy": "block", "block_structure": [16, 32]}), r"group_size=32"),
         (ct_config(weights={"strategy": "group"}), r"weights.strategy='group'"),

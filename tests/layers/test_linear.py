@@ -216,8 +216,8 @@ def test_packed_q4_narrows_rows_and_whole_groups():
 def test_quantization_by_name():
     hf_config = transformers.LlamaConfig(**TINY_DECODER)
     assert quantization_config_from_hf(hf_config) is None
-    hf_config.quantization_config = {"quant_method": "gptq", "bits": 4}
-    with pytest.raises(ValueError, match=r"quantization 'gptq' is not supported; supported: \[.*'gguf'"):
+    hf_config.quantization_config = {"quant_method": "hqq", "nbits": 4}
+    with pytest.raises(ValueError, match=r"quantization 'hqq' is not supported; supported: \[.*'gguf'"):
         quantization_config_from_hf(hf_config)
     with pytest.raises(ValueError, match="'gguf' is built in"):
         register_quantization_config("gguf")(RecordingConfig)

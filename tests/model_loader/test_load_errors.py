@@ -52,8 +52,8 @@ def test_devices_that_pagedllm_does_not_run_on(model_dir, device):
 @pytest.mark.parametrize(
     "quant",
     [
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+        {"quant_method": "aqlm", "in_group_size": 8, "nbits_per_codebook": 16, "num_codebooks": 1},
+        {"quant_method": "hqq", "nbits": 4, "group_size": 64},
         {"quant_method": "bitsandbytes", "load_in_4bit": True},
     ],
 )

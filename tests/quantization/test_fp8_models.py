@@ -158,10 +158,10 @@ def _config_only(src: str, dst) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("value", ["awq", "FP8", 8, ""])
+@pytest.mark.parametrize("value", ["bitsandbytes", "FP8", 8, ""])
 def test_unknown_quantization_is_refused_before_loading(float_model, tmp_path, value):
     supported = supported_quantizations()  # the built-ins and any registered by other tests
-    assert {"compressed-tensors", "fp8", "gguf"} <= set(supported)
+    assert {"awq", "compressed-tensors", "fp8", "gguf", "gptq"} <= set(supported)
     with pytest.raises(
         ValueError, match=rf"quantization={value!r} is not supported; supported: {re.escape(str(supported))}"
     ):
@@ -183,7 +183,7 @@ def test_formats_that_need_a_quantized_checkpoint(float_model, tmp_path, value):
 
 def test_unsupported_checkpoint_scheme_is_refused_before_loading(float_model, tmp_path):
     config = json.loads((pathlib.Path(float_model[1]) / "config.json").read_text())
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}  # FP8 weights in the int packing
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",

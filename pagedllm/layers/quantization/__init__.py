@@ -22,9 +22,11 @@ __all__ = [
 ]
 
 _BUILTIN = {  # name -> (module, class)
+    "awq": ("pagedllm.layers.quantization.awq", "AWQConfig"),
     "compressed-tensors": ("pagedllm.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "fp8": ("pagedllm.layers.quantization.fp8", "Fp8Config"),
     "gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig"),
+    "gptq": ("pagedllm.layers.quantization.gptq", "GPTQConfig"),
 }
 AT_LOAD = ("fp8",)  # quantizations `quantization=` applies to a float checkpoint while loading it
 _REGISTERED: dict[str, type[QuantizationConfig]] = {}

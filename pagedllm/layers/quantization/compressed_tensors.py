@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them) with FP8 schemes:
 weights fp8 e4m3 with per-tensor or per-channel scales and activations static per tensor, dynamic per token or
 dynamic per tensor, or not quantized (W8A16); or block-wise weight scales with dynamic per-group activations
-(FP8_BLOCK). Other schemes (int8, 4-bit, sparsity, a quantized KV cache) are refused when the config is read,
+(FP8_BLOCK); or weight-only int schemes, "pack-quantized" W4A16 / W8A16 (compressed_tensors_wna16.py); or W8A8 INT8,
+"int-quantized" (int8.py). Other schemes (sparsity, a quantized KV cache, ...) are refused when the config is read,
 naming the field."""
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from typing import Any
 
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.compressed_tensors_wna16 import ct_int_method
 from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, check_block, layer_matches
+from pagedllm.layers.quantization.int8 import Int8LinearMethod
 
-FORMATS = ("float-quantized", "naive-quantized")
+FORMATS = ("float-quantized", "naive-quantized")  # of FP8 weights
+INT_FORMAT = "pack-quantized"  # of weight-only int weights (compressed_tensors_wna16.py)
+INT8_FORMATS = ("int-quantized", "naive-quantized")  # of W8A8 INT8 (int8.py)
 
 
 @dataclass
@@ -73,6 +78,62 @@ def _activations(args: dict | None, where: str, block: tuple[int, int] | None) -
     return scheme[strategy, dynamic]
 
 
+def _group_method(group: dict, fmt: str | None, where: str) -> LinearMethod:
+    """The method of one config group: FP8 schemes, or weight-only int ones (pack-quantized)."""
+    if group["weights"].get("type") == "int":
+        acts = group.get("input_activations")
+        if acts is not None and acts.get("type") != "int":
+            raise ValueError(
+                f"quantization_config {where}: int weights with {acts.get('type')} activations are not supported "
+                "(supported: int weights with int8 activations, W8A8, or unquantized ones, W4A16 / W8A16)"
+            )
+        if acts is not None:
+            return _int8_method(group, fmt, where)
+        if fmt != INT_FORMAT:
+            raise ValueError(
+                f"quantization_config {where}.format={fmt!r} is not supported for int weights "
+                f"(supported: {INT_FORMAT!r})"
+            )
+        return ct_int_method(group["weights"], f"{where}.weights")
+    if fmt not in FORMATS:
+        raise ValueError(
+            f"quantization_config {where}.format={fmt!r} is not supported (supported: {FORMATS} for float weights, "
+            f"{INT_FORMAT!r} for int weights)"
+        )
+    strategy, block = _weight_strategy(group["weights"], f"{where}.weights")
+    activations = _activations(group.get("input_activations"), f"{where}.input_activations", block)
+    return Fp8LinearMethod(strategy, activations, serialized=True, block=block)
+
+
+def _int8_method(group: dict, fmt: str | None, where: str) -> Int8LinearMethod:
+    """W8A8 INT8: symmetric int8 weights per channel or tensor, int8 activations dynamic per token or static."""
+    if fmt not in INT8_FORMATS:
+        raise ValueError(
+            f"quantization_config {where}.format={fmt!r} is not supported for W8A8 INT8 (supported: {INT8_FORMATS})"
+        )
+    weights, acts = group["weights"], group["input_activations"]
+    w_strategy = weights.get("strategy", "tensor")
+    if (weights.get("num_bits"), w_strategy in ("channel", "tensor"), weights.get("symmetric", True)) != (
+        8,
+        True,
+        True,
+    ):
+        raise ValueError(
+            f"quantization_config {where}.weights: num_bits={weights.get('num_bits')!r} strategy={w_strategy!r} "
+            f"symmetric={weights.get('symmetric')!r} is not supported with int8 activations (supported: symmetric "
+            "8-bit 'channel' or 'tensor' weights; W4A16 / W8A16 take no input_activations)"
+        )
+    scheme = (acts.get("num_bits"), acts.get("type"), acts.get("symmetric", True), acts.get("strategy"))
+    kinds = {(8, "int", True, "token"): True, (8, "int", True, "tensor"): False}  # -> dynamic
+    if scheme not in kinds or acts.get("dynamic", False) != kinds[scheme]:
+        raise ValueError(
+            f"quantization_config {where}.input_activations: num_bits={scheme[0]!r} type={scheme[1]!r} "
+            f"symmetric={scheme[2]!r} strategy={scheme[3]!r} dynamic={acts.get('dynamic')!r} is not supported "
+            "(supported: symmetric int8, dynamic 'token' or static 'tensor')"
+        )
+    return Int8LinearMethod(w_strategy, static=not kinds[scheme])
+
+
 class CompressedTensorsConfig(QuantizationConfig):
     """Each linear layer takes the method of the first config group whose `targets` name it ("Linear": every one),
     unless `ignore` names it; a layer no group targets stays dense."""
@@ -93,17 +154,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         groups = []
         for name, group in groups_raw.items():
             where = f"config_groups.{name}"
-            fmt = group.get("format") or config.get("format")
-            if fmt not in FORMATS:
-                raise ValueError(f"quantization_config {where}.format={fmt!r} is not supported (supported: {FORMATS})")
             if group.get("output_activations") is not None:
                 raise ValueError(f"quantization_config {where}.output_activations is not supported")
-            if group.get("weights") is None:
-                raise ValueError(f"quantization_config {where}.weights is missing: FP8 schemes quantize the weights")
-            strategy, block = _weight_strategy(group["weights"], f"{where}.weights")
-            activations = _activations(group.get("input_activations"), f"{where}.input_activations", block)
+            if not isinstance(group.get("weights"), dict):
+                raise ValueError(f"quantization_config {where}.weights is missing: the schemes quantize the weights")
             targets = list(group.get("targets") or [])
-            groups.append(Group(targets, Fp8LinearMethod(strategy, activations, serialized=True, block=block)))
+            groups.append(Group(targets, _group_method(group, group.get("format") or config.get("format"), where)))
         return cls(groups, list(config.get("ignore") or []))
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:
