@@ -70,8 +70,9 @@ class Worker:
 
     def launch(self, so: SchedulerOutput):
         """A step on this rank. A follower keeps one step in flight as the engine does: the previous step's tokens
-        enter its batch after this one is queued (a step with drafts reads its inputs on the host: before)."""
-        if so.scheduled_spec_decode_tokens:
+        enter its batch after this one is queued; around a step with drafts they enter before (its inputs are read
+        on the host, and after it only the accepted tokens count)."""
+        if so.scheduled_spec_decode_tokens or getattr(self.pending, "drafts", None) is not None:
             self.commit_pending()
         future = self.runner.launch(so)
         if not self.info.is_driver:

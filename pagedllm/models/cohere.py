@@ -19,12 +19,17 @@ def cohere_norm(hidden_size: int, eps: float) -> LayerNorm:
 
 
 class HeadLayerNorm(nn.Module):
-    """LayerNorm over each head's dims with its own weight per head: weight [num_heads, head_dim]."""
+    """LayerNorm over each head's dims with its own weight per head: weight [num_heads, head_dim], this rank's heads
+    from first_head on (the checkpoint holds all of them)."""
 
-    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, eps: float, first_head: int = 0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.first_head = eps, first_head
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        param.data.copy_(loaded.narrow(0, self.first_head, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         return F.layer_norm(x.float(), x.shape[-1:], eps=self.eps).mul_(self.weight.float()).to(x.dtype)
@@ -37,8 +42,10 @@ class CohereAttention(LlamaAttention):
         super().__init__(config, layer_idx, quant_config, prefix)
         self.use_qk_norm = bool(getattr(config, "use_qk_norm", False))
         if self.use_qk_norm:
-            self.q_norm = HeadLayerNorm(self.num_heads, self.head_dim, config.layer_norm_eps)
-            self.k_norm = HeadLayerNorm(self.num_kv_heads, self.head_dim, config.layer_norm_eps)
+            qkv, eps = self.qkv_proj, config.layer_norm_eps
+            first_kv = (qkv.tp_rank // qkv.kv_replicas) * self.num_kv_heads
+            self.q_norm = HeadLayerNorm(self.num_heads, self.head_dim, eps, qkv.tp_rank * self.num_heads)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, self.head_dim, eps, first_kv)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

@@ -1,0 +1,92 @@
+"""Worker faults under tensor parallelism: a worker that dies or hangs makes generate raise a clear error within
+10 s (no hang); the engine's process ending by SIGTERM or Ctrl-C leaves no worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from tiny_models import TINY_DECODER, save_tiny_decoder
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.mp_executor import WorkerFailed
+
+ENGINE = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22)
+PARAMS = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    _, path = save_tiny_decoder("llama-tp-faults", LlamaConfig, LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_dead_or_hung_worker_fails_generate_quickly(how, llama_path):
+    llm = LLM(llama_path, tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.core.executor
+    worker = executor.procs[0]
+    try:
+        assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        os.kill(worker.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailed, match="worker"):
+            llm.generate([{"prompt_token_ids": [4, 5, 6]}], PARAMS, use_tqdm=False)
+        assert time.monotonic() - start < 12.0
+        with pytest.raises(WorkerFailed):  # the engine stays failed, it does not hang
+            llm.generate([{"prompt_token_ids": [4, 5, 6]}], PARAMS, use_tqdm=False)
+    finally:
+        if how == "stop" and _alive(worker.pid):
+            os.kill(worker.pid, signal.SIGCONT)
+        llm.llm_engine.shutdown()
+    assert not _wait_gone([worker.pid], 10.0)
+
+
+_SCRIPT = """
+import sys, time
+from pagedllm import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)
+print(" ".join(str(p.pid) for p in llm.llm_engine.core.executor.procs), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_engine_process_ending_ends_its_workers(sig, llama_path, tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    proc = subprocess.Popen([sys.executable, str(script), llama_path], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert workers and all(_alive(p) for p in workers)
+        proc.send_signal(sig)
+        proc.wait(timeout=20)
+        assert not _wait_gone(workers, 10.0), "a worker outlived the engine's process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
