@@ -21,7 +21,10 @@ load, activations per token, cuBLASLt's FP8 GEMM); weight_bytes and the roofline
 --quantization w4a16-gptq | w4a16-awq | w4a16-ct | w8a16-gptq gives pagedllm's engines a copy of the config with the
 format's quantization_config (group size 128; WEIGHT_ONLY below) and dummy weights in that format (random packed
 ints, the Triton dequant-GEMM); weight_bytes then counts the packed weights and their scales.
-The HF peers stay bf16. Compare with a run without the flag on the same machine. --nano-config llama-3.1-8b runs
+The HF peers stay bf16. Compare with a run without the flag on the same machine.
+--tensor-parallel-size / --pipeline-parallel-size spread pagedllm's engines over that many GPUs (the HF peers use
+one); weight_bytes and the roofline figures are then the first rank's shard against one GPU's bandwidth. Compare
+with a run at 1 on the same machine. --nano-config llama-3.1-8b runs
 nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
 
     python benchmarks/gpu_throughput.py --no-append
@@ -112,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="qwen3-0.6b",
         help="the model shapes of nanovllm-bench (default: Qwen3-0.6B, as nano-vllm's bench.py)",
     )
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="pagedllm's GPUs per stage")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pagedllm's pipeline stages")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     args = p.parse_args(argv)
     args.nano_model = str(BENCH_DIR / "configs" / args.nano_config)
@@ -124,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "enforce_eager": args.enforce_eager,
         "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling],
         "quantization": quantization_name(args.quantization),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
     }
     return args
 
@@ -174,7 +181,8 @@ def nano_workload(num_seqs: int) -> tuple[list[list[int]], list[int]]:
 
 
 def model_bytes(llm) -> tuple[int, int, int]:
-    """(weight bytes, parameters without the input embedding, KV bytes per token) of the engine's model."""
+    """(weight bytes, parameters without the input embedding, KV bytes per token) of the engine's model (with
+    tensor/pipeline parallelism: of the first rank's shard, which the roofline of one GPU's bandwidth reads)."""
     runner = llm.llm_engine.core.executor.runner
     params = {id(p): p for p in runner.model.parameters()}.values()  # a tied LM head counted once
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -244,6 +252,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
         "load_s": rounded(load_s, 3),
         **engine_figures(llm),
     }
+    llm.llm_engine.shutdown()
     del llm
     free()
     return figures
@@ -309,6 +318,7 @@ def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
             "params": num_params,
             "max_num_batched_tokens": llm.llm_engine.core.config.scheduler.max_num_batched_tokens,
         }
+        llm.llm_engine.shutdown()
         del llm
         free()
         model = hf_peers.load_model(LLAMA)
@@ -359,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             "enforce_eager": args.enforce_eager,
             "async_scheduling": args.async_scheduling,
             "quantization": args.quantization,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
             **({"nano_config": args.nano_config} if workload.startswith("nanovllm") else {}),
         }
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
