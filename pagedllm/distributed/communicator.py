@@ -92,9 +92,12 @@ class Communicator:
             self.all_reduce(torch.zeros(1, device=self.device))
 
     def shutdown(self) -> None:
-        if self.pg is not None and hasattr(self.pg, "shutdown"):
+        """Drops the group. NCCL's communicators are aborted (a local teardown: an orderly shutdown would wait for
+        the peers, which may be gone)."""
+        abort = getattr(self.pg, "abort", None) if self.device.type == "cuda" else None
+        if abort is not None:
             try:
-                self.pg.shutdown()
+                abort()
             except RuntimeError:
                 pass
         self.pg = None

@@ -71,6 +71,11 @@ class MultiprocExecutor:
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._monitor, args=(rank, proc), daemon=True, name=f"pagedllm-rank{rank}").start()
 
+    @property
+    def runner(self):
+        """The driver rank's ModelRunner (rank 0, in this process)."""
+        return self.driver.runner
+
     def _spawn(self, config: EngineConfig, spec: WorkerSpec) -> None:
         ours, theirs = multiprocessing.Pipe()
         fd = theirs.fileno()
@@ -173,10 +178,11 @@ class MultiprocExecutor:
             raise self._error(e) from e
 
     def shutdown(self) -> None:
+        """Ends the workers, then this rank's groups."""
         self.closing = True
+        self._finalizer()
         if hasattr(self, "driver"):
             self.driver.shutdown()
-        self._finalizer()
 
 
 class GuardedFuture:

@@ -24,8 +24,6 @@ class BuildContext:
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
-        if self.tp_size > 1 and self.tp_group is None:
-            raise ValueError(f"tp_size={self.tp_size} needs a tp_group to reduce over")
         if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
             raise ValueError(f"pp_rank={self.pp_rank} must be in [0, pp_size={self.pp_size})")
 
