@@ -10,6 +10,7 @@ import os
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
+from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.worker.executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ class EngineCore:
         config.cache.num_blocks = num_blocks
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        spec = config.speculative_config
+        self.draft_policy = DraftPolicy(spec) if spec is not None else None
+        if spec is not None and spec.method == "draft_model":  # the draft model runs where the target does
+            config.speculative_proposer = self.executor
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
@@ -79,17 +84,17 @@ class EngineCore:
             self._discard(so)
             raise
         outputs = self.scheduler.update_from_output(so, out)
+        if self.draft_policy is not None:
+            self.draft_policy.record(so.scheduled_spec_decode_tokens, out.sampled_token_ids)
         if self.config.speculative_proposer is not None:
             self._propose(self.config.speculative_proposer)
         return outputs
 
     def _propose(self, proposer) -> None:
-        """Drafts for the next step of the running requests that decode and may speculate."""
-        token_ids = {
-            r.request_id: r.all_token_ids
-            for r in self.scheduler.running
-            if r.can_speculate and r.num_computed_tokens == r.num_tokens - 1
-        }
+        """Drafts for the next step of the running requests that decode, as the policy allows
+        (spec_decode/policy.py)."""
+        chosen = self.draft_policy.select(self.scheduler.running) if self.draft_policy is not None else []
+        token_ids = {r.request_id: r.all_token_ids for r in chosen}
         self.scheduler.set_drafts(proposer.propose(token_ids) if token_ids else {})
 
     def _step_async(self) -> list[EngineCoreOutput]:
