@@ -91,7 +91,8 @@ class DraftModelProposer:
         self.scratch_per_row = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = 0  # the shared blocks; scratch blocks follow them
         self.graphs = None  # a CudaGraphRunner of the draft's decode passes (CUDA only)
-        # optional (request ids, drafts [n, K] as lists) -> drafts: benchmarks force an acceptance rate with it
+        # optional (request id -> tokens so far, request id -> drafts) -> drafts, called after the passes ran:
+        # benchmarks force an acceptance rate with it
         self.rewrite_drafts = None
         self.seconds = 0.0  # time spent proposing (for the benchmark's step split)
 
@@ -145,11 +146,9 @@ class DraftModelProposer:
         if drafts is not None:
             keep = proposing[sel]
             drafts = self._decode_passes(drafts, num_tokens[sel][keep], table[keep])  # [m, K]
-            ids = [req_ids[i] for i in sel[keep].tolist()]
-            values = drafts.tolist()
+            out = dict(zip([req_ids[i] for i in sel[keep].tolist()], drafts.tolist()))
             if self.rewrite_drafts is not None:
-                values = self.rewrite_drafts(ids, values)
-            out = dict(zip(ids, values))
+                out = self.rewrite_drafts({r: token_ids[r] for r in out}, out)
         self.seconds += time.perf_counter() - start_time
         return out
 
