@@ -7,8 +7,9 @@ continuation in the prompt.
 
 --method draft: Llama-3.1-8B shapes with a Llama-3.2-1B-shaped draft (benchmarks/configs), dummy weights, random
 prompts. A dummy draft never agrees with a dummy target, so its agreement is forced: the draft model runs its K
-forward passes as usual (their cost is measured), then its tokens are replaced by the target's greedy continuation
-(recorded by the run without speculation), each draft token agreeing independently with probability `agree`.
+forward passes as usual (their cost is measured), but the token each pass feeds on and proposes is the target's
+greedy continuation (recorded by the run without speculation), agreeing independently with probability `agree`
+(else another token) - the draft's cache then holds what a draft agreeing at that rate would have written.
 Verification accepts a draft while it and those before it agree, so the acceptance rate (accepted / proposed, as
 vLLM counts it) is (agree + agree^2 + ... + agree^K) / K: --acceptance sets that rate and `agree` follows from it.
 disable_by_batch_size (--disable-by-batch-size, default 32) turns drafts off at batch 64.
@@ -132,24 +133,23 @@ def agreement_for(acceptance: float, k: int) -> float:
 
 
 class ForcedAgreement:
-    """The drafter's rewrite_drafts hook: a request's draft at position p becomes the target's greedy token there
-    where a seeded draw (per prompt and position) agrees, else another token. references: prompt + greedy output,
-    prompts of prompt_len tokens; a request without one keeps the draft model's tokens."""
+    """The drafter's force_drafts hook: a request's draft at position p is the target's greedy token there where a
+    seeded draw (per prompt and position) agrees, else another token. references: prompt + greedy output, prompts
+    of prompt_len tokens; a request without one (-1) keeps the draft model's tokens."""
 
-    def __init__(self, references: list[list[int]], prompt_len: int, agree: float, vocab: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
+    def __init__(self, references: list[list[int]], prompt_len: int, agree: float, k: int, vocab: int) -> None:
+        rng = np.random.default_rng(0)
         self.refs = {tuple(ref[:prompt_len]): (ref, rng.random(len(ref)) < agree) for ref in references}
-        self.prompt_len, self.vocab_size = prompt_len, vocab
+        self.prompt_len, self.k, self.vocab_size = prompt_len, k, vocab
 
-    def __call__(self, token_ids: dict[str, list[int]], drafts: dict[str, list[int]]) -> dict[str, list[int]]:
-        out = dict(drafts)
-        for req_id, proposed in drafts.items():
-            tokens = token_ids[req_id]
+    def __call__(self, histories: list[list[int]]) -> np.ndarray:
+        out = np.full((len(histories), self.k), -1, dtype=np.int64)  # [m, K]
+        for i, tokens in enumerate(histories):
             ref, agrees = self.refs.get(tuple(tokens[: self.prompt_len]), (None, None))
             if ref is None:
                 continue
-            positions = range(len(tokens), min(len(tokens) + len(proposed), len(ref)))
-            out[req_id] = [ref[p] if agrees[p] else (ref[p] + 1) % self.vocab_size for p in positions]
+            for j, p in enumerate(range(len(tokens), min(len(tokens) + self.k, len(ref)))):
+                out[i, j] = ref[p] if agrees[p] else (ref[p] + 1) % self.vocab_size
         return out
 
 
@@ -196,7 +196,7 @@ def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
         if drafter is not None:
             refs = [p["prompt_token_ids"] + out for p, out in zip(prompts, references[batch][0])]
             vocab = llm.llm_engine.config.model.vocab_size
-            drafter.rewrite_drafts = ForcedAgreement(refs, args.prompt_len, args.agree, vocab)
+            drafter.force_drafts = ForcedAgreement(refs, args.prompt_len, args.agree, args.k, vocab)
         sched = llm.llm_engine.core.scheduler
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
         propose_before = drafter.seconds if drafter is not None else 0.0

@@ -37,9 +37,10 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         spec = config.speculative_config
-        self.draft_policy = DraftPolicy(spec) if spec is not None else None
+        self.draft_policy = DraftPolicy(spec)  # which requests get drafts (a proposer may be set without spec)
         if spec is not None and spec.method == "draft_model":  # the draft model runs where the target does
             config.speculative_proposer = self.executor
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
@@ -84,7 +85,7 @@ class EngineCore:
             self._discard(so)
             raise
         outputs = self.scheduler.update_from_output(so, out)
-        if self.draft_policy is not None:
+        if so.scheduled_spec_decode_tokens:
             self.draft_policy.record(so.scheduled_spec_decode_tokens, out.sampled_token_ids)
         if self.config.speculative_proposer is not None:
             self._propose(self.config.speculative_proposer)
@@ -93,7 +94,7 @@ class EngineCore:
     def _propose(self, proposer) -> None:
         """Drafts for the next step of the running requests that decode, as the policy allows
         (spec_decode/policy.py)."""
-        chosen = self.draft_policy.select(self.scheduler.running) if self.draft_policy is not None else []
+        chosen = self.draft_policy.select(self.scheduler.running)
         token_ids = {r.request_id: r.all_token_ids for r in chosen}
         self.scheduler.set_drafts(proposer.propose(token_ids) if token_ids else {})
 

@@ -6,9 +6,11 @@ layers get their own cache tensors with the target's block ids, so a request's b
 KV bytes include the draft's layers) and a prefix-cache hit finds the draft's KV in the same blocks. Each row keeps
 how many leading positions of its request hold draft KV (`valid`, reset when the row gets a new admission):
 
-- pass 1 covers a request's positions from `valid` to its last token (normally the tokens the target just computed
-  and accepted, and the token it sampled; after a prefill, a prefix hit or steps without drafts, everything the draft
-  has not seen, within max_num_batched_tokens per step) and its last logits give draft 1;
+- pass 1 covers a request's positions from `valid` to its last token and its last logits give draft 1. The draft's
+  KV of its own drafts that the target accepted is kept (where it was written to blocks the request held), so in
+  the steady state pass 1 covers the token the target sampled, and the last draft when all were accepted: one or two
+  one-token passes. After a prefill, a prefix hit or steps without drafts it covers everything the draft has not
+  seen, as one varlen batch (within max_num_batched_tokens per step);
 - passes 2..K feed draft i - 1 at the next position (one token per row: a decode, replayed from CUDA graphs on a
   GPU) and give draft i. The drafts stay on the device until the one copy of all of them at the end.
 
@@ -88,12 +90,18 @@ class DraftModelProposer:
         max_rows = len(runner.batch.generation)
         self.valid = np.zeros(max_rows, dtype=np.int64)  # [rows] leading positions whose draft KV is cached
         self.generation = np.full(max_rows, -1, dtype=np.int64)  # [rows] the admission `valid` counts for
+        # the drafts 1..K-1 fed at the last proposal: their positions start at fed_start, the first fed_len of them
+        # were written to blocks the request held (their KV is reused where the target accepted them)
+        self.fed = np.zeros((max_rows, max(self.k - 1, 1)), dtype=np.int64)  # [rows, K - 1]
+        self.fed_start = np.zeros(max_rows, dtype=np.int64)
+        self.fed_len = np.zeros(max_rows, dtype=np.int64)
         self.scratch_per_row = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = 0  # the shared blocks; scratch blocks follow them
         self.graphs = None  # a CudaGraphRunner of the draft's decode passes (CUDA only)
-        # optional (request id -> tokens so far, request id -> drafts) -> drafts, called after the passes ran:
-        # benchmarks force an acceptance rate with it
-        self.rewrite_drafts = None
+        # optional (the proposing requests' tokens so far) -> [m, K] int64 draft tokens (-1: the draft model's), fed
+        # on and proposed in place of the draft model's: benchmarks force an acceptance rate with it
+        self.force_drafts = None
+        self.num_first_passes = {"decode": 0, "catch_up": 0}  # how pass 1 ran (one-token passes, or a varlen batch)
         self.seconds = 0.0  # time spent proposing (for the benchmark's step split)
 
     def kv_bytes_per_block(self) -> int:
@@ -131,8 +139,9 @@ class DraftModelProposer:
         req_ids = [r for r in token_ids if r in b.row_of]
         rows = np.array([b.row_of[r] for r in req_ids], dtype=np.int64)  # [n]
         stale = self.generation[rows] != b.generation[rows]
-        self.valid[rows[stale]] = 0
+        self.valid[rows[stale]], self.fed_len[rows[stale]] = 0, 0
         self.generation[rows] = b.generation[rows]
+        self._take_accepted(rows)
         num_tokens = b.num_tokens[rows]  # [n]
         start = np.minimum(self.valid[rows], num_tokens - 1)  # pass 1 ends with the last token (its logits)
         need = num_tokens - start
@@ -140,17 +149,46 @@ class DraftModelProposer:
         # rows caught up to their last token propose, with room for K drafts and the token after them
         proposing = (take == need) & (num_tokens + self.k < self.max_model_len)
         sel = np.flatnonzero(take > 0)
+        keep = proposing[sel]
+        ids = [req_ids[i] for i in sel[keep].tolist()]
         table = self._block_tables(rows[sel])  # [len(sel), max_blocks]
-        drafts = self._first_pass(rows[sel], start[sel], take[sel], table, proposing[sel])  # [m] on the device
+        first = self._first_pass(rows[sel], start[sel], take[sel], table, keep)  # [m] on the device
         out: dict[str, list[int]] = {}
-        if drafts is not None:
-            keep = proposing[sel]
-            drafts = self._decode_passes(drafts, num_tokens[sel][keep], table[keep])  # [m, K]
-            out = dict(zip([req_ids[i] for i in sel[keep].tolist()], drafts.tolist()))
-            if self.rewrite_drafts is not None:
-                out = self.rewrite_drafts({r: token_ids[r] for r in out}, out)
+        if first is not None:
+            forced = None
+            if self.force_drafts is not None:
+                forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the draft's
+            drafts = self._decode_passes(first, num_tokens[sel][keep], table[keep], forced).tolist()  # [m, K]
+            self._record_fed(rows[sel][keep], num_tokens[sel][keep], drafts)
+            out = dict(zip(ids, drafts))
         self.seconds += time.perf_counter() - start_time
         return out
+
+    def _take_accepted(self, rows: np.ndarray) -> None:
+        """The KV the draft wrote for its own drafts (in blocks the request held) is valid up to the first that
+        differs from the request's tokens now (the target accepted those before it): `valid` grows over it."""
+        n = self.k - 1
+        if not len(rows) or n == 0:
+            return
+        b = self.runner.batch
+        start, length = self.fed_start[rows], self.fed_len[rows]
+        positions = np.minimum(start[:, None] + np.arange(n), b.token_ids.shape[1] - 1)  # [r, K - 1]
+        same = (np.arange(n) < length[:, None]) & (positions < b.num_tokens[rows][:, None])
+        same &= b.token_ids[rows[:, None], positions] == self.fed[rows]
+        run = np.argmin(np.concatenate([same, np.zeros((len(rows), 1), dtype=bool)], axis=1), axis=1)  # [r]
+        grows = self.valid[rows] >= start  # pass 1 had written the token before the drafts
+        self.valid[rows] = np.where(grows, np.maximum(self.valid[rows], start + run), self.valid[rows])
+        self.fed_len[rows] = 0
+
+    def _record_fed(self, rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[int]]) -> None:
+        """Drafts 1..K-1 were fed at positions num_tokens.. : those in blocks the request holds may be reused."""
+        n = self.k - 1
+        if not len(rows) or n == 0:
+            return
+        held_end = self.runner.batch.num_blocks[rows] * self.block_size
+        self.fed_start[rows] = num_tokens
+        self.fed[rows] = np.asarray(drafts, dtype=np.int64)[:, :n]
+        self.fed_len[rows] = np.clip(held_end - num_tokens, 0, n)
 
     def _block_tables(self, rows: np.ndarray) -> np.ndarray:
         """The rows' block tables, with the scratch blocks of each (scratch_per_row, by its index here) after the
@@ -165,31 +203,49 @@ class DraftModelProposer:
 
     def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
         """Positions [start, start + take) of each row; the rows' `valid` grow over the blocks they hold. ->
-        draft 1 of the proposing rows [m] on the device (None: no row proposes)."""
+        draft 1 of the proposing rows [m] on the device (None: no row proposes). In the steady state every row
+        needs its last one or two tokens: one-token passes (CUDA graphs); else one flat varlen batch."""
         if not len(rows):
             return None
         b = self.runner.batch
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(take, out=cu[1:])
-        req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
-        positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
-        input_ids = b.token_ids[rows[req_idx], positions]
         seq_lens = start + take
-        hidden = self._forward(self._to_device(input_ids), positions, cu, seq_lens, table)
+        if proposing.all() and take.max() <= 2:
+            self.num_first_passes["decode"] += 1
+            two = np.flatnonzero(take == 2)
+            if len(two):  # the token before the last, for the rows that need it
+                pos = seq_lens[two] - 2
+                ids = self._to_device(b.token_ids[rows[two], pos])
+                self._forward(ids, pos, np.arange(len(two) + 1), pos + 1, table[two])
+            pos = seq_lens - 1
+            hidden = self._forward(
+                self._to_device(b.token_ids[rows, pos]), pos, np.arange(len(rows) + 1), seq_lens, table
+            )
+            last = None
+        else:
+            self.num_first_passes["catch_up"] += 1
+            cu = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(take, out=cu[1:])
+            req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
+            positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
+            hidden = self._forward(
+                self._to_device(b.token_ids[rows[req_idx], positions]), positions, cu, seq_lens, table
+            )
+            last = self._to_device(cu[1:][proposing] - 1)
         self.valid[rows] = np.minimum(seq_lens, b.num_blocks[rows] * self.block_size)
         if not proposing.any():
             return None
-        last = self._to_device(cu[1:][proposing] - 1)
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1)
+        return self.model.compute_logits(hidden if last is None else hidden[last]).argmax(dim=-1)
 
-    def _decode_passes(self, first: torch.Tensor, num_tokens: np.ndarray, table: np.ndarray) -> torch.Tensor:
-        """Passes 2..K: each feeds the previous draft at the next position. first [m] -> drafts [m, K]"""
-        drafts = [first]
+    def _decode_passes(self, first, num_tokens: np.ndarray, table: np.ndarray, forced) -> torch.Tensor:
+        """Passes 2..K: each feeds the previous draft at the next position. first [m] -> drafts [m, K]. forced
+        [m, K] (benchmarks): where >= 0, the draft token fed on and proposed instead of the draft model's."""
+        drafts = [first if forced is None else torch.where(forced[:, 0] >= 0, forced[:, 0], first)]
         cu = np.arange(len(num_tokens) + 1, dtype=np.int64)
         for i in range(1, self.k):
             positions = num_tokens + i - 1  # draft i - 1 sits at position num_tokens + i - 1
             hidden = self._forward(drafts[-1], positions, cu, positions + 1, table)
-            drafts.append(self.model.compute_logits(hidden).argmax(dim=-1))
+            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token))
         return torch.stack(drafts, dim=1)
 
     def _forward(self, input_ids: torch.Tensor, positions, cu, seq_lens, table) -> torch.Tensor:

@@ -29,8 +29,8 @@ class RowAcceptance:
 
 
 class DraftPolicy:
-    def __init__(self, config: SpeculativeConfig, min_acceptance: float = MIN_ACCEPTANCE) -> None:
-        self.disable_by_batch_size = config.disable_by_batch_size
+    def __init__(self, config: SpeculativeConfig | None, min_acceptance: float = MIN_ACCEPTANCE) -> None:
+        self.disable_by_batch_size = config.disable_by_batch_size if config is not None else None
         self.min_acceptance = min_acceptance
         self.rows: dict[str, RowAcceptance] = {}  # request id -> its acceptance (requests still running)
         self.num_backed_off = 0  # times a row was turned off for poor acceptance (for tests and the benchmark)

@@ -102,6 +102,19 @@ def test_draft_equal_to_target_is_exact_and_all_accepted(same, batch):
     assert num_accepted >= 0.95 * num_drafts  # the same model proposes the target's greedy tokens
 
 
+def test_steady_state_first_pass_is_one_token_passes(same):
+    """The draft's KV of its accepted drafts is kept: after the catch-up over a prompt, pass 1 only covers the
+    sampled token (and the last draft when all were accepted)."""
+    drafter = same.llm_engine.core.executor.runner.drafter
+    before = dict(drafter.num_first_passes)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    num_drafts, num_accepted = assert_same_with_drafts(same, PROMPTS[:3], params)
+    decode = drafter.num_first_passes["decode"] - before["decode"]
+    catch_up = drafter.num_first_passes["catch_up"] - before["catch_up"]
+    assert num_accepted >= 0.95 * num_drafts
+    assert catch_up <= 3 and decode >= 10  # the prompts' catch-up (possibly together), then one-token passes
+
+
 @pytest.mark.parametrize("batch", ["three", "six"])
 def test_other_draft_is_exact_with_low_acceptance_and_backs_off(other, batch):
     policy = other.llm_engine.core.draft_policy
