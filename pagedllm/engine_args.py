@@ -154,8 +154,6 @@ class EngineArgs:
             self.ngram_prompt_lookup_max,
             self.ngram_prompt_lookup_min,
         )
-        if speculative is not None and self.async_scheduling:
-            raise ValueError("async_scheduling=True: speculative decoding runs with synchronous scheduling only")
         model = self.create_model_config(device)
         if speculative is not None and speculative.method == "draft_model":
             speculative.draft_model_config = draft_model_config(speculative, model)
@@ -170,7 +168,9 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=model.max_model_len,
-            async_scheduling=(device.type == "cuda" and speculative is None)
+            # with speculation: asynchronous steps (no drafts) only above disable_by_batch_size (engine/core.py)
+            async_scheduling=device.type == "cuda"
+            and (speculative is None or speculative.disable_by_batch_size is not None)
             if self.async_scheduling is None
             else self.async_scheduling,
         )

@@ -1,6 +1,8 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
-scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer (synchronous
-scheduling only) each update is followed by a proposal of draft tokens for the next step."""
+scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer each synchronous
+update is followed by a proposal of draft tokens for the next step. Drafts need synchronous steps (a request's last
+token must be known to draft after it): with both, steps run asynchronously without drafts while the batch is above
+disable_by_batch_size, and synchronously with drafts otherwise (the step on the device ends first)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":  # the draft model runs where the target does
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
+        if config.speculative_proposer is not None:
+            self.scheduler.drafts_enabled = True  # only synchronous steps get drafts (see step)
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
@@ -73,7 +77,19 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         if self.config.scheduler.async_scheduling:
-            return self._step_async()
+            if not self._drafting():
+                if self.config.speculative_proposer is not None:
+                    self.scheduler.set_drafts({})  # drafts proposed by a synchronous step are dropped
+                return self._step_async()
+            if self.in_flight is not None:  # to synchronous steps with drafts: the step on the device ends first
+                so, future = self.in_flight
+                self.in_flight = None
+                try:
+                    out = future.result()
+                except BaseException:
+                    self._discard(so)
+                    raise
+                return self._update(so, out)
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
@@ -84,12 +100,24 @@ class EngineCore:
         except BaseException:
             self._discard(so)
             raise
+        return self._update(so, out)
+
+    def _update(self, so, out) -> list[EngineCoreOutput]:
+        """A synchronous step's update, then the drafts for the next step."""
         outputs = self.scheduler.update_from_output(so, out)
         if so.scheduled_spec_decode_tokens:
             self.draft_policy.record(so.scheduled_spec_decode_tokens, out.sampled_token_ids)
         if self.config.speculative_proposer is not None:
             self._propose(self.config.speculative_proposer)
         return outputs
+
+    def _drafting(self) -> bool:
+        """With async scheduling: whether the next step is synchronous, with drafts (a proposer, and a batch within
+        disable_by_batch_size: the running and waiting requests, up to max_num_seqs)."""
+        if self.config.speculative_proposer is None:
+            return False
+        limit, sched = self.draft_policy.disable_by_batch_size, self.scheduler
+        return limit is None or min(len(sched.running) + len(sched.waiting), sched.max_num_seqs) <= limit
 
     def _propose(self, proposer) -> None:
         """Drafts for the next step of the running requests that decode, as the policy allows

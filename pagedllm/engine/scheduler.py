@@ -60,8 +60,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the model runner
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
-        # drafts are verified only with synchronous scheduling (asynchronously, a request's last token may still be
-        # on the device when its next step is scheduled)
+        # drafts are verified only in synchronous steps (asynchronously, a request's last token may still be on the
+        # device when its next step is scheduled); the engine core turns them on where it runs those with drafts
         self.drafts_enabled = not config.async_scheduling
         # slots a decoding request that may speculate gets past its scheduled tokens, for the KV a draft model writes
         # when it proposes after the step (set by the engine core for speculative_config method "draft_model")
@@ -194,7 +194,12 @@ class Scheduler:
         """Slots for the draft model's writes after the step (up to num_lookahead_tokens past the scheduled tokens,
         within max_model_len), for a request that may speculate and reaches the end of its known tokens."""
         end = req.num_computed_tokens + num_new
-        if not self.num_lookahead_tokens or end < req.num_tokens or not req.can_speculate:
+        if (
+            not self.num_lookahead_tokens
+            or end < req.num_tokens
+            or not req.can_speculate
+            or req.num_output_placeholders
+        ):
             return 0
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 

@@ -84,3 +84,30 @@ def test_requests_that_may_not_speculate_count_toward_disable_by_batch_size(path
     before = sched.num_draft_tokens
     llm.generate(prompts[:3], [plain, processed, processed], use_tqdm=False)
     assert sched.num_draft_tokens == before  # three decode, one may speculate: none drafts
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_async_steps_above_disable_by_batch_size_synchronous_with_drafts_below(path, method):
+    """With async scheduling, steps run asynchronously without drafts while more than disable_by_batch_size
+    requests run, then synchronously with drafts: the outputs are those without speculation."""
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    spec |= {"model": path} if method == "draft_model" else {}
+    llm = LLM(
+        path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4,
+        speculative_config=spec, async_scheduling=True,
+    )  # fmt: skip
+    core = llm.llm_engine.core
+    step_async, num_async = core._step_async, []
+    core._step_async = lambda: num_async.append(1) or step_async()
+    prompts = [{"prompt_token_ids": [5, 17, 33, 101, 7] * 6}, {"prompt_token_ids": [11, 12] * 12}] * 2
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (5, 9, 40, 40)]
+    proposer = core.config.speculative_proposer
+    core.config.speculative_proposer = None  # all steps asynchronous, no drafts
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    core.config.speculative_proposer = proposer
+    assert core.scheduler.num_draft_tokens == 0
+    num_async.clear()
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs == reference
+    assert core.scheduler.num_accepted_tokens > 0  # drafts once two requests were left
+    assert 5 <= len(num_async) < 20  # asynchronous steps while 3 or 4 requests ran

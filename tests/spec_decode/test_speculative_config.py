@@ -72,14 +72,10 @@ def test_bad_older_keywords():
         SpeculativeConfig.from_user({"num_speculative_tokens": 2}, "[ngram]", 2)
 
 
-def test_engine_args_check_before_loading_and_refuse_async_scheduling():
+def test_engine_args_check_before_loading():
     # the model does not exist: the speculative config is checked first
     with pytest.raises(ValueError, match="method='eagle' is not implemented yet"):
         EngineArgs(model="/nonexistent", speculative_config={"method": "eagle"}).create_engine_config()
-    with pytest.raises(ValueError, match="async_scheduling=True: speculative decoding runs with synchronous"):
-        EngineArgs(
-            model="/nonexistent", async_scheduling=True, speculative_config={"num_speculative_tokens": 2}
-        ).create_engine_config()
 
 
 def test_the_server_flag_takes_json():
