@@ -43,8 +43,6 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":  # the draft model runs where the target does
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
-        if config.speculative_proposer is not None:
-            self.scheduler.drafts_enabled = True  # only synchronous steps get drafts (see step)
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
@@ -81,6 +79,7 @@ class EngineCore:
                 if self.config.speculative_proposer is not None:
                     self.scheduler.set_drafts({})  # drafts proposed by a synchronous step are dropped
                 return self._step_async()
+            self.scheduler.drafts_enabled = True  # a synchronous step: drafts may be verified (see _drafting)
             if self.in_flight is not None:  # to synchronous steps with drafts: the step on the device ends first
                 so, future = self.in_flight
                 self.in_flight = None
