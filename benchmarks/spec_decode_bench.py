@@ -1,26 +1,43 @@
-"""Output tokens/s with and without n-gram speculative decoding on an input-grounded workload: a ~1k-token text made
-here deterministically (seeded sentences), and chat prompts asking the model to repeat or lightly edit it, where
-prompt lookup finds the continuation in the prompt. Greedy decoding, so both runs must produce the same tokens
-(checked: same_outputs).
+"""Output tokens/s with and without speculative decoding, in the same run. Greedy decoding, so both runs must
+produce the same tokens (checked: same_outputs; in half precision a verifying step's sums may round apart).
+
+--method ngram (default): an input-grounded workload, a ~1k-token text made here deterministically (seeded
+sentences) and chat prompts asking the model to repeat or lightly edit it, where prompt lookup finds the
+continuation in the prompt.
+
+--method draft: Llama-3.1-8B shapes with a Llama-3.2-1B-shaped draft (benchmarks/configs), dummy weights, random
+prompts. A dummy draft never agrees with a dummy target, so its agreement is forced: the draft model runs its K
+forward passes as usual (their cost is measured), but the token each pass feeds on and proposes is the target's
+greedy continuation (recorded by the run without speculation), agreeing independently with probability `agree`
+(else another token) - the draft's cache then holds what a draft agreeing at that rate would have written.
+Verification accepts a draft while it and those before it agree, so the acceptance rate (accepted / proposed, as
+vLLM counts it) is (agree + agree^2 + ... + agree^K) / K: --acceptance sets that rate and `agree` follows from it.
+disable_by_batch_size (--disable-by-batch-size, default 32) turns drafts off at batch 64.
 
 Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl unless --no-append):
-  spec-decode-ngram-bs{B}   B prompts at once (batch 1 and 16): tokens/s without speculation (the engine's default
-                            scheduling: asynchronous on a GPU), with n-gram drafts (synchronous), the speedup, the
-                            drafts' acceptance rate and the mean tokens emitted per verifying step
+  spec-decode-{ngram,draft}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default
+                            scheduling: asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts'
+                            acceptance rate, the mean tokens emitted per verifying step, and the time split: seconds
+                            proposing (the draft model's passes) and the rest (target forward, verification, sampling)
 
     PYTHONPATH=. python benchmarks/spec_decode_bench.py                 # the bundled SmolLM2 (on a GPU)
+    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft  # 8B target, 1B draft, dummy (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --tiny --no-append   # a tiny random model on the CPU (smoke)
+    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft --tiny --no-append
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
 import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 try:
@@ -82,6 +99,65 @@ def tiny_prompts(count: int, length: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(320) for _ in range(length // 4)] * 4} for _ in range(count)]
 
 
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+TINY_TARGET = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+TINY_DRAFT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
+
+
+def dummy_config_dir(base: str, **overrides) -> str:
+    """A folder with base's config.json (overrides applied): for load_format="dummy"."""
+    with open(os.path.join(base, "config.json")) as f:
+        config = json.load(f) | overrides
+    path = tempfile.mkdtemp(prefix="spec-bench-config")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def draft_paths(tiny: bool) -> tuple[str, str]:
+    """(target, draft) config folders: Llama-3.1-8B and Llama-3.2-1B shapes, or tiny ones of their layout."""
+    target, draft = (os.path.join(BENCH_DIR, "configs", name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    if not tiny:
+        return target, draft
+    small = dict(num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024, rope_scaling=None)
+    return dummy_config_dir(target, **TINY_TARGET, **small), dummy_config_dir(draft, **TINY_DRAFT, **small)
+
+
+def agreement_for(acceptance: float, k: int) -> float:
+    """The per-draft agreement a with (a + a^2 + ... + a^k) / k == acceptance (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(1, k + 1)) / k < acceptance else (lo, mid)
+    return (lo + hi) / 2
+
+
+class ForcedAgreement:
+    """The drafter's force_drafts hook: a request's draft at position p is the target's greedy token there where a
+    seeded draw (per prompt and position) agrees, else another token. references: prompt + greedy output, prompts
+    of prompt_len tokens; a request without one (-1) keeps the draft model's tokens."""
+
+    def __init__(self, references: list[list[int]], prompt_len: int, agree: float, k: int, vocab: int) -> None:
+        rng = np.random.default_rng(0)
+        self.refs = {tuple(ref[:prompt_len]): (ref, rng.random(len(ref)) < agree) for ref in references}
+        self.prompt_len, self.k, self.vocab_size = prompt_len, k, vocab
+
+    def __call__(self, histories: list[list[int]]) -> np.ndarray:
+        out = np.full((len(histories), self.k), -1, dtype=np.int64)  # [m, K]
+        for i, tokens in enumerate(histories):
+            ref, agrees = self.refs.get(tuple(tokens[: self.prompt_len]), (None, None))
+            if ref is None:
+                continue
+            for j, p in enumerate(range(len(tokens), min(len(tokens) + self.k, len(ref)))):
+                out[i, j] = ref[p] if agrees[p] else (ref[p] + 1) % self.vocab_size
+        return out
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(length)]} for _ in range(count)]
+
+
 def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[list[int]], float]:
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
     start = time.perf_counter()
@@ -89,24 +165,46 @@ def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[l
     return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
 
 
-def run_engine(args, spec: dict | None) -> dict[int, tuple[list[list[int]], float, tuple[int, int, int]]]:
-    """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted)) for one engine configuration."""
+def make_llm(args, spec: dict | None) -> LLM:
     # a fixed KV cache (no memory profile): the engine built before may not have handed all of its memory back
     kwargs = dict(speculative_config=spec, kv_cache_memory_bytes=(64 << 20) if args.tiny else (8 << 30))
+    if args.method == "draft":
+        kwargs |= dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len)
+        return LLM(args.target, dtype="float32" if args.tiny else args.dtype, **kwargs)
     if args.tiny:
-        llm = LLM(tiny_model_path(), dtype="float32", skip_tokenizer_init=True, **kwargs)
-    else:
-        llm = LLM(args.model, dtype=args.dtype, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny)
+        return LLM(tiny_model_path(), dtype="float32", skip_tokenizer_init=True, **kwargs)
+    return LLM(args.model, dtype=args.dtype, **kwargs)
+
+
+def workload(args, llm: LLM, batch: int) -> list[dict]:
+    if args.method == "draft":
+        vocab = llm.llm_engine.config.model.vocab_size
+        return random_prompts(batch, args.prompt_len, vocab, seed=batch)
+    return tiny_prompts(batch, 256) if args.tiny else chat_prompts(llm, batch, args.sentences)
+
+
+def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
+    """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted), seconds proposing) for one engine
+    configuration. references (batch size -> the outputs without speculation): the draft model's tokens are forced
+    to agree with them at the rate asked for."""
+    llm = make_llm(args, spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny or args.method == "draft")
+    drafter = getattr(llm.llm_engine.core.executor.runner, "drafter", None)
     results = {}
     for batch in args.batch_sizes:
-        prompts = tiny_prompts(batch, 256) if args.tiny else chat_prompts(llm, batch, args.sentences)
+        prompts = workload(args, llm, batch)
+        if drafter is not None:
+            refs = [p["prompt_token_ids"] + out for p, out in zip(prompts, references[batch][0])]
+            vocab = llm.llm_engine.config.model.vocab_size
+            drafter.force_drafts = ForcedAgreement(refs, args.prompt_len, args.agree, args.k, vocab)
         sched = llm.llm_engine.core.scheduler
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
+        propose_before = drafter.seconds if drafter is not None else 0.0
         outputs, seconds = timed(llm, prompts, params)
         after = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        results[batch] = (outputs, seconds, tuple(a - b for a, b in zip(after, before)))
-    del llm
+        proposing = (drafter.seconds - propose_before) if drafter is not None else None
+        results[batch] = (outputs, seconds, tuple(a - b for a, b in zip(after, before)), proposing)
+    del llm, drafter
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -115,41 +213,65 @@ def run_engine(args, spec: dict | None) -> dict[int, tuple[list[list[int]], floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU (smoke run)")
+    parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    parser.add_argument("--model", default=None, help="ngram: model (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke run)")
     parser.add_argument("--dtype", default="auto", help="in half precision a verifying step's sums may round apart")
-    parser.add_argument("--batch-sizes", default="1,16")
-    parser.add_argument("--max-tokens", type=int, default=None, help="default: 512 (--tiny: 48)")
-    parser.add_argument("--sentences", type=int, default=80, help="sentences of the text (~12 tokens each)")
+    parser.add_argument("--batch-sizes", default=None, help="default: 1,16 (draft: 1,16,64)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: 512 (draft 256; --tiny: 48)")
+    parser.add_argument("--sentences", type=int, default=80, help="ngram: sentences of the text (~12 tokens each)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--acceptance", type=float, default=0.7, help="draft: the forced acceptance rate")
+    parser.add_argument("--disable-by-batch-size", type=int, default=32, help="draft: no drafts above this batch")
+    parser.add_argument("--prompt-len", type=int, default=None, help="draft: prompt tokens (default 128; tiny 32)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="draft (default 2048; tiny 512)")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    args.max_tokens = args.max_tokens or (48 if args.tiny else 512)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    spec |= {"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
-    base, fast = run_engine(args, None), run_engine(args, spec)
+    draft = args.method == "draft"
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,16,64" if draft else "1,16")).split(",")]
+    args.max_tokens = args.max_tokens or (48 if args.tiny else 256 if draft else 512)
+    args.prompt_len = args.prompt_len or (32 if args.tiny else 128)
+    args.max_model_len = args.max_model_len or (512 if args.tiny else 2048)
+    if draft:
+        args.target, draft_path = draft_paths(args.tiny)
+        args.agree = agreement_for(args.acceptance, args.k)
+        spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": args.k}
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k}
+        spec |= {"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
+    base = run_engine(args, None)
+    fast = run_engine(args, spec, base)
+    report(args, spec, base, fast)
+    return 0
+
+
+def report(args, spec: dict, base: dict, fast: dict) -> None:
     machine, commit = machine_description(), git_commit()
+    draft = args.method == "draft"
+    model = ("tiny-random" if args.tiny else args.model) if not draft else ("tiny-dummy" if args.tiny else "8B+1B")
     for batch in args.batch_sizes:
-        (ref, t0, _), (out, t1, (steps, drafts, accepted)) = base[batch], fast[batch]
+        (ref, t0, _, _), (out, t1, (steps, drafts, accepted), proposing) = base[batch], fast[batch]
         tokens = sum(len(o) for o in out)
+        extra = dict(forced_agreement=rounded(args.agree, 3)) if draft else {}
+        if proposing is not None:
+            extra |= dict(seconds_proposing=rounded(proposing, 3), seconds_target=rounded(t1 - proposing, 3))
         record = make_record(
-            f"spec-decode-ngram-bs{batch}", machine, commit, model="tiny-random" if args.tiny else args.model,
-            spec=spec, max_tokens=args.max_tokens, output_tokens=tokens,
-            tok_s_baseline=rounded(sum(len(o) for o in ref) / t0, 1), tok_s_ngram=rounded(tokens / t1, 1),
+            f"spec-decode-{args.method}-bs{batch}", machine, commit, model=model,
+            spec={k: v for k, v in spec.items() if k != "model"}, max_tokens=args.max_tokens, output_tokens=tokens,
+            tok_s_baseline=rounded(sum(len(o) for o in ref) / t0, 1), tok_s_spec=rounded(tokens / t1, 1),
             speedup=rounded(t0 / t1, 3), acceptance_rate=rounded(accepted / drafts if drafts else None, 3),
             tokens_per_verify_step=rounded((accepted + steps) / steps if steps else None, 2),
-            same_outputs=ref == out,
+            same_outputs=ref == out, **extra,
         )  # fmt: skip
         emit(record, append=not args.no_append)
         print(
-            f"batch {batch}: {record['tok_s_baseline']} -> {record['tok_s_ngram']} tok/s (x{record['speedup']}), "
+            f"batch {batch}: {record['tok_s_baseline']} -> {record['tok_s_spec']} tok/s (x{record['speedup']}), "
             f"acceptance {record['acceptance_rate']}, same outputs: {record['same_outputs']}",
             file=sys.stderr,
         )
-    return 0
 
 
 if __name__ == "__main__":

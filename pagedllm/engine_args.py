@@ -28,6 +28,7 @@ from pagedllm.model_loader.weights import check_load_format
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
+from pagedllm.spec_decode.draft_model import draft_model_config
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")
@@ -156,9 +157,9 @@ class EngineArgs:
             self.ngram_prompt_lookup_max,
             self.ngram_prompt_lookup_min,
         )
-        if speculative is not None and self.async_scheduling:
-            raise ValueError("async_scheduling=True: speculative decoding runs with synchronous scheduling only")
         model = self.create_model_config(device)
+        if speculative is not None and speculative.method == "draft_model":
+            speculative.draft_model_config = draft_model_config(speculative, model)
         cache = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -170,7 +171,9 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=model.max_model_len,
-            async_scheduling=(device.type == "cuda" and speculative is None)
+            # with speculation: asynchronous steps (no drafts) only above disable_by_batch_size (engine/core.py)
+            async_scheduling=device.type == "cuda"
+            and (speculative is None or speculative.disable_by_batch_size is not None)
             if self.async_scheduling is None
             else self.async_scheduling,
         )
@@ -182,7 +185,8 @@ class EngineArgs:
             # the fallback runs eagerly: HF forwards are not checked to be CUDA-graph safe (host syncs, masks)
             DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", self.attention_backend),
             compilation,
-            speculative_proposer=NgramProposer(speculative) if speculative is not None else None,
+            # a draft model runs in the model runner: the engine core proposes through the executor
+            speculative_proposer=NgramProposer(speculative) if speculative and speculative.method == "ngram" else None,
             speculative_config=speculative,
         )
 

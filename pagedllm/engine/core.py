@@ -1,6 +1,8 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
-scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer (synchronous
-scheduling only) each update is followed by a proposal of draft tokens for the next step."""
+scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer each synchronous
+update is followed by a proposal of draft tokens for the next step. Drafts need synchronous steps (a request's last
+token must be known to draft after it): with both, steps run asynchronously without drafts while the batch is above
+disable_by_batch_size, and synchronously with drafts otherwise (the step on the device ends first)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
+from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,11 @@ class EngineCore:
             self.shutdown()
             raise
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        spec = config.speculative_config
+        self.draft_policy = DraftPolicy(spec)  # which requests get drafts (a proposer may be set without spec)
+        if spec is not None and spec.method == "draft_model":  # the draft model runs where the target does
+            config.speculative_proposer = self.executor
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
@@ -77,7 +85,20 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         if self.config.scheduler.async_scheduling:
-            return self._step_async()
+            if not self._drafting():
+                if self.config.speculative_proposer is not None:
+                    self.scheduler.set_drafts({})  # drafts proposed by a synchronous step are dropped
+                return self._step_async()
+            self.scheduler.drafts_enabled = True  # a synchronous step: drafts may be verified (see _drafting)
+            if self.in_flight is not None:  # to synchronous steps with drafts: the step on the device ends first
+                so, future = self.in_flight
+                self.in_flight = None
+                try:
+                    out = future.result()
+                except BaseException:
+                    self._discard(so)
+                    raise
+                return self._update(so, out)
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
@@ -88,18 +109,30 @@ class EngineCore:
         except BaseException:
             self._discard(so)
             raise
+        return self._update(so, out)
+
+    def _update(self, so, out) -> list[EngineCoreOutput]:
+        """A synchronous step's update, then the drafts for the next step."""
         outputs = self.scheduler.update_from_output(so, out)
+        if so.scheduled_spec_decode_tokens:
+            self.draft_policy.record(so.scheduled_spec_decode_tokens, out.sampled_token_ids)
         if self.config.speculative_proposer is not None:
             self._propose(self.config.speculative_proposer)
         return outputs
 
+    def _drafting(self) -> bool:
+        """With async scheduling: whether the next step is synchronous, with drafts (a proposer, and a batch within
+        disable_by_batch_size: the running and waiting requests, up to max_num_seqs)."""
+        if self.config.speculative_proposer is None:
+            return False
+        limit, sched = self.draft_policy.disable_by_batch_size, self.scheduler
+        return limit is None or min(len(sched.running) + len(sched.waiting), sched.max_num_seqs) <= limit
+
     def _propose(self, proposer) -> None:
-        """Drafts for the next step of the running requests that decode and may speculate."""
-        token_ids = {
-            r.request_id: r.all_token_ids
-            for r in self.scheduler.running
-            if r.can_speculate and r.num_computed_tokens == r.num_tokens - 1
-        }
+        """Drafts for the next step of the running requests that decode, as the policy allows
+        (spec_decode/policy.py)."""
+        chosen = self.draft_policy.select(self.scheduler.running)
+        token_ids = {r.request_id: r.all_token_ids for r in chosen}
         self.scheduler.set_drafts(proposer.propose(token_ids) if token_ids else {})
 
     def _step_async(self) -> list[EngineCoreOutput]:

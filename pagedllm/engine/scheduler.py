@@ -60,9 +60,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the model runner
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
-        # drafts are verified only with synchronous scheduling (asynchronously, a request's last token may still be
-        # on the device when its next step is scheduled)
+        # drafts are verified only in synchronous steps (asynchronously, a request's last token may still be on the
+        # device when its next step is scheduled); the engine core turns them on where it runs those with drafts
         self.drafts_enabled = not config.async_scheduling
+        # slots a decoding request that may speculate gets past its scheduled tokens, for the KV a draft model writes
+        # when it proposes after the step (set by the engine core for speculative_config method "draft_model")
+        self.num_lookahead_tokens = 0
+        self.max_model_len = config.max_model_len
         self.num_drafts = 0  # draft sequences verified so far (one per request and step with drafts)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of which accepted
@@ -150,7 +154,10 @@ class Scheduler:
                 continue
             n = min(num_known - req.num_computed_tokens, budget)
             drafts = self._drafts(req, n, budget) if req.spec_token_ids else ()
-            new_blocks = self.kv.allocate_slots(req, n + len(drafts))
+            lookahead = self._lookahead(req, n + len(drafts))
+            new_blocks = self.kv.allocate_slots(req, n + len(drafts) + lookahead) if lookahead else None
+            if new_blocks is None:  # lookahead slots never preempt anything either
+                new_blocks = self.kv.allocate_slots(req, n + len(drafts))
             if new_blocks is None and drafts:  # drafts never preempt anything: the request goes on without them
                 drafts = []
                 new_blocks = self.kv.allocate_slots(req, n)
@@ -182,6 +189,19 @@ class Scheduler:
             return []
         room = min(budget - n, req.max_tokens - req.num_output_tokens - 1)
         return drafts[: max(room, 0)]
+
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Slots for the draft model's writes after the step (up to num_lookahead_tokens past the scheduled tokens,
+        within max_model_len), for a request that may speculate and reaches the end of its known tokens."""
+        end = req.num_computed_tokens + num_new
+        if (
+            not self.num_lookahead_tokens
+            or end < req.num_tokens
+            or not req.can_speculate
+            or req.num_output_placeholders
+        ):
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> list[NewRequestData]:
         """Waiting requests in order while the budget, max_num_seqs and the free blocks allow."""

@@ -1,15 +1,18 @@
 """The user's speculative-decoding options, as vLLM spells them: `speculative_config={"method": "ngram",
-"num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m}`, or the older keywords
-`speculative_model="[ngram]"`, `num_speculative_tokens`, `ngram_prompt_lookup_max`, `ngram_prompt_lookup_min`."""
+"num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m}` or `{"method": "draft_model",
+"model": PATH, "num_speculative_tokens": K}`, or the older keywords `speculative_model="[ngram]"` (or a draft
+model's path), `num_speculative_tokens`, `ngram_prompt_lookup_max`, `ngram_prompt_lookup_min`.
+
+Drafts are turned off per step and row by spec_decode/policy.py (disable_by_batch_size, poor acceptance)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's other methods: named so that asking for one says it is not built, rather than that it is unknown
-NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "deepseek_mtp", "mtp", "suffix")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp", "suffix")
 
 
 @dataclass
@@ -21,6 +24,9 @@ class SpeculativeConfig:
     # no drafts in a step where more requests than this decode (None: always drafts); at large batches the step is
     # compute bound and the rejected drafts' work costs more than the accepted ones save
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model (method "draft_model"): a local folder or hub name, same vocabulary
+    # the draft's resolved ModelConfig, built with the target's (EngineArgs); not a user field
+    draft_model_config: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method in NOT_BUILT:
@@ -32,6 +38,12 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (an integer >= 1)")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError(
+                f"speculative_config method='draft_model' needs model (the draft's path), got {self.model!r}"
+            )
+        if self.method == "ngram" and self.model not in (None, "ngram", "[ngram]"):
+            raise ValueError(f"speculative_config method='ngram' takes no model, got model={self.model!r}")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max, self.prompt_lookup_min = 5, 1
         elif self.prompt_lookup_max is None:
@@ -76,11 +88,11 @@ class SpeculativeConfig:
             return None
         if speculative_model is None:
             raise ValueError(f"{given} need speculative_model='[ngram]' (or use speculative_config)")
-        if speculative_model != "[ngram]":
-            raise ValueError(
-                f"speculative_model={speculative_model!r}: draft-model speculation is not implemented yet; "
-                "supported: '[ngram]'"
-            )
+        if speculative_model != "[ngram]":  # a draft model's path
+            ngram_keys = [k for k in given if k.startswith("ngram_")]
+            if ngram_keys:
+                raise ValueError(f"{ngram_keys} are options of speculative_model='[ngram]', not of a draft model")
+            return cls("draft_model", num_speculative_tokens, model=speculative_model)
         return cls("ngram", num_speculative_tokens, ngram_prompt_lookup_max, ngram_prompt_lookup_min)
 
     @classmethod
@@ -93,7 +105,9 @@ class SpeculativeConfig:
         if "model" in value and "method" not in value:  # vLLM's older spelling: {"model": "[ngram]"} / a model
             model = value.pop("model")
             value["method"] = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
-        names = {f.name for f in fields(cls)}
+            if value["method"] == "draft_model":
+                value["model"] = model
+        names = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; allowed: {sorted(names)}")

@@ -5,7 +5,8 @@ occurs. No model runs: it pays off where outputs copy their input (editing, summ
 The search is vectorized over the batch: the histories, right-aligned in one padded array [batch, length], are
 compared with their own suffix at every offset, one n-gram length at a time (max_n passes over the array, no loop
 per token). It costs O(batch * length * max_n) per step on the host: for large batches of long histories set
-disable_by_batch_size, which also turns drafts off where the step is compute bound anyway."""
+disable_by_batch_size, which also turns drafts off where the step is compute bound anyway (spec_decode/policy.py
+applies it before the proposer runs)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,14 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
-        self.disable_by_batch_size = config.disable_by_batch_size
         # request id -> (its history as an array (capacity grows by doubling), how much of it is filled, the token
         # list it copies): only the tokens appended to that list since the last step are converted. A request's list
         # only grows (Request.all_token_ids); another list under the same id is another request
         self.histories: dict[str, tuple[np.ndarray, int, list[int]]] = {}
 
     def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """request id -> its tokens so far => request id -> up to K drafts (rows without a match are left out). No
-        drafts at all when more requests decode than disable_by_batch_size."""
-        if not token_ids or (self.disable_by_batch_size is not None and len(token_ids) > self.disable_by_batch_size):
+        """request id -> its tokens so far => request id -> up to K drafts (rows without a match are left out)."""
+        if not token_ids:
             self.histories.clear()
             return {}
         self.histories = {r: self._history(r, tokens) for r, tokens in token_ids.items()}  # the others are dropped

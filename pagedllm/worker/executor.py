@@ -48,3 +48,7 @@ class UniProcExecutor:
     def launch(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Queues the step on the device; the returned future's result() waits for it (async scheduling)."""
         return self.runner.launch(scheduler_output)
+
+    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Draft tokens from the runner's draft model (speculative_config method "draft_model")."""
+        return self.runner.drafter.propose(token_ids)

@@ -20,6 +20,7 @@ from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
+from pagedllm.spec_decode.draft_model import make_drafter
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -67,6 +68,7 @@ class ModelRunner:
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
         self.last_step: StepFuture | None = None  # the newest launched step that samples
         self.host_copies = HostCopies()  # pinned buffers the steps' sampled tokens and logprobs come back through
+        self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
@@ -89,7 +91,8 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
         per_layer = 2 * self.block_size * self.num_kv_heads * m.head_dim * m.dtype.itemsize
-        return per_layer * len(self.attn_layers)
+        draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0  # the same block ids
+        return per_layer * len(self.attn_layers) + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
@@ -103,10 +106,13 @@ class ModelRunner:
                 num_blocks, self.block_size, self.num_kv_heads, m.head_dim, m.dtype, self.device
             )
             layer.backend = self.backend
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
 
     def capture_cudagraphs(self) -> float:
         """Captures the decode graphs over the allocated KV cache (CUDA only); returns the seconds it took."""
-        return self.graphs.capture() if self.graphs is not None else 0.0
+        seconds = self.graphs.capture() if self.graphs is not None else 0.0
+        return seconds + (self.drafter.capture_cudagraphs() if self.drafter is not None else 0.0)
 
     def available_kv_cache_bytes(self) -> int | None:
         """On CUDA: the KV-cache budget found by profiling one forward (see gpu_memory); None elsewhere."""

@@ -227,3 +227,28 @@ def test_set_drafts_replaces_every_running_requests_drafts():
     sched.set_drafts({})
     assert a.spec_token_ids == []
     assert sched.schedule().num_scheduled_tokens == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "num_blocks, max_model_len, params, new_blocks",
+    [
+        (10, 64, {}, [2, 3]),  # positions 6..9 scheduled + 3 lookahead (10..12): 13 slots, blocks 0..3
+        (3, 64, {}, [2]),  # no room for the lookahead: the step goes on without it (nothing preempted)
+        (10, 11, {}, [2]),  # within max_model_len: 1 lookahead slot (position 10)
+        (10, 64, {"logits_processors": [lambda _, x: x]}, []),  # a request that may not speculate: none
+    ],
+)
+def test_lookahead_slots_for_the_draft_models_writes(num_blocks, max_model_len, params, new_blocks):
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32, max_model_len=max_model_len),
+        CacheConfig(block_size=BS, enable_prefix_caching=False),
+        num_blocks,
+    )
+    sched.num_lookahead_tokens = 3
+    a = prefilled(sched, make_request("a", range(1, 7), max_tokens=5, **params))  # blocks [0, 1]; 7 at position 6
+    sched.set_drafts({"a": [1, 2, 3]} if not params else {})
+    so = sched.schedule()
+    assert [c.new_block_ids for c in so.cached_reqs] == [new_blocks] and sched.num_preemptions == 0
+    assert a.num_computed_tokens == (10 if not params else 7)  # lookahead slots are not computed tokens
+    answer(sched, so, {"a": [1, 2, 9] if not params else [5]})
+    assert sched.kv.req_to_blocks["a"][: 2 + len(new_blocks)] == sched.kv.req_to_blocks["a"]  # kept, not freed

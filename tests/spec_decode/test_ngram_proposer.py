@@ -55,13 +55,6 @@ def test_padding_never_matches():
     assert drafts[1, :2].tolist() == [1, 0]
 
 
-def test_drafts_turn_off_above_disable_by_batch_size():
-    config = SpeculativeConfig("ngram", 2, 2, 1, disable_by_batch_size=2)
-    history = [1, 2, 1, 2, 1]
-    assert NgramProposer(config).propose({"a": history, "b": history}) == {"a": [2, 1], "b": [2, 1]}
-    assert NgramProposer(config).propose({"a": history, "b": history, "c": history}) == {}
-
-
 def test_histories_kept_between_steps_propose_as_a_fresh_proposer():
     """The proposer converts only the tokens appended since its last call: over growing histories, an id used again
     for another request and requests that leave, it proposes what a fresh proposer proposes."""

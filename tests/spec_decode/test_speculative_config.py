@@ -32,8 +32,10 @@ def test_lookup_bounds_default_from_each_other():
     "config, match",
     [
         ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' is not implemented yet"),
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "method='draft_model' is not implemented yet"),
-        ({"model": "some/draft-model", "num_speculative_tokens": 3}, "'draft_model' is not implemented yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "method='draft_model' needs model"),
+        ({"method": "ngram", "model": "a/draft", "num_speculative_tokens": 3}, "'ngram' takes no model"),
+        ({"method": "draft_model", "model": "a/draft"}, "needs num_speculative_tokens"),
+        ({"num_speculative_tokens": 2, "draft_model_config": 1}, r"unknown field\(s\) \['draft_model_config'\]"),
         ({"method": "lookahead", "num_speculative_tokens": 3}, "method='lookahead' is not a method"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be an integer >= 1"),
@@ -50,23 +52,30 @@ def test_bad_config(config, match):
         SpeculativeConfig.from_user(config)
 
 
+def test_draft_model_in_the_dict_and_the_older_keywords():
+    new = SpeculativeConfig.from_user({"method": "draft_model", "model": "a/draft", "num_speculative_tokens": 3})
+    older_dict = SpeculativeConfig.from_user({"model": "a/draft", "num_speculative_tokens": 3})
+    old = SpeculativeConfig.from_user(None, "a/draft", 3)
+    assert new == older_dict == old and (old.method, old.model, old.num_speculative_tokens) == (
+        "draft_model",
+        "a/draft",
+        3,
+    )
+
+
 def test_bad_older_keywords():
-    with pytest.raises(ValueError, match="speculative_model='some/model': draft-model speculation is not implemented"):
-        SpeculativeConfig.from_user(None, "some/model", 3)
+    with pytest.raises(ValueError, match=r"\['ngram_prompt_lookup_max'\] are options of speculative_model='\[ngram\]'"):
+        SpeculativeConfig.from_user(None, "some/model", 3, 2)
     with pytest.raises(ValueError, match=r"\['num_speculative_tokens'\] need speculative_model='\[ngram\]'"):
         SpeculativeConfig.from_user(None, None, 3)
     with pytest.raises(ValueError, match="not both"):
         SpeculativeConfig.from_user({"num_speculative_tokens": 2}, "[ngram]", 2)
 
 
-def test_engine_args_check_before_loading_and_refuse_async_scheduling():
+def test_engine_args_check_before_loading():
     # the model does not exist: the speculative config is checked first
     with pytest.raises(ValueError, match="method='eagle' is not implemented yet"):
         EngineArgs(model="/nonexistent", speculative_config={"method": "eagle"}).create_engine_config()
-    with pytest.raises(ValueError, match="async_scheduling=True: speculative decoding runs with synchronous"):
-        EngineArgs(
-            model="/nonexistent", async_scheduling=True, speculative_config={"num_speculative_tokens": 2}
-        ).create_engine_config()
 
 
 def test_the_server_flag_takes_json():

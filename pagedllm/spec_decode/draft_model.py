@@ -1,0 +1,272 @@
+"""Draft-model speculation: a small model with the target's vocabulary proposes K tokens per request by K greedy
+forward passes after each target step.
+
+The draft runs where the target runs (the model runner holds it) and has its own paged KV cache: its attention
+layers get their own cache tensors with the target's block ids, so a request's block table serves both (a block's
+KV bytes include the draft's layers) and a prefix-cache hit finds the draft's KV in the same blocks. Each row keeps
+how many leading positions of its request hold draft KV (`valid`, reset when the row gets a new admission):
+
+- pass 1 covers a request's positions from `valid` to its last token and its last logits give draft 1. The draft's
+  KV of its own drafts that the target accepted is kept (where it was written to blocks the request held), so in
+  the steady state pass 1 covers the token the target sampled, and the last draft when all were accepted: one or two
+  one-token passes. After a prefill, a prefix hit or steps without drafts it covers everything the draft has not
+  seen, as one varlen batch (within max_num_batched_tokens per step);
+- passes 2..K feed draft i - 1 at the next position (one token per row: a decode, replayed from CUDA graphs on a
+  GPU) and give draft i. The drafts stay on the device until the one copy of all of them at the end.
+
+Positions past the blocks a request holds (its last token's and the drafts', whose blocks the scheduler allocates
+only when it schedules them) are written to scratch blocks after the shared ones, a few per row, and never count
+as valid: the next pass 1 computes them again where the target computed them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.attention.common import BatchLayout
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.device import to_device
+from pagedllm.forward_context import forward_context
+from pagedllm.layers.attention import Attention
+from pagedllm.model_loader.loader import get_model, load_hf_config
+from pagedllm.model_loader.resolve import resolve_model
+from pagedllm.models.registry import resolve_model_impl
+from pagedllm.spec_decode.config import SpeculativeConfig
+
+
+def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft's ModelConfig: the target's dtype, length, seed and load format (dummy weights stay dummy), its
+    own checkpoint. The draft must share the target's vocabulary (its tokens are the target's)."""
+    path = resolve_model(spec.model)
+    hf_config = load_hf_config(path, target.trust_remote_code, None)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"speculative_config model={spec.model!r}: its config.json names no `architectures`")
+    draft_vocab = getattr(hf_config, "vocab_size", None)
+    if draft_vocab != target.vocab_size:
+        raise ValueError(
+            f"speculative_config model={spec.model!r} has vocab_size={draft_vocab}, the target model "
+            f"{target.model!r} has {target.vocab_size}: a draft model must use the target's tokenizer"
+        )
+    return dataclasses.replace(
+        target,
+        model=spec.model,
+        model_path=path,
+        tokenizer=None,
+        hf_config=hf_config,
+        architecture=archs[0],
+        load_format="dummy" if target.load_format == "dummy" else "auto",
+        keep_q4=False,
+        quantization=None,
+        runner="generate",
+        pooler=None,
+        model_impl=resolve_model_impl(archs[0], "auto"),
+    )
+
+
+def make_drafter(config: EngineConfig, runner) -> DraftModelProposer | None:
+    """The runner's draft model, when speculative_config asks for one."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    if config.parallel.world_size > 1:
+        raise ValueError(
+            "speculative_config method 'draft_model' runs on one rank: use tensor_parallel_size=1 and "
+            "pipeline_parallel_size=1 with it (the n-gram method works with tensor parallelism)"
+        )
+    return DraftModelProposer(config, runner)
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig, runner) -> None:
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.runner = runner  # its persistent batch holds the requests' tokens and block tables
+        self.device, self.backend = runner.device, runner.backend
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.model_config = spec.draft_model_config
+        self.model = get_model(self.model_config, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        max_rows = len(runner.batch.generation)
+        self.valid = np.zeros(max_rows, dtype=np.int64)  # [rows] leading positions whose draft KV is cached
+        self.generation = np.full(max_rows, -1, dtype=np.int64)  # [rows] the admission `valid` counts for
+        # the drafts 1..K-1 fed at the last proposal: their positions start at fed_start, the first fed_len of them
+        # were written to blocks the request held (their KV is reused where the target accepted them)
+        self.fed = np.zeros((max_rows, max(self.k - 1, 1)), dtype=np.int64)  # [rows, K - 1]
+        self.fed_start = np.zeros(max_rows, dtype=np.int64)
+        self.fed_len = np.zeros(max_rows, dtype=np.int64)
+        self.scratch_per_row = -(-(self.k + 1) // self.block_size) + 1
+        self.num_blocks = 0  # the shared blocks; scratch blocks follow them
+        self.graphs = None  # a CudaGraphRunner of the draft's decode passes (CUDA only)
+        # optional (the proposing requests' tokens so far) -> [m, K] int64 draft tokens (-1: the draft model's), fed
+        # on and proposed in place of the draft model's: benchmarks force an acceptance rate with it
+        self.force_drafts = None
+        self.num_first_passes = {"decode": 0, "catch_up": 0}  # how pass 1 ran (one-token passes, or a varlen batch)
+        self.seconds = 0.0  # time spent proposing (for the benchmark's step split)
+
+    def kv_bytes_per_block(self) -> int:
+        itemsize = self.model_config.dtype.itemsize
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attn_layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        total = num_blocks + self.scratch_per_row * len(self.valid)
+        for layer in self.attn_layers:
+            layer.kv_cache = self.backend.allocate_kv_cache(
+                total, self.block_size, layer.num_kv_heads, layer.head_dim, self.model_config.dtype, self.device
+            )
+            layer.backend = self.backend
+        self.num_blocks = num_blocks
+
+    def capture_cudagraphs(self) -> float:
+        """Graphs of the draft's one-token passes (the runner's rule: CUDA, Triton backend, not enforce_eager)."""
+        from pagedllm.worker.cuda_graphs import CudaGraphRunner
+
+        target = self.runner.graphs
+        if target is None:
+            return 0.0
+        m = self.model_config
+        self.graphs = CudaGraphRunner(
+            self.model, self.backend, target.sizes, target.max_blocks, self.block_size, self.max_model_len,
+            m.num_kv_heads, self.device,
+        )  # fmt: skip
+        return self.graphs.capture()
+
+    @torch.inference_mode()
+    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts."""
+        start_time = time.perf_counter()
+        b = self.runner.batch
+        req_ids = [r for r in token_ids if r in b.row_of]
+        rows = np.array([b.row_of[r] for r in req_ids], dtype=np.int64)  # [n]
+        stale = self.generation[rows] != b.generation[rows]
+        self.valid[rows[stale]], self.fed_len[rows[stale]] = 0, 0
+        self.generation[rows] = b.generation[rows]
+        self._take_accepted(rows)
+        num_tokens = b.num_tokens[rows]  # [n]
+        start = np.minimum(self.valid[rows], num_tokens - 1)  # pass 1 ends with the last token (its logits)
+        need = num_tokens - start
+        take = np.clip(self.max_num_batched_tokens - (np.cumsum(need) - need), 0, need)  # the step's token budget
+        # rows caught up to their last token propose, with room for K drafts and the token after them
+        proposing = (take == need) & (num_tokens + self.k < self.max_model_len)
+        sel = np.flatnonzero(take > 0)
+        keep = proposing[sel]
+        ids = [req_ids[i] for i in sel[keep].tolist()]
+        table = self._block_tables(rows[sel])  # [len(sel), max_blocks]
+        first = self._first_pass(rows[sel], start[sel], take[sel], table, keep)  # [m] on the device
+        out: dict[str, list[int]] = {}
+        if first is not None:
+            forced = None
+            if self.force_drafts is not None:
+                forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the draft's
+            drafts = self._decode_passes(first, num_tokens[sel][keep], table[keep], forced).tolist()  # [m, K]
+            self._record_fed(rows[sel][keep], num_tokens[sel][keep], drafts)
+            out = dict(zip(ids, drafts))
+        self.seconds += time.perf_counter() - start_time
+        return out
+
+    def _take_accepted(self, rows: np.ndarray) -> None:
+        """The KV the draft wrote for its own drafts (in blocks the request held) is valid up to the first that
+        differs from the request's tokens now (the target accepted those before it): `valid` grows over it."""
+        n = self.k - 1
+        if not len(rows) or n == 0:
+            return
+        b = self.runner.batch
+        start, length = self.fed_start[rows], self.fed_len[rows]
+        positions = np.minimum(start[:, None] + np.arange(n), b.token_ids.shape[1] - 1)  # [r, K - 1]
+        same = (np.arange(n) < length[:, None]) & (positions < b.num_tokens[rows][:, None])
+        same &= b.token_ids[rows[:, None], positions] == self.fed[rows]
+        run = np.argmin(np.concatenate([same, np.zeros((len(rows), 1), dtype=bool)], axis=1), axis=1)  # [r]
+        grows = self.valid[rows] >= start  # pass 1 had written the token before the drafts
+        self.valid[rows] = np.where(grows, np.maximum(self.valid[rows], start + run), self.valid[rows])
+        self.fed_len[rows] = 0
+
+    def _record_fed(self, rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[int]]) -> None:
+        """Drafts 1..K-1 were fed at positions num_tokens.. : those in blocks the request holds may be reused."""
+        n = self.k - 1
+        if not len(rows) or n == 0:
+            return
+        held_end = self.runner.batch.num_blocks[rows] * self.block_size
+        self.fed_start[rows] = num_tokens
+        self.fed[rows] = np.asarray(drafts, dtype=np.int64)[:, :n]
+        self.fed_len[rows] = np.clip(held_end - num_tokens, 0, n)
+
+    def _block_tables(self, rows: np.ndarray) -> np.ndarray:
+        """The rows' block tables, with the scratch blocks of each (scratch_per_row, by its index here) after the
+        blocks it holds. -> [len(rows), max_blocks]"""
+        b = self.runner.batch
+        table = b.block_table[rows].copy()
+        extra = np.arange(table.shape[1])[None, :] - b.num_blocks[rows][:, None]  # [n, max_blocks] past the held
+        scratch = self.num_blocks + np.arange(len(rows))[:, None] * self.scratch_per_row + extra
+        use = (extra >= 0) & (extra < self.scratch_per_row)
+        table[use] = scratch[use]
+        return table
+
+    def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
+        """Positions [start, start + take) of each row; the rows' `valid` grow over the blocks they hold. ->
+        draft 1 of the proposing rows [m] on the device (None: no row proposes). In the steady state every row
+        needs its last one or two tokens: one-token passes (CUDA graphs); else one flat varlen batch."""
+        if not len(rows):
+            return None
+        b = self.runner.batch
+        seq_lens = start + take
+        if proposing.all() and take.max() <= 2:
+            self.num_first_passes["decode"] += 1
+            two = np.flatnonzero(take == 2)
+            if len(two):  # the token before the last, for the rows that need it
+                pos = seq_lens[two] - 2
+                ids = self._to_device(b.token_ids[rows[two], pos])
+                self._forward(ids, pos, np.arange(len(two) + 1), pos + 1, table[two])
+            pos = seq_lens - 1
+            hidden = self._forward(
+                self._to_device(b.token_ids[rows, pos]), pos, np.arange(len(rows) + 1), seq_lens, table
+            )
+            last = None
+        else:
+            self.num_first_passes["catch_up"] += 1
+            cu = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(take, out=cu[1:])
+            req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
+            positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
+            hidden = self._forward(
+                self._to_device(b.token_ids[rows[req_idx], positions]), positions, cu, seq_lens, table
+            )
+            last = self._to_device(cu[1:][proposing] - 1)
+        self.valid[rows] = np.minimum(seq_lens, b.num_blocks[rows] * self.block_size)
+        if not proposing.any():
+            return None
+        return self.model.compute_logits(hidden if last is None else hidden[last]).argmax(dim=-1)
+
+    def _decode_passes(self, first, num_tokens: np.ndarray, table: np.ndarray, forced) -> torch.Tensor:
+        """Passes 2..K: each feeds the previous draft at the next position. first [m] -> drafts [m, K]. forced
+        [m, K] (benchmarks): where >= 0, the draft token fed on and proposed instead of the draft model's."""
+        drafts = [first if forced is None else torch.where(forced[:, 0] >= 0, forced[:, 0], first)]
+        cu = np.arange(len(num_tokens) + 1, dtype=np.int64)
+        for i in range(1, self.k):
+            positions = num_tokens + i - 1  # draft i - 1 sits at position num_tokens + i - 1
+            hidden = self._forward(drafts[-1], positions, cu, positions + 1, table)
+            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token))
+        return torch.stack(drafts, dim=1)
+
+    def _forward(self, input_ids: torch.Tensor, positions, cu, seq_lens, table) -> torch.Tensor:
+        """The draft over one flat batch; input_ids on the device, the rest host arrays. -> hidden [num_tokens, h]"""
+        b = self.block_size
+        req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
+        slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
+        n = len(positions)
+        bs = self.graphs.padded_size(n) if self.graphs is not None and n == len(seq_lens) else None
+        if bs is not None:  # one token per row: the captured decode graph
+            late = (torch.arange(n, device=self.device), input_ids)
+            self.graphs.load_inputs(bs, np.zeros(n, dtype=np.int64), positions, slots, seq_lens, table, late)
+            return self.graphs.replay(bs, n)
+        layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), b, self.device)
+        with forward_context(self.backend.build_metadata(layout)):
+            return self.model(input_ids, self._to_device(positions))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
