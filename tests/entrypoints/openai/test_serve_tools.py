@@ -209,3 +209,21 @@ def test_auto_needs_the_flag(server):
 def test_bad_flags(flags, message):
     done = subprocess.run([sys.executable, "-m", "pagedllm", "serve", *flags], capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_required_schema():
+    """The grammar of tool_choice "required": a non-empty array of {name, parameters} calls of the given tools,
+    at most one unless parallel_tool_calls; jsonschema judges candidate replies."""
+    from pagedllm.entrypoints.openai.serving_tools import _required_schema, check_tools
+
+    functions = check_tools(TOOLS)
+    one, many = _required_schema(functions, False), _required_schema(functions, None)
+    weather = {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}
+    time_ = {"name": "get_time", "parameters": {"zone": "UTC"}}
+    jsonschema.validate([weather], one)
+    jsonschema.validate([weather, time_], many)
+    for bad, schema in [([], many), ([weather, time_], one), ([{"name": "get_time", "parameters": {}}], many)]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "other", "parameters": {}}], many)
