@@ -40,6 +40,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._structured = None  # StructuredOutputManager, made with the first constrained request
         self._structured_lock = threading.Lock()  # the server prepares requests on several threads
+        # (start token ids, end token ids) of a reasoning section (set from a reasoning parser): a constrained
+        # output's grammar then applies only after the end marker
+        self.reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def structured_output_manager(self):
         """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
@@ -112,7 +115,8 @@ class LLMEngine:
             compiled = self.structured_output_manager().grammar(params.structured_outputs)
         requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
         for req in requests if compiled is not None else []:
-            req.grammar = self.structured_output_manager().request_grammar(compiled)  # a matcher each
+            manager = self.structured_output_manager()
+            req.grammar = manager.request_grammar(compiled, prompt_token_ids, self.reasoning_markers)  # a matcher each
         return requests, state
 
     def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt):

@@ -72,12 +72,19 @@ def spec_text(params: GuidedDecodingParams, field: str) -> str:
 
 
 class RequestGrammar:
-    """A request's grammar: its compilation (shared, maybe still running) and, once compiled, its own matcher."""
+    """A request's grammar: its compilation (shared, maybe still running) and, once compiled, its own matcher.
 
-    def __init__(self, backend, compiled: Future) -> None:
+    With `start_after` (the token ids that end a reasoning section, e.g. `</think>`), the grammar applies only after
+    the output holds them: until then every token is allowed and the tokens are only watched for that end."""
+
+    def __init__(self, backend, compiled: Future, start_after: tuple[int, ...] | None = None) -> None:
         self.backend = backend
         self.compiled = compiled
         self.state = None  # GrammarState, made on first use
+        self.start_after = start_after
+        self.before: list[int] = []  # the output tokens before the grammar started (the reasoning and its end)
+        self.active = not start_after  # whether the grammar applies now
+        self.num_accepted = 0  # tokens the matcher took (rollback needs to know where the grammar started)
 
     def ready(self) -> bool:
         return self.compiled.done()
@@ -91,20 +98,58 @@ class RequestGrammar:
         return self.state
 
     def accept(self, token_ids: list[int]) -> int:
-        return self._state().accept(token_ids)
+        """Takes tokens in order until the grammar refuses one; returns how many were taken."""
+        i = 0
+        while not self.active and i < len(token_ids):
+            self.before.append(token_ids[i])
+            i += 1
+            self.active = tuple(self.before[-len(self.start_after) :]) == self.start_after
+        if i == len(token_ids):
+            return i
+        taken = self._state().accept(token_ids[i:])
+        self.num_accepted += taken
+        return i + taken
 
     def rollback(self, num_tokens: int) -> None:
-        self._state().rollback(num_tokens)
+        from_grammar = min(num_tokens, self.num_accepted)
+        if from_grammar:
+            self._state().rollback(from_grammar)
+        self.num_accepted -= from_grammar
+        rest = num_tokens - from_grammar
+        if rest:  # back into the reasoning: its end is no longer in the output
+            del self.before[len(self.before) - rest :]
+            self.active = False
 
     def is_terminated(self) -> bool:
-        return self._state().is_terminated()
+        return self.active and self._state().is_terminated()
 
     def is_completed(self) -> bool:
         """Whether the tokens so far form a complete output (the grammar may end here)."""
-        return self._state().matcher.is_completed()
+        return self.active and self._state().matcher.is_completed()
 
     def fill_bitmask(self, out, row: int) -> None:
-        self._state().fill_bitmask(out, row)
+        """The allowed next tokens in out[row]; a fresh row allows all, as it stays while reasoning."""
+        if self.active:
+            self._state().fill_bitmask(out, row)
+
+
+def reasoning_ended(prompt_token_ids: list[int], start_ids: tuple[int, ...], end_ids: tuple[int, ...]) -> bool:
+    """Whether the prompt already closed its reasoning: the end marker after the last start marker (a template
+    that turns thinking off writes both, e.g. `<think>\n\n</think>`)."""
+    last_start, last_end = _rfind(prompt_token_ids, start_ids), _rfind(prompt_token_ids, end_ids)
+    return last_end >= 0 and last_end > last_start
+
+
+def _rfind(ids: list[int], part: tuple[int, ...]) -> int:
+    """The last index where `part` starts in `ids`, else -1."""
+    n = len(part)
+    if n == 0:
+        return -1
+    first = part[0]
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == first and tuple(ids[i : i + n]) == part:
+            return i
+    return -1
 
 
 def fill_bitmasks(grammars: dict[str, RequestGrammar]) -> dict[str, np.ndarray]:
@@ -151,5 +196,11 @@ class StructuredOutputManager:
                 self.cache.popitem(last=False)
         return future
 
-    def request_grammar(self, compiled: Future) -> RequestGrammar:
-        return RequestGrammar(self.backend, compiled)
+    def request_grammar(
+        self, compiled: Future, prompt_token_ids: list[int] = (), reasoning: tuple | None = None
+    ) -> RequestGrammar:
+        """A request's own matcher. reasoning = (start ids, end ids) of a reasoning section: the grammar starts
+        after the output's end marker, unless the prompt already ended the reasoning."""
+        if reasoning is None or reasoning_ended(list(prompt_token_ids), *reasoning):
+            return RequestGrammar(self.backend, compiled)
+        return RequestGrammar(self.backend, compiled, tuple(reasoning[1]))

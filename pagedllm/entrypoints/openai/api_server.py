@@ -235,7 +235,13 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
         def encode() -> list[int]:
             return tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
     else:
-        make_prompts = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
+        make_prompts = render_chat(
+            state,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
 
         def encode() -> list[int]:
             return make_prompts()[0][1]

@@ -96,6 +96,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file (default: the model's)")
     serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"])
+    _add_tool_flags(serve)
     limits = serve.add_argument_group("limits", "requests beyond these get HTTP 400")
     limits.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest n / best_of (default: %(default)s)")
     limits.add_argument(
@@ -136,7 +137,31 @@ def add_serve_parser(sub: Any) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _add_tool_flags(serve: argparse.ArgumentParser) -> None:
+    from pagedllm.reasoning import REASONING_PARSERS
+    from pagedllm.tool_parsers import TOOL_PARSER_NAMES
+
+    tools = serve.add_argument_group("tool calling and reasoning")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (the default with tools) by reading tool calls from the reply; needs '
+        "--tool-call-parser",
+    )
+    tools.add_argument(
+        "--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None, help="the model's tool-call format"
+    )
+    tools.add_argument(
+        "--reasoning-parser",
+        choices=tuple(REASONING_PARSERS),
+        default=None,
+        help="put the reply's <think>...</think> in reasoning_content; structured outputs start after it",
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} differ: give one")
     args.model = args.model or args.model_flag

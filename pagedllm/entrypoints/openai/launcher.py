@@ -73,6 +73,13 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     engine = AsyncEngine(llm)
     names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
     state = ServerState(engine, names, limits, template, args.chat_template_content_format)
+    state.tool_parser, state.enable_auto_tools = args.tool_call_parser, args.enable_auto_tool_choice
+    if args.reasoning_parser:
+        from pagedllm.reasoning import get_reasoning_parser, reasoning_markers
+
+        state.reasoning_parser = args.reasoning_parser
+        markers = reasoning_markers(get_reasoning_parser(args.reasoning_parser), llm.get_tokenizer())
+        llm.llm_engine.reasoning_markers = markers  # a structured output's grammar starts after the reasoning
     app = build_app(state, resolve_api_key(args.api_key))
     engine.start()
     config = uvicorn.Config(

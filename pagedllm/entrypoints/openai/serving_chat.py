@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
+from pagedllm.entrypoints.openai.serving_tools import Reply, ReplyPlan, plan_tools
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
     bad,
@@ -41,6 +42,7 @@ class _Job:
     request_id: str
     created: int
     tokenizer: object
+    plan: ReplyPlan
 
     @property
     def role(self) -> str:
@@ -122,8 +124,6 @@ def _content_chars(message: object) -> int:
 def _check(state: ServerState, req: ChatCompletionRequest) -> None:
     if req.chat_template is not None:
         raise bad("chat_template: a request may not bring its own template; start the server with --chat-template")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad("tool_choice: only 'none' or 'auto' (tools are given to the chat template; no forced calls)")
     check_limit(req.top_logprobs, state.limits.max_logprobs, "top_logprobs")
     check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -150,6 +150,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
+    constrained = params.structured_outputs is not None
+    plan = plan_tools(state, req, params)
+    if params.use_beam_search and params.structured_outputs is not None:
+        raise bad(f"tool_choice={req.tool_choice!r} cannot be combined with use_beam_search", "tool_choice")
     make_prompts = render_chat(
         state,
         req.messages,
@@ -160,9 +164,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         add_special_tokens=req.add_special_tokens,
         check_chars=req.truncate_prompt_tokens is None,
     )
-    job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer())
+    job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer(), plan)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
-    check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)
+    field = structured_outputs(req)[1] if constrained else "tools"  # a forced tool call's grammar: from the tools
+    check = grammar_check(state.engine.engine, params, field, check)
     if params.use_beam_search:
         refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
         work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
@@ -190,40 +195,65 @@ async def _collect(stream: RequestStream) -> RequestOutput:
     return final
 
 
-def _response(job: _Job, out: RequestOutput) -> dict:
+def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, str | None]:
+    """A choice's message and finish_reason ("tool_calls" where the reply called tools and stopped)."""
     echo = job.echo_text()
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": job.role, "content": echo + c.text, "refusal": None, "tool_calls": []},
-            "logprobs": job.logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in out.outputs
-    ]
+    reply = job.plan.reply(prompt)
+    if reply is None:
+        return {"role": job.role, "content": echo + c.text, "refusal": None, "tool_calls": []}, c.finish_reason
+    fields = reply.message(c.text)
+    if echo:
+        fields["content"] = echo + (fields["content"] or "")
+    finish = "tool_calls" if reply.called and c.finish_reason == "stop" else c.finish_reason
+    return {"role": job.role, "refusal": None, **fields}, finish
+
+
+def _response(job: _Job, out: RequestOutput) -> dict:
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = _message(job, c, out.prompt)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": job.logprobs(c.token_ids, c.logprobs),
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     body = {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model}
     if job.req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
     return {**body, "choices": choices, "usage": _usage(out)}
 
 
-def _delta(job: _Job, c: CompletionOutput, sent: list[int]) -> dict | None:
-    """The next chunk choice of one sequence; sent = [characters, tokens] already sent (updated)."""
+def _deltas(job: _Job, c: CompletionOutput, sent: list[int], reply: Reply | None) -> list[dict]:
+    """The next chunk choices of one sequence; sent = [characters, tokens] already sent (updated). With a reply
+    parser, one per delta message (reasoning, content, each tool-call entry), the finish_reason on the last."""
     new_text = c.text[sent[0] :]
     new_ids = c.token_ids[sent[1] :]
     wants_logprobs = bool(job.req.logprobs)
     if not new_text and c.finish_reason is None and not (wants_logprobs and new_ids):
-        return None
+        return []
     entries = (c.logprobs or [])[sent[1] :] if c.logprobs is not None else None
     sent[0], sent[1] = len(c.text), len(c.token_ids)
-    return {
-        "index": c.index,
-        "delta": {"content": new_text},
-        "logprobs": job.logprobs(new_ids, entries),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
+    finished = c.finish_reason is not None
+    deltas = reply.deltas(new_text, finished) if reply is not None else [{"content": new_text}]
+    if not deltas and not finished and not (wants_logprobs and new_ids):
+        return []
+    deltas = deltas or [{"content": ""}]
+    finish = "tool_calls" if reply is not None and reply.called and c.finish_reason == "stop" else c.finish_reason
+    last = len(deltas) - 1
+    return [
+        {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": job.logprobs(new_ids, entries) if i == 0 else None,
+            "finish_reason": finish if i == last else None,
+            "stop_reason": c.stop_reason if i == last else None,
+        }
+        for i, delta in enumerate(deltas)
+    ]
 
 
 def _opening(job: _Job, out: RequestOutput | None) -> list[dict]:
@@ -243,6 +273,7 @@ def _opening(job: _Job, out: RequestOutput | None) -> list[dict]:
 
 async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
     sent = {i: [0, 0] for i in range(job.req.n)}
+    replies: dict[int, Reply | None] = {}
     done: set[int] = set()
     final = None
     async with stream:
@@ -254,8 +285,9 @@ async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
             for c in out.outputs:
                 if c.index in done:
                     continue
-                choice = _delta(job, c, sent[c.index])
-                if choice is not None:
+                if c.index not in replies:
+                    replies[c.index] = job.plan.reply(out.prompt)
+                for choice in _deltas(job, c, sent[c.index], replies[c.index]):
                     yield job.chunk([choice], out)
                 if c.finish_reason is not None:
                     done.add(c.index)

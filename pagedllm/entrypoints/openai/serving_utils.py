@@ -29,6 +29,9 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    tool_parser: str | None = None  # --tool-call-parser: reads tool calls from replies (tool_choice "auto")
+    enable_auto_tools: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser: the <think> section goes to reasoning_content
     _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 
     @property

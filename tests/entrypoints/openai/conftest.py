@@ -195,3 +195,24 @@ def capped_server(smollm2):
         yield server
     finally:
         server.stop()
+
+
+TOOL_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tool_chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def tool_server(smollm2):
+    """The chat model with a template that renders tools, hermes tool calls read from "auto" replies, and
+    deepseek_r1 reasoning (the template opens <think>; enable_thinking=false closes it in the prompt)."""
+    server = RemoteServer(
+        [smollm2, "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
+        + ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--chat-template", TOOL_TEMPLATE]
+        + ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"],
+        api_key=API_KEY,
+        model=MODEL_NAME,
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
