@@ -1,0 +1,115 @@
+"""kv_cache_dtype: validation (CPU), the checkpoint's per-tensor KV-cache scales reaching the attention layers, and
+the cache's bytes per block. The FP8 cache's kernels are tested in tests/kernels/test_triton_fp8_kv_cache.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tiny_models import TINY_DECODER, save_tiny_decoder
+
+from pagedllm import LLM
+from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS
+from pagedllm.layers.attention import Attention
+from pagedllm.model_loader.loader import get_model
+from pagedllm.worker.model_runner import ModelRunner
+
+K_SCALES, V_SCALES = [0.25, 0.5], [0.125, 2.0]  # per layer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_decoder(
+        "kv-llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
+    )[1]
+
+
+def _with_scales(src: str, dst: str, names: tuple[str, str], kv_cache_scheme: dict | None = None) -> str:
+    """A copy of the checkpoint at src with per-layer KV scales named `<layer prefix>.<names[0|1]>`."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    for i, (ks, vs) in enumerate(zip(K_SCALES, V_SCALES)):
+        tensors[f"model.layers.{i}.self_attn.{names[0]}"] = torch.tensor(ks)
+        tensors[f"model.layers.{i}.self_attn.{names[1]}"] = torch.tensor([vs])
+    save_file(tensors, path)
+    if kv_cache_scheme is not None:  # a compressed-tensors config whose only linear group is dense-equivalent
+        with open(os.path.join(dst, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["re:.*never_matches$"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+                }
+            },
+            "kv_cache_scheme": kv_cache_scheme,
+        }
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f)
+    return dst
+
+
+@pytest.mark.parametrize("value", ["fp16", "int8", "FP8", 8, None])
+def test_unknown_kv_cache_dtype_is_named(tiny, value):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=.* must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'"):
+        EngineArgs(model=tiny, device="cpu", kv_cache_dtype=value, skip_tokenizer_init=True).create_engine_config()
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_cache_on_cpu_is_refused_before_loading(tiny, value):
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}' is not supported on device='cpu'.*CUDA"):
+        LLM(tiny, device="cpu", kv_cache_dtype=value, skip_tokenizer_init=True)
+
+
+def test_flag_and_default():
+    assert ENGINE_FLAGS["kv_cache_dtype"] is str
+    assert EngineArgs().kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    "names,scheme",
+    [
+        (("k_scale", "v_scale"), {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+        (("k_proj.output_scale", "v_proj.output_scale"), None),
+    ],
+)
+def test_checkpoint_kv_scales_reach_attention(tiny, tmp_path, names, scheme):
+    """Before: "checkpoint tensor '...k_scale' has no matching parameter" (and kv_cache_scheme refused)."""
+    path = _with_scales(tiny, str(tmp_path / "scaled"), names, scheme)
+    config = EngineArgs(model=path, device="cpu", dtype="float32", skip_tokenizer_init=True).create_engine_config()
+    model = get_model(config.model, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert [(a.k_scale, a.v_scale) for a in layers] == list(zip(K_SCALES, V_SCALES))
+
+
+def test_checkpoint_without_scales_keeps_one(tiny):
+    config = EngineArgs(model=tiny, device="cpu", dtype="float32", skip_tokenizer_init=True).create_engine_config()
+    model = get_model(config.model, torch.device("cpu"))
+    assert {(a.k_scale, a.v_scale) for a in model.modules() if isinstance(a, Attention)} == {(1.0, 1.0)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_cache_divides_bytes_per_block(tiny, dtype):
+    """An FP8 cache stores one byte per value: half a bfloat16 cache's bytes per block, a quarter of float32's, so
+    the same memory holds 2x / 4x the blocks."""
+    args = EngineArgs(model=tiny, device="cpu", dtype=dtype, skip_tokenizer_init=True, max_model_len=64)
+    config = args.create_engine_config()
+    plain = ModelRunner(config).kv_bytes_per_block()
+    config.cache.cache_dtype = "fp8"  # (the runner alone; EngineArgs refuses it on CPU)
+    runner = ModelRunner(config)
+    assert runner.kv_cache_dtype == torch.float8_e4m3fn
+    cfg = transformers.AutoConfig.from_pretrained(tiny)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_fp8 = 2 * 16 * cfg.num_key_value_heads * head_dim * cfg.num_hidden_layers
+    assert runner.kv_bytes_per_block() == per_fp8
+    assert plain == per_fp8 * getattr(torch, dtype).itemsize
