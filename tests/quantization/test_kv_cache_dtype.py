@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS
 from pagedllm.layers.attention import Attention
@@ -113,3 +114,29 @@ def test_fp8_cache_divides_bytes_per_block(tiny, dtype):
     per_fp8 = 2 * 16 * cfg.num_key_value_heads * head_dim * cfg.num_hidden_layers
     assert runner.kv_bytes_per_block() == per_fp8
     assert plain == per_fp8 * getattr(torch, dtype).itemsize
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["scales-1", "checkpoint-scales"])
+def test_cuda_fp8_cache_end_to_end(tiny, tmp_path, kv_cache_dtype, scaled):
+    """bfloat16 model on CUDA: the FP8 cache holds twice the blocks in the same memory, its cache tensors are FP8,
+    and the prompt logprobs stay within 0.1 of the bfloat16 cache's (FP8 keeps 2-3 mantissa bits of K and V; the
+    tiny model's logprobs are ~-5.8), greedy decoding through CUDA graphs included."""
+    path = _with_scales(tiny, str(tmp_path / "scaled"), ("k_scale", "v_scale")) if scaled else tiny
+    base = dict(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    prompt = {"prompt_token_ids": list(range(3, 60))}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for dtype in ("auto", kv_cache_dtype):
+        llm = LLM(path, kv_cache_dtype=dtype, **base)
+        runner = llm.llm_engine.core.executor.runner
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        lps = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+        results[dtype] = (llm.llm_engine.core.config.cache.num_blocks, runner.attn_layers[0].kv_cache.dtype, lps)
+        del llm
+    blocks, cache_dtype, lps = results[kv_cache_dtype]
+    assert blocks == 2 * results["auto"][0]
+    assert cache_dtype == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    np.testing.assert_allclose(lps, results["auto"][2], atol=0.1, rtol=0)
