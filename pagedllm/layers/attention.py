@@ -55,7 +55,7 @@ class Attention(nn.Module):
         extras = self.extras
         if self.alibi_slopes is not None:
             extras = {**extras, "alibi_slopes": self.alibi_slopes}
-        if self.kv_cache.dtype in FP8_KV_DTYPES:
+        if self.kv_cache is not None and self.kv_cache.dtype in FP8_KV_DTYPES:
             extras = {**extras, "k_scale": self.k_scale, "v_scale": self.v_scale}
         out = self.backend.forward(
             q.view(n, self.num_heads, self.head_dim),
