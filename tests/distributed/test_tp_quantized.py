@@ -1,13 +1,14 @@
-"""Quantized checkpoints under tensor parallelism: a tiny Llama in FP8 and W4A16 formats, split over two CPU processes
-(gloo, float32 compute), gives the greedy tokens of the same checkpoint on one rank, with logprobs within 1e-3.
+"""Quantized checkpoints under tensor parallelism: a tiny Llama in FP8, W4A16 and W8A8 INT8 formats, split over two
+CPU processes (gloo, float32 compute), gives the greedy tokens of the same checkpoint on one rank, with logprobs within
+1e-3.
 
 Each rank takes its slice of the packed integers, scales, zero points and block scales: column-parallel layers their
 output rows (on packed-word and block edges), row-parallel layers their input features (whole groups, blocks and
 packed words). The schemes tested quantize activations the same way on one rank or two (static per-tensor scales, or
 per token and group of 32 features, groups that a rank's shard never splits), so the two runs differ only by the
-order of the all-reduce's sums (~1e-6); 1e-3 leaves room for one activation rounding to the neighbouring fp8 value.
-The one-rank run is itself checked against HF transformers on these checkpoints in tests/quantization. Checkpoints
-whose groups do not fit a rank's shard are refused with a ValueError naming the group size."""
+order of the all-reduce's sums (~1e-6); 1e-3 leaves room for one activation rounding to the neighbouring fp8 / int8
+value. The one-rank run is itself checked against HF transformers on these checkpoints in tests/quantization.
+Checkpoints whose groups do not fit a rank's shard are refused with a ValueError naming the group size."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from quantization.fp8_checkpoints import BLOCK, write_compressed_tensors, write_fp8
-from quantization.int_checkpoints import write_awq, write_gptq
+from quantization.fp8_checkpoints import BLOCK, input_amax, write_compressed_tensors, write_fp8
+from quantization.int_checkpoints import write_awq, write_compressed_tensors_w8a8, write_gptq
 from quantization.int_checkpoints import write_compressed_tensors as write_ct_int
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
@@ -32,14 +33,20 @@ FORMATS = {  # name -> (writer, its arguments, quick tier)
     "gptq-4bit-g16": (write_gptq, dict(bits=4, group_size=16, sym=False, act_order=False), True),
     "awq-4bit-g32": (write_awq, dict(group_size=32), False),
     "ct-w4a16-asym-g32": (write_ct_int, dict(bits=4, group_size=32, sym=False), False),
+    "ct-w8a8-int8-static": (write_compressed_tensors_w8a8, dict(input_amax="calibrate"), False),
 }
 
 
 @pytest.fixture(scope="module")
-def float_path(tmp_path_factory):
+def float_model(tmp_path_factory):
     return save_tiny_decoder(
         "tp-quant-llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, CONFIG, tmp_path_factory
-    )[1]
+    )
+
+
+@pytest.fixture(scope="module")
+def float_path(float_model):
+    return float_model[1]
 
 
 def _generate(path: str, tp: int) -> list:
@@ -58,12 +65,14 @@ def _generate(path: str, tp: int) -> list:
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=() if quick else pytest.mark.slow) for n, (_, _, quick) in FORMATS.items()]
 )
-def test_tp2_matches_one_rank(name, float_path, tmp_path):
+def test_tp2_matches_one_rank(name, float_model, tmp_path):
     writer, kwargs, _ = FORMATS[name]
-    if writer in (write_compressed_tensors, write_ct_int):
+    if writer in (write_compressed_tensors, write_ct_int, write_compressed_tensors_w8a8):
         pytest.importorskip("compressed_tensors")
+    if kwargs.get("input_amax") == "calibrate":  # static int8 activation scales
+        kwargs = {**kwargs, "input_amax": input_amax(float_model[0], CALIBRATION)}
     out = str(tmp_path / "ckpt")
-    writer(float_path, out, **kwargs)
+    writer(float_model[1], out, **kwargs)
     one, two = _generate(out, 1), _generate(out, 2)
     for (tokens1, lps1), (tokens2, lps2) in zip(one, two):
         assert tokens2 == tokens1
