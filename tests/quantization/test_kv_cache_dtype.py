@@ -140,3 +140,12 @@ def test_cuda_fp8_cache_end_to_end(tiny, tmp_path, kv_cache_dtype, scaled):
     assert blocks == 2 * results["auto"][0]
     assert cache_dtype == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     np.testing.assert_allclose(lps, results["auto"][2], atol=0.1, rtol=0)
+
+
+def test_serve_flag_reaches_the_engine(tiny, capsys):
+    """`pagedllm serve MODEL --kv-cache-dtype fp8` on a CPU: the engine's refusal, exit status 2."""
+    from pagedllm.cli import main
+
+    flags = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "8388608", "--kv-cache-dtype", "fp8"]
+    assert main(["serve", tiny, *flags]) == 2
+    assert "kv_cache_dtype='fp8' is not supported on device='cpu'" in capsys.readouterr().err
