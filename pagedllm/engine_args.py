@@ -232,6 +232,11 @@ def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_back
         where = "this install, which lacks triton"
     elif runner == "pooling":
         where = "a pooling model (its encoder attention keeps no cache)"
+    elif cache_dtype != "fp8_e5m2" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype={cache_dtype!r} (FP8 E4M3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"this one is {torch.cuda.get_device_capability(device)}: use kv_cache_dtype='fp8_e5m2' or 'auto'"
+        )
     if where is not None:
         raise ValueError(
             f"kv_cache_dtype={cache_dtype!r} is not supported on {where}: an FP8 KV cache needs a CUDA device and "

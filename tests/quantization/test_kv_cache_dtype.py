@@ -149,3 +149,22 @@ def test_serve_flag_reaches_the_engine(tiny, capsys):
     flags = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "8388608", "--kv-cache-dtype", "fp8"]
     assert main(["serve", tiny, *flags]) == 2
     assert "kv_cache_dtype='fp8' is not supported on device='cpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "capability,value,ok", [((8, 0), "fp8", False), ((8, 0), "fp8_e5m2", True), ((9, 0), "fp8", True)]
+)
+def test_e4m3_cache_needs_ada_or_newer(monkeypatch, capability, value, ok):
+    """Triton converts E4M3 on compute capability 8.9+ only (E5M2 on 8.0+): an A100 is told to use fp8_e5m2."""
+    from pagedllm import engine_args, kernels
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    check = lambda: engine_args._check_kv_cache_dtype(value, torch.device("cuda"), "auto", "generate")  # noqa: E731
+    if ok:
+        check()
+    else:
+        with pytest.raises(
+            ValueError, match=r"kv_cache_dtype='fp8' \(FP8 E4M3\) needs .* 8.9 .* use kv_cache_dtype='fp8_e5m2'"
+        ):
+            check()
