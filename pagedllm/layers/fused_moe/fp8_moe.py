@@ -6,6 +6,8 @@ the model is built, before any weight loads."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -45,7 +47,7 @@ def create_fp8_expert_weights(moe: nn.Module, strategy: str) -> None:
     e, h, inter, loader = moe.num_experts, moe.hidden_size, moe.intermediate_size, moe.weight_loader
     moe.w13_weight = new_param(e, 2 * inter, h, dtype=FP8_DTYPE, weight_loader=loader)
     moe.w2_weight = new_param(e, h, inter, dtype=FP8_DTYPE, weight_loader=loader)
-    scale_loader = lambda param, loaded, shard_id=None: load_expert_scale(moe, strategy, param, loaded, shard_id)  # noqa: E731
+    scale_loader = functools.partial(load_expert_scale, moe, strategy)
     rows13, rows2 = (2, 1) if strategy == "tensor" else (2 * inter, h)
     moe.w13_weight_scale = new_param(e, rows13, dtype=torch.float32, weight_loader=scale_loader)
     moe.w2_weight_scale = new_param(e, rows2, dtype=torch.float32, weight_loader=scale_loader)
