@@ -19,6 +19,7 @@ import transformers
 from quantization.fp8_checkpoints import BLOCK, input_amax, write_compressed_tensors, write_fp8
 from quantization.int_checkpoints import write_awq, write_compressed_tensors_w8a8, write_gptq
 from quantization.int_checkpoints import write_compressed_tensors as write_ct_int
+from quantization.test_fp8_moe import MOE, write_fp8_moe
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
@@ -92,3 +93,19 @@ def test_act_order_across_ranks_is_refused(float_path, tmp_path):
     write_gptq(float_path, out, bits=4, group_size=16, sym=False, act_order=True)
     with pytest.raises(ValueError, match=r"act-order groups \(g_idx\) mix input features of several tensor-parallel"):
         LLM(out, tensor_parallel_size=2, **BASE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_channel", [False, True], ids=["fp8-tensor", "ct-channel"])
+def test_tp2_fp8_experts_match_one_rank(per_channel, tmp_path_factory, tmp_path):
+    """FP8 experts of a tiny Qwen3-MoE (attention float): each rank dequantizes its rows of gate / up and its
+    columns of down, per-channel scales sliced with them."""
+    _, path = save_tiny_decoder(
+        "tp-fp8-moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, MOE, tmp_path_factory
+    )
+    out = str(tmp_path / "ckpt")
+    write_fp8_moe(path, out, per_channel, experts_only=True)
+    one, two = _generate(out, 1), _generate(out, 2)
+    for (tokens1, lps1), (tokens2, lps2) in zip(one, two):
+        assert tokens2 == tokens1
+        np.testing.assert_allclose(lps2, lps1, atol=1e-4, rtol=0)

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from fp8_checkpoints import FP8, FP8_MAX
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_DECODER, hf_greedy, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 CPU = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 22, block_size=4, skip_tokenizer_init=True)
 MOE = dict(TINY_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -37,12 +37,14 @@ def moe(tmp_path_factory):
                              tmp_path_factory)  # fmt: skip
 
 
-def _write(float_path: str, out: str, per_channel: bool) -> dict[str, torch.Tensor]:
-    """The fp8 checkpoint; returns the float32 weights its quantized tensors dequantize to."""
+def write_fp8_moe(float_path: str, out: str, per_channel: bool, experts_only: bool = False) -> dict[str, torch.Tensor]:
+    """The fp8 checkpoint (experts_only: the attention projections stay float); returns the float32 weights its
+    quantized tensors dequantize to."""
+    quantized = QUANTIZED[len(ATTENTION) :] if experts_only else QUANTIZED
     shutil.copytree(float_path, out)
     path = os.path.join(out, "model.safetensors")
     tensors, dequantized = load_file(path), {}
-    for name in [n for n in list(tensors) if n.endswith(".weight") and n[: -len(".weight")].endswith(QUANTIZED)]:
+    for name in [n for n in list(tensors) if n.endswith(".weight") and n[: -len(".weight")].endswith(quantized)]:
         w = tensors[name].float()
         amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
         scale = (amax / FP8_MAX).clamp_min(1e-12)
@@ -57,10 +59,15 @@ def _write(float_path: str, out: str, per_channel: bool) -> dict[str, torch.Tens
         act = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
         weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
         group = {"targets": ["Linear"], "weights": weights, "input_activations": act}
+        ignore = ["lm_head", "re:.*mlp.gate$", *(["re:.*self_attn.*"] if experts_only else [])]
         qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
-              "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
+              "ignore": ignore}  # fmt: skip
     else:
-        qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        qc = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "ignored_layers": list(ATTENTION) if experts_only else [],
+        }
     _set_quantization_config(out, qc)
     return dequantized
 
@@ -95,7 +102,7 @@ def _oracle(float_path: str, dequantized: dict[str, torch.Tensor], tmp_path) -> 
 def test_fp8_experts_match_the_dequantized_oracle(moe, tmp_path, per_channel):
     hf, float_path = moe
     out = str(tmp_path / "ckpt")
-    oracle = _oracle(float_path, _write(float_path, out, per_channel), tmp_path)
+    oracle = _oracle(float_path, write_fp8_moe(float_path, out, per_channel), tmp_path)
     llm = LLM(out, **CPU)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
