@@ -95,3 +95,11 @@ def test_write_saturates_and_skips_padding():
     assert got[0, 1, 1, 0].tolist() == [448.0, -448.0, 0.3125, 448.0]  # 447 rounds to 448 (E4M3's step is 32)
     assert got[1, 1, 1, 0].tolist() == [-448.0, 448.0, -0.15625, -224.0]  # v / 2
     assert got.abs().sum() == got[:, 1, 1].abs().sum()  # nothing else written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic shapes: compiled kernels on CUDA")
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_realistic_shapes_fp8_cache(fp8):
+    """Llama-3.1-8B's attention shapes (32 / 8 heads of 128), prefill chunks and long decodes (split-K chosen)."""
+    check([(0, 300), (1000, 1), (2047, 1), (37, 64)], (32, 8), 128, 16, torch.bfloat16, fp8, seed=5)
