@@ -21,6 +21,8 @@ load, activations per token, cuBLASLt's FP8 GEMM); weight_bytes and the roofline
 --quantization w4a16-gptq | w4a16-awq | w4a16-ct | w8a16-gptq gives pagedllm's engines a copy of the config with the
 format's quantization_config (group size 128; WEIGHT_ONLY below) and dummy weights in that format (random packed
 ints, the Triton dequant-GEMM); weight_bytes then counts the packed weights and their scales.
+--kv-cache-dtype fp8 (fp8_e4m3, fp8_e5m2) stores pagedllm's KV cache in FP8 (scales 1.0 with dummy weights): the
+records' kv_cache_blocks double and kv_bytes_per_token halves.
 The HF peers stay bf16. Compare with a run without the flag on the same machine.
 --tensor-parallel-size / --pipeline-parallel-size spread pagedllm's engines over that many GPUs (the HF peers use
 one); weight_bytes and the roofline figures are then the first rank's shard against one GPU's bandwidth. Compare
@@ -33,6 +35,7 @@ nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
         --nano-config llama-3.1-8b
     python benchmarks/gpu_throughput.py --workloads decode-bs1-llama-3.1-8b,prefill-llama-3.1-8b \
         --quantization w4a16-gptq
+    python benchmarks/gpu_throughput.py --workloads nanovllm-bench,decode-bs1-llama-3.1-8b --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -110,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pagedllm's quantization of the dummy weights at load (none: bf16)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        default="auto",
+        help="pagedllm's kv_cache_dtype (auto: the model's dtype)",
+    )
+    p.add_argument(
         "--nano-config",
         choices=("qwen3-0.6b", "llama-3.1-8b"),
         default="qwen3-0.6b",
@@ -131,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "quantization": quantization_name(args.quantization),
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     return args
 
@@ -371,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             "quantization": args.quantization,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
+            "kv_cache_dtype": args.kv_cache_dtype,
             **({"nano_config": args.nano_config} if workload.startswith("nanovllm") else {}),
         }
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)

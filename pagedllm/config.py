@@ -129,6 +129,15 @@ class ModelConfig:
         return mla_cache_dims(self.hf_config)
 
 
+# kv_cache_dtype -> the cache's torch dtype (None: the model's dtype); "fp8" is E4M3, as in vLLM
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -136,9 +145,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # kv_cache_dtype: one of KV_CACHE_DTYPES
     num_blocks: int = 0  # decided when the cache is allocated
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cache_dtype, str) or self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two in [1, 256]")
         _require_number("gpu_memory_utilization", self.gpu_memory_utilization, float)
@@ -150,6 +162,10 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override!r} must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be >= 1")
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache is stored in."""
+        return KV_CACHE_DTYPES[self.cache_dtype] or model_dtype
 
 
 @dataclass

@@ -61,6 +61,7 @@ class EngineArgs:
     quantization: str | None = None  # None: the checkpoint's; "fp8": quantize a float checkpoint while loading
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 (CUDA, Triton attention)
     enable_prefix_caching: bool = True
     compilation_config: Any = None
     device: str | None = None
@@ -166,7 +167,9 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
         )
+        _check_kv_cache_dtype(cache.cache_dtype, device, self.attention_backend, model.runner)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -216,6 +219,33 @@ def parse_device(device: str | torch.device | None) -> torch.device:
                 f"device={device!r}: this machine has {count} CUDA GPU(s): allowed cuda:0 to cuda:{count - 1}"
             )
     return dev
+
+
+def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_backend: str, runner: str) -> None:
+    """An FP8 KV cache is written and read by the Triton attention kernels only: refuse it elsewhere."""
+    if cache_dtype == "auto":
+        return
+    from pagedllm.kernels import triton_available
+
+    where = None
+    if device.type != "cuda":
+        where = f"device={str(device)!r}"
+    elif attention_backend == "torch":
+        where = "attention_backend='torch'"
+    elif not triton_available():
+        where = "this install, which lacks triton"
+    elif runner == "pooling":
+        where = "a pooling model (its encoder attention keeps no cache)"
+    elif cache_dtype != "fp8_e5m2" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype={cache_dtype!r} (FP8 E4M3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"this one is {torch.cuda.get_device_capability(device)}: use kv_cache_dtype='fp8_e5m2' or 'auto'"
+        )
+    if where is not None:
+        raise ValueError(
+            f"kv_cache_dtype={cache_dtype!r} is not supported on {where}: an FP8 KV cache needs a CUDA device and "
+            "the Triton attention backend; use kv_cache_dtype='auto'"
+        )
 
 
 def _check_not_quantized(path: str, hf_config) -> None:

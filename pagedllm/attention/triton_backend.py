@@ -4,7 +4,10 @@ Same interface as the torch backend: `build_metadata(layout)` once per step (eve
 the host arrays of the layout, so no host sync happens inside the forward), then `forward(q, k, v, kv_cache, meta,
 scale, sliding_window, logits_soft_cap=None, alibi_slopes=None)` per layer: one launch writes the new K/V to the
 cache, one launch of the unified kernel attends for all prefill chunks and decodes of the batch, plus one reduce
-launch when split-K is on."""
+launch when split-K is on.
+
+An FP8 cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) holds K / k_scale and V / v_scale with per-tensor scales
+(`forward(..., k_scale=, v_scale=)`): the write quantizes, the attention kernel dequantizes as it loads."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ SUPPORTS_CUDA_GRAPHS = True  # its metadata can live in static buffers; nothing 
 MIN_TOKENS_PER_SPLIT = 256  # a split-K run covers at least this many keys
 MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # when no CUDA device can be asked (the interpreter on CPU)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite value of each FP8 cache dtype
 
 
 @dataclass
@@ -119,8 +123,16 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k/v [num_tokens, num_kv_heads, head_dim] into their slots of kv_cache; slot -1 is skipped."""
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """k/v [num_tokens, num_kv_heads, head_dim] into their slots of kv_cache; slot -1 is skipped. An FP8 cache
+    stores k / k_scale and v / v_scale, saturated to the format's range."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -138,9 +150,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
+        float(k_scale),
+        float(v_scale),
         ROW=row,
         ROW_PAD=triton_next_pow2(row),
         BLOCK_SIZE=kv_cache.shape[2],
+        FP8_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
     )
 
 
@@ -154,8 +169,12 @@ def forward(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+    k_scale: float = 1.0,  # FP8 cache only: its per-tensor scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    if kv_cache.dtype not in FP8_MAX:
+        k_scale = v_scale = 1.0
+    write_kv(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -178,9 +197,10 @@ def forward(
         )  # [num_tokens, num_heads, num_splits, head_dim_pad]
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     tiles = (block_q, block_m, block_n, num_warps, num_stages)
-    extras = (sliding_window, logits_soft_cap, alibi_slopes)
+    extras = (sliding_window, logits_soft_cap, alibi_slopes, v_scale)
     grid = (num_programs, num_kv_heads, num_splits)
-    _launch_unified((out, part_out, part_lse), q, kv_cache, meta, scale, extras, tiles, grid)
+    # q . (k_scale * k8) = k_scale * (q . k8): k_scale joins the score scale
+    _launch_unified((out, part_out, part_lse), q, kv_cache, meta, scale * k_scale, extras, tiles, grid)
     if num_splits > 1:
         reduce_splits_kernel[(num_tokens, num_heads)](
             out,
@@ -199,10 +219,10 @@ def forward(
 
 def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[int, int, int]) -> None:
     """The attention kernel over the flat batch: outs = (out, partial outputs, partial log-sum-exps), extras =
-    (sliding window, logit soft-cap, ALiBi slopes), tiles = (BLOCK_Q, BLOCK_M, BLOCK_N, warps, stages), grid =
-    (programs, KV heads, splits)."""
+    (sliding window, logit soft-cap, ALiBi slopes, the output's scale), tiles = (BLOCK_Q, BLOCK_M, BLOCK_N, warps,
+    stages), grid = (programs, KV heads, splits)."""
     out, part_out, part_lse = outs
-    sliding_window, logits_soft_cap, alibi_slopes = extras
+    sliding_window, logits_soft_cap, alibi_slopes, out_scale = extras
     block_q, block_m, block_n, num_warps, num_stages = tiles
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_splits = grid[2]
@@ -223,6 +243,7 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         alibi_slopes if alibi_slopes is not None else q,  # q: an unused placeholder
         sliding_window or 0,
         num_splits,
+        float(out_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -52,6 +52,7 @@ class LLM(PoolingAPI):
         quantization: str | None = None,
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         compilation_config: Any = None,
         device: str | None = None,

@@ -11,7 +11,11 @@ program ids [start(i), start(i + 1)) with start(i) = qsl[i] // BLOCK_Q + i (an u
 extra program exits at once), or start(i) = qsl[i] when BLOCK_Q == 1. No host data beyond the grid size is needed.
 
 Split-K: with SPLIT the third grid axis splits each request's key range into num_splits equal runs of
-tiles; each writes its normalized partial output and log2-sum-exp, and `_reduce_splits_kernel` combines them."""
+tiles; each writes its normalized partial output and log2-sum-exp, and `_reduce_splits_kernel` combines them.
+
+FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales, written by `write_kv_kernel`).
+The attention kernel widens each loaded tile to the query's dtype; k_scale is folded into the score scale by the
+caller and v_scale multiplies the output (both are linear, so the tiles need no per-element multiply)."""
 
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ def unified_attention_kernel(
     alibi_slopes_ptr,  # [num_heads] fp32 (USE_ALIBI only)
     sliding_window,  # keys with q_pos - key_pos >= sliding_window are hidden (USE_WINDOW only)
     num_splits,  # key-range splits (SPLIT only)
+    out_scale,  # multiplies the output: v_scale of an FP8 cache, else 1.0
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -125,9 +130,9 @@ def unified_attention_kernel(
         kv_ok = kv_pos < hi
         blk = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
-        k = tl.load(
-            k_base + slot_off[None, :] + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
-        )  # [HEAD_DIM_PAD, BLOCK_N]
+        k = tl.load(k_base + slot_off[None, :] + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0).to(
+            q.dtype
+        )  # [HEAD_DIM_PAD, BLOCK_N] (an FP8 cache widens here)
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -149,7 +154,7 @@ def unified_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             k_base + stride_kv + slot_off[:, None] + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0
-        )  # [BLOCK_N, HEAD_DIM_PAD]
+        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -157,7 +162,7 @@ def unified_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if not SPLIT:
         o_off = tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -212,14 +217,22 @@ def write_kv_kernel(
     stride_kv,
     stride_blk,
     stride_slot,
+    k_scale,  # FP8 cache only: it stores k / k_scale
+    v_scale,  # FP8 cache only: it stores v / v_scale
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     ROW_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0.0: the cache has the dtype of k/v; else the largest finite value of its FP8 format
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
     ok = (offs < ROW) & (slot >= 0)
     dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_slot + offs
-    tl.store(kv_cache_ptr + dst, tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok), mask=ok)
-    tl.store(kv_cache_ptr + stride_kv + dst, tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok), mask=ok)
+    k = tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok)  # [ROW_PAD]
+    v = tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok)  # [ROW_PAD]
+    if FP8_MAX > 0.0:  # saturate, then round to nearest (as torch's float -> float8 conversion)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+    tl.store(kv_cache_ptr + dst, k.to(kv_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(kv_cache_ptr + stride_kv + dst, v.to(kv_cache_ptr.dtype.element_ty), mask=ok)

@@ -9,11 +9,22 @@ from torch import nn
 
 from pagedllm.forward_context import get_attn_metadata
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# checkpoint name endings of the per-tensor KV-cache scales: `<attention module>.k_scale` (compressed-tensors,
+# fp8) and the older `<attention module>.k_proj.output_scale`; -> which scale
+KV_SCALE_SUFFIXES = {
+    ".k_scale": "k_scale",
+    ".v_scale": "v_scale",
+    ".k_proj.output_scale": "k_scale",
+    ".v_proj.output_scale": "v_scale",
+}
+
 
 class Attention(nn.Module):
     """Causal attention over the paged cache. Options beyond the scale and window: `logits_soft_cap` (scores become
     cap * tanh(scores / cap), Gemma 2) and `alibi_slopes` ([num_heads] float32: score + slope * (key_pos - q_pos),
-    Bloom / MPT); they reach the backend as keyword arguments only when set."""
+    Bloom / MPT); they reach the backend as keyword arguments only when set. `k_scale` / `v_scale` are the
+    per-tensor scales of an FP8 KV cache (the checkpoint's, else 1.0), passed only when the bound cache is FP8."""
 
     def __init__(
         self,
@@ -34,6 +45,7 @@ class Attention(nn.Module):
             self.extras["logits_soft_cap"] = float(logits_soft_cap)
         slopes = alibi_slopes.float() if alibi_slopes is not None else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)  # [num_heads] or None
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache holds k / k_scale and v / v_scale (set by load_kv_scale)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim], bound later
         self.backend = None  # module with forward(q, k, v, kv_cache, meta, scale, sliding_window), bound later
 
@@ -43,6 +55,8 @@ class Attention(nn.Module):
         extras = self.extras
         if self.alibi_slopes is not None:
             extras = {**extras, "alibi_slopes": self.alibi_slopes}
+        if self.kv_cache is not None and self.kv_cache.dtype in FP8_KV_DTYPES:
+            extras = {**extras, "k_scale": self.k_scale, "v_scale": self.v_scale}
         out = self.backend.forward(
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
@@ -54,6 +68,28 @@ class Attention(nn.Module):
             **extras,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
+
+
+def load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether `name` is a KV-cache scale (KV_SCALE_SUFFIXES); if so its value goes to the Attention layer in the
+    module it names (e.g. model.layers.0.self_attn.k_scale -> the Attention inside model.layers.0.self_attn)."""
+    suffix = next((s for s in KV_SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return False
+    try:
+        owner = model.get_submodule(name[: -len(suffix)])
+    except AttributeError:
+        return False
+    layers = [m for m in owner.modules() if isinstance(m, Attention)]
+    if len(layers) != 1:
+        return False
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name!r}: a KV-cache scale must be one per-tensor value, got shape "
+            f"{tuple(tensor.shape)}"
+        )
+    setattr(layers[0], KV_SCALE_SUFFIXES[suffix], float(tensor.float().item()))
+    return True
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

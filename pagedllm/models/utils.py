@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagedllm.layers.attention import load_kv_scale
 from pagedllm.layers.linear import default_weight_loader
 
 # (our parameter fragment, HF fragment, shard id) for projections merged into one matmul
@@ -48,6 +49,8 @@ def load_weights(
         name = rename(hf_name) if rename is not None else hf_name
         if convert is not None:
             tensor = convert(name, tensor)
+        if name not in params and load_kv_scale(model, name, tensor):  # an FP8 KV cache's scale
+            continue
         name, shard_id = stacked_name(name, stacked)
         param = params.get(name)
         if param is None:

@@ -28,7 +28,7 @@ def _temporary_kv_cache(runner, num_blocks: int) -> Iterator[None]:
     """One small cache shared by every attention layer while profiling (the real one is not allocated yet)."""
     m = runner.config.model
     cache = runner.backend.allocate_kv_cache(
-        num_blocks, runner.block_size, m.num_kv_heads, m.head_dim, m.dtype, runner.device
+        num_blocks, runner.block_size, m.num_kv_heads, m.head_dim, runner.kv_cache_dtype, runner.device
     )  # in the backend's own layout
     for layer in runner.attn_layers:
         layer.kv_cache, layer.backend = cache, runner.backend

@@ -54,6 +54,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
         self.num_kv_heads = kv_heads_per_rank(config.model.num_kv_heads, self.groups.info.tp_size)
+        self.kv_cache_dtype = config.cache.kv_cache_dtype(config.model.dtype)  # FP8 halves the bytes per block
         self.model = get_model(config.model, self.device, self.groups.build_context())
         self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -90,7 +91,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
-        per_layer = 2 * self.block_size * self.num_kv_heads * m.head_dim * m.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * m.head_dim * self.kv_cache_dtype.itemsize
         draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0  # the same block ids
         return per_layer * len(self.attn_layers) + draft
 
@@ -103,7 +104,7 @@ class ModelRunner:
                     f"config says {self.num_kv_heads} of {m.head_dim} per rank"
                 )
             layer.kv_cache = self.backend.allocate_kv_cache(
-                num_blocks, self.block_size, self.num_kv_heads, m.head_dim, m.dtype, self.device
+                num_blocks, self.block_size, self.num_kv_heads, m.head_dim, self.kv_cache_dtype, self.device
             )
             layer.backend = self.backend
         if self.drafter is not None:

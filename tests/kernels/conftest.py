@@ -54,18 +54,19 @@ if not torch.cuda.is_available():
             return _cast_impl(self, src, dst_type)
 
         _interpreter.InterpreterBuilder.cast_impl = _cast_impl_rtne
-        # float32 -> fp8 e4m3 loses the carry when rounding up crosses a power of two (124.1 -> 64, not 128); compiled
-        # kernels round to nearest even, as torch does.
+        # float32 -> fp8 (e4m3, e5m2) loses the carry when rounding up crosses a power of two (124.1 -> 64, not 128);
+        # compiled kernels round to nearest even, as torch does.
         _create_fp_to_fp = _interpreter.InterpreterBuilder.create_fp_to_fp
 
         def _create_fp_to_fp_e4m3(self, src, dst_type, rounding_mode):
             import numpy as np
             import triton.language as tl
 
-            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}.get(dst_type.scalar)
+            if src.dtype.scalar == tl.float32 and fp8 is not None:
                 data = np.ascontiguousarray(src.data, dtype=np.float32)
-                bits = torch.from_numpy(data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-                return _interpreter.TensorHandle(bits, tl.float8e4nv)
+                bits = torch.from_numpy(data).to(fp8).view(torch.uint8).numpy()
+                return _interpreter.TensorHandle(bits, dst_type.scalar)
             return _create_fp_to_fp(self, src, dst_type, rounding_mode)
 
         _interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp_e4m3

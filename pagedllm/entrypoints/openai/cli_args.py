@@ -52,6 +52,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "quantization": str,
     "num_gpu_blocks_override": int,
     "kv_cache_memory_bytes": int,
+    "kv_cache_dtype": str,
     "enable_prefix_caching": _BOOL,
     "compilation_config": _json,
     "device": str,

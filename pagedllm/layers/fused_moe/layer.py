@@ -3,7 +3,8 @@
 matmul pair per active expert elsewhere.
 
 With tensor parallelism each rank holds every expert's slice of the intermediate dim (I / tp_size: its gate and up
-rows, its down columns), as vLLM splits experts, and the ranks' partial sums are added in one all-reduce."""
+rows, its down columns), as vLLM splits experts, and the ranks' partial sums are added in one all-reduce. FP8
+experts load in fp8 with their scales and are dequantized after loading (fp8_moe.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from pagedllm.kernels import use_triton
 from pagedllm.layers.activation import activation_fn
 from pagedllm.layers.build_context import current_build_context, divide
+from pagedllm.layers.fused_moe.fp8_moe import create_fp8_expert_weights, dequantize_experts, expert_fp8_strategy
 from pagedllm.layers.fused_moe.routing import check_routing, select_experts
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import default_weight_loader, new_param
@@ -59,11 +61,7 @@ class FusedMoE(nn.Module):
         e_score_correction_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        if quant_config is not None:
-            raise ValueError(
-                f"{prefix or 'FusedMoE'}: quantized experts ({type(quant_config).__name__}) are not "
-                "supported; use an unquantized checkpoint"
-            )
+        self.fp8_strategy = expert_fp8_strategy(quant_config, prefix or "FusedMoE")  # None: float experts
         context = current_build_context()
         self.tp_rank, self.tp_size, self.tp_group = context.tp_rank, context.tp_size, context.tp_group
         intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")  # this rank's
@@ -77,9 +75,18 @@ class FusedMoE(nn.Module):
         # [E] float32 or None: owned by the caller (the router's loaded parameter), so kept out of this module's
         # parameters: the checkpoint names it under the router
         self.__dict__["e_score_correction_bias"] = e_score_correction_bias
+        self.compute_dtype = torch.get_default_dtype()
+        if self.fp8_strategy is not None:
+            create_fp8_expert_weights(self, self.fp8_strategy)
+            return
         loader = self.weight_loader
         self.w13_weight = new_param(num_experts, 2 * intermediate_size, hidden_size, weight_loader=loader)
         self.w2_weight = new_param(num_experts, hidden_size, intermediate_size, weight_loader=loader)
+
+    def process_weights_after_loading(self) -> None:
+        if self.fp8_strategy is not None:  # FP8 experts: dequantized once (fp8_moe.py)
+            dequantize_experts(self, self.compute_dtype)
+            self.fp8_strategy = None
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         """shard_id (expert, "w1" | "w3" | "w2") copies this rank's part of one expert's projection [rows, cols]

@@ -31,7 +31,7 @@ from pagedllm.layers.quantization.wna16 import (
 class AWQLinearMethod(WNA16LinearMethod):
     def create_format_weights(self, layer: LinearBase, k: int, n: int) -> None:
         groups = self.num_groups(k)
-        layer.qweight = self.param(layer, k, -(-n // 8), dtype=torch.int32, output_dim=1, pack=8)
+        layer.qweight = self.param(layer, k, -(-n // 8), dtype=torch.int32, output_dim=1, pack=8, unit=1)
         layer.qzeros = self.param(layer, groups, -(-n // 8), dtype=torch.int32, output_dim=1, pack=8)
         layer.scales = self.param(layer, groups, n, dtype=torch.float32, output_dim=1)
 

@@ -134,6 +134,19 @@ def _int8_method(group: dict, fmt: str | None, where: str) -> Int8LinearMethod:
     return Int8LinearMethod(w_strategy, static=not kinds[scheme])
 
 
+def _check_kv_cache_scheme(scheme: dict | None) -> None:
+    """A kv_cache_scheme must be FP8 with per-tensor scales (the checkpoint's `*.k_scale` / `*.v_scale`, used when
+    the engine runs kv_cache_dtype='fp8')."""
+    if not scheme:
+        return
+    fields = (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy", "tensor"))
+    if fields != (8, "float", "tensor") or scheme.get("dynamic"):
+        raise ValueError(
+            f"quantization_config.kv_cache_scheme={scheme!r} is not supported (supported: num_bits=8 type='float' "
+            "strategy='tensor', static: an FP8 KV cache with per-tensor scales)"
+        )
+
+
 class CompressedTensorsConfig(QuantizationConfig):
     """Each linear layer takes the method of the first config group whose `targets` name it ("Linear": every one),
     unless `ignore` names it; a layer no group targets stays dense."""
@@ -145,9 +158,10 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        for key in ("sparsity_config", "transform_config"):
             if config.get(key):
                 raise ValueError(f"quantization_config.{key}={config[key]!r} is not supported yet")
+        _check_kv_cache_scheme(config.get("kv_cache_scheme"))
         groups_raw = config.get("config_groups")
         if not isinstance(groups_raw, dict) or not groups_raw:
             raise ValueError(f"quantization_config.config_groups={groups_raw!r} must name at least one group")

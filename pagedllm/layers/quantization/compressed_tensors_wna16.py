@@ -17,18 +17,23 @@ import torch
 
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.int_packing import pack_factor, unpack_int32
-from pagedllm.layers.quantization.wna16 import Unpacked, WNA16LinearMethod, check_bits, check_group_size, take
+from pagedllm.layers.quantization.wna16 import (
+    SHARD_INDEX,
+    Unpacked,
+    WNA16LinearMethod,
+    check_bits,
+    check_group_size,
+    take,
+)
 
 ACT_ORDERS = (None, "weight", "static", "group", "dynamic")  # "group" / "dynamic": a g_idx per layer
 
 
 def check_shape(layer: LinearBase, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    """weight_shape: the projection's (rows, input features), checked against the layer's."""
-    _, rows, _ = layer.output_shard(shard_id)
-    if loaded.tolist() != [rows, layer.input_size_per_partition]:
-        raise ValueError(
-            f"{layer.prefix}: weight_shape {loaded.tolist()} does not fit {[rows, layer.input_size_per_partition]}"
-        )
+    """weight_shape: the projection's whole (rows, input features) (of every rank), checked against the layer's."""
+    rows = layer.output_size if shard_id is None else layer.output_sizes[SHARD_INDEX.get(shard_id, shard_id)]
+    if loaded.tolist() != [rows, layer.input_size]:
+        raise ValueError(f"{layer.prefix}: weight_shape {loaded.tolist()} does not fit {[rows, layer.input_size]}")
 
 
 class CTPackedLinearMethod(WNA16LinearMethod):
@@ -38,7 +43,7 @@ class CTPackedLinearMethod(WNA16LinearMethod):
 
     def create_format_weights(self, layer: LinearBase, k: int, n: int) -> None:
         pack, groups = pack_factor(self.bits), self.num_groups(k)
-        layer.weight_packed = self.param(layer, n, -(-k // pack), dtype=torch.int32, output_dim=0)
+        layer.weight_packed = self.param(layer, n, -(-k // pack), dtype=torch.int32, output_dim=0, unit=pack)
         layer.weight_scale = self.param(layer, n, groups, dtype=torch.float32, output_dim=0)
         if not self.symmetric:
             layer.weight_zero_point = self.param(
@@ -49,7 +54,7 @@ class CTPackedLinearMethod(WNA16LinearMethod):
             layer, param, loaded, shard_id
         )
         if self.has_g_idx:
-            layer.weight_g_idx = self.per_projection(layer, k, dtype=torch.int32, dummy=self.dummy_groups)
+            layer.weight_g_idx = self.g_idx_param(layer, k)
 
     def unpack(self, layer: LinearBase) -> Unpacked:
         packed, scale = take(layer, "weight_packed", "weight_scale")

@@ -81,14 +81,32 @@ def load_row_scale(layer: LinearBase, param: torch.Tensor, loaded: torch.Tensor,
     layer.weight_loader(param, loaded, shard_id)
 
 
-def load_block_scale(layer: LinearBase, block_rows: int, param: torch.Tensor, loaded: torch.Tensor, shard_id=None):
-    """A block-wise scale [ceil(rows / block_rows), ceil(K / block_cols)] into its projection's block rows."""
+def load_block_scale(
+    layer: LinearBase, block: tuple[int, int], param: torch.Tensor, loaded: torch.Tensor, shard_id=None
+):
+    """A block-wise scale [ceil(rows / bn), ceil(K / bk)] into its projection's block rows; with tensor parallelism
+    this rank's block rows (column-parallel) or block columns (row-parallel), which must start on a block edge."""
+    bn, bk = block
+    if shard_id is not None or layer.tp_size > 1:
+        start, size, source = layer.output_shard(shard_id)
+    else:
+        start, size, source = 0, param.shape[0] * bn, 0
     if layer.tp_size > 1:
-        raise ValueError(f"{layer.prefix}: block-wise FP8 scales are not split across tensor-parallel ranks yet")
-    start, size, _ = layer.output_shard(shard_id) if shard_id is not None else (0, param.shape[0] * block_rows, 0)
-    target = param.data.narrow(
-        0, start // block_rows, min(-(-size // block_rows), param.shape[0] - start // block_rows)
-    )
+        if source % bn:
+            raise ValueError(
+                f"{layer.prefix}: tensor-parallel rank {layer.tp_rank} starts at output row {source}, inside an fp8 "
+                f"weight block of {bn} rows: block-wise FP8 needs each rank's rows to start on a block edge"
+            )
+        loaded = loaded.narrow(0, source // bn, min(-(-size // bn), loaded.shape[0] - source // bn))
+        kp = layer.input_size_per_partition
+        if kp != layer.input_size:
+            if kp % bk:
+                raise ValueError(
+                    f"{layer.prefix}: the {kp} input features of a tensor-parallel shard (input_size "
+                    f"{layer.input_size} / {layer.tp_size}) split fp8 weight blocks of {bk} columns"
+                )
+            loaded = loaded.narrow(1, layer.tp_rank * kp // bk, kp // bk)
+    target = param.data.narrow(0, start // bn, min(-(-size // bn), param.shape[0] - start // bn))
     if target.shape != loaded.shape:
         raise ValueError(
             f"{layer.prefix}: block scale of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
@@ -138,7 +156,7 @@ class Fp8LinearMethod(LinearMethod):
             bn, bk = self.block
             if len(output_sizes) > 1 and any(size % bn for size in output_sizes):
                 raise ValueError(f"{layer.prefix}: merged projections of {output_sizes} rows split fp8 blocks of {bn}")
-            block_loader = functools.partial(load_block_scale, layer, bn)
+            block_loader = functools.partial(load_block_scale, layer, self.block)
             scale = new_param(-(-rows // bn), -(-input_size // bk), dtype=torch.float32, weight_loader=block_loader)
             setattr(layer, self.scale_name, scale)
         if self.activations == "static":  # [num_projections]

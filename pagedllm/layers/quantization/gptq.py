@@ -42,10 +42,10 @@ class GPTQLinearMethod(WNA16LinearMethod):
         pack, groups = pack_factor(self.bits), self.num_groups(k)
         if k % pack:
             raise ValueError(f"{layer.prefix}: gptq {self.bits}-bit weights need input features divisible by {pack}")
-        layer.qweight = self.param(layer, k // pack, n, dtype=torch.int32, output_dim=1)
+        layer.qweight = self.param(layer, k // pack, n, dtype=torch.int32, output_dim=1, unit=pack)
         layer.qzeros = self.param(layer, groups, -(-n // pack), dtype=torch.int32, output_dim=1, pack=pack)
         layer.scales = self.param(layer, groups, n, dtype=torch.float32, output_dim=1)
-        layer.g_idx = self.per_projection(layer, k, dtype=torch.int32, dummy=self.dummy_groups)
+        layer.g_idx = self.g_idx_param(layer, k)
 
     def unpack(self, layer: LinearBase) -> Unpacked:
         qweight, qzeros, scales, g_idx = take(layer, "qweight", "qzeros", "scales", "g_idx")

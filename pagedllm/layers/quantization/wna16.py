@@ -21,7 +21,7 @@ from pagedllm.layers.linear import LinearBase, default_weight_loader, new_param,
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant
 from pagedllm.layers.quantization.fp8 import checkpoint_names
 from pagedllm.layers.quantization.fp8_ops import triton
-from pagedllm.layers.quantization.int_packing import dequantize, groups_of, pack_int32, sort_groups
+from pagedllm.layers.quantization.int_packing import dequantize, groups_of, pack_factor, pack_int32, sort_groups
 from pagedllm.layers.quantization.wna16_gemm import wna16_linear
 
 SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -43,17 +43,27 @@ class Unpacked:
     g_idx: torch.Tensor | None
 
 
-def load_part(layer: LinearBase, pack: int, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+def load_part(
+    layer: LinearBase, pack: int, unit: int | None, param: torch.Tensor, loaded: torch.Tensor, shard_id=None
+) -> None:
     """A checkpoint tensor into its projection's part of `param` along `param.output_dim` (None: the whole param),
-    that dim holding `pack` outputs per element (packed zero points / weights), 1 otherwise."""
-    if layer.tp_size > 1:
-        raise ValueError(f"{layer.prefix}: integer-quantized weights are not split across tensor-parallel ranks yet")
-    target, dim = param.data, getattr(param, "output_dim", None)
-    if shard_id is not None and dim is not None:
-        start, size, _ = layer.output_shard(shard_id)
-        if start % pack:
-            raise ValueError(f"{layer.prefix}: projection {shard_id!r} starts at output {start}, inside a packed word")
+    that dim holding `pack` outputs per element (packed zero points / weights), 1 otherwise. With tensor parallelism
+    this rank's part: its outputs (column-parallel), or its input features along the other dim (row-parallel), which
+    holds `unit` input features per element (1, the K-packing factor, or the group size; None: not split)."""
+    target, dim = param.data, param.output_dim
+    if shard_id is not None or layer.tp_size > 1:
+        start, size, source = layer.output_shard(shard_id)
+        if start % pack or source % pack or (layer.tp_size > 1 and size % pack):
+            raise ValueError(
+                f"{layer.prefix}: projection {shard_id!r} of this tensor-parallel rank (outputs {source} to "
+                f"{source + size}) does not start and end on a packed word of {pack} outputs"
+            )
         target = target.narrow(dim, start // pack, -(-size // pack))
+        if layer.tp_size > 1:
+            loaded = loaded.narrow(dim, source // pack, -(-size // pack))
+    kp = layer.input_size_per_partition
+    if kp != layer.input_size and unit is not None:  # row-parallel: this rank's input features (checked divisible)
+        loaded = loaded.narrow(1 - dim, layer.tp_rank * kp // unit, kp // unit)
     default_weight_loader(target, loaded)
 
 
@@ -67,6 +77,21 @@ def load_per_projection(layer: LinearBase, param: torch.Tensor, loaded: torch.Te
     default_weight_loader(param.data[SHARD_INDEX.get(shard_id, shard_id)], loaded)
 
 
+def load_g_idx(layer: LinearBase, group_size: int, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """g_idx [K]; a row-parallel rank takes its features and numbers their groups from its first group."""
+    kp = layer.input_size_per_partition
+    if kp != layer.input_size:
+        first = layer.tp_rank * kp
+        loaded = loaded.narrow(0, first, kp) - (first // group_size if group_size != -1 else 0)
+        groups = 1 if group_size == -1 else kp // group_size
+        if len(loaded) and (int(loaded.min()) < 0 or int(loaded.max()) >= groups):
+            raise ValueError(
+                f"{layer.prefix}: act-order groups (g_idx) mix input features of several tensor-parallel ranks; "
+                "such a checkpoint runs with tensor_parallel_size=1 (or without desc_act / actorder)"
+            )
+    load_per_projection(layer, param, loaded, shard_id)
+
+
 class WNA16LinearMethod(LinearMethod):
     """Integer weights of `bits` bits with a scale (and zero point) per `group_size` input features (-1: one group,
     channel-wise). Subclasses name the checkpoint's tensors (`create_format_weights`) and unpack them (`unpack`)."""
@@ -77,10 +102,19 @@ class WNA16LinearMethod(LinearMethod):
     def num_groups(self, input_size: int) -> int:
         return 1 if self.group_size == -1 else -(-input_size // self.group_size)
 
-    def param(self, layer: LinearBase, *shape: int, dtype: torch.dtype, output_dim=None, pack: int = 1):
-        """A checkpoint tensor's parameter whose `output_dim` holds `pack` outputs per element."""
-        loader = functools.partial(load_part, layer, pack)
+    def param(self, layer: LinearBase, *shape: int, dtype: torch.dtype, output_dim: int, pack: int = 1, unit="group"):
+        """A 2-D checkpoint tensor's parameter whose `output_dim` holds `pack` outputs per element and whose other dim
+        `unit` input features per element ("group": one group each; a row-parallel rank takes its part of it)."""
+        if unit == "group":
+            unit = None if self.group_size == -1 else self.group_size
+        loader = functools.partial(load_part, layer, pack, unit)
         return new_param(*shape, dtype=dtype, output_dim=output_dim, weight_loader=loader)
+
+    def g_idx_param(self, layer: LinearBase, k: int) -> nn.Parameter:
+        """g_idx [num_projections, K] (int32): each input feature's group."""
+        param = self.per_projection(layer, k, dtype=torch.int32, dummy=self.dummy_groups)
+        param.weight_loader = functools.partial(load_g_idx, layer, self.group_size)
+        return param
 
     def per_projection(self, layer: LinearBase, *shape: int, dtype: torch.dtype, dummy) -> nn.Parameter:
         """[num_projections, *shape]; `dummy(tensor)` fills it for load_format="dummy"."""
@@ -89,6 +123,15 @@ class WNA16LinearMethod(LinearMethod):
 
     def create_weights(self, layer: LinearBase, input_size: int, output_sizes: list[int]) -> None:
         layer.wna16_compute_dtype = torch.get_default_dtype()
+        if input_size != layer.input_size:  # row-parallel: groups and packed words must not straddle two ranks
+            pack = pack_factor(self.bits)
+            for what, unit in (("group_size", self.group_size), (f"{self.bits}-bit packing of", pack)):
+                if unit != -1 and input_size % unit:
+                    raise ValueError(
+                        f"{layer.prefix}: {what} {unit} input features does not divide the {input_size} input "
+                        f"features of each tensor-parallel rank (input_size {layer.input_size} / tensor_parallel_size "
+                        f"{layer.tp_size}); use a tensor_parallel_size that does"
+                    )
         self.create_format_weights(layer, input_size, sum(output_sizes))
 
     @abstractmethod
