@@ -13,10 +13,10 @@ def make_executor(config: EngineConfig):
     p = config.parallel
     if p.world_size == 1 and p.distributed_executor_backend in (None, "uni", "mp"):
         return UniProcExecutor(config)
-    backend = p.distributed_executor_backend or "mp"
-    if backend == "ray":
-        from pagedllm.distributed.ray_executor import RayExecutor
+    from pagedllm.distributed.ray_executor import RayExecutor, default_backend
 
+    backend = p.distributed_executor_backend or default_backend(config)
+    if backend == "ray":
         return RayExecutor(config)
     from pagedllm.distributed.mp_executor import MultiprocExecutor
 
