@@ -1,0 +1,71 @@
+"""Data parallelism for offline jobs: LLM(data_parallel_size=2) splits a call's prompts between this process and a
+replica process, and gives the outputs of one replica, in input order: greedy tokens and logprobs, and seeded
+sampling with one SamplingParams per prompt. Bad sizes are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from tiny_models import TINY_DECODER, save_tiny_decoder
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.data_parallel import ProcessReplica, split_evenly
+
+BASE = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    _, path = save_tiny_decoder("llama-dp", T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory)
+    return path
+
+
+def _prompts() -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        {"prompt_token_ids": torch.randint(0, 320, (int(n),), generator=gen).tolist()} for n in (3, 9, 1, 17, 6, 12)
+    ]
+
+
+def _run(llm: LLM) -> tuple[list, list]:
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    seeded = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=100 + i) for i in range(6)]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    sampled = llm.generate(prompts, seeded, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]  # input order
+    greedy_rows = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return greedy_rows, [o.outputs[0].token_ids for o in sampled]
+
+
+def test_dp2_matches_one_replica(tiny_llama):
+    expected_greedy, expected_sampled = _run(LLM(tiny_llama, **BASE))
+    llm = LLM(tiny_llama, data_parallel_size=2, **BASE)
+    try:
+        (replica,) = llm.data_parallel.replicas
+        assert isinstance(replica, ProcessReplica) and replica.proc.poll() is None
+        greedy, sampled = _run(llm)
+    finally:
+        llm.data_parallel.shutdown()
+    assert replica.proc.poll() is not None  # the replica process ended
+    assert sampled == expected_sampled
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy, expected_greedy):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(logprobs, ref_logprobs):
+            assert step.keys() == ref_step.keys()
+            got = [step[t].logprob for t in ref_step]
+            np.testing.assert_allclose(got, [ref_step[t].logprob for t in ref_step], atol=1e-5, rtol=0)
+
+
+def test_split_is_contiguous_and_even():
+    assert split_evenly(6, 2) == [range(0, 3), range(3, 6)]
+    assert split_evenly(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_evenly(1, 2) == [range(0, 1), range(1, 1)]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_bad_data_parallel_size_is_refused(tiny_llama, bad):
+    with pytest.raises(ValueError, match=rf"data_parallel_size={bad!r} must be an integer >= 1"):
+        LLM(tiny_llama, data_parallel_size=bad, **BASE)
