@@ -1,8 +1,11 @@
 """Data parallelism for offline jobs: LLM(data_parallel_size=2) splits a call's prompts between this process and a
 replica process, and gives the outputs of one replica, in input order: greedy tokens and logprobs, and seeded
-sampling with one SamplingParams per prompt. Bad sizes are refused by name."""
+sampling with one SamplingParams per prompt. Bad sizes are refused by name; the server takes -dp but refuses
+more than one replica."""
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.data_parallel import ProcessReplica, split_evenly
+from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
 BASE = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
 
@@ -69,3 +73,13 @@ def test_split_is_contiguous_and_even():
 def test_bad_data_parallel_size_is_refused(tiny_llama, bad):
     with pytest.raises(ValueError, match=rf"data_parallel_size={bad!r} must be an integer >= 1"):
         LLM(tiny_llama, data_parallel_size=bad, **BASE)
+
+
+def test_parallel_flags_and_server_refusal():
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "m", "-tp", "2", "-pp", "3", "-dp", "4"])
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size) == (2, 3, 4)
+    assert parser.parse_args(["serve", "m", "--data-parallel-size", "2"]).data_parallel_size == 2
+    with pytest.raises(ValueError, match=r"--data-parallel-size=4: the server runs one engine \(allowed: 1\)"):
+        args.func(args)
