@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -150,10 +151,10 @@ class ProcessReplica:
         theirs.close()
         self.conn = ours
         self._finalizer = weakref.finalize(self, _end_process, self.proc, self.conn)
-        self.conn.send((llm_kwargs, threads))
+        _send(self.conn, (llm_kwargs, threads))
 
     def submit(self, method: str, items: list, args: tuple, kwargs: dict) -> None:
-        self.conn.send((method, items, args, kwargs))
+        _send(self.conn, (method, items, args, kwargs))
 
     def result(self) -> tuple:
         while not self.conn.poll(0.05):
@@ -161,7 +162,7 @@ class ProcessReplica:
                 code = self.proc.returncode
                 return "error", (RuntimeError(f"data-parallel replica (pid {self.proc.pid}) exited: {code}"), "")
         try:
-            return self.conn.recv()
+            return _recv(self.conn)
         except (EOFError, OSError) as e:
             return "error", (RuntimeError(f"data-parallel replica (pid {self.proc.pid}) hung up: {e}"), "")
 
@@ -169,9 +170,19 @@ class ProcessReplica:
         self._finalizer()
 
 
+def _send(conn: Connection, message: Any) -> None:
+    """Plain pickling: tensors travel by value (Connection.send would share them through file descriptors, which
+    needs a process started by multiprocessing)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _end_process(proc: subprocess.Popen, conn: Connection) -> None:
     try:
-        conn.send(("shutdown", [], (), {}))
+        _send(conn, ("shutdown", [], (), {}))
     except (OSError, ValueError):
         pass
     try:
@@ -208,8 +219,6 @@ class ReplicaHost:
 def _error_answer(error: BaseException) -> tuple:
     trace = traceback.format_exc()
     try:
-        import pickle
-
         pickle.dumps(error)
     except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
         error = RuntimeError(f"{type(error).__name__}: {error}")
@@ -247,21 +256,21 @@ class RayReplica:
 
 def serve(conn: Connection) -> None:
     """A replica process: the first message builds the LLM (answered once ready); then each message is a call."""
-    llm_kwargs, threads = conn.recv()
+    llm_kwargs, threads = _recv(conn)
     try:
         host = ReplicaHost(llm_kwargs, threads)
     except Exception as e:  # noqa: BLE001 - handed to the caller's process
-        conn.send(_error_answer(e))
+        _send(conn, _error_answer(e))
         return
-    conn.send(host.ready())
+    _send(conn, host.ready())
     while True:
         try:
-            method, items, args, kwargs = conn.recv()
+            method, items, args, kwargs = _recv(conn)
         except (EOFError, OSError):
             break
         if method == "shutdown":
             break
-        conn.send(host.call(method, items, args, kwargs))
+        _send(conn, host.call(method, items, args, kwargs))
     host.shutdown()
 
 

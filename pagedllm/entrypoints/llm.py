@@ -13,7 +13,6 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_se
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
-from pagedllm.entrypoints.data_parallel import start_replicas
 from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.entrypoints.pooling_api import _as_list as _pooled_items
 from pagedllm.metrics import Metric
@@ -75,6 +74,8 @@ class LLM(PoolingAPI):
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
         config = self.engine_args.create_engine_config()
+        from pagedllm.entrypoints.data_parallel import start_replicas  # here: it is also the replicas' __main__
+
         self.data_parallel = start_replicas(self.engine_args, config)  # None: one replica
         tok = None
         if not skip_tokenizer_init:

@@ -83,3 +83,15 @@ def test_parallel_flags_and_server_refusal():
     assert parser.parse_args(["serve", "m", "--data-parallel-size", "2"]).data_parallel_size == 2
     with pytest.raises(ValueError, match=r"--data-parallel-size=4: the server runs one engine \(allowed: 1\)"):
         args.func(args)
+
+
+def test_dp2_embed_matches_one_replica(tiny_llama):
+    prompts = _prompts()
+    expected = [o.outputs.embedding for o in LLM(tiny_llama, task="embed", **BASE).embed(prompts, use_tqdm=False)]
+    llm = LLM(tiny_llama, task="embed", data_parallel_size=2, **BASE)
+    try:
+        got = llm.embed(prompts, use_tqdm=False)
+    finally:
+        llm.data_parallel.shutdown()
+    assert [o.prompt_token_ids for o in got] == [p["prompt_token_ids"] for p in prompts]
+    np.testing.assert_allclose([o.outputs.embedding for o in got], expected, atol=1e-5, rtol=0)
