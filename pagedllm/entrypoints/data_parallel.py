@@ -226,7 +226,8 @@ def _error_answer(error: BaseException) -> tuple:
 
 
 class RayReplica:
-    """One replica in a Ray actor holding W GPUs (its own tensor/pipeline ranks run as local processes there)."""
+    """One replica in a Ray actor holding W GPUs on a node other than the engine's (its own tensor/pipeline ranks
+    run as local processes there)."""
 
     def __init__(self, llm_kwargs: dict, world: int, on_cuda: bool, threads: int) -> None:
         from pagedllm.distributed.ray_executor import import_ray
@@ -237,6 +238,9 @@ class RayReplica:
         self.ray = ray
         kwargs = {**llm_kwargs, "distributed_executor_backend": "mp" if world > 1 else None}
         resources = dict(num_gpus=world, num_cpus=0) if on_cuda else dict(num_cpus=1)
+        if on_cuda:  # replica 0 holds this node's first GPUs outside Ray's accounting: the others go elsewhere
+            here = ray.get_runtime_context().get_node_id()
+            resources["label_selector"] = {"ray.io/node-id": f"!{here}"}
         self.actor = ray.remote(ReplicaHost).options(**resources).remote(kwargs, threads)
         self.pending = self.actor.ready.remote()
 

@@ -11,7 +11,7 @@ from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 def make_executor(config: EngineConfig):
     """The executor for the config's ranks and distributed_executor_backend."""
     p = config.parallel
-    if p.world_size == 1 and p.distributed_executor_backend in (None, "uni", "mp"):
+    if p.world_size == 1:  # one rank runs in the engine's process whatever the backend
         return UniProcExecutor(config)
     from pagedllm.distributed.ray_executor import RayExecutor, default_backend
 

@@ -1,6 +1,7 @@
 """The Ray executor: a Ray cluster of two nodes on this machine (a head and a second node, one CPU each, custom
 resources node_a and node_b), tensor parallelism over both (gloo, float32) with one rank on each node, gives the
-greedy tokens and logprobs of one process. Also: the default backend's choice and the missing-extra error."""
+greedy tokens and logprobs of one process; a killed actor fails generate within 10 s; data parallelism with a
+replica in a Ray actor. Also: the default backend's choice and the missing-extra error."""
 
 from __future__ import annotations
 
@@ -23,15 +24,18 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import ray_executor
+from pagedllm.distributed.mp_executor import WorkerFailed
 from pagedllm.distributed.ray_executor import default_backend, import_ray
+from pagedllm.entrypoints.data_parallel import RayReplica
 
 ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for the Ray workers' imports
 
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    """A Ray head (node_a) and a second node (node_b) on 127.0.0.1, this process connected as the driver; every
-    process of the cluster is ended afterwards (found by the cluster's own temp dir in its command line)."""
+    """A Ray head (node_a) and a second node (node_b) on this machine, reached at 127.0.0.1, this process connected
+    as the driver; every process of the cluster is ended afterwards (found by the cluster's temp dir in its command
+    line)."""
     ray = pytest.importorskip("ray")
     temp = tempfile.mkdtemp(prefix="pagedllm-ray-", dir="/tmp")  # short: Ray's socket paths live under it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
@@ -94,15 +98,32 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
     ]
 
 
-@pytest.mark.slow
-def test_tp2_across_two_ray_nodes_matches_one_process(two_node_cluster, tmp_path_factory):
-    ray = two_node_cluster
+BASE = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama, its greedy outputs in one process for PROMPTS."""
     _, path = save_tiny_decoder("llama-ray", T.LlamaConfig, T.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory)
-    base = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 13, 22)]
-    expected = _greedy(LLM(path, **base), prompts)
-    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", max_num_batched_tokens=16, **base)
+    return path, _greedy(LLM(path, **BASE), PROMPTS)
+
+
+PROMPTS = [torch.randint(0, 320, (int(n),), generator=torch.Generator().manual_seed(3)).tolist() for n in (1, 13, 22)]
+
+
+def _assert_matches(got: list, expected: list) -> None:
+    assert len(got) == len(expected)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_tp2_across_two_ray_nodes_matches_one_process(two_node_cluster, tiny_llama):
+    ray = two_node_cluster
+    path, expected = tiny_llama
+    prompts = PROMPTS
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", max_num_batched_tokens=16, **BASE)
     try:
         executor = llm.llm_engine.core.executor
         assert isinstance(executor, ray_executor.RayExecutor)
@@ -110,14 +131,43 @@ def test_tp2_across_two_ray_nodes_matches_one_process(two_node_cluster, tmp_path
         ranks = executor.node_ids()
         assert len(set(ranks)) == 2, ranks  # one rank on each node
         assert {k for r in ranks for k in nodes[r] if k.startswith("node_")} == {"node_a", "node_b"}
-        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(_greedy(llm, prompts), expected):
-            assert tokens == ref_tokens
-            np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4, rtol=0)
+        _assert_matches(_greedy(llm, prompts), expected)
     finally:
         llm.llm_engine.shutdown()
     for actor in executor.actors:  # ended with the engine
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.node_id.remote(), timeout=60)
+
+
+@pytest.mark.slow
+def test_a_dead_ray_worker_fails_generate_quickly(two_node_cluster, tiny_llama):
+    ray = two_node_cluster
+    path, expected = tiny_llama
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **BASE)
+    try:
+        _assert_matches(_greedy(llm, PROMPTS[:1]), expected[:1])
+        ray.kill(llm.llm_engine.core.executor.actors[0], no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailed, match="Ray worker failed"):
+            _greedy(llm, PROMPTS)
+        assert time.monotonic() - start < 10
+        with pytest.raises(WorkerFailed):  # and stays failed
+            _greedy(llm, PROMPTS)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_dp2_on_ray_matches_one_process(two_node_cluster, tiny_llama):
+    path, expected = tiny_llama
+    llm = LLM(path, data_parallel_size=2, distributed_executor_backend="ray", **BASE)
+    try:
+        (replica,) = llm.data_parallel.replicas
+        assert isinstance(replica, RayReplica)
+        _assert_matches(_greedy(llm, PROMPTS), expected)  # the first prompts here, the last in the actor
+    finally:
+        llm.data_parallel.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def _config(device: str, world: int):
