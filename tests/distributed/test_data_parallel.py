@@ -51,6 +51,11 @@ def test_dp2_matches_one_replica(tiny_llama):
         (replica,) = llm.data_parallel.replicas
         assert isinstance(replica, ProcessReplica) and replica.proc.poll() is None
         greedy, sampled = _run(llm)
+        bad = [*_prompts()[:3], {"prompt_token_ids": [1] * 300}]  # the last, replica 1's, exceeds max_model_len
+        with pytest.raises(ValueError, match="max_model_len") as info:
+            llm.generate(bad, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert "in data-parallel replica 1" in "".join(info.value.__notes__)
+        assert _run(llm)[0] == greedy  # both replicas still serve
     finally:
         llm.data_parallel.shutdown()
     assert replica.proc.poll() is not None  # the replica process ended
@@ -85,6 +90,7 @@ def test_parallel_flags_and_server_refusal():
         args.func(args)
 
 
+@pytest.mark.slow
 def test_dp2_embed_matches_one_replica(tiny_llama):
     prompts = _prompts()
     expected = [o.outputs.embedding for o in LLM(tiny_llama, task="embed", **BASE).embed(prompts, use_tqdm=False)]
