@@ -18,6 +18,7 @@ import subprocess
 import sys
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -74,9 +75,16 @@ class ReplicaSet:
         if threads:
             torch.set_num_threads(threads)
 
-    def wait_started(self) -> None:
-        for i, replica in enumerate(self.replicas, start=1):
-            _answer(replica.result(), i)
+    def build_local(self, build: Callable[[], Any]) -> Any:
+        """Replica 0's engine, built while the others load; every replica is ended if one fails to start."""
+        try:
+            engine = build()
+            for i, replica in enumerate(self.replicas, start=1):
+                _answer(replica.result(), i)
+            return engine
+        except BaseException:
+            self.shutdown()
+            raise
 
     def run(self, llm, method: str, items: list, args: tuple, kwargs: dict) -> list:
         """llm.`method`(items, *args, **kwargs) over the replicas, each on its chunk of items; results in order."""
@@ -157,14 +165,16 @@ class ProcessReplica:
         _send(self.conn, (method, items, args, kwargs))
 
     def result(self) -> tuple:
-        while not self.conn.poll(0.05):
-            if self.proc.poll() is not None and not self.conn.poll():
-                code = self.proc.returncode
-                return "error", (RuntimeError(f"data-parallel replica (pid {self.proc.pid}) exited: {code}"), "")
         try:
-            return _recv(self.conn)
-        except (EOFError, OSError) as e:
-            return "error", (RuntimeError(f"data-parallel replica (pid {self.proc.pid}) hung up: {e}"), "")
+            while not self.conn.poll(0.05) and self.proc.poll() is None:
+                pass
+            return _recv(self.conn)  # EOFError once the process is gone and its last answer read
+        except (EOFError, OSError):
+            try:
+                code = self.proc.wait(_SHUTDOWN_WAIT_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            return "error", (RuntimeError(f"data-parallel replica (pid {self.proc.pid}) exited with code {code}"), "")
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -81,9 +81,10 @@ class LLM(PoolingAPI):
         if not skip_tokenizer_init:
             tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code, revision)
         engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
-        self.llm_engine = engine_cls(config, tok)
-        if self.data_parallel is not None:
-            self.data_parallel.wait_started()
+        if self.data_parallel is None:
+            self.llm_engine = engine_cls(config, tok)
+        else:
+            self.llm_engine = self.data_parallel.build_local(lambda: engine_cls(config, tok))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -101,3 +101,9 @@ def test_dp2_embed_matches_one_replica(tiny_llama):
         llm.data_parallel.shutdown()
     assert [o.prompt_token_ids for o in got] == [p["prompt_token_ids"] for p in prompts]
     np.testing.assert_allclose([o.outputs.embedding for o in got], expected, atol=1e-5, rtol=0)
+
+
+def test_a_replica_that_cannot_start_fails_the_llm(tiny_llama, monkeypatch):
+    monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # the replica's interpreter cannot start; this one runs on
+    with pytest.raises(RuntimeError, match=r"data-parallel replica \(pid \d+\) exited with code 1"):
+        LLM(tiny_llama, data_parallel_size=2, **BASE)
