@@ -143,7 +143,8 @@ class RayExecutor:
         node = next((n for n in self.ray.nodes() if n["NodeID"] == here), {})
         strategy = "STRICT_PACK" if node.get("Resources", {}).get(key, 0) >= world else "PACK"
         selectors = [{NODE_ID_LABEL: here}] + [{} for _ in range(world - 1)]  # rank 0 on the engine's node
-        pg = placement_group([{key: 1}] * world, strategy=strategy, bundle_label_selector=selectors)
+        hint = dict(_soft_target_node_id=here) if strategy == "STRICT_PACK" else {}  # labels alone: newer Ray
+        pg = placement_group([{key: 1}] * world, strategy=strategy, bundle_label_selector=selectors, **hint)
         ready, _ = self.ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(pg)
