@@ -150,7 +150,8 @@ class LLM(PoolingAPI):
         """Generates for every prompt; returns one RequestOutput per prompt, in input order."""
         if self.data_parallel is not None:
             items, kwargs = _as_prompt_list(prompts), dict(kwargs, use_tqdm=use_tqdm)
-            return self.data_parallel.run(self, "generate", items, (sampling_params,), kwargs)
+            params = None if sampling_params is None else _params_list(sampling_params, len(items))  # checked whole
+            return self.data_parallel.run(self, "generate", items, (params,), kwargs)
         self._require_generate("generate")
         unknown = set(kwargs) - {"lora_request", "priority"}
         if unknown:

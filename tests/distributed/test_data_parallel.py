@@ -55,6 +55,8 @@ def test_dp2_matches_one_replica(tiny_llama):
         with pytest.raises(ValueError, match="max_model_len") as info:
             llm.generate(bad, SamplingParams(max_tokens=2), use_tqdm=False)
         assert "in data-parallel replica 1" in "".join(info.value.__notes__)
+        with pytest.raises(ValueError, match="sampling_params has 2 entries but there are 6 prompts"):
+            llm.generate(_prompts(), [SamplingParams()] * 2, use_tqdm=False)
         assert _run(llm)[0] == greedy  # both replicas still serve
     finally:
         llm.data_parallel.shutdown()
