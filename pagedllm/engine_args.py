@@ -52,6 +52,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None | "mp" | "ray" | "uni" (distributed/)
+    data_parallel_size: int = 1  # engine replicas splitting an offline call's prompts (entrypoints/data_parallel)
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     hf_overrides: Any = None

@@ -14,6 +14,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.pooling_api import PoolingAPI
+from pagedllm.entrypoints.pooling_api import _as_list as _pooled_items
 from pagedllm.metrics import Metric
 from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -43,6 +44,7 @@ class LLM(PoolingAPI):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        data_parallel_size: int = 1,
         trust_remote_code: bool = False,
         skip_tokenizer_init: bool = False,
         hf_overrides: Any = None,
@@ -73,11 +75,17 @@ class LLM(PoolingAPI):
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
         config = self.engine_args.create_engine_config()
+        from pagedllm.entrypoints.data_parallel import start_replicas  # here: it is also the replicas' __main__
+
+        self.data_parallel = start_replicas(self.engine_args, config)  # None: one replica
         tok = None
         if not skip_tokenizer_init:
             tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code, revision)
         engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
-        self.llm_engine = engine_cls(config, tok)
+        if self.data_parallel is None:
+            self.llm_engine = engine_cls(config, tok)
+        else:
+            self.llm_engine = self.data_parallel.build_local(lambda: engine_cls(config, tok))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -141,6 +149,10 @@ class LLM(PoolingAPI):
         **kwargs: Any,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in input order."""
+        if self.data_parallel is not None:
+            items, kwargs = _as_prompt_list(prompts), dict(kwargs, use_tqdm=use_tqdm)
+            params = None if sampling_params is None else _params_list(sampling_params, len(items))  # checked whole
+            return self.data_parallel.run(self, "generate", items, (params,), kwargs)
         self._require_generate("generate")
         unknown = set(kwargs) - {"lora_request", "priority"}
         if unknown:
@@ -202,6 +214,12 @@ class LLM(PoolingAPI):
         rendered = [apply_chat_template(tok, conv, **options) for conv in as_conversations(messages)]
         prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in rendered]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _pool(self, prompts, params, task, method, use_tqdm, truncate_prompt_tokens, lora_request):
+        if self.data_parallel is None:
+            return super()._pool(prompts, params, task, method, use_tqdm, truncate_prompt_tokens, lora_request)
+        kwargs = dict(use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
+        return self.data_parallel.run(self, "_pool", _pooled_items(prompts), (params, task, method), kwargs)
 
     def _parse_prompt(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

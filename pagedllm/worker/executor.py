@@ -11,12 +11,12 @@ from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 def make_executor(config: EngineConfig):
     """The executor for the config's ranks and distributed_executor_backend."""
     p = config.parallel
-    if p.world_size == 1 and p.distributed_executor_backend in (None, "uni", "mp"):
+    if p.world_size == 1:  # one rank runs in the engine's process whatever the backend
         return UniProcExecutor(config)
-    backend = p.distributed_executor_backend or "mp"
-    if backend == "ray":
-        from pagedllm.distributed.ray_executor import RayExecutor
+    from pagedllm.distributed.ray_executor import RayExecutor, default_backend
 
+    backend = p.distributed_executor_backend or default_backend(config)
+    if backend == "ray":
         return RayExecutor(config)
     from pagedllm.distributed.mp_executor import MultiprocExecutor
 

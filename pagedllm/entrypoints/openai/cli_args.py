@@ -44,6 +44,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "tensor_parallel_size": int,
     "pipeline_parallel_size": int,
     "distributed_executor_backend": str,
+    "data_parallel_size": int,
     "trust_remote_code": _BOOL,
     "hf_overrides": _json,
     "rope_scaling": _json,
@@ -65,16 +66,17 @@ ENGINE_FLAGS: dict[str, Any] = {
     "model_impl": str,
     "speculative_config": _json,
 }
+ENGINE_FLAG_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "the arguments of LLM(...); omitted ones keep LLM's defaults")
     for name, kind in ENGINE_FLAGS.items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *filter(None, [ENGINE_FLAG_SHORT.get(name)])]
         if kind is _BOOL:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         else:
-            group.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+            group.add_argument(*flags, dest=name, type=kind, default=argparse.SUPPRESS)
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -167,6 +169,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} differ: give one")
     args.model = args.model or args.model_flag
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+    if engine_kwargs.get("data_parallel_size", 1) != 1:
+        raise ValueError(
+            f"--data-parallel-size={engine_kwargs['data_parallel_size']}: the server runs one engine (allowed: 1); "
+            "data parallelism splits the prompts of offline LLM(...).generate calls"
+        )
     try:
         from pagedllm.entrypoints.openai.launcher import run_server
     except ImportError as e:
