@@ -66,11 +66,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> tuple[list[Request], RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError).
 
         cache_salt (any non-empty str) enters the hash of the first prompt block: only requests with the same salt
         share cached prefixes, so tenants cannot probe each other's prompts through timing.
+
+        lora_request: a LoRARequest (read and checked here the first time its id is seen), None: the base model.
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
@@ -90,6 +93,8 @@ class LLMEngine:
                 f"{model.max_model_len}] tokens"
             )
         params.check_vocab(vocab)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt={cache_salt!r}: must be a non-empty string")
         if params.stop and (self.tokenizer is None or model.skip_tokenizer_init):
@@ -111,6 +116,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.structured_output_manager().grammar(params.structured_outputs)
         requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        for req in requests:
+            req.lora_request = lora_request
         for req in requests if compiled is not None else []:
             req.grammar = self.structured_output_manager().request_grammar(compiled)  # a matcher each
         return requests, state
@@ -134,6 +141,23 @@ class LLMEngine:
             )
             seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
         return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
+
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks a LoRA adapter (ValueError naming what is wrong) and keeps it ready; False if its id was
+        known (with the same folder)."""
+        from pagedllm.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.config.lora is None:
+            raise ValueError("lora_request: LoRA is off; create the engine with enable_lora=True")
+        return self.core.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.core.executor.runner.lora.remove(lora_id) if self.config.lora is not None else False
+
+    def list_loras(self) -> set[int]:
+        return set(self.core.executor.runner.lora.list_loras()) if self.config.lora is not None else set()
 
     def add(self, requests: list[Request], state: RequestState) -> None:
         for req in requests:
