@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import threading
+import time
 from collections.abc import Iterable
 
 from pagedllm.config import EngineConfig
@@ -212,6 +213,8 @@ class LLMEngine:
         ]
         if self.config.speculative_config is not None:
             metrics += _spec_decode_metrics(sched, labels)
+        if self.config.lora is not None:
+            metrics.append(_lora_info(sched, self.config.lora.max_loras))
         for reason, count in stats.success_by_reason.items():
             metrics.append(Counter("pagedllm:request_success_total", {**labels, "finished_reason": reason}, count))
         metrics.append(stats.time_to_first_token.to_metric("pagedllm:time_to_first_token_seconds", labels))
@@ -232,6 +235,21 @@ def _spec_decode_metrics(sched, labels: dict[str, str]) -> list[Metric]:
         name = "pagedllm:spec_decode_num_accepted_tokens_per_pos_total"
         metrics.append(Counter(name, {**labels, "position": str(pos)}, count))
     return metrics
+
+
+def _lora_info(sched, max_loras: int) -> Metric:
+    """vLLM's lora_requests_info: the adapters of the running and the waiting requests (names, comma-separated) as
+    labels; the value is the time it was read."""
+
+    def names(requests) -> str:
+        return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+    labels = {
+        "max_lora": str(max_loras),
+        "running_lora_adapters": names(sched.running),
+        "waiting_lora_adapters": names(sched.waiting),
+    }
+    return Gauge("pagedllm:lora_requests_info", labels, time.time())
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

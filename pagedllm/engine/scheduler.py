@@ -14,7 +14,10 @@ and one sampled token, and the rejected drafts' slots are reused (num_computed_t
 A request with a grammar (structured outputs) waits until its grammar is compiled; each step it samples in carries
 its allowed-token bitmask, filled here from the tokens it has. So it is never scheduled while its last token is still
 on the device (async scheduling): it takes every other step, the others still overlap. Its grammar takes each
-sampled token, and ends it when it terminates."""
+sampled token, and ends it when it terminates.
+
+With LoRA, at most max_loras distinct adapters are among the running requests (the runner's device slots): a waiting
+request of another adapter is passed over, keeping its place, until one of theirs finishes."""
 
 from __future__ import annotations
 

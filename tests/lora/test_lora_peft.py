@@ -86,3 +86,20 @@ def test_adapters_never_share_prefix_cache_blocks(lora_family, lora_llm):
     assert again.num_cached_tokens == 32
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other.outputs[0].token_ids == oracle(lora_family, reqs[1].lora_name, prompt[0]["prompt_token_ids"])[0]
+
+
+def test_lora_requests_info_metric(lora_family, lora_llm):
+    """vLLM's gauge: the running and waiting adapters by name, and max_lora."""
+    reqs = list(lora_requests(lora_family).values())
+    engine = lora_llm.llm_engine
+    for i, lora in enumerate(reqs[:3]):
+        engine.add(*engine.make_request(None, [1, 2, 3], SP, request_id=f"m{i}", lora_request=lora))
+    engine.step()
+    info = next(m for m in lora_llm.get_metrics() if m.name == "pagedllm:lora_requests_info")
+    assert info.labels == {
+        "max_lora": "2",
+        "running_lora_adapters": ",".join(sorted(r.lora_name for r in reqs[:2])),
+        "waiting_lora_adapters": reqs[2].lora_name,
+    }
+    while engine.has_unfinished_requests():
+        engine.step()
