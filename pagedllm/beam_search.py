@@ -93,8 +93,8 @@ def run_beam_search(
         live = [(i, b) for i, group in enumerate(beams) for b in group]
         if not live:
             break
-        loras = None if lora_requests is None else [lora_requests[i] for i, _ in live]
-        outs = llm.generate([b.tokens for _, b in live], step_params, use_tqdm=False, lora_request=loras)
+        lora = {} if lora_requests is None else {"lora_request": [lora_requests[i] for i, _ in live]}
+        outs = llm.generate([b.tokens for _, b in live], step_params, use_tqdm=False, **lora)
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
         for (i, beam), out in zip(live, outs):
             candidates[i].extend(_extend(beam, out.outputs[0].logprobs[0], 2 * width))

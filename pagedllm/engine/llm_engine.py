@@ -146,10 +146,6 @@ class LLMEngine:
     def add_lora(self, lora_request) -> bool:
         """Reads and checks a LoRA adapter (ValueError naming what is wrong) and keeps it ready; False if its id was
         known (with the same folder)."""
-        from pagedllm.lora.request import LoRARequest
-
-        if not isinstance(lora_request, LoRARequest):
-            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self.config.lora is None:
             raise ValueError("lora_request: LoRA is off; create the engine with enable_lora=True")
         return self.core.executor.add_lora(lora_request)

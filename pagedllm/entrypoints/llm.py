@@ -14,6 +14,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.pooling_api import PoolingAPI
+from pagedllm.lora.request import lora_list
 from pagedllm.metrics import Metric
 from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -101,7 +102,7 @@ class LLM(PoolingAPI):
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
         return run_beam_search(
-            self, [ids for _, ids in parsed], params, lora_requests=_lora_list(lora_request, len(parsed))
+            self, [ids for _, ids in parsed], params, lora_requests=lora_list(lora_request, len(parsed))
         )
 
     def _beam_search_output(self, text: str | None, ids: list[int], params: SamplingParams, lora=None) -> RequestOutput:
@@ -163,7 +164,7 @@ class LLM(PoolingAPI):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_list(sampling_params, len(parsed))
-        loras = _lora_list(kwargs.get("lora_request"), len(parsed))
+        loras = lora_list(kwargs.get("lora_request"), len(parsed))
         if any(p.use_beam_search for p in params_list):
             return [self._beam_search_output(t, ids, p, lora) for (t, ids), p, lora in zip(parsed, params_list, loras)]
         engine = self.llm_engine
@@ -285,15 +286,6 @@ def _cache_salt(prompt: Any, index: int) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"prompts[{index}].cache_salt={salt!r}: must be a non-empty string")
     return salt
-
-
-def _lora_list(lora_request: Any, n: int) -> list:
-    """generate's lora_request: None, one LoRARequest for every prompt, or one (or None) per prompt."""
-    if isinstance(lora_request, (list, tuple)):
-        if len(lora_request) != n:
-            raise ValueError(f"lora_request has {len(lora_request)} entries but there are {n} prompts")
-        return list(lora_request)
-    return [lora_request] * n
 
 
 def _params_list(params: Any, n: int) -> list[SamplingParams]:

@@ -16,6 +16,13 @@ from pagedllm.lora.peft_adapter import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 
 
+def make_lora_manager(config, model: nn.Module, device: torch.device) -> LoRAManager | None:
+    """The runner's LoRAManager for an EngineConfig (None: LoRA is off)."""
+    if config.lora is None:
+        return None
+    return LoRAManager(model, config.lora, config.lora.lora_dtype or config.model.dtype, device)
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.config, self.device = config, device
@@ -27,6 +34,8 @@ class LoRAManager:
 
     def add(self, request: LoRARequest) -> bool:
         """Reads and checks the adapter (raises ValueError) and keeps its host copy; False if it was known."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         known = self.requests.get(request.lora_int_id)
         if known is not None:
             if known.lora_path != request.lora_path:

@@ -32,14 +32,16 @@ class LoRAModel:
         }
 
     def locate(self, module: str) -> tuple[str, int] | None:
-        """(our layer's name, its slice) of an adapter's target module name (the checkpoint's), None: no layer."""
-        name = f"{module}.weight"
-        name = self.rename(name) if self.rename is not None else name
-        name, shard_id = stacked_name(name, self.stacked)
-        layer = self.layers.get(name.removesuffix(".weight"))
-        if layer is None or shard_id not in layer.shard_ids:
-            return None
-        return name.removesuffix(".weight"), layer.shard_ids.index(shard_id)
+        """(our layer's name, its slice) of an adapter's target module name (the checkpoint's), None: no layer.
+        An adapter made on the task model ("model.layers...") also fits the bare decoder ("layers...")."""
+        for candidate in (module, module.removeprefix("model.")):
+            name = f"{candidate}.weight"
+            name = self.rename(name) if self.rename is not None else name
+            name, shard_id = stacked_name(name, self.stacked)
+            layer = self.layers.get(name.removesuffix(".weight"))
+            if layer is not None and shard_id in layer.shard_ids:
+                return name.removesuffix(".weight"), layer.shard_ids.index(shard_id)
+        return None
 
     def check_targets(self, adapter: PEFTAdapter) -> None:
         targets = adapter.config.get("target_modules")

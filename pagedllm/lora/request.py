@@ -34,3 +34,12 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def lora_list(lora_request: object, n: int) -> list:
+    """A call's lora_request for its n prompts: None, one LoRARequest for all, or one (or None) per prompt."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"lora_request has {len(lora_request)} entries but there are {n} prompts")
+        return list(lora_request)
+    return [lora_request] * n

@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.device import HostCopies, to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
+from pagedllm.lora.manager import make_lora_manager
 from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
@@ -47,7 +48,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
         self.model = get_model(config.model, self.device)
-        self.lora = _lora_manager(config, self.model, self.device)  # None: LoRA is off
+        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
         self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.on_cuda = self.device.type == "cuda"
@@ -325,14 +326,6 @@ class ModelRunner:
             out[req_id] = (first_pos, entries[offset : offset + count])
             offset += count
         return out
-
-
-def _lora_manager(config: EngineConfig, model, device: torch.device):
-    if config.lora is None:
-        return None
-    from pagedllm.lora.manager import LoRAManager
-
-    return LoRAManager(model, config.lora, config.lora.lora_dtype or config.model.dtype, device)
 
 
 class StepFuture:

@@ -3,8 +3,6 @@ own merged model in HF transformers."""
 
 from __future__ import annotations
 
-import json
-import os
 import zlib
 
 import pytest
@@ -65,17 +63,3 @@ def lora_family(request, tmp_path_factory):
         for name, (kwargs, as_bin) in ADAPTERS.items()
     }
     return arch, base_path, hf, adapters
-
-
-def edit_adapter_config(src: str, dst, **changes) -> str:
-    """A copy of adapter folder src with adapter_config.json fields changed (None: removed)."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "adapter_config.json")
-    with open(file) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(file, "w") as f:
-        json.dump(config, f)
-    return str(dst)

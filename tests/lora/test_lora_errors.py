@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
-from conftest import edit_adapter_config
 from safetensors.torch import save_file
 
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -25,6 +25,18 @@ def rank8_llm(lora_family):
         base_path, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 21,
         enable_lora=True, max_loras=1, max_lora_rank=8,
     )  # fmt: skip
+
+
+def edit_adapter_config(src: str, dst, **changes) -> str:
+    """A copy of adapter folder src with adapter_config.json fields changed (None: removed)."""
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "adapter_config.json")
+    with open(file) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(file, "w") as f:
+        json.dump(config, f)
+    return str(dst)
 
 
 def write_adapter(path, tensors: dict[str, torch.Tensor], **config) -> str:

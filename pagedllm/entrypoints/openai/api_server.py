@@ -175,13 +175,18 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
             "max_model_len": state.max_model_len,
         }
 
+    def lora_card(name: str) -> dict:  # an adapter, as vLLM lists it: its folder as root, the base as parent
+        return {**card(name), "root": state.lora_modules[name].lora_path, "parent": state.served_model_names[0]}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card(name) for name in state.served_model_names]}
+        cards = [card(name) for name in state.served_model_names] + [lora_card(n) for n in state.lora_modules]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")  # :path, as ids may hold slashes ("org/name")
     async def model(model_id: str) -> dict:
-        return card(state.check_model(model_id))
+        name = state.check_model(model_id)
+        return lora_card(name) if name in state.lora_modules else card(name)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
