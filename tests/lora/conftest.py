@@ -9,8 +9,6 @@ import pytest
 import torch
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
-peft = pytest.importorskip("peft")
-
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> LoraConfig keywords and whether it is saved as a .bin: each exercises another part of the layout
 ADAPTERS = {
@@ -33,6 +31,9 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", 
 
 def make_adapter(base_path: str, name: str, out_dir, seed: int, lora_kwargs: dict, as_bin: bool):
     """Saves a PEFT adapter on the base with random B (PEFT starts B at zero); returns (folder, merged HF model)."""
+    # imported here, not at collection: peft imports triton, which must come after tests/kernels switches on
+    # Triton's CPU interpreter
+    import peft
     import transformers
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
@@ -53,6 +54,8 @@ def make_adapter(base_path: str, name: str, out_dir, seed: int, lora_kwargs: dic
 def lora_family(request, tmp_path_factory):
     """(arch, base folder, base HF model, {adapter name: (folder, merged HF model)})."""
     import transformers
+
+    pytest.importorskip("peft")
 
     arch = request.param
     config_cls, model_cls = (getattr(transformers, n) for n in ARCHS[arch])
