@@ -41,6 +41,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._structured = None  # StructuredOutputManager, made with the first constrained request
         self._structured_lock = threading.Lock()  # the server prepares requests on several threads
+        self._removed_loras: set[int] = set()  # LoRA adapter ids removed (remove_lora) and not added again
 
     def structured_output_manager(self):
         """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
@@ -148,13 +149,23 @@ class LLMEngine:
         known (with the same folder)."""
         if self.config.lora is None:
             raise ValueError("lora_request: LoRA is off; create the engine with enable_lora=True")
-        return self.core.executor.add_lora(lora_request)
+        added = self.core.executor.add_lora(lora_request)
+        self._removed_loras.discard(lora_request.lora_int_id)
+        return added
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.core.executor.runner.lora.remove(lora_id) if self.config.lora is not None else False
+        """New requests with the adapter are refused until it is added again; those in flight finish with it."""
+        if self.config.lora is None or lora_id in self._removed_loras:
+            return False
+        if self.core.executor.runner.lora.remove(lora_id):
+            self._removed_loras.add(lora_id)
+            return True
+        return False
 
     def list_loras(self) -> set[int]:
-        return set(self.core.executor.runner.lora.list_loras()) if self.config.lora is not None else set()
+        if self.config.lora is None:
+            return set()
+        return set(self.core.executor.runner.lora.list_loras()) - self._removed_loras
 
     def add(self, requests: list[Request], state: RequestState) -> None:
         for req in requests:

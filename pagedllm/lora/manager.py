@@ -49,13 +49,10 @@ class LoRAManager:
         return True
 
     def remove(self, lora_id: int) -> bool:
-        if self.requests.pop(lora_id, None) is None:
-            return False
+        """Drops the adapter's host copy (its folder stays known: requests in flight read it again if they need
+        it); the engine refuses new requests for it."""
         self.host.pop(lora_id, None)
-        for slot, held in enumerate(self.slot_ids):
-            if held == lora_id:
-                self.slot_ids[slot] = None
-        return True
+        return lora_id in self.requests
 
     def list_loras(self) -> list[int]:
         return list(self.requests)

@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
+from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,8 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
             if "model_name" in metric.labels:
                 metric.labels["model_name"] = state.served_model_names[0]
         return PlainTextResponse(metrics_text.render(found), media_type=metrics_text.CONTENT_TYPE)
+
+    add_lora_routes(app, state)  # only where runtime LoRA updating is allowed
 
 
 async def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
