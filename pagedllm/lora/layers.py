@@ -49,8 +49,8 @@ class LoRALayerWeights:
 
     def add(self, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """out [num_tokens, out] += each adapter token's x @ A.T @ B.T (in place); returns out."""
-        xs = x.reshape(-1, x.shape[-1]).to(self.a.dtype)  # [num_tokens, in]
-        y = out.reshape(-1, out.shape[-1])
+        xs = x.reshape(-1, x.shape[-1]).to(self.a.dtype).contiguous()  # [num_tokens, in]
+        y = out.view(-1, out.shape[-1])  # a view: the adds below must land in out
         if use_triton(xs) and y.is_contiguous():
             from pagedllm.kernels.lora import lora_expand, lora_shrink
 

@@ -37,10 +37,11 @@ class LoRAModel:
         for candidate in (module, module.removeprefix("model.")):
             name = f"{candidate}.weight"
             name = self.rename(name) if self.rename is not None else name
-            name, shard_id = stacked_name(name, self.stacked)
-            layer = self.layers.get(name.removesuffix(".weight"))
+            name, shard_id = stacked_name(f".{name}", self.stacked)  # (the entries match ".q_proj." with its dots)
+            name = name[1:].removesuffix(".weight")
+            layer = self.layers.get(name)
             if layer is not None and shard_id in layer.shard_ids:
-                return name.removesuffix(".weight"), layer.shard_ids.index(shard_id)
+                return name, layer.shard_ids.index(shard_id)
         return None
 
     def check_targets(self, adapter: PEFTAdapter) -> None:
