@@ -199,8 +199,9 @@ class AsyncEngine:
             prompts = make_prompts()
             if check is not None:
                 check(prompts)
+            lora = {"lora_request": lora_request} if lora_request is not None else {}
             return [
-                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt, lora_request=lora_request)
+                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt, **lora)
                 for rid, (text, tokens) in zip(ids, prompts)
             ]
 
