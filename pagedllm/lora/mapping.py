@@ -38,8 +38,3 @@ class LoRAMapping:
     @staticmethod
     def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
         return to_device(np.ascontiguousarray(array, dtype=np.int64), device)
-
-    @classmethod
-    def build(cls, token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
-        """None when no token uses an adapter (the layers then skip LoRA entirely)."""
-        return cls(token_slots, device) if (token_slots >= 0).any() else None
