@@ -6,6 +6,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.registry import ModelRegistry
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.pooling.config import PoolerConfig
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "ModelRegistry",
     "SamplingParams",
     "GuidedDecodingParams",

@@ -75,10 +75,10 @@ def _text(tokenizer, token_id: int) -> str | None:
 
 
 def run_beam_search(
-    llm, prompt_ids: list[list[int]], params: BeamSearchParams, num_logprobs: int = 0
+    llm, prompt_ids: list[list[int]], params: BeamSearchParams, num_logprobs: int = 0, lora_requests=None
 ) -> list[BeamSearchOutput]:
     """num_logprobs: the top logprobs each step keeps per beam beyond the 2 * beam_width it searches over (for
-    token_logprobs)."""
+    token_logprobs). lora_requests: each prompt's LoRARequest (or None), None: the base model for all."""
     from pagedllm.sampling_params import SamplingParams
 
     engine = llm.llm_engine
@@ -93,7 +93,8 @@ def run_beam_search(
         live = [(i, b) for i, group in enumerate(beams) for b in group]
         if not live:
             break
-        outs = llm.generate([b.tokens for _, b in live], step_params, use_tqdm=False)
+        lora = {} if lora_requests is None else {"lora_request": [lora_requests[i] for i, _ in live]}
+        outs = llm.generate([b.tokens for _, b in live], step_params, use_tqdm=False, **lora)
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
         for (i, beam), out in zip(live, outs):
             candidates[i].extend(_extend(beam, out.outputs[0].logprobs[0], 2 * width))

@@ -175,6 +175,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # schedule step N+1 while step N runs on the device (its sampled tokens stay there as N+1's inputs)
     async_scheduling: bool = False
+    max_loras: int | None = None  # distinct LoRA adapters among the running requests (None: LoRA is off)
 
     def __post_init__(self) -> None:
         _require_number("max_num_seqs", self.max_num_seqs, int)
@@ -249,6 +250,7 @@ class EngineConfig:
     # scheduling only)
     speculative_proposer: Any = None
     speculative_config: Any = None  # the user's SpeculativeConfig (spec_decode/config.py), None: no speculation
+    lora: Any = None  # LoRAConfig (lora/config.py); None: LoRA is off
 
 
 def cpu_has_bf16() -> bool:

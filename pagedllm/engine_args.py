@@ -79,6 +79,12 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: Any = "auto"
+    fully_sharded_loras: bool = False
 
     @classmethod
     def names(cls) -> list[str]:
@@ -181,6 +187,8 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
         )
+        lora = self.create_lora_config(model)
+        scheduler.max_loras = lora.max_loras if lora is not None else None
         return EngineConfig(
             model,
             cache,
@@ -192,6 +200,21 @@ class EngineArgs:
             # a draft model runs in the model runner: the engine core proposes through the executor
             speculative_proposer=NgramProposer(speculative) if speculative and speculative.method == "ngram" else None,
             speculative_config=speculative,
+            lora=lora,
+        )
+
+    def create_lora_config(self, model: ModelConfig):
+        """The LoRAConfig with enable_lora=True (None without)."""
+        if not self.enable_lora:
+            return None
+        from pagedllm.lora.config import LoRAConfig, parse_lora_dtype
+
+        if model.model_impl != "pagedllm":
+            raise ValueError(f"enable_lora=True: model_impl={model.model_impl!r} has no LoRA layers (use 'pagedllm')")
+        if self.fully_sharded_loras and self.tensor_parallel_size == 1:
+            logger.info("fully_sharded_loras has no effect with tensor_parallel_size=1")
+        return LoRAConfig(
+            self.max_loras, self.max_lora_rank, self.max_cpu_loras, parse_lora_dtype(self.lora_dtype, model.dtype)
         )
 
 

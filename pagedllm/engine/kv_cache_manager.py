@@ -25,10 +25,13 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        salt = request.cache_salt
+        # the first block's extra keys (the rest chain from it): the cache salt and the LoRA adapter, whose KV differs
+        first = tuple(
+            k for k in (request.cache_salt, ("lora", request.lora_int_id) if request.lora_int_id else None) if k
+        )
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            extra = (salt,) if (i == 0 and salt) else ()
+            extra = first if i == 0 else ()
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
 
     def _looks_up(self, request: Request) -> bool:

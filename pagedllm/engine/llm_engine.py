@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import threading
+import time
 from collections.abc import Iterable
 
 from pagedllm.config import EngineConfig
@@ -43,6 +44,7 @@ class LLMEngine:
         # (start token ids, end token ids) of a reasoning section (set from a reasoning parser): a constrained
         # output's grammar then applies only after the end marker
         self.reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._removed_loras: set[int] = set()  # LoRA adapter ids removed (remove_lora) and not added again
 
     def structured_output_manager(self):
         """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
@@ -69,11 +71,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> tuple[list[Request], RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError).
 
         cache_salt (any non-empty str) enters the hash of the first prompt block: only requests with the same salt
         share cached prefixes, so tenants cannot probe each other's prompts through timing.
+
+        lora_request: a LoRARequest (read and checked here the first time its id is seen), None: the base model.
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
@@ -93,6 +98,8 @@ class LLMEngine:
                 f"{model.max_model_len}] tokens"
             )
         params.check_vocab(vocab)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt={cache_salt!r}: must be a non-empty string")
         if params.stop and (self.tokenizer is None or model.skip_tokenizer_init):
@@ -114,6 +121,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.structured_output_manager().grammar(params.structured_outputs)
         requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        for req in requests:
+            req.lora_request = lora_request
         for req in requests if compiled is not None else []:
             manager = self.structured_output_manager()
             req.grammar = manager.request_grammar(compiled, prompt_token_ids, self.reasoning_markers)  # a matcher each
@@ -138,6 +147,29 @@ class LLMEngine:
             )
             seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
         return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
+
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks a LoRA adapter (ValueError naming what is wrong) and keeps it ready; False if its id was
+        known (with the same folder)."""
+        if self.config.lora is None:
+            raise ValueError("lora_request: LoRA is off; create the engine with enable_lora=True")
+        added = self.core.executor.add_lora(lora_request)
+        self._removed_loras.discard(lora_request.lora_int_id)
+        return added
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """New requests with the adapter are refused until it is added again; those in flight finish with it."""
+        if self.config.lora is None or lora_id in self._removed_loras:
+            return False
+        if self.core.executor.runner.lora.remove(lora_id):
+            self._removed_loras.add(lora_id)
+            return True
+        return False
+
+    def list_loras(self) -> set[int]:
+        if self.config.lora is None:
+            return set()
+        return set(self.core.executor.runner.lora.list_loras()) - self._removed_loras
 
     def add(self, requests: list[Request], state: RequestState) -> None:
         for req in requests:
@@ -195,6 +227,8 @@ class LLMEngine:
         ]
         if self.config.speculative_config is not None:
             metrics += _spec_decode_metrics(sched, labels)
+        if self.config.lora is not None:
+            metrics.append(_lora_info(sched, self.config.lora.max_loras))
         for reason, count in stats.success_by_reason.items():
             metrics.append(Counter("pagedllm:request_success_total", {**labels, "finished_reason": reason}, count))
         metrics.append(stats.time_to_first_token.to_metric("pagedllm:time_to_first_token_seconds", labels))
@@ -215,6 +249,21 @@ def _spec_decode_metrics(sched, labels: dict[str, str]) -> list[Metric]:
         name = "pagedllm:spec_decode_num_accepted_tokens_per_pos_total"
         metrics.append(Counter(name, {**labels, "position": str(pos)}, count))
     return metrics
+
+
+def _lora_info(sched, max_loras: int) -> Metric:
+    """vLLM's lora_requests_info: the adapters of the running and the waiting requests (names, comma-separated) as
+    labels; the value is the time it was read."""
+
+    def names(requests) -> str:
+        return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+    labels = {
+        "max_lora": str(max_loras),
+        "running_lora_adapters": names(sched.running),
+        "waiting_lora_adapters": names(sched.waiting),
+    }
+    return Gauge("pagedllm:lora_requests_info", labels, time.time())
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

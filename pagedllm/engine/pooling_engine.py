@@ -26,6 +26,10 @@ class PoolingEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks a LoRA adapter (ValueError); False if its id was known."""
+        return self.runner.add_lora(lora_request)
+
     def check_task(self, task: str, method: str) -> None:
         if task not in self.spec.tasks:
             raise ValueError(
@@ -49,6 +53,7 @@ class PoolingEngine:
         params: PoolingParams,
         task: str,
         token_type_ids: list[int] | None = None,
+        lora_request=None,
     ) -> PoolingRequest:
         """Checks one request (raises ValueError) without running it. `params` may be shared between requests."""
         self.check_task(task, task)
@@ -74,22 +79,34 @@ class PoolingEngine:
                 f"prompt length {n} is longer than max_model_len={limit}: allowed range [1, {limit}] tokens "
                 "(set truncate_prompt_tokens to cut it)"
             )
-        return PoolingRequest(self.next_request_id(), prompt, list(prompt_token_ids), token_type_ids, params)
+        if lora_request is not None:
+            self.runner.add_lora(lora_request)
+        rid = self.next_request_id()
+        return PoolingRequest(rid, prompt, list(prompt_token_ids), token_type_ids, params, lora_request)
 
     def batches(self, reqs: list[PoolingRequest]) -> list[list[int]]:
-        """Indices of `reqs` grouped into forwards: sorted by length, within the token and sequence budgets."""
+        """Indices of `reqs` grouped into forwards: sorted by length, within the token and sequence budgets and
+        max_loras distinct LoRA adapters."""
         sched = self.config.scheduler
+        max_loras = self.config.lora.max_loras if self.config.lora is not None else None
+        loras: set[int] = set()
         order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_token_ids))
         batches: list[list[int]] = []
         current: list[int] = []
         tokens = 0
         for i in order:
             n = len(reqs[i].prompt_token_ids)
-            if current and (len(current) >= sched.max_num_seqs or tokens + n > sched.max_num_batched_tokens):
+            lora = reqs[i].lora_request.lora_int_id if reqs[i].lora_request is not None else 0
+            new_lora = bool(lora) and lora not in loras and max_loras is not None and len(loras) >= max_loras
+            if current and (
+                len(current) >= sched.max_num_seqs or tokens + n > sched.max_num_batched_tokens or new_lora
+            ):
                 batches.append(current)
-                current, tokens = [], 0
+                current, tokens, loras = [], 0, set()
             current.append(i)
             tokens += n
+            if lora:
+                loras.add(lora)
         if current:
             batches.append(current)
         return batches

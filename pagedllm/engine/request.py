@@ -38,6 +38,7 @@ class Request:
         max_tokens: int,
         cache_salt: str | None = None,
         vocab_size: int | None = None,
+        lora_request=None,
     ) -> None:
         self.request_id = request_id
         self.vocab_size = vocab_size  # stop ids at or above it never come: min_tokens need not ban them
@@ -46,6 +47,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens  # already capped by max_model_len - prompt length
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its LoRARequest; None: the base model
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -61,6 +63,11 @@ class Request:
     @property
     def needs_prompt_logprobs(self) -> bool:
         return getattr(self.sampling_params, "prompt_logprobs", None) is not None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,10 @@ and one sampled token, and the rejected drafts' slots are reused (num_computed_t
 A request with a grammar (structured outputs) waits until its grammar is compiled; each step it samples in carries
 its allowed-token bitmask, filled here from the tokens it has. So it is never scheduled while its last token is still
 on the device (async scheduling): it takes every other step, the others still overlap. Its grammar takes each
-sampled token, and ends it when it terminates."""
+sampled token, and ends it when it terminates.
+
+With LoRA, at most max_loras distinct adapters are among the running requests (the runner's device slots): a waiting
+request of another adapter is passed over, keeping its place, until one of theirs finishes."""
 
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_loras = config.max_loras  # distinct LoRA adapters among the running requests; None: no limit
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -206,11 +210,16 @@ class Scheduler:
     def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> list[NewRequestData]:
         """Waiting requests in order while the budget, max_num_seqs and the free blocks allow."""
         new_reqs: list[NewRequestData] = []
-        compiling: list[Request] = []  # passed over until their grammar is compiled (they keep their place)
+        # passed over (they keep their place): until their grammar is compiled, or their adapter gets a slot
+        passed: list[Request] = []
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.grammar is not None and not req.grammar.ready():
-                compiling.append(self.waiting.popleft())
+                passed.append(self.waiting.popleft())
+                continue
+            if self.max_loras and req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+                passed.append(self.waiting.popleft())  # max_loras other adapters are running
                 continue
             if req.grammar is not None and req.grammar.error() is not None:
                 self._fail(self.waiting.popleft(), req.grammar.error())
@@ -226,6 +235,8 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             new_reqs.append(
                 NewRequestData(
                     req.request_id,
@@ -235,11 +246,12 @@ class Scheduler:
                     self.kv.block_ids(req.request_id),
                     num_hit,
                     req.min_tokens_stop_ids(),
+                    req.lora_request,
                 )
             )
             num_scheduled[req.request_id] = n
             budget -= n
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(passed))
         return new_reqs
 
     def wait_for_grammars(self, timeout: float) -> None:

@@ -15,6 +15,7 @@ from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.entrypoints.pooling_api import _as_list as _pooled_items
+from pagedllm.lora.request import lora_list
 from pagedllm.metrics import Metric
 from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -71,6 +72,12 @@ class LLM(PoolingAPI):
         num_speculative_tokens: int | None = None,
         ngram_prompt_lookup_max: int | None = None,
         ngram_prompt_lookup_min: int | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_dtype: Any = "auto",
+        fully_sharded_loras: bool = False,
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
@@ -95,21 +102,24 @@ class LLM(PoolingAPI):
         self._require_generate("get_default_sampling_params")
         return SamplingParams(**self.llm_engine.default_sampling_fields)
 
-    def beam_search(self, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's LLM.beam_search: the beam_width best sequences of each prompt (str, TextPrompt or TokensPrompt)."""
+    def beam_search(self, prompts: list, params: BeamSearchParams, lora_request: Any = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the beam_width best sequences of each prompt (str, TextPrompt or TokensPrompt);
+        lora_request: one LoRARequest for all prompts or one (or None) per prompt."""
         self._require_generate("beam_search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
-        return run_beam_search(self, [ids for _, ids in parsed], params)
+        return run_beam_search(
+            self, [ids for _, ids in parsed], params, lora_requests=lora_list(lora_request, len(parsed))
+        )
 
-    def _beam_search_output(self, text: str | None, ids: list[int], params: SamplingParams) -> RequestOutput:
+    def _beam_search_output(self, text: str | None, ids: list[int], params: SamplingParams, lora=None) -> RequestOutput:
         """SamplingParams(use_beam_search=True): best_of beams, the n best as completions."""
         if not params.use_beam_search:
             raise ValueError("use_beam_search: mix beam-search and sampling requests in separate generate calls")
-        self.llm_engine.make_request(text, ids, params)  # the same checks as any request
+        self.llm_engine.make_request(text, ids, params, lora_request=lora)  # the same checks as any request
         beam = BeamSearchParams(
             beam_width=params.best_of or params.n,
             max_tokens=params.max_tokens or 16,
@@ -117,7 +127,7 @@ class LLM(PoolingAPI):
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
         )
-        seqs = run_beam_search(self, [ids], beam, params.logprobs or 0)[0].sequences[: params.n]
+        seqs = run_beam_search(self, [ids], beam, params.logprobs or 0, [lora])[0].sequences[: params.n]
         tok = self.llm_engine.tokenizer if params.detokenize else None
         outputs = [
             CompletionOutput(
@@ -157,8 +167,6 @@ class LLM(PoolingAPI):
         unknown = set(kwargs) - {"lora_request", "priority"}
         if unknown:
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
-        if kwargs.get("lora_request") is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
         if any(kwargs.get("priority") or []):
             raise ValueError("priority: only the default first-come-first-served order is supported")
         if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
@@ -170,14 +178,15 @@ class LLM(PoolingAPI):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_list(sampling_params, len(parsed))
+        loras = lora_list(kwargs.get("lora_request"), len(parsed))
         if any(p.use_beam_search for p in params_list):
-            return [self._beam_search_output(text, ids, p) for (text, ids), p in zip(parsed, params_list)]
+            return [self._beam_search_output(t, ids, p, lora) for (t, ids), p, lora in zip(parsed, params_list, loras)]
         engine = self.llm_engine
         salts = [_cache_salt(p, i) for i, p in enumerate(prompt_list)]
         # Validate every request before any enters the engine.
         pending = [
-            engine.make_request(text, ids, params, cache_salt=salt)
-            for (text, ids), params, salt in zip(parsed, params_list, salts)
+            engine.make_request(text, ids, params, cache_salt=salt, lora_request=lora)
+            for (text, ids), params, salt, lora in zip(parsed, params_list, salts, loras)
         ]
         return self._run(pending, use_tqdm)
 

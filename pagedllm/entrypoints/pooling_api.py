@@ -11,6 +11,7 @@ from typing import Any
 import torch.nn.functional as F
 
 from pagedllm.engine.pooling_engine import PoolingEngine
+from pagedllm.lora.request import lora_list
 from pagedllm.pooling.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -105,8 +106,6 @@ class PoolingAPI:
         A cross-encoder scores each pair itself; an embedding model gives the cosine of the two embeddings."""
         engine = self._pooling_engine("score")
         engine.check_task("score", "score")
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
         left, right = _score_side("data_1", data_1, text_1), _score_side("data_2", data_2, text_2)
         if len(left) != 1 and len(left) != len(right):
             raise ValueError(
@@ -117,7 +116,8 @@ class PoolingAPI:
         if truncate_prompt_tokens is not None:
             params.truncate_prompt_tokens = _checked_truncation(truncate_prompt_tokens)
         if engine.spec.default_task == "classify":
-            return self._cross_encode(engine, left * len(right) if len(left) == 1 else left, right, params, use_tqdm)
+            lefts = left * len(right) if len(left) == 1 else left
+            return self._cross_encode(engine, lefts, right, params, use_tqdm, lora_request)
         params.verify("score", engine.hidden_size, engine.spec.matryoshka)  # refuses embedding-only fields
         embed_params = PoolingParams(truncate_prompt_tokens=params.truncate_prompt_tokens)
         outs = self._pool(left + right, embed_params, "embed", "score", use_tqdm, None, lora_request)
@@ -136,8 +136,6 @@ class PoolingAPI:
         lora_request: Any,
     ) -> list[PoolingRequestOutput]:
         engine = self._pooling_engine(method)
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
         engine.check_task(task, method)
         items = _as_list(prompts)
         if not items:
@@ -145,8 +143,12 @@ class PoolingAPI:
         params_list = _params_list(params, len(items), truncate_prompt_tokens)
         texts = [_prompt_text(p, i) for i, p in enumerate(items)]
         token_ids = self._token_ids(items, texts, params_list, engine)
+        loras = lora_list(lora_request, len(items))
         # every request is checked before any runs
-        requests = [engine.make_request(t, ids, p, task) for t, ids, p in zip(texts, token_ids, params_list)]
+        requests = [
+            engine.make_request(t, ids, p, task, lora_request=lora)
+            for t, ids, p, lora in zip(texts, token_ids, params_list, loras)
+        ]
         return engine.run(requests, use_tqdm)
 
     def _token_ids(self, items: list, texts: list, params_list: list[PoolingParams], engine: PoolingEngine) -> list:
@@ -165,7 +167,7 @@ class PoolingAPI:
                 out[i] = ids
         return out
 
-    def _cross_encode(self, engine: PoolingEngine, left: list, right: list, params: PoolingParams, use_tqdm: bool):
+    def _cross_encode(self, engine: PoolingEngine, left: list, right: list, params: PoolingParams, use_tqdm, lora):
         if engine.num_labels != 1:
             raise ValueError(
                 f"score(): the cross-encoder has num_labels={engine.num_labels}; allowed: 1 (use classify() for more)"
@@ -179,9 +181,10 @@ class PoolingAPI:
             raise ValueError("score() with a cross-encoder takes texts (str or {'prompt': str}), not token ids")
         keep = engine.max_tokens(params)
         enc = tok(a, b, truncation=keep is not None, max_length=keep, return_token_type_ids=True)
+        loras = lora_list(lora, len(a))
         requests = [
-            engine.make_request(None, ids, params, "score", token_type_ids=types)
-            for ids, types in zip(enc["input_ids"], enc["token_type_ids"])
+            engine.make_request(None, ids, params, "score", token_type_ids=types, lora_request=r)
+            for ids, types, r in zip(enc["input_ids"], enc["token_type_ids"], loras)
         ]
         return [ScoringRequestOutput.from_base(o) for o in engine.run(requests, use_tqdm)]
 

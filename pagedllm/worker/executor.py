@@ -38,6 +38,10 @@ class UniProcExecutor:
         """A request's logits processors: callables stay in this process, the step message carries none."""
         self.runner.register_logits_processors(req_id, processors)
 
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks a LoRA adapter (ValueError); False if it was known."""
+        return self.runner.add_lora(lora_request)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cudagraphs()  # graphs point at the cache, so they come after it

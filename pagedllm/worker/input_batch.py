@@ -35,6 +35,7 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # top logprobs of the sampled tokens, -1: none
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # the request's LoRA adapter id, 0: the base model
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters (plain data)
         self.logits_processors: dict[int, list[Callable]] = {}  # row -> the request's logits processors, if any
         # which admission a row holds (a row given again, even to a request with the same id, gets a new one)
@@ -79,6 +80,7 @@ class InputBatch:
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.lora_id[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         if params.seed is not None:  # seeds span [-2**63, 2**64): the same 64 bits as a signed value
             self.seed[row] = (params.seed + 2**63) % 2**64 - 2**63
 

@@ -16,6 +16,7 @@ from pagedllm.device import HostCopies, to_device
 from pagedllm.distributed.parallel_state import ParallelGroups, kv_heads_per_rank
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
+from pagedllm.lora.manager import make_lora_manager
 from pagedllm.model_loader.loader import get_model
 from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
@@ -56,6 +57,7 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(config.model.num_kv_heads, self.groups.info.tp_size)
         self.kv_cache_dtype = config.cache.kv_cache_dtype(config.model.dtype)  # FP8 halves the bytes per block
         self.model = get_model(config.model, self.device, self.groups.build_context())
+        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
         self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.on_cuda = self.device.type == "cuda"
@@ -74,6 +76,8 @@ class ModelRunner:
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
         if not self.on_cuda or self.config.device.enforce_eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
+            return None
+        if self.lora is not None:  # the adapter mapping changes every step: LoRA steps run eagerly
             return None
         sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
         if not sizes:
@@ -123,6 +127,12 @@ class ModelRunner:
 
         return available_kv_cache_bytes(self)
 
+    def add_lora(self, request) -> bool:
+        """Reads and checks a LoRA adapter (ValueError) and keeps its host copy; False if it was known."""
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA is off; create the engine with enable_lora=True")
+        return self.lora.add(request)
+
     def register_logits_processors(self, req_id: str, processors: list[Callable]) -> None:
         """A request's logits processors, kept here until it finishes (in the engine's process)."""
         self.logits_processors[req_id] = list(processors)
@@ -135,6 +145,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids - new_ids:  # (an id used again by a new request keeps the new one's)
             self.logits_processors.pop(req_id, None)
         for new in so.new_reqs:
+            if new.lora_request is not None:  # known already (checked when the request was made)
+                self.add_lora(new.lora_request)
             self.batch.remove(new.req_id)  # a resumed request re-enters with all its blocks
             self.batch.add(new, self.logits_processors.get(new.req_id))
         for cached in so.cached_reqs:
@@ -260,7 +272,8 @@ class ModelRunner:
         input_ids = self._to_device(flat.input_ids)
         if late is not None:
             input_ids.index_copy_(0, *late)
-        with forward_context(meta):
+        lora = self.lora.mapping(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
+        with forward_context(meta, lora):
             return self.model(input_ids, self._to_device(flat.positions))
 
     def _late_inputs(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -4,6 +4,7 @@ task's head. Encoders attend bidirectionally, decoders used as embedders causall
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.pooler import classify_head, embed_head, pool
+from pagedllm.lora.manager import make_lora_manager
 from pagedllm.model_loader.loader import get_model
 from pagedllm.pooling_params import PoolingParams
 
@@ -24,6 +26,7 @@ class PoolingRequest:
     prompt_token_ids: list[int]
     token_type_ids: list[int] | None  # BERT's segment ids of a text pair; None: all 0
     params: PoolingParams  # verified for the request's task (params.task is set)
+    lora_request: Any = None  # its LoRARequest; None: the base model
 
 
 class PoolingRunner:
@@ -31,6 +34,7 @@ class PoolingRunner:
         self.device = config.device.device
         self.spec = config.model.pooler
         self.model = get_model(config.model, self.device)
+        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
         for layer in self.model.modules():
             if isinstance(layer, Attention):
                 if layer.extras or layer.alibi_slopes is not None:  # the encoder backend has plain SDPA only
@@ -42,6 +46,12 @@ class PoolingRunner:
         # encoders say so; a decoder is causal unless its HF config has is_causal=False (bidirectional embedders)
         self.causal = getattr(self.model, "is_causal", getattr(config.model.hf_config, "is_causal", True))
         self.uses_token_type_ids = getattr(self.model, "uses_token_type_ids", False)
+
+    def add_lora(self, request) -> bool:
+        """Reads and checks a LoRA adapter (ValueError) and keeps its host copy; False if it was known."""
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA is off; create the engine with enable_lora=True")
+        return self.lora.add(request)
 
     def _inputs(self, reqs: list[PoolingRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         lens = np.array([len(r.prompt_token_ids) for r in reqs], dtype=np.int64)  # [num_seqs]
@@ -62,7 +72,11 @@ class PoolingRunner:
         seq_lens = [len(r.prompt_token_ids) for r in reqs]
         meta = encoder_backend.build_metadata(seq_lens, self.causal, self.device)
         kwargs = {"token_type_ids": types} if self.uses_token_type_ids else {}
-        with forward_context(meta):
+        lora = None
+        if self.lora is not None:  # each token's adapter id (0: the base model)
+            ids = [r.lora_request.lora_int_id if r.lora_request is not None else 0 for r in reqs]
+            lora = self.lora.mapping(np.repeat(np.array(ids, dtype=np.int64), seq_lens))
+        with forward_context(meta, lora):
             hidden = self.model(input_ids, positions, **kwargs)  # [num_tokens, hidden]
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)  # [num_seqs]
         task = reqs[0].params.task

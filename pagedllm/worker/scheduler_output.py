@@ -7,6 +7,7 @@ them with the runner it holds, keyed by request id), and numpy arrays."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     min_tokens_stop_ids: list[int]  # EOS and stop token ids, masked while fewer than min_tokens are out
+    lora_request: Any = None  # the request's LoRARequest (plain data: name, id, folder); None: the base model
 
 
 @dataclass

@@ -110,7 +110,7 @@ BAD_OPTIONS = [
     ({"tools": "get_weather"}, TypeError, r"tools must be a list of tool dicts"),
     ({"chat_template_kwargs": {"messages": []}}, ValueError, r"chat_template_kwargs: \['messages'\] are set by chat"),
     ({"chat_template_kwargs": ["enable_thinking"]}, TypeError, r"chat_template_kwargs has type list"),
-    ({"lora_request": object()}, ValueError, r"lora_request: LoRA adapters are not supported"),
+    ({"lora_request": object()}, ValueError, r"lora_request: LoRA is off; create the engine with enable_lora=True"),
     (
         {"chat_template": "{{ raise_exception('only user messages, please') }}"},
         ValueError,

@@ -196,7 +196,7 @@ def test_wrong_task_for_the_model(llm, smollm2):
         llm.score(DOCS[:2], DOCS, use_tqdm=False)
     with pytest.raises(ValueError, match=r"task 'score' of an embedding model .* use score\(\)"):
         llm.encode(DOCS, pooling_task="score", use_tqdm=False)
-    with pytest.raises(ValueError, match=r"lora_request: LoRA adapters are not supported"):
+    with pytest.raises(ValueError, match=r"lora_request: LoRA is off; create the engine with enable_lora=True"):
         llm.score(QUERY, DOCS, lora_request=object(), use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompts is empty"):
         llm.embed([], use_tqdm=False)

@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
+from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
 logger = logging.getLogger(__name__)
@@ -175,13 +176,18 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
             "max_model_len": state.max_model_len,
         }
 
+    def lora_card(name: str) -> dict:  # an adapter, as vLLM lists it: its folder as root, the base as parent
+        return {**card(name), "root": state.lora_modules[name].lora_path, "parent": state.served_model_names[0]}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card(name) for name in state.served_model_names]}
+        cards = [card(name) for name in state.served_model_names] + [lora_card(n) for n in state.lora_modules]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")  # :path, as ids may hold slashes ("org/name")
     async def model(model_id: str) -> dict:
-        return card(state.check_model(model_id))
+        name = state.check_model(model_id)
+        return lora_card(name) if name in state.lora_modules else card(name)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -212,6 +218,8 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
             if "model_name" in metric.labels:
                 metric.labels["model_name"] = state.served_model_names[0]
         return PlainTextResponse(metrics_text.render(found), media_type=metrics_text.CONTENT_TYPE)
+
+    add_lora_routes(app, state)  # only where runtime LoRA updating is allowed
 
 
 async def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:

@@ -187,6 +187,7 @@ class AsyncEngine:
         request_id: str,
         check: CheckFn | None = None,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> RequestStream:
         """Adds the prompts as requests `{request_id}-{i}` and returns their stream. `make_prompts()` (it may
         tokenize), `check(prompts)` and the engine's checks of every prompt (ValueError) run in a preparation
@@ -198,8 +199,9 @@ class AsyncEngine:
             prompts = make_prompts()
             if check is not None:
                 check(prompts)
+            lora = {"lora_request": lora_request} if lora_request is not None else {}
             return [
-                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt)
+                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt, **lora)
                 for rid, (text, tokens) in zip(ids, prompts)
             ]
 

@@ -65,6 +65,11 @@ ENGINE_FLAGS: dict[str, Any] = {
     "pooler_config": _json,
     "model_impl": str,
     "speculative_config": _json,
+    "enable_lora": _BOOL,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
+    "lora_dtype": str,
 }
 ENGINE_FLAG_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 
@@ -97,6 +102,14 @@ def add_serve_parser(sub: Any) -> None:
         "$VLLM_API_KEY, else no key",
     )
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served as models of their own (with --enable-lora): name=path, or JSON "
+        '{"name": ..., "path": ...}',
+    )
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file (default: the model's)")
     serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"])
     _add_tool_flags(serve)

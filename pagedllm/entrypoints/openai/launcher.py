@@ -6,6 +6,7 @@ still gets its answer; only a reset connection counts as gone before the answer 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -47,6 +48,28 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def lora_modules(llm, specs: list[str] | None, names: list[str]) -> dict:
+    """--lora-modules name=path (or JSON {"name", "path"}): each adapter read and checked now, ids from 1."""
+    from pagedllm.lora.request import LoRARequest
+
+    out: dict = {}
+    if specs and llm.llm_engine.config.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for spec in specs or []:
+        if spec.lstrip().startswith("{"):
+            fields = json.loads(spec)
+            name, path = fields.get("name"), fields.get("path")
+        else:
+            name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f'--lora-modules {spec!r}: give name=path or {{"name": ..., "path": ...}}')
+        if name in out or name in names:
+            raise ValueError(f"--lora-modules {spec!r}: the name {name!r} is already served")
+        out[name] = LoRARequest(name, len(out) + 1, path)
+        llm.llm_engine.add_lora(out[name])  # a bad adapter stops the start, naming it
+    return out
+
+
 def served_names(model: str | None, given: list[str] | None, model_path: str) -> list[str]:
     if given:
         return list(given)
@@ -72,7 +95,8 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     llm = LLM(args.model, **engine_kwargs)
     engine = AsyncEngine(llm)
     names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
-    state = ServerState(engine, names, limits, template, args.chat_template_content_format)
+    loras = lora_modules(llm, getattr(args, "lora_modules", None), names)
+    state = ServerState(engine, names, limits, template, args.chat_template_content_format, lora_modules=loras)
     state.tool_parser, state.enable_auto_tools = args.tool_call_parser, args.enable_auto_tool_choice
     if args.reasoning_parser:
         from pagedllm.reasoning import get_reasoning_parser, reasoning_markers

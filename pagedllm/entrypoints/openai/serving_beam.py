@@ -34,17 +34,18 @@ class _EngineSteps:
     def get_tokenizer(self):
         return self.engine.llm.get_tokenizer()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool = False) -> list:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool = False, lora_request=None):
         if self.cancelled.is_set():
             raise asyncio.CancelledError()
         self.num_steps += 1
-        step = asyncio.run_coroutine_threadsafe(self._step(prompts, params), self.loop)
+        lora = lora_request[0] if isinstance(lora_request, list) else lora_request  # one adapter for the request
+        step = asyncio.run_coroutine_threadsafe(self._step(prompts, params, lora), self.loop)
         return step.result()
 
-    async def _step(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    async def _step(self, prompts: list[list[int]], params: SamplingParams, lora=None) -> list[RequestOutput]:
         items = [(None, ids) for ids in prompts]
         rid = f"{self.request_id}-beam{self.num_steps}"
-        stream = await self.engine.generate(lambda: items, len(items), params, rid)
+        stream = await self.engine.generate(lambda: items, len(items), params, rid, lora_request=lora)
         finals: dict[int, RequestOutput] = {}
         async with stream:
             async for index, out in stream:
@@ -59,6 +60,7 @@ async def beam_search(
     request_id: str,
     check: CheckFn,
     cache_salt: str | None,
+    lora_request=None,
 ) -> list[RequestOutput]:
     """One RequestOutput per prompt: its `n` best of `best_of` beams, best first."""
 
@@ -66,7 +68,9 @@ async def beam_search(
         prompts = make_prompts()
         check(prompts)
         for i, (text, ids) in enumerate(prompts):  # the engine's checks of any request
-            engine.engine.make_request(text, ids, params, f"{request_id}-check{i}", cache_salt=cache_salt)
+            engine.engine.make_request(
+                text, ids, params, f"{request_id}-check{i}", cache_salt=cache_salt, lora_request=lora_request
+            )
         return prompts
 
     prompts = await engine.prepare(checked)
@@ -79,7 +83,8 @@ async def beam_search(
     )
     steps = _EngineSteps(engine, asyncio.get_running_loop(), request_id)
     try:
-        found = await engine.run_in_thread(run_beam_search, steps, [ids for _, ids in prompts], beam)
+        loras = None if lora_request is None else [lora_request] * len(prompts)
+        found = await engine.run_in_thread(run_beam_search, steps, [ids for _, ids in prompts], beam, 0, loras)
     finally:
         steps.cancelled.set()  # a client that went away stops the search at its next step
     return [

@@ -170,14 +170,21 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check = grammar_check(state.engine.engine, params, field, check)
     if params.use_beam_search:
         refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
-        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
+        lora = state.lora_request(req.model)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt, lora)
         try:
             return JSONResponse(_response(job, (await unless_disconnected(raw, work))[0]))
         except (ValueError, TypeError) as e:
             raise from_value_error(e, "messages") from None
     try:
         stream = await state.engine.generate(
-            make_prompts, 1, params, job.request_id, check=check, cache_salt=req.cache_salt
+            make_prompts,
+            1,
+            params,
+            job.request_id,
+            check=check,
+            cache_salt=req.cache_salt,
+            lora_request=state.lora_request(req.model),
         )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "messages") from None

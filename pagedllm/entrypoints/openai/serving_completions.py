@@ -111,14 +111,21 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)
     if params.use_beam_search:
         refuse_with_beam_search(bool(req.stream), req.logprobs is not None, req.prompt_logprobs is not None)
-        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt)
+        lora = state.lora_request(req.model)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt, lora)
         try:
             return JSONResponse(_response(job, await unless_disconnected(raw, work)))
         except (ValueError, TypeError) as e:
             raise from_value_error(e, "prompt") from None
     try:
         stream = await state.engine.generate(
-            make_prompts, len(items), params, job.request_id, check=check, cache_salt=req.cache_salt
+            make_prompts,
+            len(items),
+            params,
+            job.request_id,
+            check=check,
+            cache_salt=req.cache_salt,
+            lora_request=state.lora_request(req.model),
         )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "prompt") from None

@@ -38,7 +38,10 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest) -> JSONRes
         params = PoolingParams(
             dimensions=req.dimensions, normalize=req.normalize, truncate_prompt_tokens=req.truncate_prompt_tokens
         )
-        outputs = await state.engine.call(state.llm.embed, prompts, pooling_params=params, use_tqdm=False)
+        lora = state.lora_request(req.model)
+        outputs = await state.engine.call(
+            state.llm.embed, prompts, pooling_params=params, use_tqdm=False, lora_request=lora
+        )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "input") from None
     data = [

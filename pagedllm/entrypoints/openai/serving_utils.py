@@ -32,6 +32,7 @@ class ServerState:
     tool_parser: str | None = None  # --tool-call-parser: reads tool calls from replies (tool_choice "auto")
     enable_auto_tools: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser: the <think> section goes to reasoning_content
+    lora_modules: dict = field(default_factory=dict)  # served name -> LoRARequest (--lora-modules)
     _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 
     @property
@@ -66,9 +67,13 @@ class ServerState:
 
     def check_model(self, name: str | None) -> str:
         """The model name to answer with; an unknown name is 404 as OpenAI does."""
-        if name is None or name in self.served_model_names:
+        if name is None or name in self.served_model_names or name in self.lora_modules:
             return self.served_model_names[0] if name is None else name
         raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+
+    def lora_request(self, name: str | None):
+        """The LoRARequest a request's model name selects (None: the base model)."""
+        return self.lora_modules.get(name) if name is not None else None
 
     def require_generate(self) -> None:
         if not self.engine.generates:
