@@ -1,5 +1,6 @@
-"""Where a worker stands among the ranks: global rank = pp_rank * tp_size + tp_rank, and the two groups it talks
-in (its tensor-parallel group: the ranks of its stage; its pipeline group: the ranks of its tp_rank across stages).
+"""Where a worker stands among the ranks: global rank = pp_rank * tp_size + tp_rank, and the groups it talks in:
+its tensor-parallel group (the ranks of its stage), its pipeline group (the ranks of its tp_rank across stages) and
+the world (every rank: the driver's sampled tokens reach them all).
 
 Built once per worker and handed down (to the model's build context and to the runner), never kept globally."""
 
@@ -43,10 +44,12 @@ class ParallelGroups:
     info: RankInfo
     tp: Communicator
     pp: Communicator
+    world: Communicator
 
     @classmethod
     def single(cls, device: torch.device) -> ParallelGroups:
-        return cls(RankInfo(0, 1, 1), Communicator.single(device), Communicator.single(device))
+        one = Communicator.single(device)
+        return cls(RankInfo(0, 1, 1), one, one, one)
 
     @classmethod
     def create(cls, store: dist.Store, info: RankInfo, device: torch.device, timeout_s: float) -> ParallelGroups:
@@ -56,27 +59,23 @@ class ParallelGroups:
         pp_ranks = [s * info.tp_size + info.tp_rank for s in range(info.pp_size)]
         tp = Communicator.create(store, f"tp{info.pp_rank}", info.tp_rank, tp_ranks, device, timeout_s)
         pp = Communicator.create(store, f"pp{info.tp_rank}", info.pp_rank, pp_ranks, device, timeout_s)
-        return cls(info, tp, pp)
+        if info.pp_size == 1:
+            world = tp
+        elif info.tp_size == 1:
+            world = pp
+        else:
+            world = Communicator.create(store, "world", info.rank, list(range(info.world_size)), device, timeout_s)
+        return cls(info, tp, pp, world)
 
     def build_context(self) -> BuildContext:
         i = self.info
         return BuildContext(i.tp_rank, i.tp_size, self.tp if i.tp_size > 1 else None, i.pp_rank, i.pp_size)
 
     def shutdown(self) -> None:
-        self.tp.shutdown()
-        self.pp.shutdown()
+        for comm in {id(c): c for c in (self.tp, self.pp, self.world)}.values():
+            comm.shutdown()
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """The KV heads each rank holds: an equal share, or one (replicated) with more ranks than heads."""
     return max(1, num_kv_heads // tp_size)
-
-
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
-    """[start, end) of the layers stage pp_rank runs: equal parts, the first num_layers % pp_size stages one more
-    (8 layers on 3 stages: 3, 3, 2)."""
-    if num_layers < pp_size:
-        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds num_hidden_layers={num_layers}")
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (pp_rank < extra)

@@ -42,6 +42,16 @@ def building(context: BuildContext) -> Iterator[BuildContext]:
         _CURRENT.reset(token)
 
 
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """[start, end) of the layers pipeline stage pp_rank runs: equal parts, the first num_layers % pp_size stages
+    one more (10 layers on 4 stages: 3, 3, 2, 2)."""
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds num_hidden_layers={num_layers}")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
+
+
 def current_build_context() -> BuildContext:
     return _CURRENT.get() or _ONE_RANK
 

@@ -104,6 +104,11 @@ def get_model(model_config: ModelConfig, device: torch.device, context: BuildCon
             f"tensor_parallel_size={context.tp_size}: {model_config.architecture} does not support tensor "
             "parallelism in pagedllm yet"
         )
+    if context.pp_size > 1 and not getattr(cls, "supports_pipeline_parallel", False):
+        raise ValueError(
+            f"pipeline_parallel_size={context.pp_size}: {model_config.architecture} does not support pipeline "
+            "parallelism in pagedllm yet"
+        )
     quant_config = quant_config_of(model_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)

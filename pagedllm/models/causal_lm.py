@@ -9,9 +9,18 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagedllm.layers.build_context import current_build_context
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import ParallelLMHead
-from pagedllm.models.utils import STACKED_PARAMS, check_learned_positions, join_prefix, load_weights, tied_ignore
+from pagedllm.models.utils import (
+    STACKED_PARAMS,
+    MissingLayer,
+    check_learned_positions,
+    join_prefix,
+    load_weights,
+    missing_prefixes,
+    tied_ignore,
+)
 
 
 class CausalLM(nn.Module):
@@ -39,9 +48,12 @@ class CausalLM(nn.Module):
         kwargs = {"max_position": max_position} if self.model_takes_max_position else {}
         decoder = self.model_cls(config, quant_config, join_prefix(prefix, self.model_attr), **kwargs)
         setattr(self, self.model_attr, decoder)
+        self.tied = bool(getattr(config, "tie_word_embeddings", self.tie_default))
+        if current_build_context().pp_rank > 0:  # the first pipeline stage computes the logits
+            setattr(self, self.head_attr, MissingLayer())
+            return
         head = self.head_cls(config.vocab_size, self.head_size(config))
         setattr(self, self.head_attr, head)
-        self.tied = bool(getattr(config, "tie_word_embeddings", self.tie_default))
         if self.tied:
             head.tie(decoder.get_submodule(self.embedding_attr))
 
@@ -50,12 +62,19 @@ class CausalLM(nn.Module):
         """The width of the hidden states the LM head takes."""
         return config.hidden_size
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.model_attr)(input_ids, positions)  # [num_tokens, head_size]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, head_size]; with pipeline parallelism see LlamaModel.forward."""
+        decoder = getattr(self, self.model_attr)
+        if intermediate is None:
+            return decoder(input_ids, positions)
+        return decoder(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         return getattr(self, self.head_attr).compute_logits(hidden, upcast)  # [n, vocab] float32 unless not upcast
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ignore = (*tied_ignore(self.tied, self.tied_head_ignore or f"{self.head_attr}."), *self.extra_ignore)
+        ignore += missing_prefixes(self)  # the parts other pipeline stages hold
         return load_weights(self, weights, self.stacked, self.rename, ignore, self.convert)

@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedllm.layers.activation import gated_activation
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.build_context import current_build_context, stage_layers
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
@@ -14,6 +15,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, r
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.utils import (
+    MissingLayer,
     head_dim_of,
     join_prefix,
     norm_eps_of,
@@ -128,6 +130,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder. With pipeline parallelism a stage builds only its layers (the others are placeholders without
+    weights, so checkpoint names keep their indices); the first stage also holds the embedding, the last the final
+    norm, and forward takes / returns the (hidden, residual) pair that crosses between stages."""
+
     layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
 
@@ -135,13 +141,24 @@ class LlamaModel(nn.Module):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
         super().__init__()
+        context = current_build_context()
+        if context.pp_size > 1 and type(self).forward is not LlamaModel.forward:
+            raise ValueError(f"{type(self).__name__} does not support pipeline parallelism in pagedllm yet")
+        self.first, self.last = stage_layers(config.num_hidden_layers, context.pp_size, context.pp_rank)
+        self.is_first_stage, self.is_last_stage = context.pp_rank == 0, context.pp_rank == context.pp_size - 1
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(config, i, quant_config, join_prefix(prefix, f"layers.{i}"))
+            if self.first <= i < self.last
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.rotary_emb = self.make_rotary(config, max_position)
         self.norm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+        if not self.is_first_stage and context.pp_size > 1:  # (a tied LM head on the first stage shares it)
+            self.embed_tokens = MissingLayer()
+        if not self.is_last_stage:
+            self.norm = MissingLayer()
 
     def make_rotary(self, config, max_position: int) -> nn.Module:
         """The model's one cos/sin table module (a family with other rope dims or scaling overrides this)."""
@@ -150,14 +167,24 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [num_tokens, hidden]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (x, residual) for the next, which passes
+        them as `intermediate` (its input_ids unused)."""
+        if intermediate is None:
+            x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+        else:
+            x, residual = intermediate
         rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
+        for layer in self.layers[self.first : self.last]:
             x, residual = layer(rope, x, residual)
+        if not self.is_last_stage:
+            return x, torch.zeros_like(x) if residual is None else residual
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):
     model_cls = LlamaModel
     supports_tensor_parallel = True
+    supports_pipeline_parallel = True  # (LlamaModel refuses a subclass that overrides its forward)

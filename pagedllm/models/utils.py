@@ -130,3 +130,13 @@ def sliding_window_for_layer(config: object, layer_idx: int) -> int | None:
     if layer_idx < getattr(config, "max_window_layers", 0):
         return None
     return window
+
+
+class MissingLayer(nn.Module):
+    """A part of the model another pipeline stage holds: no weights here, never called; its checkpoint tensors are
+    skipped (`missing_prefixes`)."""
+
+
+def missing_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The dotted names ("model.layers.7.") of the model's MissingLayer parts."""
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, MissingLayer))

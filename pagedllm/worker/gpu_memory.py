@@ -28,7 +28,7 @@ def _temporary_kv_cache(runner, num_blocks: int) -> Iterator[None]:
     """One small cache shared by every attention layer while profiling (the real one is not allocated yet)."""
     m = runner.config.model
     cache = runner.backend.allocate_kv_cache(
-        num_blocks, runner.block_size, m.num_kv_heads, m.head_dim, runner.kv_cache_dtype, runner.device
+        num_blocks, runner.block_size, runner.num_kv_heads, m.head_dim, runner.kv_cache_dtype, runner.device
     )  # in the backend's own layout
     for layer in runner.attn_layers:
         layer.kv_cache, layer.backend = cache, runner.backend
@@ -50,12 +50,14 @@ def _dummy_prefill(runner, lens: np.ndarray, num_blocks: int) -> torch.Tensor:
     layout = BatchLayout(cu, lens.astype(np.int64), table, slots, bs, dev)
     with forward_context(runner.backend.build_metadata(layout)):
         ids = torch.zeros(len(positions), dtype=torch.int64, device=dev)  # [num_tokens]
-        return runner.model(ids, torch.from_numpy(positions).to(dev))
+        return runner.forward(ids, torch.from_numpy(positions).to(dev))
 
 
 def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
     """LM head, logprobs, and the sampler with penalties (the GPU kernel's penalized copies of the rows and their
     tables of counts), top-k and top-p (its scratch lists of candidates) and the most logprobs on every row."""
+    if hidden is None:  # a later pipeline stage: the first stage computes the logits
+        return
     dev = runner.device
     rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
     logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32

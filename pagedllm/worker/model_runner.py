@@ -14,6 +14,7 @@ from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
 from pagedllm.device import HostCopies, to_device
 from pagedllm.distributed.parallel_state import ParallelGroups, kv_heads_per_rank
+from pagedllm.distributed.pipeline import pipeline_forward
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
@@ -75,7 +76,8 @@ class ModelRunner:
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
-        if not self.on_cuda or self.config.device.enforce_eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
+        eager = self.config.device.enforce_eager or self.groups.info.pp_size > 1  # (stages run eagerly)
+        if not self.on_cuda or eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
             return None
         if self.lora is not None:  # the adapter mapping changes every step: LoRA steps run eagerly
             return None
@@ -209,25 +211,27 @@ class ModelRunner:
                 drafts = [d if m is None else [-1] * len(d) for d, m in zip(drafts, bitmasks or [None] * len(drafts))]
             logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
             step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts) if self.is_driver else rows
-        hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden]
-        prompt_lps = self._prompt_logprobs(hidden, flat)
+        hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden] | None
+        prompt_lps = self._prompt_logprobs(hidden, flat) if hidden is not None else {}  # (later stages: None)
         if step is None:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        output = self._sample(hidden[logits_rows], step)
+        output = self._sample(hidden[logits_rows] if hidden is not None else None, step, len(logits_rows))
         sampled_rows = step.rows if self.is_driver else np.repeat(step, (num_drafts + 1) if spec else 1)
         self.last_step = StepFuture(self, sample_req_ids, sampled_rows, output, prompt_lps, drafts)
         return self.last_step
 
-    def _sample(self, hidden: torch.Tensor, step) -> SamplerOutput:
-        """The driver samples from the logits of hidden [n, hidden]; with tensor parallelism the other ranks take
-        part in the logits' gather and receive the sampled tokens."""
-        upcast = self.sampler.needs_float32(step) if self.is_driver else False
-        logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
+    def _sample(self, hidden: torch.Tensor | None, step, n: int) -> SamplerOutput:
+        """The driver samples n tokens from the logits of hidden [n, hidden]; the other ranks of the first pipeline
+        stage take part in the logits' gather, and every rank receives the sampled tokens (hidden is None on later
+        stages)."""
+        if hidden is not None:
+            upcast = self.sampler.needs_float32(step) if self.is_driver else False
+            logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
         if self.is_driver:
             output = self.sampler.sample(logits, step)
         else:
-            output = SamplerOutput(torch.empty(hidden.shape[0], dtype=torch.int64, device=self.device), None)
-        self.groups.tp.broadcast(output.sampled, 0)
+            output = SamplerOutput(torch.empty(n, dtype=torch.int64, device=self.device), None)
+        self.groups.world.broadcast(output.sampled, 0)
         return output
 
     def _write_drafts(self, spec: dict[str, list[int]]) -> None:
@@ -274,7 +278,15 @@ class ModelRunner:
             input_ids.index_copy_(0, *late)
         lora = self.lora.mapping(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
         with forward_context(meta, lora):
-            return self.model(input_ids, self._to_device(flat.positions))
+            return self.forward(input_ids, self._to_device(flat.positions))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The model over the step's tokens (inside its forward context): hidden [num_tokens, hidden]; with
+        pipeline parallelism through every stage, and None on the stages after the first."""
+        if self.groups.info.pp_size == 1:
+            return self.model(input_ids, positions)
+        m = self.config.model
+        return pipeline_forward(self.model, self.groups.pp, input_ids, positions, m.hf_config.hidden_size, m.dtype)
 
     def _late_inputs(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Input tokens the previous step sampled that have not reached the host (async scheduling): their

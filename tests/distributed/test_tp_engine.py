@@ -1,6 +1,6 @@
-"""The engine's features under tensor parallelism: TP=2 over two CPU processes (gloo, float32) gives the same
-tokens and logprobs as one process, with prefix caching, chunked prefill, preemption, n > 1, logprobs, prompt
-logprobs, seeded sampling, async scheduling and n-gram speculation."""
+"""The engine's features under tensor and pipeline parallelism: TP=2, PP=2 and TP=2 x PP=2 over CPU processes
+(gloo, float32) give the same tokens and logprobs as one process, with prefix caching, chunked prefill, preemption,
+n > 1, logprobs, prompt logprobs, seeded sampling, async scheduling and n-gram speculation."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.build_context import stage_layers
 
 ENGINE = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=24)
 
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    _, path = save_tiny_decoder("llama-tp-engine", LlamaConfig, LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory)
+    """Three layers (two stages: 2 + 1), tied embeddings."""
+    kwargs = dict(TINY_DECODER, num_hidden_layers=3, tie_word_embeddings=True)
+    _, path = save_tiny_decoder("llama-tp-engine", LlamaConfig, LlamaForCausalLM, kwargs, tmp_path_factory)
     return path
 
 
@@ -36,8 +39,9 @@ def _summary(outs) -> list:
     return rows
 
 
-def _run(path: str, tp: int, params, prompts, **kwargs):
-    llm = LLM(path, tensor_parallel_size=tp, **{**ENGINE, **kwargs})
+def _run(path: str, layout: tuple[int, int], params, prompts, **kwargs):
+    tp, pp = layout
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**ENGINE, **kwargs})
     try:
         first = llm.generate(prompts, params, use_tqdm=False)
         again = llm.generate(prompts[:2], params, use_tqdm=False)  # prefix-cache hits
@@ -72,14 +76,25 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_tp2_equals_one_process(case, llama_path):
+QUICK = {("greedy-logprobs", (2, 1)), ("greedy-logprobs", (1, 2)), ("preemption", (1, 2)), ("seeded-n2", (2, 1))}
+LAYOUTS = [(2, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "case, layout",
+    [
+        pytest.param(c, lay, marks=() if (c, lay) in QUICK else pytest.mark.slow, id=f"{c}-tp{lay[0]}-pp{lay[1]}")
+        for c in sorted(CASES)
+        for lay in LAYOUTS
+    ],
+)
+def test_parallel_equals_one_process(case, layout, llama_path):
     params, kwargs = CASES[case]
     prompts = _prompts()
     if case == "ngram-spec":  # repetitive prompts, so that the proposer finds drafts
         prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 5}]
-    one = _run(llama_path, 1, params, prompts, **kwargs)
-    two = _run(llama_path, 2, params, prompts, **kwargs)
+    one = _run(llama_path, (1, 1), params, prompts, **kwargs)
+    two = _run(llama_path, layout, params, prompts, **kwargs)
     for a, b in zip(one[:2], two[:2]):
         _assert_same(a, b)
     if case == "preemption":
@@ -88,11 +103,13 @@ def test_tp2_equals_one_process(case, llama_path):
         assert two[1][0].num_cached_tokens >= 4, "the repeated prompt found no cached block"
 
 
-def test_tp2_prompt_logprobs(llama_path):
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+@pytest.mark.parametrize("layout", [(2, 1), pytest.param((2, 2), marks=pytest.mark.slow)], ids=str)
+def test_prompt_logprobs_and_tp2_pp2(layout, llama_path):
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logprobs=1)
     prompts = _prompts(3)
-    one = _run(llama_path, 1, params, prompts)[0]
-    two = _run(llama_path, 2, params, prompts)[0]
+    one = _run(llama_path, (1, 1), params, prompts)[0]
+    two = _run(llama_path, layout, params, prompts)[0]
+    _assert_same(one, two)
     for a, b in zip(one, two):
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert pa.keys() == pb.keys()
@@ -106,3 +123,10 @@ def test_tp_size_checks(llama_path):
         LLM(llama_path, tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ValueError, match="distributed_executor_backend='uni'"):
         LLM(llama_path, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds num_hidden_layers=3"):
+        LLM(llama_path, pipeline_parallel_size=4, **ENGINE)
+
+
+def test_stage_layers_split():
+    assert [stage_layers(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [stage_layers(3, 2, r) for r in range(2)] == [(0, 2), (2, 3)]
