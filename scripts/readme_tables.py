@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from pagedllm.models.registry import native_architectures
+from pagedllm.models.registry import get_model_class, native_architectures
 from pagedllm.models.transformers_fallback import check_transformers_supported
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
@@ -77,8 +77,17 @@ def architectures_table() -> str:
     missing = [a for a in archs if a not in NOTES]
     if missing:
         raise SystemExit(f"scripts/readme_tables.py: add a NOTES entry for {missing}")
-    rows = [f"| `{a}` | {NOTES[a]} | {path_of(a)} |" for a in archs]
-    return "\n".join(["| Architecture | Family / notes | Path |", "| --- | --- | --- |", *rows])
+    rows = [f"| `{a}` | {NOTES[a]} | {path_of(a)} | {parallelism_of(a)} |" for a in archs]
+    header = "| Architecture | Family / notes | Path | Parallel |"
+    return "\n".join([header, "| --- | --- | --- | --- |", *rows])
+
+
+def parallelism_of(architecture: str) -> str:
+    """Which of tensor (TP) and pipeline (PP) parallelism the native class supports (its class flags)."""
+    cls = get_model_class(architecture, "pagedllm")
+    kinds = [k for k, flag in (("TP", "supports_tensor_parallel"), ("PP", "supports_pipeline_parallel"))
+             if getattr(cls, flag, False)]  # fmt: skip
+    return ", ".join(kinds) or "one GPU"
 
 
 def rewrite(text: str) -> str:

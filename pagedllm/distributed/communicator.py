@@ -92,12 +92,6 @@ class Communicator:
             self.all_reduce(torch.zeros(1, device=self.device))
 
     def shutdown(self) -> None:
-        """Drops the group. NCCL's communicators are aborted (a local teardown: an orderly shutdown would wait for
-        the peers, which may be gone)."""
-        abort = getattr(self.pg, "abort", None) if self.device.type == "cuda" else None
-        if abort is not None:
-            try:
-                abort()
-            except RuntimeError:
-                pass
+        """Drops the group (its connections close when the process ends). No orderly NCCL shutdown or abort here:
+        both waited on the peers' communicators, which may be gone."""
         self.pg = None

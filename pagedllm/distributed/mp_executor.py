@@ -99,8 +99,8 @@ class MultiprocExecutor:
                 proc.kill()
         for comm in (self.driver.groups.tp, self.driver.groups.pp) if hasattr(self, "driver") else ():
             abort = getattr(comm.pg, "abort", None)
-            if abort is not None and comm.device.type == "cuda":
-                abort()
+            if abort is not None and comm.device.type == "cuda":  # (in a thread of its own: it may block)
+                threading.Thread(target=abort, daemon=True, name="pagedllm-nccl-abort").start()
 
     def _answers(self) -> list:
         """Each worker's answer to the last call, in rank order (an error answer or a dead worker raises)."""

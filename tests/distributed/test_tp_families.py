@@ -1,7 +1,7 @@
-"""Tensor parallelism across the model families: each family that supports it, split over two CPU processes (gloo,
-float32), gives HF transformers' greedy tokens, with logprobs within 1e-4, through chunked prefill and the prefix
-cache (the same check as tests/models/test_model_parity.py on one rank). Families without tensor-parallel support
-refuse it with a clear error."""
+"""Tensor and pipeline parallelism across the model families: each family that supports it, split over two CPU
+processes (gloo, float32; TP=2 or PP=2), gives HF transformers' greedy tokens, with logprobs within 1e-4, through
+chunked prefill and the prefix cache (the same check as tests/models/test_model_parity.py on one rank). Families
+without support refuse it with a clear error."""
 
 from __future__ import annotations
 
@@ -14,36 +14,40 @@ from tiny_models import hf_greedy, save_tiny_decoder
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.registry import get_model_class
 
-QUICK = {"llama", "qwen2-bias"}  # the rest run in the slow tier
+QUICK = {("llama", "tp"), ("qwen2-bias", "tp"), ("llama3-rope-tied", "pp")}  # the rest run in the slow tier
+FLAGS = {"tp": "supports_tensor_parallel", "pp": "supports_pipeline_parallel"}
 
 
-def _tp_cases() -> list:
+def _cases() -> list:
     cases = []
     for name in sorted(CASES):
         arch = CASES[name][1].__name__
         if name == "internlm2":
             arch = "InternLM2ForCausalLM"
         try:
-            supported = getattr(get_model_class(arch, "pagedllm"), "supports_tensor_parallel", False)
+            cls = get_model_class(arch, "pagedllm")
         except (KeyError, ValueError):
             continue
-        if supported:
-            cases.append(pytest.param(name, marks=() if name in QUICK else pytest.mark.slow))
+        for kind, flag in FLAGS.items():
+            if getattr(cls, flag, False):
+                marks = () if (name, kind) in QUICK else pytest.mark.slow
+                cases.append(pytest.param(name, kind, marks=marks, id=f"{name}-{kind}2"))
     return cases
 
 
-def tp_llm(path: str, tp: int = 2, **kwargs) -> LLM:
+def tp_llm(path: str, tp: int = 2, pp: int = 1, **kwargs) -> LLM:
     base = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, block_size=4)
-    return LLM(path, tensor_parallel_size=tp, **{**base, **kwargs})
+    return LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**base, **kwargs})
 
 
-@pytest.mark.parametrize("name", _tp_cases())
-def test_tp2_greedy_matches_hf(name, tmp_path_factory):
+@pytest.mark.parametrize("name, kind", _cases())
+def test_two_ranks_greedy_matches_hf(name, kind, tmp_path_factory):
     config_cls, model_cls, kwargs, *rewrite = CASES[name]
     hf, path = save_tiny_decoder(name, config_cls, model_cls, kwargs, tmp_path_factory)
     for fn in rewrite:
         fn(path)
-    llm = tp_llm(path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    tp, pp = (2, 1) if kind == "tp" else (1, 2)
+    llm = tp_llm(path, tp, pp, max_num_batched_tokens=16, enable_prefix_caching=True)
     try:
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 17, 30, 9)]
@@ -67,3 +71,5 @@ def test_unsupported_family_is_refused(tmp_path_factory):
     _, path = save_tiny_decoder("gpt2-tp", config_cls, model_cls, kwargs, tmp_path_factory)
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not support tensor parallelism"):
         tp_llm(path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel does not support pipeline parallelism"):
+        tp_llm(path, 1, 2)
