@@ -92,6 +92,12 @@ class Communicator:
             self.all_reduce(torch.zeros(1, device=self.device))
 
     def shutdown(self) -> None:
-        """Drops the group (its connections close when the process ends). No orderly NCCL shutdown or abort here:
-        both waited on the peers' communicators, which may be gone."""
+        """Drops the group. An NCCL group is kept alive until the process exits instead (in _RETIRED): its
+        shutdown, abort and destructor all blocked on the peers' communicators in a running process, while at exit
+        it ends cleanly; the cost is its buffers, once per engine built and shut down."""
+        if self.pg is not None and self.device.type == "cuda":
+            _RETIRED.append(self.pg)
         self.pg = None
+
+
+_RETIRED: list = []  # NCCL process groups of engines shut down (see Communicator.shutdown)
