@@ -14,7 +14,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
+from pagedllm.models.utils import join_prefix, rank_alibi_slopes, regroup_per_head_qkv
 
 
 class BloomAttention(nn.Module):
@@ -26,7 +26,9 @@ class BloomAttention(nn.Module):
             hidden, head_dim, num_heads, num_heads, True, quant_config, join_prefix(prefix, "query_key_value")
         )
         self.dense = RowParallelLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
-        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_heads, alibi_slopes=alibi_slopes(num_heads))
+        rank_heads, qkv = self.query_key_value.num_heads, self.query_key_value  # this rank's heads
+        slopes = rank_alibi_slopes(alibi_slopes(num_heads), qkv)
+        self.attn = Attention(rank_heads, head_dim, head_dim**-0.5, rank_heads, alibi_slopes=slopes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.query_key_value(x).chunk(3, dim=-1)
@@ -73,6 +75,7 @@ class BloomForCausalLM(CausalLM):
     model_cls = BloomModel
     model_attr, embedding_attr = "transformer", "word_embeddings"
     tie_default, model_takes_max_position = True, False
+    supports_tensor_parallel = True
 
     @staticmethod
     def rename(name: str) -> str:

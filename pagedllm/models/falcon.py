@@ -15,23 +15,25 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.utils import join_prefix, num_kv_heads_of, regroup_per_head_qkv
+from pagedllm.models.utils import join_prefix, num_kv_heads_of, rank_alibi_slopes, regroup_per_head_qkv
 
 
 class FalconAttention(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.num_kv_heads, self.head_dim = num_kv_heads_of(config), hidden // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.query_key_value = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, config.bias, quant_config,
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // total_heads
+        qkv = self.query_key_value = QKVParallelLinear(
+            hidden, self.head_dim, total_heads, num_kv_heads_of(config), config.bias, quant_config,
             join_prefix(prefix, "query_key_value"),
         )  # fmt: skip
+        # this rank's heads (a multi-query model's one KV head on every rank)
+        self.num_heads, self.num_kv_heads = qkv.num_heads, qkv.num_kv_heads
+        self.q_size, self.kv_size = qkv.q_size, qkv.kv_size
         self.dense = RowParallelLinear(hidden, hidden, config.bias, quant_config, join_prefix(prefix, "dense"))
         scale = self.head_dim**-0.5
         self.use_rotary = not config.alibi
-        slopes = None if self.use_rotary else alibi_slopes(self.num_heads) * scale  # HF scales the bias too
+        slopes = None if self.use_rotary else rank_alibi_slopes(alibi_slopes(total_heads), qkv) * scale  # as HF
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, alibi_slopes=slopes)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +107,7 @@ class FalconForCausalLM(CausalLM):
     model_cls = FalconModel
     model_attr, embedding_attr = "transformer", "word_embeddings"
     tie_default = True
+    supports_tensor_parallel = True
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Regroups the fused q/k/v rows to [q, k, v] (multi-query checkpoints have them so already)."""

@@ -30,10 +30,11 @@ class GPT2Attention(nn.Module):
         scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
-        self.attn = Attention(num_heads, head_dim, scale, num_heads)
+        rank_heads = self.c_attn.num_heads  # this rank's
+        self.attn = Attention(rank_heads, head_dim, scale, rank_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # each [num_tokens, hidden]
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # each [num_tokens, num_heads * head_dim] of this rank
         return self.c_proj(self.attn(q, k, v))
 
 
@@ -84,6 +85,7 @@ class GPT2LMHeadModel(CausalLM):
     model_cls = GPT2Model
     model_attr, embedding_attr = "transformer", "wte"
     tie_default, model_takes_max_position, learned_positions = True, False, True
+    supports_tensor_parallel = True
     extra_ignore = (".attn.bias", ".attn.masked_bias")  # old checkpoints' mask buffers
 
     @staticmethod

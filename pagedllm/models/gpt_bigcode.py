@@ -16,19 +16,20 @@ from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
 class GPTBigCodeAttention(nn.Module):
     def __init__(self, config, layer_idx: int, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.num_kv_heads = 1 if config.multi_query else self.num_heads
-        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // total_heads
+        total_kv_heads = 1 if config.multi_query else total_heads  # one KV head: on every rank
         self.c_attn = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, True, quant_config, join_prefix(prefix, "c_attn")
+            hidden, self.head_dim, total_heads, total_kv_heads, True, quant_config, join_prefix(prefix, "c_attn")
         )
+        self.num_heads, self.num_kv_heads = self.c_attn.num_heads, self.c_attn.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.c_attn.q_size, self.c_attn.kv_size
         self.c_proj = RowParallelLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "c_proj"))
         scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(x).split([self.num_heads * self.head_dim, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.c_attn(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.c_proj(self.attn(q, k, v))
 
 

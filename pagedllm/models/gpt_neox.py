@@ -26,14 +26,15 @@ from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
 class GPTNeoXAttention(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // total_heads
         self.rot_dim = partial_rotary_dim(config, self.head_dim)
         bias = getattr(config, "attention_bias", True)
         self.query_key_value = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_heads, bias, quant_config,
+            hidden, self.head_dim, total_heads, total_heads, bias, quant_config,
             join_prefix(prefix, "query_key_value"),
         )  # fmt: skip
+        self.num_heads = self.query_key_value.num_heads  # this rank's
         self.dense = RowParallelLinear(hidden, hidden, bias, quant_config, join_prefix(prefix, "dense"))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
 
@@ -91,6 +92,7 @@ class GPTNeoXModel(nn.Module):
 
 class GPTNeoXForCausalLM(CausalLM):
     model_cls = GPTNeoXModel
+    supports_tensor_parallel = True
     model_attr, embedding_attr, head_attr = "gpt_neox", "embed_in", "embed_out"
     extra_ignore = (".attention.bias", ".attention.masked_bias")  # mask buffers
 

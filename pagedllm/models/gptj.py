@@ -25,12 +25,13 @@ def rotary_dim_of(config) -> int:
 class GPTJAttention(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // total_heads
         self.rot_dim = rotary_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_heads, False, quant_config, join_prefix(prefix, "qkv_proj")
+            hidden, self.head_dim, total_heads, total_heads, False, quant_config, join_prefix(prefix, "qkv_proj")
         )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.out_proj = RowParallelLinear(hidden, hidden, False, quant_config, join_prefix(prefix, "out_proj"))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
 
@@ -82,3 +83,4 @@ class GPTJForCausalLM(CausalLM):
     model_attr, embedding_attr = "transformer", "wte"
     head_cls, tied_head_ignore = BiasedLMHead, "lm_head.weight"
     extra_ignore = (".attn.bias", ".attn.masked_bias")  # mask buffers
+    supports_tensor_parallel = True

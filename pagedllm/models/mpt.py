@@ -15,7 +15,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.utils import join_prefix
+from pagedllm.models.utils import join_prefix, rank_alibi_slopes
 
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float) -> torch.Tensor:
@@ -39,7 +39,9 @@ class MPTAttention(nn.Module):
         self.out_proj = RowParallelLinear(hidden, hidden, bias, quant_config, join_prefix(prefix, "out_proj"))
         scale = attn_config.softmax_scale or head_dim**-0.5
         slopes = mpt_alibi_slopes(num_heads, attn_config.alibi_bias_max) if attn_config.alibi else None
-        self.attn = Attention(num_heads, head_dim, scale, num_heads, alibi_slopes=slopes)
+        slopes = rank_alibi_slopes(slopes, self.Wqkv) if slopes is not None else None  # this rank's heads
+        rank_heads = self.Wqkv.num_heads
+        self.attn = Attention(rank_heads, head_dim, scale, rank_heads, alibi_slopes=slopes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.Wqkv(x)
@@ -89,4 +91,5 @@ class MPTForCausalLM(CausalLM):
     model_cls = MPTModel
     model_attr, embedding_attr = "transformer", "wte"
     tie_default, model_takes_max_position = True, False
+    supports_tensor_parallel = True
     stacked = []  # ffn.up_proj is no shard

@@ -8,7 +8,7 @@ from torch import nn
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import LayerNorm
-from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, VocabParallelEmbedding
@@ -19,17 +19,18 @@ from pagedllm.models.utils import join_prefix
 class OPTAttention(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        head_dim = hidden // self.num_heads
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        head_dim = hidden // total_heads
         bias = getattr(config, "enable_bias", True)
         self.qkv_proj = QKVParallelLinear(
-            hidden, head_dim, self.num_heads, self.num_heads, bias, quant_config, join_prefix(prefix, "qkv_proj")
+            hidden, head_dim, total_heads, total_heads, bias, quant_config, join_prefix(prefix, "qkv_proj")
         )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.out_proj = RowParallelLinear(hidden, hidden, bias, quant_config, join_prefix(prefix, "out_proj"))
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each [num_tokens, hidden]
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each [num_tokens, num_heads * head_dim] of this rank
         return self.out_proj(self.attn(q, k, v))
 
 
@@ -64,8 +65,9 @@ class OPTDecoder(nn.Module):
         self.embed_positions = LearnedPositionEmbedding(config.max_position_embeddings, hidden, offset=2)
         self.project_in = self.project_out = None
         if embed_dim != hidden:
-            self.project_in = ColumnParallelLinear(embed_dim, hidden, False, None, join_prefix(prefix, "project_in"))
-            self.project_out = ColumnParallelLinear(hidden, embed_dim, False, None, join_prefix(prefix, "project_out"))
+            # small: whole on every rank
+            self.project_in = ReplicatedLinear(embed_dim, hidden, False, None, join_prefix(prefix, "project_in"))
+            self.project_out = ReplicatedLinear(hidden, embed_dim, False, None, join_prefix(prefix, "project_out"))
         self.final_layer_norm = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             self.final_layer_norm = LayerNorm(hidden, affine=getattr(config, "layer_norm_elementwise_affine", True))
@@ -99,6 +101,7 @@ class OPTForCausalLM(CausalLM):
     model_cls = OPTModel
     embedding_attr = "decoder.embed_tokens"
     tie_default, model_takes_max_position, learned_positions = True, False, True
+    supports_tensor_parallel = True
 
     @staticmethod
     def head_size(config) -> int:

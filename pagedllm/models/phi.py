@@ -21,15 +21,17 @@ from pagedllm.models.utils import head_dim_of, join_prefix, num_kv_heads_of
 class PhiAttention(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.num_kv_heads, self.head_dim = num_kv_heads_of(config), head_dim_of(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden, total_heads, self.head_dim = config.hidden_size, config.num_attention_heads, head_dim_of(config)
         self.rot_dim = partial_rotary_dim(config, self.head_dim)
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, True, quant_config,
+            hidden, self.head_dim, total_heads, num_kv_heads_of(config), True, quant_config,
             join_prefix(prefix, "qkv_proj"),
         )  # fmt: skip
-        self.dense = RowParallelLinear(self.q_size, hidden, True, quant_config, join_prefix(prefix, "dense"))
+        # this rank's heads (all of them with one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        o_size = total_heads * self.head_dim
+        self.dense = RowParallelLinear(o_size, hidden, True, quant_config, join_prefix(prefix, "dense"))
         self.qk_layernorm = bool(getattr(config, "qk_layernorm", False))
         if self.qk_layernorm:
             self.q_layernorm = LayerNorm(self.head_dim, config.layer_norm_eps)
@@ -85,7 +87,7 @@ class PhiModel(nn.Module):
 
 
 class BiasedLMHead(ParallelLMHead):
-    """The LM head with a bias over the vocabulary."""
+    """The LM head with a bias over the vocabulary (whole on every rank: added to the gathered logits)."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
@@ -99,3 +101,4 @@ class BiasedLMHead(ParallelLMHead):
 class PhiForCausalLM(CausalLM):
     model_cls = PhiModel
     head_cls, tied_head_ignore = BiasedLMHead, "lm_head.weight"
+    supports_tensor_parallel = True

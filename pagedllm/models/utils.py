@@ -97,6 +97,12 @@ def num_kv_heads_of(config: object) -> int:
     return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
+def rank_alibi_slopes(slopes: torch.Tensor, qkv: nn.Module) -> torch.Tensor:
+    """The slopes [num_heads of this rank] of the heads that tensor-parallel rank `qkv.tp_rank` holds (a
+    QKVParallelLinear: each rank has qkv.num_heads consecutive heads)."""
+    return slopes.narrow(0, qkv.tp_rank * qkv.num_heads, qkv.num_heads)
+
+
 def regroup_per_head_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Fused q/k/v rows stored per head [(head, (q, k, v), head_dim), ...] -> [(q|k|v, head, head_dim), ...]
     (GPT-NeoX, BLOOM, Falcon, GPTBigCode without multi-query)."""

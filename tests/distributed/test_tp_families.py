@@ -12,6 +12,9 @@ from models.test_model_parity import CASES
 from tiny_models import hf_greedy, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine_args import EngineArgs
+from pagedllm.layers.build_context import BuildContext
+from pagedllm.model_loader.loader import get_model
 from pagedllm.models.registry import get_model_class
 
 QUICK = {("llama", "tp"), ("qwen2-bias", "tp"), ("llama3-rope-tied", "pp")}  # the rest run in the slow tier
@@ -66,10 +69,14 @@ def test_two_ranks_greedy_matches_hf(name, kind, tmp_path_factory):
         llm.llm_engine.shutdown()
 
 
-def test_unsupported_family_is_refused(tmp_path_factory):
+def test_unsupported_family_is_refused(tmp_path_factory, monkeypatch):
+    """A model class without supports_tensor_parallel (every decoder family here has it: one is switched off) is
+    refused by the loader, naming the architecture; GPT-2 has no pipeline-parallel support yet."""
     config_cls, model_cls, kwargs = CASES["gpt2"]
     _, path = save_tiny_decoder("gpt2-tp", config_cls, model_cls, kwargs, tmp_path_factory)
+    monkeypatch.setattr(get_model_class("GPT2LMHeadModel", "pagedllm"), "supports_tensor_parallel", False)
+    config = EngineArgs(model=path, device="cpu", dtype="float32", skip_tokenizer_init=True).create_engine_config()
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not support tensor parallelism"):
-        tp_llm(path)
+        get_model(config.model, torch.device("cpu"), BuildContext(tp_rank=0, tp_size=2))
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not support pipeline parallelism"):
         tp_llm(path, 1, 2)
