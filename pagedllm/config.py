@@ -214,6 +214,7 @@ class EngineConfig:
     # scheduling only)
     speculative_proposer: Any = None
     speculative_config: Any = None  # the user's SpeculativeConfig (spec_decode/config.py), None: no speculation
+    multimodal: Any = None  # multimodal.MultiModalConfig (limits, processor options, encoder cache size)
 
 
 def cpu_has_bf16() -> bool:

@@ -26,6 +26,7 @@ from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
 from pagedllm.model_loader.weights import check_load_format
 from pagedllm.models.registry import resolve_model_impl
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 
@@ -75,6 +76,9 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    limit_mm_per_prompt: dict | None = None  # e.g. {"image": 2}: more items in one prompt is a ValueError
+    mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
+    allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
 
     @classmethod
     def names(cls) -> list[str]:
@@ -181,6 +185,9 @@ class EngineArgs:
             compilation,
             speculative_proposer=NgramProposer(speculative) if speculative is not None else None,
             speculative_config=speculative,
+            multimodal=MultiModalConfig.from_user(
+                self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
+            ),
         )
 
 

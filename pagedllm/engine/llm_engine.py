@@ -40,6 +40,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._structured = None  # StructuredOutputManager, made with the first constrained request
         self._structured_lock = threading.Lock()  # the server prepares requests on several threads
+        self._mm_processor = None  # MultiModalProcessor, made with the first multimodal prompt
+        self._mm_lock = threading.Lock()
 
     def structured_output_manager(self):
         """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
@@ -56,6 +58,33 @@ class LLMEngine:
             self._structured = StructuredOutputManager(self.tokenizer, self.config.model.vocab_size, stop_ids)
         return self._structured
 
+    def process_multimodal(
+        self, prompt, mm_data, mm_processor_kwargs=None, add_special_tokens: bool = True, where: str = "prompt"
+    ) -> tuple[list[int], list]:
+        """A prompt with multi_modal_data -> (prompt token ids with placeholders expanded, MultiModalFeatures).
+        ValueError for a text-only model, a modality it does not take, too many items or a bad item."""
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
+
+        model = self.config.model
+        modalities = MULTIMODAL_ARCHITECTURES.get(model.architecture)
+        if modalities is None:
+            from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
+
+            what = "runs as a text model" if model.architecture in TEXT_ONLY_MULTIMODAL else "is a text-only model"
+            raise ValueError(f"{where}.multi_modal_data: {model.architecture} {what}; it takes no images")
+        with self._mm_lock:
+            if self._mm_processor is None:
+                from pagedllm.multimodal.processor import MultiModalProcessor
+
+                self._mm_processor = MultiModalProcessor(
+                    model.model_path,
+                    model.hf_config.vision_language_config,
+                    modalities,
+                    self.config.multimodal or MultiModalConfig(),
+                    model.trust_remote_code,
+                )
+        return self._mm_processor.process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
+
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
@@ -66,6 +95,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        mm_features: list | None = None,
     ) -> tuple[list[Request], RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError).
 
@@ -74,6 +104,8 @@ class LLMEngine:
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens: a prompt with images cannot be truncated (it would cut them)")
         if params.truncate_prompt_tokens is not None:
             keep = model.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             prompt_token_ids = prompt_token_ids[-keep:]
@@ -111,6 +143,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.structured_output_manager().grammar(params.structured_outputs)
         requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        for req in requests:
+            req.mm_features = list(mm_features or [])
         for req in requests if compiled is not None else []:
             req.grammar = self.structured_output_manager().request_grammar(compiled)  # a matcher each
         return requests, state

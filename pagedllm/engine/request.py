@@ -38,6 +38,7 @@ class Request:
         max_tokens: int,
         cache_salt: str | None = None,
         vocab_size: int | None = None,
+        mm_features: list | None = None,
     ) -> None:
         self.request_id = request_id
         self.vocab_size = vocab_size  # stop ids at or above it never come: min_tokens need not ban them
@@ -46,6 +47,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens  # already capped by max_model_len - prompt length
         self.cache_salt = cache_salt
+        self.mm_features = mm_features or []  # MultiModalFeature per item, in prompt order (placeholder spans)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -215,6 +215,7 @@ class Scheduler:
                     self.kv.block_ids(req.request_id),
                     num_hit,
                     req.min_tokens_stop_ids(),
+                    req.mm_features,
                 )
             )
             num_scheduled[req.request_id] = n

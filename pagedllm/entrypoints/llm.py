@@ -67,6 +67,9 @@ class LLM(PoolingAPI):
         num_speculative_tokens: int | None = None,
         ngram_prompt_lookup_max: int | None = None,
         ngram_prompt_lookup_min: int | None = None,
+        limit_mm_per_prompt: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+        allowed_local_media_path: str = "",
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
@@ -150,20 +153,22 @@ class LLM(PoolingAPI):
         if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
             raise ValueError("prompts: a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
         prompt_list = _as_prompt_list(prompts)
-        parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompt_list)]
+        parsed = [self._parse_prompt_mm(p, i) for i, p in enumerate(prompt_list)]
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_list(sampling_params, len(parsed))
         if any(p.use_beam_search for p in params_list):
-            return [self._beam_search_output(text, ids, p) for (text, ids), p in zip(parsed, params_list)]
+            if any(features for _, _, features in parsed):
+                raise ValueError("use_beam_search: beam search takes text prompts only (no multi_modal_data)")
+            return [self._beam_search_output(text, ids, p) for (text, ids, _), p in zip(parsed, params_list)]
         engine = self.llm_engine
         salts = [_cache_salt(p, i) for i, p in enumerate(prompt_list)]
         # Validate every request before any enters the engine.
         pending = [
-            engine.make_request(text, ids, params, cache_salt=salt)
-            for (text, ids), params, salt in zip(parsed, params_list, salts)
+            engine.make_request(text, ids, params, cache_salt=salt, mm_features=features)
+            for (text, ids, features), params, salt in zip(parsed, params_list, salts)
         ]
         return self._run(pending, use_tqdm)
 
@@ -201,11 +206,31 @@ class LLM(PoolingAPI):
         prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in rendered]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
+    def _parse_prompt_mm(self, prompt: Any, index: int) -> tuple[str | None, list[int], list]:
+        """(text, token ids, MultiModalFeatures) of a prompt; a prompt with multi_modal_data goes through the model's
+        processor (its image placeholders expanded)."""
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None or not self._takes_multimodal():
+            return (*self._parse_prompt(prompt, index), [])
+        where = f"prompts[{index}]"
+        if prompt.get("multi_modal_uuids"):
+            raise ValueError(f"{where}.multi_modal_uuids: not supported; items are identified by their content")
+        ids, features = self.llm_engine.process_multimodal(
+            prompt.get("prompt"), prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"), where=where
+        )
+        return prompt.get("prompt"), ids, features
+
+    def _takes_multimodal(self) -> bool:
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
+
+        return self.llm_engine.config.model.architecture in MULTIMODAL_ARCHITECTURES
+
     def _parse_prompt(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
-            for key in _MULTIMODAL_KEYS:
+            if self._takes_multimodal() and prompt.get("multi_modal_data"):  # (generate handles them; beam search not)
+                raise ValueError(f"prompts[{index}].multi_modal_data: beam search takes text prompts only")
+            for key in _MULTIMODAL_KEYS if not self._takes_multimodal() else ():
                 if prompt.get(key):
                     arch = self.llm_engine.config.model.architecture
                     what = "runs as a text model" if arch in TEXT_ONLY_MULTIMODAL else "is a text-only model"

@@ -147,8 +147,12 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [num_tokens, hidden]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """inputs_embeds: the input embeddings when the caller made them (a vision-language model's, with image
+        features in them), else embedded from input_ids."""
+        x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(rope, x, residual)

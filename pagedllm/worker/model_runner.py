@@ -16,6 +16,7 @@ from pagedllm.device import HostCopies, to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
+from pagedllm.multimodal.encoder_runner import make_multimodal_runner
 from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
@@ -60,6 +61,7 @@ class ModelRunner:
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
         self.last_step: StepFuture | None = None  # the newest launched step that samples
         self.host_copies = HostCopies()  # pinned buffers the steps' sampled tokens and logprobs come back through
+        self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
@@ -166,6 +168,8 @@ class ModelRunner:
         """Queues the step on the device and returns at once; its result() waits for the sampled tokens. The
         previous step may still be running: its sampled tokens feed this step's inputs on the device."""
         self._update_batch(so)
+        if self.mm is not None:
+            self.mm.update(so)
         if not so.num_scheduled_tokens:
             return StepFuture.ready(ModelRunnerOutput({}))
         self._wait_for_host_outputs(so)
@@ -220,7 +224,10 @@ class ModelRunner:
         anything else (prefill chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
-        graph_bs = self.graphs.padded_size(num_reqs) if self.graphs is not None and num_tokens == num_reqs else None
+        mm = self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens) if self.mm else None
+        graph_bs = None  # a step with image tokens runs eagerly (the graphs take token ids only)
+        if self.graphs is not None and num_tokens == num_reqs and mm is None:
+            graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None:
             self.graphs.load_inputs(
                 graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table, late
@@ -239,6 +246,8 @@ class ModelRunner:
         if late is not None:
             input_ids.index_copy_(0, *late)
         with forward_context(meta):
+            if mm is not None:  # (flat rows [n], embeddings [n, hidden]) of image placeholder tokens
+                return self.model(input_ids, self._to_device(flat.positions), mm_embeds=mm)
             return self.model(input_ids, self._to_device(flat.positions))
 
     def _late_inputs(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

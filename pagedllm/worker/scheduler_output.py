@@ -24,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     min_tokens_stop_ids: list[int]  # EOS and stop token ids, masked while fewer than min_tokens are out
+    mm_features: list = field(default_factory=list)  # MultiModalFeature per item (tensors, hash, placeholder span)
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""Images from chat content parts: `image_url` with a data: URL (base64) or a file:// path under the allowed local
+media directory. A corrupt, huge or disallowed image is a ValueError naming the part."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # width * height above this is refused before decoding
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+def decode_image(data: bytes, where: str) -> Any:
+    """Encoded image bytes -> an RGB PIL image, fully decoded."""
+    from PIL import Image
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}: the image has {len(data)} bytes, more than the allowed {MAX_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{where}: the image is {width}x{height} pixels, more than the allowed {MAX_IMAGE_PIXELS}")
+        image.load()
+    except ValueError:
+        raise
+    except Exception as e:  # PIL's errors for corrupt or truncated data
+        raise ValueError(f"{where}: the image cannot be decoded: {e}") from None
+    return image.convert("RGB")
+
+
+def load_image_url(url: Any, where: str, allowed_local_media_path: str = "") -> Any:
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: 'url' must be a non-empty string")
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if not header.endswith(";base64") or not header[5:].startswith("image/"):
+            raise ValueError(f"{where}: a data URL must be 'data:image/<type>;base64,<data>'")
+        try:
+            return decode_image(base64.b64decode(payload, validate=True), where)
+        except binascii.Error as e:
+            raise ValueError(f"{where}: the data URL's base64 is invalid: {e}") from None
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return decode_image(_read_local(unquote(parsed.path), where, allowed_local_media_path), where)
+    raise ValueError(
+        f"{where}: URL scheme {parsed.scheme!r} is not supported: use a data: URL or file:// "
+        "(under --allowed-local-media-path)"
+    )
+
+
+def _read_local(path: str, where: str, allowed: str) -> bytes:
+    if not allowed:
+        raise ValueError(f"{where}: file:// URLs need an allowed local media directory (allowed_local_media_path)")
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, allowed]) != allowed:
+        raise ValueError(f"{where}: {path!r} is outside the allowed local media directory {allowed!r}")
+    if not os.path.isfile(real):
+        raise ValueError(f"{where}: {path!r} is not a file")
+    with open(real, "rb") as f:
+        return f.read(MAX_IMAGE_BYTES + 1)

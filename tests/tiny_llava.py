@@ -1,0 +1,64 @@
+"""A tiny random LLaVA (CLIP tower of 3 layers (LLaVA reads 2) at 28x28 pixels, Llama of 2 layers) saved with a real processor:
+CLIPImageProcessor and the character-level test tokenizer with an <image> token (4 placeholder tokens per image)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers as T
+from char_tokenizer import char_tokenizer
+from tiny_models import TINY_DECODER
+
+IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN_ID = 97  # the char tokenizer's first free id
+NUM_IMAGE_TOKENS = 4  # (28 / 14) ** 2 patches, the class token dropped
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def image(seed: int, size: tuple[int, int] = (40, 50)):
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def llava_config() -> T.LlavaConfig:
+    vision = T.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=28,
+        patch_size=14,
+        projection_dim=32,
+    )
+    text = T.LlamaConfig(**dict(TINY_DECODER, vocab_size=128))
+    return T.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID)
+
+
+def llava_processor() -> T.LlavaProcessor:
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok.chat_template = CHAT_TEMPLATE
+    images = T.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return T.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def hf_generate(hf, processor, prompt: str, images: list, max_tokens: int) -> list[int]:
+    """HF's greedy tokens for one prompt with its images."""
+    inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
