@@ -1,5 +1,6 @@
-"""A tiny random LLaVA (CLIP tower of 3 layers (LLaVA reads 2) at 28x28 pixels, Llama of 2 layers) saved with a real processor:
-CLIPImageProcessor and the character-level test tokenizer with an <image> token (4 placeholder tokens per image)."""
+"""A tiny random LLaVA (a CLIP tower of 3 layers, of which LLaVA reads 2, at 28x28 pixels; a Llama of 2 layers) and
+its real processor: CLIPImageProcessor and the character-level test tokenizer with an <image> token (4 placeholder
+tokens per image)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import torch
 import transformers as T
 from char_tokenizer import char_tokenizer
-from tiny_models import TINY_DECODER
+from tiny_models import TINY_DECODER, save_tiny_decoder
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 97  # the char tokenizer's first free id
@@ -15,7 +16,7 @@ NUM_IMAGE_TOKENS = 4  # (28 / 14) ** 2 patches, the class token dropped
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}"
-    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
 
@@ -62,3 +63,17 @@ def hf_generate(hf, processor, prompt: str, images: list, max_tokens: int) -> li
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def save_tiny_llava(tmp_path_factory):
+    """(HF model, its processor, the checkpoint folder with both saved)."""
+    hf, path = save_tiny_decoder(
+        "llava", lambda **_: llava_config(), T.LlavaForConditionalGeneration, {}, tmp_path_factory
+    )
+    with torch.no_grad():  # image features as large as the text's: each image changes the greedy tokens
+        hf.model.multi_modal_projector.linear_2.weight.mul_(30.0)
+    hf.save_pretrained(path)
+    processor = llava_processor()
+    processor.save_pretrained(path)
+    assert processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
+    return hf, processor, path

@@ -63,27 +63,42 @@ class LLMEngine:
     ) -> tuple[list[int], list]:
         """A prompt with multi_modal_data -> (prompt token ids with placeholders expanded, MultiModalFeatures).
         ValueError for a text-only model, a modality it does not take, too many items or a bad item."""
-        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
 
         model = self.config.model
-        modalities = MULTIMODAL_ARCHITECTURES.get(model.architecture)
-        if modalities is None:
+        if model.architecture not in MULTIMODAL_ARCHITECTURES:
             from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 
             what = "runs as a text model" if model.architecture in TEXT_ONLY_MULTIMODAL else "is a text-only model"
             raise ValueError(f"{where}.multi_modal_data: {model.architecture} {what}; it takes no images")
+        return self.multimodal_processor().process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
+
+    def multimodal_processor(self):
+        """The model's MultiModalProcessor (its transformers processor), made once."""
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
+        from pagedllm.multimodal.processor import MultiModalProcessor
+
+        model = self.config.model
         with self._mm_lock:
             if self._mm_processor is None:
-                from pagedllm.multimodal.processor import MultiModalProcessor
-
                 self._mm_processor = MultiModalProcessor(
                     model.model_path,
                     model.hf_config.vision_language_config,
-                    modalities,
+                    MULTIMODAL_ARCHITECTURES[model.architecture],
                     self.config.multimodal or MultiModalConfig(),
                     model.trust_remote_code,
                 )
-        return self._mm_processor.process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
+        return self._mm_processor
+
+    def chat_media(self):
+        """A ChatMedia to collect a conversation's images, for a model that takes them (None: a text-only model)."""
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
+        from pagedllm.multimodal.media import ChatMedia
+
+        if "image" not in MULTIMODAL_ARCHITECTURES.get(self.config.model.architecture, ()):
+            return None
+        mm_config = self.config.multimodal or MultiModalConfig()
+        return ChatMedia(self.multimodal_processor().image_placeholder, mm_config.allowed_local_media_path)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

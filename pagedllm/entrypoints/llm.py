@@ -16,6 +16,7 @@ from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.metrics import Metric
 from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
+from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -188,9 +189,9 @@ class LLM(PoolingAPI):
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, rendered with
         the chat template; returns one RequestOutput per conversation, in input order."""
-        from pagedllm.entrypoints.chat_utils import apply_chat_template, as_conversations
+        from pagedllm.entrypoints.chat_utils import as_conversations
 
-        if mm_processor_kwargs is not None:
+        if mm_processor_kwargs is not None and not self._takes_multimodal():
             raise ValueError("mm_processor_kwargs: multimodal inputs are not supported")
         options = dict(
             chat_template=chat_template,
@@ -201,14 +202,27 @@ class LLM(PoolingAPI):
             chat_template_kwargs=chat_template_kwargs,
             model_path=self.llm_engine.config.model.model_path,
         )
-        tok = self.get_tokenizer()
-        rendered = [apply_chat_template(tok, conv, **options) for conv in as_conversations(messages)]
-        prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in rendered]
+        prompts = [self._render_chat(conv, options, mm_processor_kwargs) for conv in as_conversations(messages)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _render_chat(self, conversation: list, options: dict, mm_processor_kwargs: Any) -> dict:
+        """One conversation as a TokensPrompt; its images (a model that takes them) already processed."""
+        from pagedllm.entrypoints.chat_utils import apply_chat_template
+
+        media = self.llm_engine.chat_media()  # None: a text-only model (an image part is a ValueError)
+        text, ids = apply_chat_template(self.get_tokenizer(), conversation, media=media, **options)
+        if media is None or not media.images:
+            return {"prompt": text, "prompt_token_ids": ids}
+        ids, features = self.llm_engine.process_multimodal(
+            text, {"image": media.images}, mm_processor_kwargs, add_special_tokens=False, where="messages"
+        )
+        return ProcessedPrompt(text, ids, features)
 
     def _parse_prompt_mm(self, prompt: Any, index: int) -> tuple[str | None, list[int], list]:
         """(text, token ids, MultiModalFeatures) of a prompt; a prompt with multi_modal_data goes through the model's
         processor (its image placeholders expanded)."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt["prompt"], prompt["prompt_token_ids"], prompt.mm_features
         if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None or not self._takes_multimodal():
             return (*self._parse_prompt(prompt, index), [])
         where = f"prompts[{index}]"

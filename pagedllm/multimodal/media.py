@@ -63,3 +63,23 @@ def _read_local(path: str, where: str, allowed: str) -> bytes:
         raise ValueError(f"{where}: {path!r} is not a file")
     with open(real, "rb") as f:
         return f.read(MAX_IMAGE_BYTES + 1)
+
+
+class ChatMedia:
+    """A conversation's images, decoded in order as the chat renderer meets them; each image part renders as the
+    model's placeholder (string content) or an {"type": "image"} part (templates that loop over parts)."""
+
+    def __init__(self, placeholder: str, allowed_local_media_path: str = "") -> None:
+        self.placeholder = placeholder
+        self.allowed_local_media_path = allowed_local_media_path
+        self.images: list = []
+
+    def add(self, kind: str, part: dict, where: str) -> None:
+        if kind == "image_url":
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            self.images.append(load_image_url(url, f"{where}.image_url", self.allowed_local_media_path))
+        elif kind == "image_pil" and part.get("image_pil") is not None:
+            self.images.append(part["image_pil"])
+        else:
+            raise ValueError(f"{where}: a {kind!r} part is not supported; images come as 'image_url' parts")

@@ -198,9 +198,16 @@ class AsyncEngine:
             prompts = make_prompts()
             if check is not None:
                 check(prompts)
-            return [
-                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt)
-                for rid, (text, tokens) in zip(ids, prompts)
+            return [  # a pair may carry its processed images (multimodal.inputs.ProcessedPair)
+                engine.make_request(
+                    prompt[0],
+                    prompt[1],
+                    params,
+                    rid,
+                    cache_salt=cache_salt,
+                    mm_features=getattr(prompt, "mm_features", None),
+                )
+                for rid, prompt in zip(ids, prompts)
             ]
 
         pending = await self.prepare(make_requests)

@@ -61,6 +61,9 @@ ENGINE_FLAGS: dict[str, Any] = {
     "pooler_config": _json,
     "model_impl": str,
     "speculative_config": _json,
+    "limit_mm_per_prompt": _json,  # e.g. '{"image": 2}'
+    "mm_processor_kwargs": _json,
+    "allowed_local_media_path": str,
 }
 
 
