@@ -175,6 +175,11 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
         )
+        multimodal = MultiModalConfig.from_user(
+            self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
+        )
+        if multimodal.limit_per_prompt.get("image") == 0 and hasattr(model.hf_config, "vision_language_config"):
+            model.hf_config.mm_text_only = True  # {"image": 0}: the vision tower is neither built nor loaded
         return EngineConfig(
             model,
             cache,
@@ -185,9 +190,7 @@ class EngineArgs:
             compilation,
             speculative_proposer=NgramProposer(speculative) if speculative is not None else None,
             speculative_config=speculative,
-            multimodal=MultiModalConfig.from_user(
-                self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
-            ),
+            multimodal=multimodal,
         )
 
 

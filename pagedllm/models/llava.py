@@ -46,8 +46,6 @@ class LlavaForConditionalGeneration(nn.Module):
     """config: the text config the engine runs (see model_loader), carrying the whole LlavaConfig as
     `vision_language_config`."""
 
-    supports_multimodal = True
-
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
@@ -56,12 +54,16 @@ class LlavaForConditionalGeneration(nn.Module):
         vision = full.vision_config
         self.layers = _feature_layers(full)
         self.select = full.vision_feature_select_strategy  # "default": drop the class token; "full": keep it
-        self.vision_tower = CLIPVisionTower(vision, max(self.layers))
-        bias = getattr(full, "multimodal_projector_bias", True)
-        in_size = vision.hidden_size * len(self.layers)
-        self.multi_modal_projector = LlavaMultiModalProjector(
-            in_size, config.hidden_size, full.projector_hidden_act, bias
-        )
+        # limit_mm_per_prompt={"image": 0}: a text model (no vision weights built, loaded or profiled)
+        self.supports_multimodal = not getattr(config, "mm_text_only", False)
+        self.vision_tower = self.multi_modal_projector = None
+        if self.supports_multimodal:
+            self.vision_tower = CLIPVisionTower(vision, max(self.layers))
+            bias = getattr(full, "multimodal_projector_bias", True)
+            in_size = vision.hidden_size * len(self.layers)
+            self.multi_modal_projector = LlavaMultiModalProjector(
+                in_size, config.hidden_size, full.projector_hidden_act, bias
+            )
         lm_cls = get_model_class(_TEXT_MODELS.get(config.model_type, "LlamaForCausalLM"))
         self.language_model = lm_cls(
             config, quant_config, join_prefix(prefix, "language_model"), max_position=max_position
@@ -74,6 +76,12 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.select == "default":
             features = features[:, 1:]
         return self.multi_modal_projector(features)[0]
+
+    def dummy_multimodal_data(self) -> dict[str, torch.Tensor]:
+        """The largest image input (the only size: the tower's), for the memory profile."""
+        size = self.vision_tower.embeddings.position_embedding.num_embeddings - 1
+        side = int(round(size**0.5)) * self.vision_tower.embeddings.patch_size
+        return {"pixel_values": torch.zeros(1, 3, side, side)}
 
     def forward(
         self,
@@ -109,5 +117,7 @@ class LlavaForConditionalGeneration(nn.Module):
                     others.append((name, tensor))
 
         loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
+        if not self.supports_multimodal:
+            return loaded
         ignore = ("position_ids", "post_layernorm", *(f"encoder.layers.{i}." for i in range(max(self.layers), 256)))
         return loaded | load_weights(self, others, stacked=[], ignore=ignore)

@@ -11,7 +11,7 @@ from typing import Any
 MULTIMODAL_ARCHITECTURES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGeneration": ("image",)}
 KNOWN_MODALITIES = ("image", "video", "audio")
 _GiB = 1 << 30
-DEFAULT_ENCODER_CACHE_GIB = 4.0
+DEFAULT_ENCODER_CACHE_GIB = 1.0  # on a GPU it is reserved out of the KV cache's memory
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 
@@ -72,6 +73,12 @@ class MultiModalRunner:
             self.cache.put(feature.identifier, out)
         return out
 
+    @torch.inference_mode()
+    def profile_encoder(self) -> None:
+        """One encoder run on the largest item the model takes (the GPU memory profile measures its peak)."""
+        data = {k: v.to(self.device, self.dtype) for k, v in self.model.dummy_multimodal_data().items()}
+        self.model.embed_multimodal("image", data)
+
     def step_embeddings(
         self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -101,6 +108,5 @@ def make_multimodal_runner(model: torch.nn.Module, config) -> MultiModalRunner |
     """The runner's multimodal part for a model that takes images (None for a text-only model)."""
     if not getattr(model, "supports_multimodal", False):
         return None
-    mm_config = getattr(config, "multimodal", None)
-    cache_bytes = mm_config.encoder_cache_bytes if mm_config is not None else 4 << 30
-    return MultiModalRunner(model, config.device.device, config.model.dtype, cache_bytes)
+    mm_config = getattr(config, "multimodal", None) or MultiModalConfig()
+    return MultiModalRunner(model, config.device.device, config.model.dtype, mm_config.encoder_cache_bytes)

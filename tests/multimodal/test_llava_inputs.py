@@ -130,3 +130,15 @@ def test_truncated_image(llava, tiny_llava):
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]\.image_url: the image cannot be decoded"):
         llava.chat(image_message(url), GREEDY, use_tqdm=False)
     still_serves(llava, tiny_llava)
+
+
+def test_image_limit_zero_runs_text_only_without_the_vision_tower(tiny_llava):
+    hf, processor, path = tiny_llava
+    llm = make_llm(path, limit_mm_per_prompt={"image": 0})
+    model = llm.llm_engine.core.executor.runner.model
+    assert model.vision_tower is None and not any("vision" in n for n, _ in model.named_parameters())
+    assert llm.llm_engine.core.executor.runner.mm is None
+    out = llm.generate("Only text.", GREEDY, use_tqdm=False)
+    assert tokens(out) == [hf_generate(hf, processor, "Only text.", [], GREEDY.max_tokens)]
+    with pytest.raises(ValueError, match=r"more than limit_mm_per_prompt\['image'\]=0"):
+        llm.generate({"prompt": LOOK, "multi_modal_data": {"image": image(0)}}, GREEDY, use_tqdm=False)

@@ -95,3 +95,14 @@ def test_item_hash_follows_pixels_and_options():
 def test_bad_limits(limits, match):
     with pytest.raises(ValueError, match=match):
         MultiModalConfig.from_user(limits, None, "")
+
+
+def test_profile_encoder_runs_the_largest_item(tiny_llava):
+    """The GPU memory profile's encoder run (here on the CPU): the tower's full-size image, its 4 tokens."""
+    from test_llava import make_llm
+
+    runner = make_llm(tiny_llava[2]).llm_engine.core.executor.runner
+    data = runner.model.dummy_multimodal_data()
+    assert data["pixel_values"].shape == (1, 3, 28, 28)
+    assert runner.model.embed_multimodal("image", data).shape == (4, 64)
+    runner.mm.profile_encoder()
