@@ -16,7 +16,10 @@ MAX_IMAGE_BYTES = 64 * 1024 * 1024
 
 def decode_image(data: bytes, where: str) -> Any:
     """Encoded image bytes -> an RGB PIL image, fully decoded."""
-    from PIL import Image
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError(f"{where}: images need Pillow (pip install 'pagedllm[vision]')") from None
 
     if len(data) > MAX_IMAGE_BYTES:
         raise ValueError(f"{where}: the image has {len(data)} bytes, more than the allowed {MAX_IMAGE_BYTES}")
