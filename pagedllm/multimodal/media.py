@@ -1,5 +1,6 @@
-"""Images from chat content parts: `image_url` with a data: URL (base64) or a file:// path under the allowed local
-media directory. A corrupt, huge or disallowed image is a ValueError naming the part."""
+"""Images from chat content parts: `image_url` with a data: URL (base64), an http(s) URL (fetched within a time and
+size limit) or a file:// path under the allowed local media directory. A corrupt, huge, unreachable or disallowed
+image is a ValueError naming the part."""
 
 from __future__ import annotations
 
@@ -50,10 +51,32 @@ def load_image_url(url: Any, where: str, allowed_local_media_path: str = "") -> 
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return decode_image(_read_local(unquote(parsed.path), where, allowed_local_media_path), where)
+    if parsed.scheme in ("http", "https"):
+        return decode_image(_fetch(url, where), where)
     raise ValueError(
-        f"{where}: URL scheme {parsed.scheme!r} is not supported: use a data: URL or file:// "
-        "(under --allowed-local-media-path)"
+        f"{where}: URL scheme {parsed.scheme!r} is not supported: use http(s)://, a data: URL or file:// (under "
+        "--allowed-local-media-path)"
     )
+
+
+def _fetch(url: str, where: str) -> bytes:
+    """The URL's bytes, within VLLM_IMAGE_FETCH_TIMEOUT seconds (default 5) and MAX_IMAGE_BYTES."""
+    import urllib.error
+    import urllib.request
+
+    raw = os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_IMAGE_FETCH_TIMEOUT={raw!r} must be a number of seconds") from None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ValueError(f"{where}: the image could not be fetched from {url!r}: {e}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}: the image at {url!r} is larger than the allowed {MAX_IMAGE_BYTES} bytes")
+    return data
 
 
 def _read_local(path: str, where: str, allowed: str) -> bytes:

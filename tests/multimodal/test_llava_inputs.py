@@ -60,6 +60,39 @@ def test_chat_file_url_under_the_allowed_directory(tiny_llava, tmp_path):
         make_llm(path).chat(image_message(f"file://{tmp_path}/a.png"), GREEDY, use_tqdm=False)
 
 
+@pytest.fixture
+def image_host(tmp_path):
+    """An HTTP server on 127.0.0.1 serving tmp_path; yields its base URL."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(10)
+
+
+def test_chat_http_url_fetched_within_limits(llava, tiny_llava, image_host, tmp_path, monkeypatch):
+    hf, processor, _ = tiny_llava
+    img = image(14)
+    img.save(tmp_path / "a.png")
+    out = llava.chat(image_message(f"{image_host}/a.png"), GREEDY, use_tqdm=False)
+    assert tokens(out) == [hf_generate(hf, processor, "user: Look:<image>\nassistant:", [img], GREEDY.max_tokens)]
+    with pytest.raises(ValueError, match=r"content\[1\]\.image_url: the image could not be fetched .*404"):
+        llava.chat(image_message(f"{image_host}/missing.png"), GREEDY, use_tqdm=False)
+    monkeypatch.setattr("pagedllm.multimodal.media.MAX_IMAGE_BYTES", 100)
+    with pytest.raises(ValueError, match=r"is larger than the allowed 100 bytes"):
+        llava.chat(image_message(f"{image_host}/a.png"), GREEDY, use_tqdm=False)
+    still_serves(llava, tiny_llava)
+
+
 def test_mm_processor_kwargs_reach_the_processor(llava, tiny_llava):
     hf, processor, _ = tiny_llava
     img = image(13)
@@ -111,7 +144,7 @@ def test_bad_multimodal_prompts(llava, tiny_llava, prompt, match):
 BAD_CHATS = [
     (image_message("data:image/png;base64," + base64.b64encode(b"not a png").decode()), r"cannot be decoded"),
     (image_message("data:image/png;base64,@@@"), r"base64 is invalid"),
-    (image_message("http://127.0.0.1/a.png"), r"URL scheme 'http' is not supported"),
+    (image_message("ftp://127.0.0.1/a.png"), r"URL scheme 'ftp' is not supported"),
     (image_message(*[data_url(image(0))] * 3), r"has 3 items, more than limit_mm_per_prompt\['image'\]=2"),
 ]
 
