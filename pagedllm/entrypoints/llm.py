@@ -209,7 +209,8 @@ class LLM(PoolingAPI):
         """One conversation as a TokensPrompt; its images (a model that takes them) already processed."""
         from pagedllm.entrypoints.chat_utils import apply_chat_template
 
-        media = self.llm_engine.chat_media()  # None: a text-only model (an image part is a ValueError)
+        # None: a text-only (or pooling) model, where an image part is a ValueError
+        media = getattr(self.llm_engine, "chat_media", lambda: None)()
         text, ids = apply_chat_template(self.get_tokenizer(), conversation, media=media, **options)
         if media is None or not media.images:
             return {"prompt": text, "prompt_token_ids": ids}

@@ -224,7 +224,7 @@ class ModelRunner:
         anything else (prefill chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
-        mm = self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens) if self.mm else None
+        mm = None if self.mm is None else self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens)
         graph_bs = None  # a step with image tokens runs eagerly (the graphs take token ids only)
         if self.graphs is not None and num_tokens == num_reqs and mm is None:
             graph_bs = self.graphs.padded_size(num_reqs)

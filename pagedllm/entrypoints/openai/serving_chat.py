@@ -99,7 +99,7 @@ def render_chat(
     def make_prompts() -> list[tuple[str | None, list[int]]]:
         if check_chars:
             state.check_prompt_chars(sum(_content_chars(m) for m in messages), "messages")
-        media = engine.chat_media()  # None: a text-only model (an image part is a 400)
+        media = getattr(engine, "chat_media", lambda: None)()  # None: a text-only model (an image part is a 400)
         try:
             text, ids = apply_chat_template(
                 tokenizer,
