@@ -126,6 +126,11 @@ class LLMEngine:
             prompt_token_ids = prompt_token_ids[-keep:]
         if not prompt_token_ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
+        vl_config = getattr(model.hf_config, "vision_language_config", None)
+        if vl_config is not None:
+            from pagedllm.multimodal.processor import check_placeholders
+
+            check_placeholders(prompt_token_ids, mm_features or [], vl_config)
         vocab = model.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:

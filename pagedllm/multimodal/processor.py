@@ -16,6 +16,21 @@ from pagedllm.multimodal.inputs import MultiModalFeature
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
+def check_placeholders(token_ids: list[int], features: list[MultiModalFeature], hf_config: Any) -> None:
+    """A prompt's image tokens must be exactly its items' placeholder spans: an image token with no image (typed
+    into a text prompt, or given as token ids) would run as a plain embedding."""
+    token_id = getattr(hf_config, "image_token_index", None) or getattr(hf_config, "image_token_id", None)
+    if token_id is None:
+        return
+    found = sum(1 for t in token_ids if t == token_id)
+    expected = sum(f.length for f in features if f.modality == "image")
+    if found != expected:
+        raise ValueError(
+            f"prompt: {found} image placeholder tokens (id {token_id}) but {expected} from its images; give images "
+            "through multi_modal_data with one placeholder per image"
+        )
+
+
 def is_image(item: Any) -> bool:
     try:
         from PIL import Image

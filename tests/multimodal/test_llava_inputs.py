@@ -175,3 +175,10 @@ def test_image_limit_zero_runs_text_only_without_the_vision_tower(tiny_llava):
     assert tokens(out) == [hf_generate(hf, processor, "Only text.", [], GREEDY.max_tokens)]
     with pytest.raises(ValueError, match=r"more than limit_mm_per_prompt\['image'\]=0"):
         llm.generate({"prompt": LOOK, "multi_modal_data": {"image": image(0)}}, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompt", ["A typed <image> with no image", [65, 97, 66]])
+def test_image_tokens_without_an_image(llava, tiny_llava, prompt):
+    with pytest.raises(ValueError, match=r"1 image placeholder tokens \(id 97\) but 0 from its images"):
+        llava.generate(prompt, GREEDY, use_tqdm=False)
+    still_serves(llava, tiny_llava)
