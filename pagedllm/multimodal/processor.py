@@ -12,6 +12,7 @@ import torch
 from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.multimodal.hashing import hash_item
 from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.media import MAX_IMAGE_PIXELS
 
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -72,6 +73,12 @@ class MultiModalProcessor:
                     raise ValueError(
                         f"{where}.multi_modal_data[{modality!r}][{j}] has type {type(item).__name__}; "
                         "expected a PIL.Image or an [H, W, C] numpy array"
+                    )
+                width, height = item.size if is_image(item) else item.shape[1::-1]
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise ValueError(
+                        f"{where}.multi_modal_data[{modality!r}][{j}] is {width}x{height} pixels, more than the "
+                        f"allowed {MAX_IMAGE_PIXELS}"
                     )
             limit = self.config.limit_per_prompt.get(modality)
             if limit is not None and len(items) > limit:

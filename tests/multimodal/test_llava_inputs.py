@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 
+import numpy as np
 import pytest
 from test_llava import GREEDY, make_llm, tokens
 from tiny_llava import hf_generate, image
@@ -131,6 +132,10 @@ BAD_PROMPTS = [
     ({"prompt": LOOK, "multi_modal_data": {"video": [image(0)]}}, r"modality 'video' is not one the model takes"),
     ({"prompt": LOOK, "multi_modal_data": {"image": "cat.png"}}, r"\['image'\]\[0\] has type str; expected a PIL"),
     ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": image(0)}}, r"multi_modal_data needs a text 'prompt'"),
+    (
+        {"prompt": LOOK, "multi_modal_data": {"image": np.zeros((9000, 8000, 3), dtype=np.uint8)}},
+        r"\['image'\]\[0\] is 8000x9000 pixels, more than the allowed 67108864",
+    ),
 ]
 
 
