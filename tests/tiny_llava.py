@@ -27,7 +27,7 @@ def image(seed: int, size: tuple[int, int] = (40, 50)):
     return Image.fromarray(pixels)
 
 
-def llava_config() -> T.LlavaConfig:
+def llava_config(text_cls=T.LlamaConfig, **kwargs) -> T.LlavaConfig:
     vision = T.CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=48,
@@ -37,11 +37,11 @@ def llava_config() -> T.LlavaConfig:
         patch_size=14,
         projection_dim=32,
     )
-    text = T.LlamaConfig(**dict(TINY_DECODER, vocab_size=128))
-    return T.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID)
+    text = text_cls(**dict(TINY_DECODER, vocab_size=128))
+    return T.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, **kwargs)
 
 
-def llava_processor() -> T.LlavaProcessor:
+def llava_processor(strategy: str = "default") -> T.LlavaProcessor:
     tok = char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.chat_template = CHAT_TEMPLATE
@@ -50,7 +50,7 @@ def llava_processor() -> T.LlavaProcessor:
         image_processor=images,
         tokenizer=tok,
         patch_size=14,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=strategy,
         image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
@@ -65,15 +65,14 @@ def hf_generate(hf, processor, prompt: str, images: list, max_tokens: int) -> li
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def save_tiny_llava(tmp_path_factory):
-    """(HF model, its processor, the checkpoint folder with both saved)."""
-    hf, path = save_tiny_decoder(
-        "llava", lambda **_: llava_config(), T.LlavaForConditionalGeneration, {}, tmp_path_factory
-    )
+def save_tiny_llava(tmp_path_factory, name: str = "llava", text_cls=T.LlamaConfig, strategy: str = "default", **kwargs):
+    """(HF model, its processor, the checkpoint folder with both saved). kwargs: LlavaConfig fields."""
+    config = llava_config(text_cls, vision_feature_select_strategy=strategy, **kwargs)
+    hf, path = save_tiny_decoder(name, lambda **_: config, T.LlavaForConditionalGeneration, {}, tmp_path_factory)
     with torch.no_grad():  # image features as large as the text's: each image changes the greedy tokens
         hf.model.multi_modal_projector.linear_2.weight.mul_(30.0)
     hf.save_pretrained(path)
-    processor = llava_processor()
+    processor = llava_processor(strategy)
     processor.save_pretrained(path)
     assert processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
     return hf, processor, path

@@ -80,3 +80,20 @@ def test_prefix_cache_hits_only_with_the_same_image(tiny_llava, expected):
     assert tokens([other]) != tokens([same])  # the image decides the tokens: a wrong hit would show
     runner = llm.llm_engine.core.executor.runner
     assert runner.mm.num_encoder_runs == 2  # image 7 encoded once (the cache hit needed no encoder)
+
+
+def test_qwen2_lm_all_tokens_two_feature_layers(tmp_path_factory):
+    """A Qwen2 LM (q/k/v biases), the class token kept ("full": 5 tokens an image) and two vision layers' features
+    concatenated."""
+    import transformers as T
+    from tiny_llava import save_tiny_llava
+
+    hf, processor, path = save_tiny_llava(
+        tmp_path_factory, "llava-qwen2", T.Qwen2Config, "full", vision_feature_layer=[-3, -1]
+    )
+    llm = make_llm(path)
+    assert type(llm.llm_engine.core.executor.runner.model.language_model).__name__ == "Qwen2ForCausalLM"
+    prompts = PROMPTS[1:3]
+    outputs = llm.generate([as_prompt(t, i) for t, i in prompts], GREEDY, use_tqdm=False)
+    assert outputs[0].prompt_token_ids.count(97) == 5
+    assert tokens(outputs) == [hf_generate(hf, processor, t, i, GREEDY.max_tokens) for t, i in prompts]
