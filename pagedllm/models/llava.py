@@ -42,6 +42,15 @@ def _feature_layers(config) -> list[int]:
     return [n if n >= 0 else total + 1 + n for n in (layers if isinstance(layers, (list, tuple)) else [layers])]
 
 
+def _check_supported(text_config, vision_config) -> None:
+    if text_config.model_type not in _TEXT_MODELS:
+        raise ValueError(
+            f"LLaVA with a {text_config.model_type!r} language model is not supported: one of {sorted(_TEXT_MODELS)}"
+        )
+    if vision_config.model_type != "clip_vision_model":
+        raise ValueError(f"LLaVA with a {vision_config.model_type!r} vision tower is not supported; supported: CLIP")
+
+
 class LlavaForConditionalGeneration(nn.Module):
     """config: the text config the engine runs (see model_loader), carrying the whole LlavaConfig as
     `vision_language_config`."""
@@ -52,6 +61,7 @@ class LlavaForConditionalGeneration(nn.Module):
         super().__init__()
         full = config.vision_language_config
         vision = full.vision_config
+        _check_supported(config, vision)
         self.layers = _feature_layers(full)
         self.select = full.vision_feature_select_strategy  # "default": drop the class token; "full": keep it
         # limit_mm_per_prompt={"image": 0}: a text model (no vision weights built, loaded or profiled)
@@ -64,7 +74,7 @@ class LlavaForConditionalGeneration(nn.Module):
             self.multi_modal_projector = LlavaMultiModalProjector(
                 in_size, config.hidden_size, full.projector_hidden_act, bias
             )
-        lm_cls = get_model_class(_TEXT_MODELS.get(config.model_type, "LlamaForCausalLM"))
+        lm_cls = get_model_class(_TEXT_MODELS[config.model_type])
         self.language_model = lm_cls(
             config, quant_config, join_prefix(prefix, "language_model"), max_position=max_position
         )

@@ -106,3 +106,16 @@ def test_profile_encoder_runs_the_largest_item(tiny_llava):
     assert data["pixel_values"].shape == (1, 3, 28, 28)
     assert runner.model.embed_multimodal("image", data).shape == (4, 64)
     runner.mm.profile_encoder()
+
+
+def test_llava_with_an_unsupported_language_model_is_refused(tmp_path):
+    import transformers as T
+    from tiny_llava import llava_config
+
+    from pagedllm import LLM
+
+    config = llava_config(T.GemmaConfig)
+    config.architectures = ["LlavaForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"LLaVA with a 'gemma' language model is not supported: one of"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
