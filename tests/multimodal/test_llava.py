@@ -97,3 +97,9 @@ def test_qwen2_lm_all_tokens_two_feature_layers(tmp_path_factory):
     outputs = llm.generate([as_prompt(t, i) for t, i in prompts], GREEDY, use_tqdm=False)
     assert outputs[0].prompt_token_ids.count(97) == 5
     assert tokens(outputs) == [hf_generate(hf, processor, t, i, GREEDY.max_tokens) for t, i in prompts]
+
+
+def test_async_scheduling_with_images(tiny_llava, expected):
+    llm = make_llm(tiny_llava[2], async_scheduling=True, max_num_batched_tokens=5)
+    outputs = llm.generate([as_prompt(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected
