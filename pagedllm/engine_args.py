@@ -26,6 +26,7 @@ from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
 from pagedllm.model_loader.weights import check_load_format
 from pagedllm.models.registry import resolve_model_impl
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.spec_decode.draft_model import draft_model_config
@@ -85,6 +86,9 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_dtype: Any = "auto"
     fully_sharded_loras: bool = False
+    limit_mm_per_prompt: dict | None = None  # e.g. {"image": 2}: more items in one prompt is a ValueError
+    mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
+    allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
 
     @classmethod
     def names(cls) -> list[str]:
@@ -189,6 +193,11 @@ class EngineArgs:
         )
         lora = self.create_lora_config(model)
         scheduler.max_loras = lora.max_loras if lora is not None else None
+        multimodal = MultiModalConfig.from_user(
+            self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
+        )
+        if multimodal.limit_per_prompt.get("image") == 0 and hasattr(model.hf_config, "vision_language_config"):
+            model.hf_config.mm_text_only = True  # {"image": 0}: the vision tower is neither built nor loaded
         return EngineConfig(
             model,
             cache,
@@ -201,6 +210,7 @@ class EngineArgs:
             speculative_proposer=NgramProposer(speculative) if speculative and speculative.method == "ngram" else None,
             speculative_config=speculative,
             lora=lora,
+            multimodal=multimodal,
         )
 
     def create_lora_config(self, model: ModelConfig):

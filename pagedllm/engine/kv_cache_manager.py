@@ -32,6 +32,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             extra = first if i == 0 else ()
+            if request.mm_features:  # the items whose placeholders the block holds: other images, other keys
+                extra += tuple(f.identifier for f in request.mm_features if f.offset < (i + 1) * bs and f.end > i * bs)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
 
     def _looks_up(self, request: Request) -> bool:

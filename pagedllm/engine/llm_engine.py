@@ -45,6 +45,8 @@ class LLMEngine:
         # output's grammar then applies only after the end marker
         self.reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._removed_loras: set[int] = set()  # LoRA adapter ids removed (remove_lora) and not added again
+        self._mm_processor = None  # MultiModalProcessor, made with the first multimodal prompt
+        self._mm_lock = threading.Lock()
 
     def structured_output_manager(self):
         """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
@@ -61,6 +63,48 @@ class LLMEngine:
             self._structured = StructuredOutputManager(self.tokenizer, self.config.model.vocab_size, stop_ids)
         return self._structured
 
+    def process_multimodal(
+        self, prompt, mm_data, mm_processor_kwargs=None, add_special_tokens: bool = True, where: str = "prompt"
+    ) -> tuple[list[int], list]:
+        """A prompt with multi_modal_data -> (prompt token ids with placeholders expanded, MultiModalFeatures).
+        ValueError for a text-only model, a modality it does not take, too many items or a bad item."""
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
+
+        model = self.config.model
+        if model.architecture not in MULTIMODAL_ARCHITECTURES:
+            from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
+
+            what = "runs as a text model" if model.architecture in TEXT_ONLY_MULTIMODAL else "is a text-only model"
+            raise ValueError(f"{where}.multi_modal_data: {model.architecture} {what}; it takes no images")
+        return self.multimodal_processor().process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
+
+    def multimodal_processor(self):
+        """The model's MultiModalProcessor (its transformers processor), made once."""
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
+        from pagedllm.multimodal.processor import MultiModalProcessor
+
+        model = self.config.model
+        with self._mm_lock:
+            if self._mm_processor is None:
+                self._mm_processor = MultiModalProcessor(
+                    model.model_path,
+                    model.hf_config.vision_language_config,
+                    MULTIMODAL_ARCHITECTURES[model.architecture],
+                    self.config.multimodal or MultiModalConfig(),
+                    model.trust_remote_code,
+                )
+        return self._mm_processor
+
+    def chat_media(self):
+        """A ChatMedia to collect a conversation's images, for a model that takes them (None: a text-only model)."""
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
+        from pagedllm.multimodal.media import ChatMedia
+
+        if "image" not in MULTIMODAL_ARCHITECTURES.get(self.config.model.architecture, ()):
+            return None
+        mm_config = self.config.multimodal or MultiModalConfig()
+        return ChatMedia(self.multimodal_processor().image_placeholder, mm_config.allowed_local_media_path)
+
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
@@ -72,6 +116,7 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         lora_request=None,
+        mm_features: list | None = None,
     ) -> tuple[list[Request], RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError).
 
@@ -82,11 +127,18 @@ class LLMEngine:
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens: a prompt with images cannot be truncated (it would cut them)")
         if params.truncate_prompt_tokens is not None:
             keep = model.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             prompt_token_ids = prompt_token_ids[-keep:]
         if not prompt_token_ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
+        vl_config = getattr(model.hf_config, "vision_language_config", None)
+        if vl_config is not None:
+            from pagedllm.multimodal.processor import check_placeholders
+
+            check_placeholders(prompt_token_ids, mm_features or [], vl_config)
         vocab = model.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -123,6 +175,7 @@ class LLMEngine:
         requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
         for req in requests:
             req.lora_request = lora_request
+            req.mm_features = list(mm_features or [])
         for req in requests if compiled is not None else []:
             manager = self.structured_output_manager()
             req.grammar = manager.request_grammar(compiled, prompt_token_ids, self.reasoning_markers)  # a matcher each

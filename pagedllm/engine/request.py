@@ -39,6 +39,7 @@ class Request:
         cache_salt: str | None = None,
         vocab_size: int | None = None,
         lora_request=None,
+        mm_features: list | None = None,
     ) -> None:
         self.request_id = request_id
         self.vocab_size = vocab_size  # stop ids at or above it never come: min_tokens need not ban them
@@ -48,6 +49,7 @@ class Request:
         self.max_tokens = max_tokens  # already capped by max_model_len - prompt length
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # its LoRARequest; None: the base model
+        self.mm_features = mm_features or []  # MultiModalFeature per item, in prompt order (placeholder spans)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

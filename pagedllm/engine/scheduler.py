@@ -247,6 +247,7 @@ class Scheduler:
                     num_hit,
                     req.min_tokens_stop_ids(),
                     req.lora_request,
+                    req.mm_features,
                 )
             )
             num_scheduled[req.request_id] = n

@@ -60,20 +60,23 @@ def _multimodal_error(where: str, kind: str) -> ValueError:
     return ValueError(f"{where}: a {kind!r} part is multimodal input, which is not supported (text parts only)")
 
 
-def _part_text(part: Any, where: str) -> str:
-    """The text of one content part: a str, or a dict of a text type."""
+def _part_text(part: Any, where: str, media: Any = None) -> str | None:
+    """The text of one content part: a str, or a dict of a text type. An image part goes to `media` (a
+    multimodal.media.ChatMedia of a model that takes images) and gives None; without media it is an error."""
     if isinstance(part, str):
         return part
     if not isinstance(part, Mapping):
         raise TypeError(f"{where} has type {type(part).__name__}; expected a str or a dict like {{'type': 'text'}}")
     kind = part.get("type")
     if kind is None:
-        media = next((k for k in MULTIMODAL_PART_TYPES if k in part), None)
-        if media is not None:
-            raise _multimodal_error(where, media)
-        raise ValueError(f"{where}: missing 'type'; allowed types: {', '.join(TEXT_PART_TYPES)}")
+        kind = next((k for k in MULTIMODAL_PART_TYPES if k in part), None)
+        if kind is None:
+            raise ValueError(f"{where}: missing 'type'; allowed types: {', '.join(TEXT_PART_TYPES)}")
     if kind in MULTIMODAL_PART_TYPES:
-        raise _multimodal_error(where, kind)
+        if media is None:
+            raise _multimodal_error(where, kind)
+        media.add(kind, part, where)
+        return None
     if kind not in TEXT_PART_TYPES:
         raise ValueError(f"{where}: type {kind!r} is not one of {', '.join(TEXT_PART_TYPES)}")
     key = TEXT_PART_TYPES[kind]
@@ -83,7 +86,7 @@ def _part_text(part: Any, where: str) -> str:
     return text
 
 
-def _content(message: Mapping, where: str, content_format: str) -> str | list[dict]:
+def _content(message: Mapping, where: str, content_format: str, media: Any = None) -> str | list[dict]:
     content = message.get("content")
     if content is None:
         if message.get("role") != "assistant" or not message.get("tool_calls"):
@@ -94,12 +97,12 @@ def _content(message: Mapping, where: str, content_format: str) -> str | list[di
     elif isinstance(content, str):
         texts = [content]
     elif isinstance(content, (list, tuple)):
-        texts = [_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content)]
+        texts = [_part_text(part, f"{where}.content[{j}]", media) for j, part in enumerate(content)]
     else:
         raise TypeError(f"{where}.content has type {type(content).__name__}; expected a str or a list of content parts")
-    if content_format == "openai":
-        return [{"type": "text", "text": t} for t in texts]
-    return "\n".join(texts)
+    if content_format == "openai":  # an image part (None) renders where the template writes {"type": "image"}
+        return [{"type": "image"} if t is None else {"type": "text", "text": t} for t in texts]
+    return "\n".join(media.placeholder if t is None else t for t in texts)
 
 
 def _tool_calls(value: Any, where: str) -> list[dict]:
@@ -125,7 +128,7 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
     return calls
 
 
-def normalize_message(message: Any, index: int, content_format: str) -> dict:
+def normalize_message(message: Any, index: int, content_format: str, media: Any = None) -> dict:
     """One validated message in the form chat templates read (vLLM's ConversationMessage)."""
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
@@ -135,7 +138,7 @@ def normalize_message(message: Any, index: int, content_format: str) -> dict:
         raise ValueError(f"{where}: missing 'role'; allowed roles: {', '.join(ROLES)}")
     if role not in ROLES:
         raise ValueError(f"{where}: role {role!r} is not one of {', '.join(ROLES)}")
-    out: dict[str, Any] = {"role": role, "content": _content(message, where, content_format)}
+    out: dict[str, Any] = {"role": role, "content": _content(message, where, content_format, media)}
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = _tool_calls(message["tool_calls"], where)
     reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
@@ -202,8 +205,11 @@ def apply_chat_template(
     tools: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     model_path: str | None = None,
+    media: Any = None,
 ) -> tuple[str, list[int]]:
-    """(prompt text, prompt token ids) of one conversation. Raises ValueError/TypeError naming a bad message."""
+    """(prompt text, prompt token ids) of one conversation. Raises ValueError/TypeError naming a bad message.
+    media: a multimodal.media.ChatMedia that takes the conversation's images (a model that takes images); without
+    it an image part is a ValueError."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True gives none)")
     _check_options(
@@ -215,7 +221,7 @@ def apply_chat_template(
     content_format = chat_template_content_format
     if content_format == "auto":
         content_format = detect_content_format(source)
-    messages = [normalize_message(m, i, content_format) for i, m in enumerate(conversation)]
+    messages = [normalize_message(m, i, content_format, media) for i, m in enumerate(conversation)]
     kwargs = _plain(dict(chat_template_kwargs or {}), "chat_template_kwargs")
     template_kwargs = {**getattr(tokenizer, "special_tokens_map", {}), **kwargs}
     text = render(

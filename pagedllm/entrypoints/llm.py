@@ -18,6 +18,7 @@ from pagedllm.entrypoints.pooling_api import _as_list as _pooled_items
 from pagedllm.lora.request import lora_list
 from pagedllm.metrics import Metric
 from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
+from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -78,6 +79,9 @@ class LLM(PoolingAPI):
         max_cpu_loras: int | None = None,
         lora_dtype: Any = "auto",
         fully_sharded_loras: bool = False,
+        limit_mm_per_prompt: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+        allowed_local_media_path: str = "",
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)
@@ -172,7 +176,7 @@ class LLM(PoolingAPI):
         if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
             raise ValueError("prompts: a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
         prompt_list = _as_prompt_list(prompts)
-        parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompt_list)]
+        parsed = [self._parse_prompt_mm(p, i) for i, p in enumerate(prompt_list)]
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
         if sampling_params is None:
@@ -180,13 +184,16 @@ class LLM(PoolingAPI):
         params_list = _params_list(sampling_params, len(parsed))
         loras = lora_list(kwargs.get("lora_request"), len(parsed))
         if any(p.use_beam_search for p in params_list):
-            return [self._beam_search_output(t, ids, p, lora) for (t, ids), p, lora in zip(parsed, params_list, loras)]
+            if any(features for _, _, features in parsed):
+                raise ValueError("use_beam_search: beam search takes text prompts only (no multi_modal_data)")
+            pairs = zip(parsed, params_list, loras)
+            return [self._beam_search_output(text, ids, p, lora) for (text, ids, _), p, lora in pairs]
         engine = self.llm_engine
         salts = [_cache_salt(p, i) for i, p in enumerate(prompt_list)]
         # Validate every request before any enters the engine.
         pending = [
-            engine.make_request(text, ids, params, cache_salt=salt, lora_request=lora)
-            for (text, ids), params, salt, lora in zip(parsed, params_list, salts, loras)
+            engine.make_request(text, ids, params, cache_salt=salt, lora_request=lora, mm_features=features)
+            for (text, ids, features), params, salt, lora in zip(parsed, params_list, salts, loras)
         ]
         return self._run(pending, use_tqdm)
 
@@ -206,9 +213,9 @@ class LLM(PoolingAPI):
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, rendered with
         the chat template; returns one RequestOutput per conversation, in input order."""
-        from pagedllm.entrypoints.chat_utils import apply_chat_template, as_conversations
+        from pagedllm.entrypoints.chat_utils import as_conversations
 
-        if mm_processor_kwargs is not None:
+        if mm_processor_kwargs is not None and not self._takes_multimodal():
             raise ValueError("mm_processor_kwargs: multimodal inputs are not supported")
         options = dict(
             chat_template=chat_template,
@@ -219,9 +226,7 @@ class LLM(PoolingAPI):
             chat_template_kwargs=chat_template_kwargs,
             model_path=self.llm_engine.config.model.model_path,
         )
-        tok = self.get_tokenizer()
-        rendered = [apply_chat_template(tok, conv, **options) for conv in as_conversations(messages)]
-        prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in rendered]
+        prompts = [self._render_chat(conv, options, mm_processor_kwargs) for conv in as_conversations(messages)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _pool(self, prompts, params, task, method, use_tqdm, truncate_prompt_tokens, lora_request):
@@ -229,12 +234,47 @@ class LLM(PoolingAPI):
             return super()._pool(prompts, params, task, method, use_tqdm, truncate_prompt_tokens, lora_request)
         kwargs = dict(use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
         return self.data_parallel.run(self, "_pool", _pooled_items(prompts), (params, task, method), kwargs)
+    def _render_chat(self, conversation: list, options: dict, mm_processor_kwargs: Any) -> dict:
+        """One conversation as a TokensPrompt; its images (a model that takes them) already processed."""
+        from pagedllm.entrypoints.chat_utils import apply_chat_template
+
+        # None: a text-only (or pooling) model, where an image part is a ValueError
+        media = getattr(self.llm_engine, "chat_media", lambda: None)()
+        text, ids = apply_chat_template(self.get_tokenizer(), conversation, media=media, **options)
+        if media is None or not media.images:
+            return {"prompt": text, "prompt_token_ids": ids}
+        ids, features = self.llm_engine.process_multimodal(
+            text, {"image": media.images}, mm_processor_kwargs, add_special_tokens=False, where="messages"
+        )
+        return ProcessedPrompt(text, ids, features)
+
+    def _parse_prompt_mm(self, prompt: Any, index: int) -> tuple[str | None, list[int], list]:
+        """(text, token ids, MultiModalFeatures) of a prompt; a prompt with multi_modal_data goes through the model's
+        processor (its image placeholders expanded)."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt["prompt"], prompt["prompt_token_ids"], prompt.mm_features
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None or not self._takes_multimodal():
+            return (*self._parse_prompt(prompt, index), [])
+        where = f"prompts[{index}]"
+        if prompt.get("multi_modal_uuids"):
+            raise ValueError(f"{where}.multi_modal_uuids: not supported; items are identified by their content")
+        ids, features = self.llm_engine.process_multimodal(
+            prompt.get("prompt"), prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"), where=where
+        )
+        return prompt.get("prompt"), ids, features
+
+    def _takes_multimodal(self) -> bool:
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
+
+        return self.llm_engine.config.model.architecture in MULTIMODAL_ARCHITECTURES
 
     def _parse_prompt(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
-            for key in _MULTIMODAL_KEYS:
+            if self._takes_multimodal() and prompt.get("multi_modal_data"):  # (generate handles them; beam search not)
+                raise ValueError(f"prompts[{index}].multi_modal_data: beam search takes text prompts only")
+            for key in _MULTIMODAL_KEYS if not self._takes_multimodal() else ():
                 if prompt.get(key):
                     arch = self.llm_engine.config.model.architecture
                     what = "runs as a text model" if arch in TEXT_ONLY_MULTIMODAL else "is a text-only model"

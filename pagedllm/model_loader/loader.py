@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from pagedllm.layers.quantization import QuantizationConfig, get_quantization_co
 from pagedllm.layers.rope_config import apply_rope_overrides
 from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
+from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 # image-text checkpoints that run as text models on their text_config (their vision weights are skipped)
@@ -23,12 +25,18 @@ _TOP_LEVEL_FIELDS = ("architectures", "bos_token_id", "eos_token_id", "pad_token
 
 
 def _text_part(config: Any) -> Any:
-    """The text config of an image-text checkpoint in TEXT_ONLY_MULTIMODAL, with the top level's fields; else
-    `config` itself."""
+    """The text config of an image-text checkpoint in TEXT_ONLY_MULTIMODAL or MULTIMODAL_ARCHITECTURES, with the
+    top level's fields; else `config` itself. The engine sizes everything (vocab, layers, KV heads, context) from
+    it; a multimodal model finds the whole config in its `vision_language_config`."""
     archs = getattr(config, "architectures", None) or []
-    if not archs or archs[0] not in TEXT_ONLY_MULTIMODAL or getattr(config, "text_config", None) is None:
+    multimodal = bool(archs) and archs[0] in MULTIMODAL_ARCHITECTURES
+    if not archs or (archs[0] not in TEXT_ONLY_MULTIMODAL and not multimodal):
         return config
-    text = config.text_config
+    if getattr(config, "text_config", None) is None:
+        return config
+    text = copy.copy(config.text_config) if multimodal else config.text_config
+    if multimodal:
+        text.vision_language_config = config
     for key in _TOP_LEVEL_FIELDS:
         value = getattr(config, key, None)
         if value is not None:

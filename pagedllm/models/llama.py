@@ -168,14 +168,19 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)  # [num_tokens, hidden]
 
     def forward(
-        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate: tuple | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden [num_tokens, hidden]; a stage before the last returns (x, residual) for the next, which passes
-        them as `intermediate` (its input_ids unused)."""
-        if intermediate is None:
-            x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
-        else:
+        them as `intermediate` (its input_ids unused). inputs_embeds: the input embeddings when the caller made them
+        (a vision-language model's, with image features in them), else embedded from input_ids."""
+        if intermediate is not None:
             x, residual = intermediate
+        else:
+            x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers[self.first : self.last]:
             x, residual = layer(rope, x, residual)

@@ -124,20 +124,25 @@ def available_kv_cache_bytes(runner) -> int:
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(dev)  # weights, rotary tables, the runner's static buffers
     peak, graph_peak = profile_peak_memory(runner)
+    encoder_reserve = 0
+    if runner.mm is not None:  # a vision encoder's peak (not at the same time as the LM's) and its output cache
+        peak = max(peak, _peak_of(runner.mm.profile_encoder))
+        encoder_reserve = runner.mm.cache.capacity_bytes
     free, total = torch.cuda.mem_get_info(dev)
     outside = total - free - torch.cuda.memory_reserved(dev)  # CUDA context, library handles, other processes
     graphs = runner.graphs
     graph_reserve = graph_peak + len(graphs.sizes) * GRAPH_OVERHEAD_BYTES if graphs is not None else 0
     util = runner.config.cache.gpu_memory_utilization
     budget = int(util * total)
-    kv_bytes = budget - weights - peak - outside - graph_reserve
+    kv_bytes = budget - weights - peak - outside - graph_reserve - encoder_reserve
     per_block = runner.kv_bytes_per_block()
     needed = -(-runner.max_model_len // runner.block_size) * per_block
     figures = (
         f"gpu_memory_utilization={util} x {total / _GiB:.2f} GiB = {budget / _GiB:.2f} GiB; weights "
         f"{weights / _GiB:.2f} GiB, peak activations {peak / _GiB:.2f} GiB (max_num_batched_tokens="
         f"{runner.config.scheduler.max_num_batched_tokens}, max_num_seqs={runner.config.scheduler.max_num_seqs}), "
-        f"outside torch {outside / _GiB:.2f} GiB, CUDA graphs {graph_reserve / _GiB:.2f} GiB"
+        f"outside torch {outside / _GiB:.2f} GiB, CUDA graphs {graph_reserve / _GiB:.2f} GiB, encoder cache "
+        f"{encoder_reserve / _GiB:.2f} GiB"
     )
     if kv_bytes < needed:
         raise ValueError(

@@ -19,6 +19,7 @@ from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
 from pagedllm.model_loader.loader import get_model
+from pagedllm.multimodal.encoder_runner import make_multimodal_runner
 from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
@@ -73,6 +74,7 @@ class ModelRunner:
         self.last_step: StepFuture | None = None  # the newest launched step that samples
         self.host_copies = HostCopies()  # pinned buffers the steps' sampled tokens and logprobs come back through
         self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
+        self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
@@ -190,6 +192,8 @@ class ModelRunner:
         """Queues the step on the device and returns at once; its result() waits for the sampled tokens. The
         previous step may still be running: its sampled tokens feed this step's inputs on the device."""
         self._update_batch(so)
+        if self.mm is not None:
+            self.mm.update(so)
         if not so.num_scheduled_tokens:
             return StepFuture.ready(ModelRunnerOutput({}))
         self._wait_for_host_outputs(so)
@@ -258,7 +262,10 @@ class ModelRunner:
         anything else (prefill chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
-        graph_bs = self.graphs.padded_size(num_reqs) if self.graphs is not None and num_tokens == num_reqs else None
+        mm = None if self.mm is None else self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens)
+        graph_bs = None  # a step with image tokens runs eagerly (the graphs take token ids only)
+        if self.graphs is not None and num_tokens == num_reqs and mm is None:
+            graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None:
             self.graphs.load_inputs(
                 graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table, late
@@ -278,13 +285,14 @@ class ModelRunner:
             input_ids.index_copy_(0, *late)
         lora = self.lora.mapping(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
         with forward_context(meta, lora):
-            return self.forward(input_ids, self._to_device(flat.positions))
+            return self.forward(input_ids, self._to_device(flat.positions), mm)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> torch.Tensor | None:
         """The model over the step's tokens (inside its forward context): hidden [num_tokens, hidden]; with
-        pipeline parallelism through every stage, and None on the stages after the first."""
+        pipeline parallelism through every stage, and None on the stages after the first. mm: (flat rows [n],
+        embeddings [n, hidden]) of image placeholder tokens (a vision-language model's)."""
         if self.groups.info.pp_size == 1:
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions) if mm is None else self.model(input_ids, positions, mm_embeds=mm)
         m = self.config.model
         return pipeline_forward(self.model, self.groups.pp, input_ids, positions, m.hf_config.hidden_size, m.dtype)
 

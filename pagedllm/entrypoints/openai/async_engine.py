@@ -200,9 +200,17 @@ class AsyncEngine:
             if check is not None:
                 check(prompts)
             lora = {"lora_request": lora_request} if lora_request is not None else {}
-            return [
-                engine.make_request(text, tokens, params, rid, cache_salt=cache_salt, **lora)
-                for rid, (text, tokens) in zip(ids, prompts)
+            return [  # a pair may carry its processed images (multimodal.inputs.ProcessedPair)
+                engine.make_request(
+                    prompt[0],
+                    prompt[1],
+                    params,
+                    rid,
+                    cache_salt=cache_salt,
+                    mm_features=getattr(prompt, "mm_features", None),
+                    **lora,
+                )
+                for rid, prompt in zip(ids, prompts)
             ]
 
         pending = await self.prepare(make_requests)

@@ -70,6 +70,9 @@ ENGINE_FLAGS: dict[str, Any] = {
     "max_lora_rank": int,
     "max_cpu_loras": int,
     "lora_dtype": str,
+    "limit_mm_per_prompt": _json,  # e.g. '{"image": 2}'
+    "mm_processor_kwargs": _json,
+    "allowed_local_media_path": str,
 }
 ENGINE_FLAG_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 

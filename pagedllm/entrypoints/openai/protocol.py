@@ -143,6 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, str]] | None = None
     prompt_logprobs: int | None = None
     add_special_tokens: bool = False  # the chat template writes the special tokens (vLLM's default)
+    mm_processor_kwargs: dict[str, Any] | None = None  # for the model's multimodal processor (image parts)
 
 
 class EmbeddingRequest(_Request):

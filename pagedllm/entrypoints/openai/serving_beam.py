@@ -66,6 +66,8 @@ async def beam_search(
 
     def checked() -> list[tuple[str | None, list[int]]]:
         prompts = make_prompts()
+        if any(getattr(p, "mm_features", None) for p in prompts):
+            raise ValueError("use_beam_search: beam search takes text prompts only (no images)")
         check(prompts)
         for i, (text, ids) in enumerate(prompts):  # the engine's checks of any request
             engine.engine.make_request(

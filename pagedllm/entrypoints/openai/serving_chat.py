@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.serving_utils import (
     unless_disconnected,
     usage,
 )
+from pagedllm.multimodal.inputs import ProcessedPair
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -82,17 +83,25 @@ def _usage(out: RequestOutput) -> dict:
 
 
 def render_chat(
-    state: ServerState, messages: list, add_special_tokens: bool = False, check_chars: bool = False, **options
+    state: ServerState,
+    messages: list,
+    add_special_tokens: bool = False,
+    check_chars: bool = False,
+    mm_processor_kwargs: dict | None = None,
+    **options,
 ):
     """A function for a preparation thread: the conversation -> [(prompt text, prompt token ids)]. The template
     writes the special tokens; add_special_tokens=True has the tokenizer add its own too (vLLM's field).
-    check_chars: refuse messages far too long for the context before rendering them (see max_prompt_chars)."""
+    check_chars: refuse messages far too long for the context before rendering them (see max_prompt_chars).
+    A model that takes images gets the conversation's image parts processed: the pair carries their features."""
     tokenizer = state.llm.get_tokenizer()
-    model_path = state.engine.engine.config.model.model_path
+    engine = state.engine.engine
+    model_path = engine.config.model.model_path
 
     def make_prompts() -> list[tuple[str | None, list[int]]]:
         if check_chars:
             state.check_prompt_chars(sum(_content_chars(m) for m in messages), "messages")
+        media = getattr(engine, "chat_media", lambda: None)()  # None: a text-only model (an image part is a 400)
         try:
             text, ids = apply_chat_template(
                 tokenizer,
@@ -100,10 +109,15 @@ def render_chat(
                 chat_template=state.chat_template,
                 chat_template_content_format=state.chat_template_content_format,
                 model_path=model_path,
+                media=media,
                 **options,
             )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed to render them: {e}") from None
+        if media is not None and media.images:
+            mm = {"image": media.images}
+            ids, features = engine.process_multimodal(text, mm, mm_processor_kwargs, add_special_tokens, "messages")
+            return [ProcessedPair(text, ids, features)]
         if add_special_tokens:
             ids = tokenizer.encode(text, add_special_tokens=True)
         return [(text, ids)]
@@ -163,6 +177,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         chat_template_kwargs=_template_kwargs(req),
         add_special_tokens=req.add_special_tokens,
         check_chars=req.truncate_prompt_tokens is None,
+        mm_processor_kwargs=req.mm_processor_kwargs,
     )
     job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer(), plan)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)

@@ -1,0 +1,98 @@
+"""The CLIP vision tower (as LLaVA uses it): patch + class embeddings, pre-norm, bidirectional encoder layers. It
+returns the hidden states after a chosen number of layers (LLaVA reads the second to last)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.patch_size = config.patch_size
+        self.class_embedding = nn.Parameter(torch.empty(config.hidden_size))
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels, config.hidden_size, config.patch_size, config.patch_size, bias=False
+        )
+        num_positions = (config.image_size // config.patch_size) ** 2 + 1
+        self.position_embedding = nn.Embedding(num_positions, config.hidden_size)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [batch, num_patches, hidden]
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        x = torch.cat([cls, patches], dim=1)  # [batch, 1 + num_patches, hidden]
+        return x + self.position_embedding.weight[: x.shape[1]]
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [batch, heads, n, head_dim]
+
+        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CLIPEncoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = CLIPAttention(config)
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = CLIPMLP(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPEncoder(nn.Module):
+    def __init__(self, config, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(num_layers))
+
+
+class CLIPVisionTower(nn.Module):
+    """Only the layers whose outputs are read are built (num_layers <= the config's); no post-norm (LLaVA reads
+    hidden states, not the pooled output)."""
+
+    def __init__(self, config, num_layers: int) -> None:
+        super().__init__()
+        self.embeddings = CLIPVisionEmbeddings(config)
+        self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)  # (HF's spelling)
+        self.encoder = CLIPEncoder(config, num_layers)
+
+    def forward(self, pixel_values: torch.Tensor, layers: list[int]) -> list[torch.Tensor]:
+        """The hidden states after each count of layers in `layers` (0: the embeddings), [batch, tokens, hidden]."""
+        x = self.pre_layrnorm(self.embeddings(pixel_values))
+        states = {0: x}
+        for i, layer in enumerate(self.encoder.layers, 1):
+            x = layer(x)
+            states[i] = x
+        return [states[n] for n in layers]

@@ -1,0 +1,64 @@
+"""MultiModalConfig: vLLM's multimodal engine options (limit_mm_per_prompt, mm_processor_kwargs, the encoder cache
+size and the local media directory), validated once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# architecture -> the modalities its prompts take
+MULTIMODAL_ARCHITECTURES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGeneration": ("image",)}
+KNOWN_MODALITIES = ("image", "video", "audio")
+_GiB = 1 << 30
+DEFAULT_ENCODER_CACHE_GIB = 1.0  # on a GPU it is reserved out of the KV cache's memory
+
+
+@dataclass
+class MultiModalConfig:
+    # modality -> the most items one prompt may carry; a modality not named has no limit
+    limit_per_prompt: dict[str, int] = field(default_factory=dict)
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the HF processor of every prompt
+    # bytes of encoder outputs kept (keyed by item hash); VLLM_MM_INPUT_CACHE_GIB sets it in GiB
+    encoder_cache_bytes: int = int(DEFAULT_ENCODER_CACHE_GIB * _GiB)
+    allowed_local_media_path: str = ""  # file:// image URLs are read only under this directory ("": none)
+
+    @classmethod
+    def from_user(
+        cls, limit_mm_per_prompt: Any, mm_processor_kwargs: Any, allowed_local_media_path: Any
+    ) -> MultiModalConfig:
+        limits = check_limits(limit_mm_per_prompt)
+        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r} must be a dict")
+        path = allowed_local_media_path or ""
+        if not isinstance(path, str) or (path and not os.path.isdir(path)):
+            raise ValueError(f"allowed_local_media_path={allowed_local_media_path!r} must be an existing directory")
+        return cls(
+            limits, dict(mm_processor_kwargs or {}), encoder_cache_bytes(), os.path.realpath(path) if path else ""
+        )
+
+
+def check_limits(value: Any) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt={value!r} must be a dict like {{'image': 2}}")
+    for key, limit in value.items():
+        if key not in KNOWN_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: modality {key!r} is not one of {KNOWN_MODALITIES}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt[{key!r}]={limit!r} must be an integer >= 0")
+    return dict(value)
+
+
+def encoder_cache_bytes() -> int:
+    raw = os.environ.get("VLLM_MM_INPUT_CACHE_GIB")
+    if raw is None:
+        return int(DEFAULT_ENCODER_CACHE_GIB * _GiB)
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if gib < 0:
+        raise ValueError(f"VLLM_MM_INPUT_CACHE_GIB={raw!r} must be a number of GiB >= 0")
+    return int(gib * _GiB)

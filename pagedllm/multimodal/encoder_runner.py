@@ -1,0 +1,112 @@
+"""The runner's side of multimodal inputs: each request's items, the encoder cache (item hash -> encoder output,
+least recently used evicted past its byte budget) and the embeddings of a step's placeholder tokens.
+
+Chunked prefill may cut through an item's placeholder span: the encoder runs on the whole item in the first step
+whose chunk reaches into the span, its output stays in the cache, and each chunk takes the rows of its own positions.
+An output evicted before its last chunk ran is computed again (same result, more work), so any chunking is correct;
+the same item in other requests (same hash) is not encoded again while its output is cached."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from pagedllm.multimodal.config import MultiModalConfig
+from pagedllm.multimodal.inputs import MultiModalFeature
+
+
+class EncoderCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.num_bytes = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        out = self.entries.get(key)
+        if out is not None:
+            self.entries.move_to_end(key)
+        return out
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        """Keeps value unless it alone is over the budget; evicts the least recently used past the budget."""
+        size = value.numel() * value.element_size()
+        if size > self.capacity_bytes or key in self.entries:
+            return
+        while self.entries and self.num_bytes + size > self.capacity_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.num_bytes -= old.numel() * old.element_size()
+        self.entries[key] = value
+        self.num_bytes += size
+
+
+class MultiModalRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cache_bytes: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.cache = EncoderCache(cache_bytes)
+        self.features: dict[str, list[MultiModalFeature]] = {}  # req_id -> its items, in prompt order
+        self.num_encoder_runs = 0  # items encoded so far (a cache hit runs none)
+
+    def update(self, so) -> None:
+        """Applies the step's delta: requests that left drop their items, (re-)admitted ones bring them."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.features.pop(req_id, None)
+        for new in so.new_reqs:
+            self.features.pop(new.req_id, None)
+            if new.mm_features:
+                self.features[new.req_id] = new.mm_features
+
+    def encode(self, feature: MultiModalFeature) -> torch.Tensor:
+        """The item's encoder output [feature.length, hidden], from the cache or computed now."""
+        out = self.cache.get(feature.identifier)
+        if out is None:
+            data = {
+                k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in feature.data.items()
+            }
+            out = self.model.embed_multimodal(feature.modality, data)  # [length, hidden]
+            if out.shape[0] != feature.length:
+                raise RuntimeError(f"the encoder gave {out.shape[0]} rows for {feature.length} placeholder tokens")
+            self.num_encoder_runs += 1
+            self.cache.put(feature.identifier, out)
+        return out
+
+    @torch.inference_mode()
+    def profile_encoder(self) -> None:
+        """One encoder run on the largest item the model takes (the GPU memory profile measures its peak)."""
+        data = {k: v.to(self.device, self.dtype) for k, v in self.model.dummy_multimodal_data().items()}
+        self.model.embed_multimodal("image", data)
+
+    def step_embeddings(
+        self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the flat batch [n], their embeddings [n, hidden]) for the step's placeholder tokens; None when
+        the step has none. Request i computes positions [seq_lens[i] - its token count, seq_lens[i])."""
+        rows, embeds = [], []
+        for i, req_id in enumerate(req_ids):
+            features = self.features.get(req_id)
+            if not features:
+                continue
+            end = int(seq_lens[i])
+            first_row = int(query_start_loc[i])
+            start = end - (int(query_start_loc[i + 1]) - first_row)
+            for f in features:
+                lo, hi = max(start, f.offset), min(end, f.end)
+                if lo >= hi:
+                    continue
+                rows.append(np.arange(lo - start, hi - start) + first_row)
+                embeds.append(self.encode(f)[lo - f.offset : hi - f.offset])
+        if not rows:
+            return None
+        index = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        return index, torch.cat(embeds)
+
+
+def make_multimodal_runner(model: torch.nn.Module, config) -> MultiModalRunner | None:
+    """The runner's multimodal part for a model that takes images (None for a text-only model)."""
+    if not getattr(model, "supports_multimodal", False):
+        return None
+    mm_config = getattr(config, "multimodal", None) or MultiModalConfig()
+    return MultiModalRunner(model, config.device.device, config.model.dtype, mm_config.encoder_cache_bytes)

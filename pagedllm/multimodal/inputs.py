@@ -1,0 +1,39 @@
+"""One multimodal item of a prompt after processing: its tensors, its hash and where its placeholder tokens are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MultiModalFeature:
+    modality: str  # "image"
+    identifier: str  # hex digest of the item's content and the processor options: the encoder cache key
+    offset: int  # position of the item's first placeholder token in the prompt
+    length: int  # number of placeholder tokens the encoder output fills
+    data: dict[str, torch.Tensor]  # the processor's tensors for this item alone, e.g. pixel_values [1, 3, H, W]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class ProcessedPrompt(dict):
+    """A TokensPrompt ({"prompt", "prompt_token_ids"}) whose images were already processed (a chat conversation's):
+    it carries their MultiModalFeatures."""
+
+    def __init__(self, text: str | None, token_ids: list[int], mm_features: list[MultiModalFeature]) -> None:
+        super().__init__(prompt=text, prompt_token_ids=token_ids)
+        self.mm_features = mm_features
+
+
+class ProcessedPair(tuple):
+    """The server's (prompt text, prompt token ids) pair that also carries the prompt's MultiModalFeatures: it
+    unpacks as the plain pair wherever only text and ids matter."""
+
+    def __new__(cls, text: str | None, token_ids: list[int], mm_features: list[MultiModalFeature]) -> ProcessedPair:
+        pair = super().__new__(cls, (text, token_ids))
+        pair.mm_features = mm_features
+        return pair

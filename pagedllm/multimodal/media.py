@@ -1,0 +1,111 @@
+"""Images from chat content parts: `image_url` with a data: URL (base64), an http(s) URL (fetched within a time and
+size limit) or a file:// path under the allowed local media directory. A corrupt, huge, unreachable or disallowed
+image is a ValueError naming the part."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # width * height above this is refused before decoding
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+def decode_image(data: bytes, where: str) -> Any:
+    """Encoded image bytes -> an RGB PIL image, fully decoded."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError(f"{where}: images need Pillow (pip install 'pagedllm[vision]')") from None
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}: the image has {len(data)} bytes, more than the allowed {MAX_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{where}: the image is {width}x{height} pixels, more than the allowed {MAX_IMAGE_PIXELS}")
+        image.load()
+    except ValueError:
+        raise
+    except Exception as e:  # PIL's errors for corrupt or truncated data
+        raise ValueError(f"{where}: the image cannot be decoded: {e}") from None
+    return image.convert("RGB")
+
+
+def load_image_url(url: Any, where: str, allowed_local_media_path: str = "") -> Any:
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: 'url' must be a non-empty string")
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if not header.endswith(";base64") or not header[5:].startswith("image/"):
+            raise ValueError(f"{where}: a data URL must be 'data:image/<type>;base64,<data>'")
+        try:
+            return decode_image(base64.b64decode(payload, validate=True), where)
+        except binascii.Error as e:
+            raise ValueError(f"{where}: the data URL's base64 is invalid: {e}") from None
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return decode_image(_read_local(unquote(parsed.path), where, allowed_local_media_path), where)
+    if parsed.scheme in ("http", "https"):
+        return decode_image(_fetch(url, where), where)
+    raise ValueError(
+        f"{where}: URL scheme {parsed.scheme!r} is not supported: use http(s)://, a data: URL or file:// (under "
+        "--allowed-local-media-path)"
+    )
+
+
+def _fetch(url: str, where: str) -> bytes:
+    """The URL's bytes, within VLLM_IMAGE_FETCH_TIMEOUT seconds (default 5) and MAX_IMAGE_BYTES."""
+    import urllib.error
+    import urllib.request
+
+    raw = os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_IMAGE_FETCH_TIMEOUT={raw!r} must be a number of seconds") from None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ValueError(f"{where}: the image could not be fetched from {url!r}: {e}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}: the image at {url!r} is larger than the allowed {MAX_IMAGE_BYTES} bytes")
+    return data
+
+
+def _read_local(path: str, where: str, allowed: str) -> bytes:
+    if not allowed:
+        raise ValueError(f"{where}: file:// URLs need an allowed local media directory (allowed_local_media_path)")
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, allowed]) != allowed:
+        raise ValueError(f"{where}: {path!r} is outside the allowed local media directory {allowed!r}")
+    if not os.path.isfile(real):
+        raise ValueError(f"{where}: {path!r} is not a file")
+    with open(real, "rb") as f:
+        return f.read(MAX_IMAGE_BYTES + 1)
+
+
+class ChatMedia:
+    """A conversation's images, decoded in order as the chat renderer meets them; each image part renders as the
+    model's placeholder (string content) or an {"type": "image"} part (templates that loop over parts)."""
+
+    def __init__(self, placeholder: str, allowed_local_media_path: str = "") -> None:
+        self.placeholder = placeholder
+        self.allowed_local_media_path = allowed_local_media_path
+        self.images: list = []
+
+    def add(self, kind: str, part: dict, where: str) -> None:
+        if kind == "image_url":
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            self.images.append(load_image_url(url, f"{where}.image_url", self.allowed_local_media_path))
+        elif kind == "image_pil" and part.get("image_pil") is not None:
+            self.images.append(part["image_pil"])
+        else:
+            raise ValueError(f"{where}: a {kind!r} part is not supported; images come as 'image_url' parts")

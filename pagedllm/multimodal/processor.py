@@ -1,0 +1,145 @@
+"""MultiModalProcessor: a prompt with multi_modal_data -> prompt token ids (each image placeholder expanded to the
+tokens its encoder output fills) and one MultiModalFeature per item, through the model's transformers processor
+(AutoProcessor of the model folder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.multimodal.config import MultiModalConfig
+from pagedllm.multimodal.hashing import hash_item
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.media import MAX_IMAGE_PIXELS
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def check_placeholders(token_ids: list[int], features: list[MultiModalFeature], hf_config: Any) -> None:
+    """A prompt's image tokens must be exactly its items' placeholder spans: an image token with no image (typed
+    into a text prompt, or given as token ids) would run as a plain embedding."""
+    token_id = getattr(hf_config, "image_token_index", None) or getattr(hf_config, "image_token_id", None)
+    if token_id is None:
+        return
+    found = sum(1 for t in token_ids if t == token_id)
+    expected = sum(f.length for f in features if f.modality == "image")
+    if found != expected:
+        raise ValueError(
+            f"prompt: {found} image placeholder tokens (id {token_id}) but {expected} from its images; give images "
+            "through multi_modal_data with one placeholder per image"
+        )
+
+
+def is_image(item: Any) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:
+        return False
+    return isinstance(item, Image.Image)
+
+
+class MultiModalProcessor:
+    def __init__(
+        self,
+        model_path: str,
+        hf_config: Any,
+        modalities: tuple[str, ...],
+        mm_config: MultiModalConfig,
+        trust_remote_code: bool = False,
+    ) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.modalities = modalities
+        self.config = mm_config
+        self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
+        self.image_placeholder = getattr(self.processor, "image_token", None) or "<image>"
+
+    def items(self, mm_data: Any, where: str) -> dict[str, list]:
+        """The prompt's items per modality, checked: known types, a modality the model takes, within the limits."""
+        if not isinstance(mm_data, dict):
+            raise ValueError(f"{where}.multi_modal_data must be a dict like {{'image': image}}")
+        out = {}
+        for modality, value in mm_data.items():
+            if modality not in self.modalities:
+                raise ValueError(
+                    f"{where}.multi_modal_data: modality {modality!r} is not one the model takes: {self.modalities}"
+                )
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            for j, item in enumerate(items):
+                if not (is_image(item) or (isinstance(item, np.ndarray) and item.ndim == 3)):
+                    raise ValueError(
+                        f"{where}.multi_modal_data[{modality!r}][{j}] has type {type(item).__name__}; "
+                        "expected a PIL.Image or an [H, W, C] numpy array"
+                    )
+                width, height = item.size if is_image(item) else item.shape[1::-1]
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise ValueError(
+                        f"{where}.multi_modal_data[{modality!r}][{j}] is {width}x{height} pixels, more than the "
+                        f"allowed {MAX_IMAGE_PIXELS}"
+                    )
+            limit = self.config.limit_per_prompt.get(modality)
+            if limit is not None and len(items) > limit:
+                raise ValueError(
+                    f"{where}.multi_modal_data[{modality!r}] has {len(items)} items, more than "
+                    f"limit_mm_per_prompt[{modality!r}]={limit}: allowed range [0, {limit}]"
+                )
+            if items:
+                out[modality] = items
+        return out
+
+    def process(
+        self,
+        prompt: Any,
+        mm_data: Any,
+        mm_processor_kwargs: Any = None,
+        add_special_tokens: bool = True,
+        where: str = "prompt",
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """(prompt token ids, the items' features in prompt order). ValueError names what is wrong."""
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{where}: multi_modal_data needs a text 'prompt' (with one {self.image_placeholder!r} per image)"
+            )
+        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
+            raise ValueError(f"{where}.mm_processor_kwargs={mm_processor_kwargs!r} must be a dict")
+        kwargs = {**self.config.processor_kwargs, **(mm_processor_kwargs or {})}
+        images = self.items(mm_data, where).get("image", [])
+        found = prompt.count(self.image_placeholder)
+        if found != len(images):
+            raise ValueError(
+                f"{where}: the prompt has {found} image placeholders {self.image_placeholder!r} for "
+                f"{len(images)} images; give one placeholder per image"
+            )
+        try:
+            out = self.processor(
+                text=[prompt],
+                images=images or None,
+                return_tensors="pt",
+                add_special_tokens=add_special_tokens,
+                **kwargs,
+            )
+        except Exception as e:  # whatever the processor raises on a bad item is the request's fault
+            raise ValueError(f"{where}.multi_modal_data: the model's processor refused the input: {e}") from None
+        ids = out["input_ids"][0].tolist()
+        if not images:
+            return ids, []
+        return ids, self._features(ids, out, images, kwargs, where)
+
+    def _features(self, ids: list[int], out: Any, images: list, kwargs: dict, where: str) -> list[MultiModalFeature]:
+        tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}
+        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)  # [total image tokens]
+        n = len(images)
+        if len(positions) % n:
+            raise ValueError(f"{where}: {len(positions)} image tokens do not split evenly over {n} images")
+        size = len(positions) // n
+        features = []
+        for i, image in enumerate(images):
+            span = positions[i * size : (i + 1) * size]
+            if span[-1] - span[0] != size - 1:
+                raise ValueError(f"{where}: image {i}'s placeholder tokens are not contiguous")
+            data = {k: v[i : i + 1] for k, v in tensors.items() if v.shape[0] == n}
+            features.append(MultiModalFeature("image", hash_item("image", image, kwargs), int(span[0]), size, data))
+        return features
