@@ -234,6 +234,7 @@ class LLM(PoolingAPI):
             return super()._pool(prompts, params, task, method, use_tqdm, truncate_prompt_tokens, lora_request)
         kwargs = dict(use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
         return self.data_parallel.run(self, "_pool", _pooled_items(prompts), (params, task, method), kwargs)
+
     def _render_chat(self, conversation: list, options: dict, mm_processor_kwargs: Any) -> dict:
         """One conversation as a TokensPrompt; its images (a model that takes them) already processed."""
         from pagedllm.entrypoints.chat_utils import apply_chat_template

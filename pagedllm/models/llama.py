@@ -180,7 +180,8 @@ class LlamaModel(nn.Module):
         if intermediate is not None:
             x, residual = intermediate
         else:
-            x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None  # [num_tokens, hidden]
+            x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [num_tokens, hidden]
+            residual = None
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers[self.first : self.last]:
             x, residual = layer(rope, x, residual)
