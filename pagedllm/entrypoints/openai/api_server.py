@@ -32,6 +32,8 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
+from pagedllm.entrypoints.openai.serving_generate import add_generate_route
+from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
     _add_error_handlers(app)
     _add_routes(app, state, __version__)
+    add_pooling_routes(app, state)  # /v1/score, /v1/rerank, /pooling
+    add_generate_route(app, state)  # the demo server's /generate
     return app
 
 

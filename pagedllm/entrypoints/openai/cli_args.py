@@ -79,7 +79,8 @@ def add_serve_parser(sub: Any) -> None:
         "serve",
         help="run an OpenAI-compatible HTTP server",
         description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/embeddings "
-        "(--task embed), /v1/models, /tokenize, /detokenize, /health, /version, /metrics.",
+        "(--task embed), /v1/score, /v1/rerank, /pooling (pooling models), /generate, /v1/models, /tokenize, "
+        "/detokenize, /health, /version, /metrics.",
     )
     serve.add_argument("model", nargs="?", default=None, help="model directory, .gguf file or cached repo id")
     serve.add_argument("--model", dest="model_flag", default=None, help="the same as the positional MODEL")
