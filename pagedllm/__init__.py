@@ -6,6 +6,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
+from pagedllm.logger import configure_logging
 from pagedllm.models.registry import ModelRegistry
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.pooling.config import PoolerConfig
@@ -23,6 +24,8 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
+
+configure_logging()  # vLLM's log handler and level (VLLM_CONFIGURE_LOGGING=0: left to the application)
 
 __all__ = [
     "LLM",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import (
     CacheConfig,
     CompilationConfig,
@@ -28,9 +28,9 @@ from pagedllm.model_loader.weights import check_load_format
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
+from pagedllm.worker.cpu_threads import bind_cpu_threads
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")
 logger = logging.getLogger(__name__)
 
 
@@ -156,6 +156,8 @@ class EngineArgs:
         if speculative is not None and self.async_scheduling:
             raise ValueError("async_scheduling=True: speculative decoding runs with synchronous scheduling only")
         model = self.create_model_config(device)
+        if device.type == "cpu":
+            bind_cpu_threads()  # VLLM_CPU_OMP_THREADS_BIND, before the model loads
         cache = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -238,9 +240,7 @@ def _check_not_quantized(path: str, hf_config) -> None:
 def _check_max_model_len(max_len: int, longest: int) -> None:
     if max_len <= longest:
         return
-    allowed = next(
-        (v for v in ALLOW_LONG_MAX_MODEL_LEN if os.environ.get(v, "").strip().lower() in ("1", "true")), None
-    )
+    allowed = envs.allow_long_max_model_len()
     if allowed is not None:
         logger.warning(
             "max_model_len=%d is longer than the model's %d (%s is set): outputs past %d tokens may be wrong",
@@ -250,6 +250,6 @@ def _check_max_model_len(max_len: int, longest: int) -> None:
     raise ValueError(
         f"max_model_len={max_len} is out of range: [1, {longest}] (the model's max_position_embeddings or "
         "trained length, in its config, times its rope scaling factor); a longer one may give wrong outputs or "
-        f"fail. To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or "
-        f"{ALLOW_LONG_MAX_MODEL_LEN[1]}=1)"
+        "fail. To allow it anyway, set the environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or "
+        "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
     )

@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
 from pagedllm.entrypoints.openai.serving_generate import add_generate_route
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes
+from pagedllm.entrypoints.openai.serving_profile import add_profile_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     _add_routes(app, state, __version__)
     add_pooling_routes(app, state)  # /v1/score, /v1/rerank, /pooling
     add_generate_route(app, state)  # the demo server's /generate
+    add_profile_routes(app, state)  # /start_profile, /stop_profile with VLLM_TORCH_PROFILER_DIR
     return app
 
 

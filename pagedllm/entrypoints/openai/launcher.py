@@ -7,24 +7,22 @@ still gets its answer; only a reset connection counts as gone before the answer 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.serving_utils import ServerState
 
-API_KEY_ENV = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
 
-
-def resolve_api_key(flag: str | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
-    """--api-key, else the first non-empty of API_KEY_ENV, else None (no key required)."""
-    if flag:
-        return flag
-    return next((environ[name] for name in API_KEY_ENV if environ.get(name)), None)
+def resolve_api_key(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """--api-key, else $PAGEDLLM_API_KEY, else $VLLM_API_KEY (envs), else None (no key required)."""
+    return flag or envs.api_key(environ)
 
 
 class HalfCloseProtocol(H11Protocol):
