@@ -12,7 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.metrics import Counter, Gauge, Metric
+from pagedllm.metrics import Metric, engine_metrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -133,7 +133,7 @@ class LLMEngine:
                 Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens, cache_salt, vocab)
             )
             seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
-        return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
+        return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs, requests)
 
     def add(self, requests: list[Request], state: RequestState) -> None:
         for req in requests:
@@ -172,42 +172,10 @@ class LLMEngine:
         return self.core.scheduler.kv.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters, gauges and latency histograms now (vLLM's names, `pagedllm:` prefix)."""
-        sched = self.core.scheduler
-        stats = self.output_processor.stats
+        """The engine's counters, gauges and histograms now, under vLLM's names (`vllm:` prefix)."""
         labels = {"model_name": self.config.model.model}
-        metrics: list[Metric] = [
-            Gauge("pagedllm:num_requests_running", labels, len(sched.running)),
-            Gauge("pagedllm:num_requests_waiting", labels, len(sched.waiting)),
-            Gauge("pagedllm:kv_cache_usage_perc", labels, sched.kv.pool.usage()),
-            Counter("pagedllm:prefix_cache_queries_total", labels, sched.kv.num_queries),
-            Counter("pagedllm:prefix_cache_hits_total", labels, sched.kv.num_hits),
-            Counter("pagedllm:num_preemptions_total", labels, sched.num_preemptions),
-            Counter("pagedllm:prompt_tokens_total", labels, stats.prompt_tokens),
-            Counter("pagedllm:generation_tokens_total", labels, stats.generation_tokens),
-        ]
-        if self.config.speculative_config is not None:
-            metrics += _spec_decode_metrics(sched, labels)
-        for reason, count in stats.success_by_reason.items():
-            metrics.append(Counter("pagedllm:request_success_total", {**labels, "finished_reason": reason}, count))
-        metrics.append(stats.time_to_first_token.to_metric("pagedllm:time_to_first_token_seconds", labels))
-        metrics.append(stats.inter_token_latency.to_metric("pagedllm:inter_token_latency_seconds", labels))
-        metrics.append(stats.e2e_request_latency.to_metric("pagedllm:e2e_request_latency_seconds", labels))
-        return metrics
-
-
-def _spec_decode_metrics(sched, labels: dict[str, str]) -> list[Metric]:
-    """vLLM's speculative-decoding counters: draft sequences, draft tokens, accepted tokens, and accepted tokens
-    per position in the draft sequence (label `position`)."""
-    metrics: list[Metric] = [
-        Counter("pagedllm:spec_decode_num_drafts_total", labels, sched.num_drafts),
-        Counter("pagedllm:spec_decode_num_draft_tokens_total", labels, sched.num_draft_tokens),
-        Counter("pagedllm:spec_decode_num_accepted_tokens_total", labels, sched.num_accepted_tokens),
-    ]
-    for pos, count in enumerate(sched.num_accepted_per_pos):
-        name = "pagedllm:spec_decode_num_accepted_tokens_per_pos_total"
-        metrics.append(Counter(name, {**labels, "position": str(pos)}, count))
-    return metrics
+        return engine_metrics(self.core.scheduler, self.output_processor.stats, labels,
+                              self.config.speculative_config is not None)  # fmt: skip
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

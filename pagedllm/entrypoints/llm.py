@@ -127,7 +127,7 @@ class LLM(PoolingAPI):
         return self.llm_engine.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. pagedllm:prefix_cache_hits_total)."""
+        """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. vllm:prefix_cache_hits_total)."""
         return self.llm_engine.get_metrics()
 
     # -- generate -----------------------------------------------------------------------------------------------
