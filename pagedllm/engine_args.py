@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+from argparse import SUPPRESS
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,6 +34,8 @@ from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.worker.cpu_threads import bind_cpu_threads
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "quantization": ("-q",)}
+_NOT_CLI_FLAGS = ("model",)  # commands take the model as MODEL (and --model) themselves
 logger = logging.getLogger(__name__)
 
 
@@ -75,10 +80,37 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
+    disable_log_requests: bool = False  # the server's per-request log lines
 
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One --flag-name per field (vLLM's spelling and short forms -tp, -pp, -q), typed from the field's
+        annotation: booleans as --flag / --no-flag, dicts and Any as JSON. Absent flags keep the defaults."""
+        group = parser.add_argument_group("engine", "the engine's arguments (EngineArgs, LLM's keywords)")
+        for f in fields(cls):
+            if f.name in _NOT_CLI_FLAGS:
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+            kind = _flag_type(f.type)
+            if kind is bool:
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=SUPPRESS)
+            else:
+                group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**cls.cli_kwargs(args))
+
+    @classmethod
+    def cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The engine keywords the command line gave (the fields add_cli_args made flags for)."""
+        return {name: getattr(args, name) for name in cls.names() if name not in _NOT_CLI_FLAGS and hasattr(args, name)}
 
     def _device(self) -> torch.device:
         return parse_device(self.device)
@@ -253,3 +285,16 @@ def _check_max_model_len(max_len: int, longest: int) -> None:
         "fail. To allow it anyway, set the environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or "
         "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
     )
+
+
+def _json_flag(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The argparse type of a field from its annotation (a string here): the first type that is not None."""
+    first = next(p.strip() for p in str(annotation).split("|") if p.strip() != "None")
+    return {"bool": bool, "int": int, "float": float, "str": str}.get(first, _json_flag)

@@ -67,8 +67,13 @@ class LLM(PoolingAPI):
         num_speculative_tokens: int | None = None,
         ngram_prompt_lookup_max: int | None = None,
         ngram_prompt_lookup_min: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
+        """Every EngineArgs field is a keyword (the ones not listed above through **kwargs, as vLLM's LLM)."""
+        unknown = sorted(set(kwargs) - set(EngineArgs.names()))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
+        args = {k: v for k, v in locals().items() if k in EngineArgs.names()} | kwargs
         self.engine_args = EngineArgs(**args)
         config = self.engine_args.create_engine_config()
         tok = None

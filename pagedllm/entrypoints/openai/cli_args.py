@@ -1,4 +1,5 @@
-"""`pagedllm serve [MODEL] [options]`: the server's flags and the engine's (LLM's arguments, vLLM's flag names).
+"""`pagedllm serve [MODEL] [options]`: the server's flags, and the engine's from EngineArgs.add_cli_args (vLLM's
+flag names; the one definition of the engine's options).
 
 Only argparse lives here, so `pagedllm --help` works without the `serve` extra; the server is imported when the
 command runs."""
@@ -6,9 +7,9 @@ command runs."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
+from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_BAD_WORDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -18,60 +19,6 @@ from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_STOP,
     DEFAULT_MAX_WORD_CHARS,
 )
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-
-
-_BOOL = "bool"
-# LLM argument -> flag type; each becomes --flag-name (absent flags keep LLM's defaults)
-ENGINE_FLAGS: dict[str, Any] = {
-    "tokenizer": str,
-    "revision": str,
-    "dtype": str,
-    "seed": int,
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "block_size": int,
-    "gpu_memory_utilization": float,
-    "enforce_eager": _BOOL,
-    "async_scheduling": _BOOL,
-    "tensor_parallel_size": int,
-    "trust_remote_code": _BOOL,
-    "hf_overrides": _json,
-    "rope_scaling": _json,
-    "rope_theta": float,
-    "load_format": str,
-    "quantization": str,
-    "num_gpu_blocks_override": int,
-    "kv_cache_memory_bytes": int,
-    "enable_prefix_caching": _BOOL,
-    "compilation_config": _json,
-    "device": str,
-    "generation_config": str,
-    "attention_backend": str,
-    "task": str,
-    "runner": str,
-    "convert": str,
-    "pooler_config": _json,
-    "model_impl": str,
-    "speculative_config": _json,
-}
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine", "the arguments of LLM(...); omitted ones keep LLM's defaults")
-    for name, kind in ENGINE_FLAGS.items():
-        flag = "--" + name.replace("_", "-")
-        if kind is _BOOL:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        else:
-            group.add_argument(flag, type=kind, default=argparse.SUPPRESS)
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -131,7 +78,7 @@ def add_serve_parser(sub: Any) -> None:
         help="on SIGTERM, seconds in-flight requests may take to finish before they are cut (default: 30)",
     )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _add_engine_flags(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
 
@@ -139,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} differ: give one")
     args.model = args.model or args.model_flag
-    engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+    engine_kwargs = EngineArgs.cli_kwargs(args)
     try:
         from pagedllm.entrypoints.openai.launcher import run_server
     except ImportError as e:

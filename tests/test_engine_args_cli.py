@@ -1,0 +1,64 @@
+"""EngineArgs is the one definition of the engine's options: add_cli_args makes a flag of every field (vLLM's
+spelling, short forms -tp / -pp / -q), from_cli_args reads them back, `pagedllm serve` takes them all, and LLM(...)
+takes every field as a keyword."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+import transformers
+from tiny_models import TINY_DECODER, save_tiny_decoder
+
+from pagedllm import LLM
+from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import add_serve_parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    return EngineArgs.add_cli_args(argparse.ArgumentParser())
+
+
+def test_every_field_is_a_flag_and_defaults_stay():
+    parser = _parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for f in fields(EngineArgs):
+        assert (f"--{f.name.replace('_', '-')}" in flags) == (f.name != "model"), f.name
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+
+
+def test_flags_parse_to_fields():
+    argv = ["-tp", "2", "-pp", "1", "-q", "fp8", "--max-num-batched-tokens", "512", "--no-enable-prefix-caching",
+            "--enforce-eager", "--hf-overrides", '{"num_hidden_layers": 1}', "--gpu-memory-utilization", "0.5",
+            "--disable-log-requests", "--disable-log-stats", "--dtype", "float32", "--rope-theta", "1e4"]  # fmt: skip
+    args = EngineArgs.from_cli_args(_parser().parse_args(argv))
+    expected = EngineArgs(
+        tensor_parallel_size=2, pipeline_parallel_size=1, quantization="fp8", max_num_batched_tokens=512,
+        enable_prefix_caching=False, enforce_eager=True, hf_overrides={"num_hidden_layers": 1},
+        gpu_memory_utilization=0.5, disable_log_requests=True, disable_log_stats=True, dtype="float32",
+        rope_theta=1e4,
+    )  # fmt: skip
+    assert args == expected
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--hf-overrides", "{not json"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--max-num-seqs", "many"])
+
+
+def test_serve_takes_the_engine_flags():
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "m", "--disable-log-requests", "-tp", "1", "--api-key", "k", "--seed", "3"])
+    assert EngineArgs.cli_kwargs(args) == {"disable_log_requests": True, "tensor_parallel_size": 1, "seed": 3}
+    assert args.api_key == "k" and args.model == "m"
+
+
+def test_llm_takes_every_field(tmp_path_factory):
+    path = save_tiny_decoder("cli", transformers.LlamaConfig, transformers.LlamaForCausalLM, TINY_DECODER,
+                             tmp_path_factory)[1]  # fmt: skip
+    llm = LLM(path, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20, disable_log_stats=True,
+              disable_log_requests=True)  # fmt: skip
+    assert llm.engine_args.disable_log_stats and llm.engine_args.disable_log_requests
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['no_such_option'\]"):
+        LLM(path, no_such_option=1)
