@@ -26,6 +26,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "VLLM_CONFIGURE_LOGGING": ("1", "0: leave the `pagedllm` logger to the application (no handler is added)"),
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: allow a max_model_len above the model's (a warning, not an error)"),
     "VLLM_CACHE_ROOT": ("$XDG_CACHE_HOME/pagedllm", "where compiled CPU kernels are cached"),
+    "VLLM_LOG_STATS_INTERVAL": ("10", "seconds between the server's stats lines"),
     "VLLM_TORCH_PROFILER_DIR": ("unset", "enables the server's /start_profile and /stop_profile; traces go here"),
     "HF_HUB_OFFLINE": ("0", "1: models only from local paths and the local Hugging Face cache"),
 }
@@ -137,3 +138,17 @@ def torch_profiler_dir(environ: Mapping[str, str] | None = None) -> str | None:
 
 def hf_hub_offline(environ: Mapping[str, str] | None = None) -> bool:
     return _flag("HF_HUB_OFFLINE", False, environ)
+
+
+def log_stats_interval(environ: Mapping[str, str] | None = None) -> float:
+    found = get("VLLM_LOG_STATS_INTERVAL", environ)
+    if found is None:
+        return 10.0
+    key, value = found
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{key}={value!r} is out of range: a positive number of seconds")
+    return seconds

@@ -77,6 +77,9 @@ def add_serve_parser(sub: Any) -> None:
         default=30,
         help="on SIGTERM, seconds in-flight requests may take to finish before they are cut (default: 30)",
     )
+    serve.add_argument(
+        "--max-log-len", type=int, default=None, help="most prompt characters / token ids a request log line shows"
+    )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)

@@ -17,6 +17,7 @@ from pagedllm import envs
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.server_logging import RequestLogger, start_stats_thread
 from pagedllm.entrypoints.openai.serving_utils import ServerState
 
 
@@ -69,6 +70,11 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     template = load_chat_template(args.chat_template) if args.chat_template else None
     llm = LLM(args.model, **engine_kwargs)
     engine = AsyncEngine(llm)
+    if not llm.engine_args.disable_log_requests:
+        engine.request_logger = RequestLogger(args.max_log_len)
+    stop_stats = None
+    if not llm.engine_args.disable_log_stats and engine.generates:
+        stop_stats = start_stats_thread(engine.engine, envs.log_stats_interval())
     names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
     state = ServerState(engine, names, limits, template, args.chat_template_content_format)
     app = build_app(state, resolve_api_key(args.api_key))
@@ -83,5 +89,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         access_log=args.uvicorn_log_level == "debug",
     )
     _Server(config).run()
+    if stop_stats is not None:
+        stop_stats.set()
     engine.stop()
     return 0
