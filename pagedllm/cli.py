@@ -1,5 +1,5 @@
 """The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`, `pagedllm chat ...`,
-`pagedllm serve [MODEL] ...`."""
+`pagedllm serve [MODEL] ...`, `pagedllm run-batch -i IN.jsonl -o OUT.jsonl [MODEL] ...`."""
 
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
     add_serve_parser(sub)
+    from pagedllm.entrypoints.openai.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)
     return parser
 
 
