@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.cli_config import expand_config
+
+    try:
+        argv = expand_config(sys.argv[1:] if argv is None else list(argv))
+    except (ValueError, OSError) as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -67,7 +68,9 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.expected is not None and scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
+        path, root = scope["path"], scope.get("root_path", "")
+        path = path[len(root) :] if root and path.startswith(root) else path  # uvicorn puts --root-path in front
+        if self.expected is not None and path not in PUBLIC_PATHS and not self._authorized(scope):
             body = error_body("Invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
             return await _send_json(send, 401, body)
         if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -145,7 +148,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
-def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+def build_app(state: ServerState, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
+    """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -155,6 +160,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    if cors is not None:  # added last: the outermost layer
+        app.add_middleware(CORSMiddleware, **cors)
     _add_error_handlers(app)
     _add_routes(app, state, __version__)
     add_pooling_routes(app, state)  # /v1/score, /v1/rerank, /pooling

@@ -7,6 +7,7 @@ command runs."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from pagedllm.engine_args import EngineArgs
@@ -77,12 +78,37 @@ def add_serve_parser(sub: Any) -> None:
         default=30,
         help="on SIGTERM, seconds in-flight requests may take to finish before they are cut (default: 30)",
     )
+    _add_http_flags(serve)
     serve.add_argument(
         "--max-log-len", type=int, default=None, help="most prompt characters / token ids a request log line shows"
     )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings, e.g. '[\"*\"]'")
+    return value
+
+
+def _add_http_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's CORS, SSL and root-path flags, with vLLM's defaults."""
+    http = serve.add_argument_group("http", "CORS, TLS and proxy settings (vLLM's flags and defaults)")
+    http.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins (JSON; default ["*"])')
+    http.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON)")
+    http.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON)")
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    http.add_argument("--root-path", default=None, help="the path prefix a proxy serves this app under")
+    http.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS)")
+    http.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    http.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with")
+    http.add_argument("--ssl-cert-reqs", type=int, default=0, help="client certificate: 0 none, 1 optional, 2 required")
 
 
 def _serve(args: argparse.Namespace) -> int:

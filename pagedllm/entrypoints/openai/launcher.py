@@ -77,7 +77,13 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         stop_stats = start_stats_thread(engine.engine, envs.log_stats_interval())
     names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
     state = ServerState(engine, names, limits, template, args.chat_template_content_format)
-    app = build_app(state, resolve_api_key(args.api_key))
+    cors = dict(
+        allow_origins=args.allowed_origins,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+    )
+    app = build_app(state, resolve_api_key(args.api_key), cors)
     engine.start()
     config = uvicorn.Config(
         app,
@@ -87,6 +93,11 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
         access_log=args.uvicorn_log_level == "debug",
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     _Server(config).run()
     if stop_stats is not None:
