@@ -22,6 +22,7 @@ from pagedllm.config import (
     SchedulerConfig,
     parse_dtype,
 )
+from pagedllm.engine_compat import check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import resolve_quantization
 from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
@@ -82,6 +83,30 @@ class EngineArgs:
     ngram_prompt_lookup_min: int | None = None
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
+    # vLLM's options kept for compatibility (engine_compat.COMPAT_ARGS: no-ops, or one supported value)
+    use_v2_block_manager: bool = True
+    num_scheduler_steps: int = 1
+    disable_custom_all_reduce: bool = False
+    max_seq_len_to_capture: int = 8192
+    max_context_len_to_capture: int | None = None
+    disable_async_output_proc: bool = False
+    multi_step_stream_outputs: bool = True
+    scheduler_delay_factor: float = 0.0
+    swap_space: float = 4
+    max_parallel_loading_workers: int | None = None
+    download_dir: str | None = None
+    code_revision: str | None = None
+    tokenizer_revision: str | None = None
+    enable_chunked_prefill: bool | None = None
+    preemption_mode: str | None = None
+    tokenizer_mode: str = "auto"
+    kv_cache_dtype: str = "auto"
+    cpu_offload_gb: float = 0
+    disable_sliding_window: bool = False
+    scheduling_policy: str = "fcfs"
+    data_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    otlp_traces_endpoint: str | None = None
 
     @classmethod
     def names(cls) -> list[str]:
@@ -175,6 +200,7 @@ class EngineArgs:
         )
 
     def create_engine_config(self) -> EngineConfig:
+        check_compat_args(vars(self))
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
         compilation = CompilationConfig.from_user(self.compilation_config)
         device = self._device()

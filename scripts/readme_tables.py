@@ -91,7 +91,23 @@ def environment_table() -> str:
     return "\n".join(["| Variable (pagedllm's spelling) | Default | Meaning |", "| --- | --- | --- |", *rows])
 
 
-TABLES = {"architectures": architectures_table, "environment": environment_table}
+def engine_args_table() -> str:
+    """Every EngineArgs field (an LLM keyword and a flag): works, a no-op, or supported at one value only."""
+    from dataclasses import fields
+
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.engine_compat import COMPAT_ARGS
+
+    rows = []
+    for f in fields(EngineArgs):
+        flag = "MODEL / `--model`" if f.name == "model" else f"`--{f.name.replace('_', '-')}`"
+        kind, _, why = COMPAT_ARGS.get(f.name, ("works", None, ""))
+        status = {"no-op": "accepted, no effect", "only": "default only (else an error)"}.get(kind, "works")
+        rows.append(f"| `{f.name}` | {flag} | {status} | {why} |")
+    return "\n".join(["| Keyword | Flag | Status | Why |", "| --- | --- | --- | --- |", *rows])
+
+
+TABLES = {"architectures": architectures_table, "environment": environment_table, "engine-args": engine_args_table}
 
 
 def rewrite(text: str) -> str:

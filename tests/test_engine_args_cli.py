@@ -62,3 +62,30 @@ def test_llm_takes_every_field(tmp_path_factory):
     assert llm.engine_args.disable_log_stats and llm.engine_args.disable_log_requests
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['no_such_option'\]"):
         LLM(path, no_such_option=1)
+
+
+def test_compat_options_no_ops_and_refusals(tmp_path_factory):
+    from pagedllm.engine_compat import COMPAT_ARGS
+
+    assert set(COMPAT_ARGS) <= set(EngineArgs.names())
+    path = save_tiny_decoder("compat", transformers.LlamaConfig, transformers.LlamaForCausalLM, TINY_DECODER,
+                             tmp_path_factory)[1]  # fmt: skip
+    base = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20, dtype="float32")
+    no_ops = dict(use_v2_block_manager=False, num_scheduler_steps=8, disable_custom_all_reduce=True,
+                  max_seq_len_to_capture=32, swap_space=0, enable_chunked_prefill=True, preemption_mode="recompute",
+                  disable_async_output_proc=True, download_dir="/nowhere")  # fmt: skip
+    llm = LLM(path, **base, **no_ops)
+    reference = LLM(path, **base)
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = {"prompt_token_ids": [1, 2, 3, 4]}
+    got = llm.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == reference.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids  # no effect
+    for name, value in (("enable_chunked_prefill", False), ("preemption_mode", "swap"), ("kv_cache_dtype", "fp8"),
+                        ("cpu_offload_gb", 4), ("data_parallel_size", 2), ("scheduling_policy", "priority"),
+                        ("tokenizer_mode", "mistral")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{name}={value!r} is not supported: "):
+            LLM(path, **base, **{name: value})
+    args = EngineArgs.from_cli_args(_parser().parse_args(["--num-scheduler-steps", "8", "--use-v2-block-manager"]))
+    assert args.num_scheduler_steps == 8 and args.use_v2_block_manager is True
