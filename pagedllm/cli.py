@@ -63,7 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedllm import __version__
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference with vLLM's API")
+    parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="*", help="prompt texts")
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.run_batch import add_run_batch_parser
 
     add_run_batch_parser(sub)
+    from pagedllm.entrypoints.collect_env import add_collect_env_parser
+
+    add_collect_env_parser(sub)
     return parser
 
 
