@@ -4,6 +4,8 @@ from pagedllm import LLM, SamplingParams
 """
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.logger import configure_logging
@@ -29,6 +31,8 @@ configure_logging()  # vLLM's log handler and level (VLLM_CONFIGURE_LOGGING=0: l
 
 __all__ = [
     "LLM",
+    "EngineArgs",
+    "LLMEngine",
     "ModelRegistry",
     "SamplingParams",
     "GuidedDecodingParams",

@@ -7,6 +7,7 @@ import json
 import os
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
@@ -141,9 +142,49 @@ class LLMEngine:
         self.output_processor.add_request(state)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None, prompt_text: str | None = None
     ) -> None:
-        self.add(*self.make_request(prompt, prompt_token_ids, params, request_id))
+        """vLLM's add_request: `prompt` is a text, {"prompt": text}, {"prompt_token_ids": [...]} or a token-id list
+        (then `prompt_text`, if given, is its text)."""
+        text, token_ids = self._parse_prompt(prompt, prompt_text)
+        self.add(*self.make_request(text, token_ids, params if params is not None else SamplingParams(), request_id))
+
+    def _parse_prompt(self, prompt: Any, prompt_text: str | None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None or self.config.model.skip_tokenizer_init:
+                raise ValueError("a text prompt needs a tokenizer (skip_tokenizer_init=True gives none)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return prompt_text, list(prompt)
+        raise TypeError(f"prompt has type {type(prompt).__name__}; expected str, a prompt dict or list[int]")
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> LLMEngine:
+        """vLLM's LLMEngine.from_engine_args(EngineArgs(model=...)) for a generative model."""
+        from pagedllm.tokenizer import get_tokenizer
+
+        config = engine_args.create_engine_config()
+        if config.model.runner == "pooling":
+            raise ValueError(f"{config.model.architecture} is a pooling model: use LLM(...).embed/classify/score")
+        tokenizer = None
+        if not engine_args.skip_tokenizer_init:
+            model = config.model
+            tokenizer = get_tokenizer(model.model_path, engine_args.tokenizer, model.trust_remote_code,
+                                      engine_args.revision)  # fmt: skip
+        return cls(config, tokenizer)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    def get_model_config(self):
+        return self.config.model
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Aborts one request (its id) or several (an iterable of ids); unknown ids are ignored."""
