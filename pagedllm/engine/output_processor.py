@@ -10,7 +10,7 @@ import time
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.scheduler import EngineCoreOutput
 from pagedllm.metrics import RequestStats
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -131,6 +131,7 @@ class RequestState:
         self.core_requests = core_requests or []  # the engine's Requests (first scheduled time, max_tokens)
         self.scheduled_time: float | None = None  # first admission of any of its sequences
         self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         first = next(iter(sequences.values()))
         self.tokenizer = first.tokenizer
         wants_prompt_logprobs = first.params.prompt_logprobs is not None
@@ -157,6 +158,25 @@ class RequestState:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self._metrics(),
+        )
+
+    def _metrics(self) -> RequestMetrics:
+        """The milestones so far, on the wall clock (they are kept on the monotonic one)."""
+        shift = time.time() - time.monotonic()
+        scheduled = [r.first_scheduled_time for r in self.core_requests if r.first_scheduled_time is not None]
+        first_scheduled = self.scheduled_time if self.scheduled_time is not None else min(scheduled, default=None)
+
+        def wall(t: float | None) -> float | None:
+            return None if t is None else t + shift
+
+        return RequestMetrics(
+            arrival_time=self.arrival_time + shift,
+            last_token_time=wall(self.last_token_time),
+            first_scheduled_time=wall(first_scheduled),
+            first_token_time=wall(self.first_token_time),
+            time_in_queue=None if first_scheduled is None else first_scheduled - self.arrival_time,
+            finished_time=wall(self.finished_time),
         )
 
 
@@ -215,6 +235,7 @@ class OutputProcessor:
             elif not stopped and out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             if state.finished:
+                state.finished_time = now
                 output = state.to_output()
                 self._record_finish(state, output)
                 finished.append(output)

@@ -37,3 +37,16 @@ def test_llm_engine_example_loop(smollm2):
     for i, want in enumerate(expected):
         assert finished[str(i)].outputs[0].token_ids == want.outputs[0].token_ids
     assert finished[str(2)].prompt_token_ids == expected[2].prompt_token_ids
+
+
+def test_request_output_metrics(smollm2):
+    """RequestOutput.metrics: wall-clock milestones in order, as vLLM's RequestMetrics."""
+    import time
+
+    start = time.time()
+    llm = LLM(smollm2, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    assert start <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    assert m.last_token_time <= m.finished_time <= time.time()
+    assert abs(m.time_in_queue - (m.first_scheduled_time - m.arrival_time)) < 1e-6
