@@ -6,6 +6,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.logger import configure_logging
@@ -33,6 +34,8 @@ __all__ = [
     "LLM",
     "EngineArgs",
     "LLMEngine",
+    "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "ModelRegistry",
     "SamplingParams",
     "GuidedDecodingParams",

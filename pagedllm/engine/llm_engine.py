@@ -146,10 +146,10 @@ class LLMEngine:
     ) -> None:
         """vLLM's add_request: `prompt` is a text, {"prompt": text}, {"prompt_token_ids": [...]} or a token-id list
         (then `prompt_text`, if given, is its text)."""
-        text, token_ids = self._parse_prompt(prompt, prompt_text)
+        text, token_ids = self.parse_prompt(prompt, prompt_text)
         self.add(*self.make_request(text, token_ids, params if params is not None else SamplingParams(), request_id))
 
-    def _parse_prompt(self, prompt: Any, prompt_text: str | None) -> tuple[str | None, list[int]]:
+    def parse_prompt(self, prompt: Any, prompt_text: str | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

@@ -50,3 +50,41 @@ def test_request_output_metrics(smollm2):
     assert start <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
     assert m.last_token_time <= m.finished_time <= time.time()
     assert abs(m.time_in_queue - (m.first_scheduled_time - m.arrival_time)) < 1e-6
+
+
+def test_async_llm_engine(smollm2):
+    """vLLM's async example: concurrent generate() streams equal LLM.generate; abort() ends a stream early."""
+    import asyncio
+
+    from pagedllm import AsyncEngineArgs, AsyncLLMEngine
+
+    kwargs = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=smollm2, **kwargs))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def run(prompt: str, request_id: str) -> list:
+        return [out async for out in engine.generate(prompt, params, request_id)]
+
+    async def aborted() -> list:
+        seen = []
+        async for out in engine.generate("Count to a hundred:", SamplingParams(max_tokens=200, ignore_eos=True), "x"):
+            seen.append(out)
+            if len(seen) == 2:
+                await engine.abort("x")
+        return seen
+
+    async def main():
+        return await asyncio.gather(run(PROMPTS[0], "a"), run(PROMPTS[1], "b"), aborted())
+
+    try:
+        first, second, cut = asyncio.run(main())
+        assert asyncio.run(engine.get_model_config()).max_model_len == 256
+    finally:
+        engine.shutdown()
+    expected = LLM(smollm2, **kwargs).generate(PROMPTS[:2], params, use_tqdm=False)
+    for outs, want, rid in ((first, expected[0], "a"), (second, expected[1], "b")):
+        assert all(o.request_id == rid for o in outs) and outs[-1].finished and not outs[0].finished
+        assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        assert lengths == sorted(lengths)  # cumulative
+    assert len(cut) == 2 and not cut[-1].finished
