@@ -224,6 +224,7 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
         for metric in found:
             if "model_name" in metric.labels:
                 metric.labels["model_name"] = state.served_model_names[0]
+        found += metrics_text.renamed(found, state.metrics_prefixes)
         return PlainTextResponse(metrics_text.render(found), media_type=metrics_text.CONTENT_TYPE)
 
 

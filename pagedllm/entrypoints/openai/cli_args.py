@@ -80,6 +80,12 @@ def add_serve_parser(sub: Any) -> None:
     )
     _add_http_flags(serve)
     serve.add_argument(
+        "--metrics-prefix",
+        action="append",
+        default=[],
+        help="also show every /metrics family under this prefix (e.g. pagedllm), beside vLLM's `vllm:` names",
+    )
+    serve.add_argument(
         "--max-log-len", type=int, default=None, help="most prompt characters / token ids a request log line shows"
     )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -77,6 +77,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         stop_stats = start_stats_thread(engine.engine, envs.log_stats_interval())
     names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
     state = ServerState(engine, names, limits, template, args.chat_template_content_format)
+    state.metrics_prefixes = tuple(args.metrics_prefix)
     cors = dict(
         allow_origins=args.allowed_origins,
         allow_methods=args.allowed_methods,

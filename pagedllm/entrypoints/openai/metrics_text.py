@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagedllm.metrics import Counter, Gauge, Histogram, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -86,3 +88,12 @@ def render(metrics: list[Metric]) -> str:
         lines.append(f"# TYPE {name} {kind}")
         lines.extend(samples)
     return "\n".join(lines) + "\n"
+
+
+def renamed(metrics: list[Metric], prefixes: tuple[str, ...]) -> list[Metric]:
+    """Copies of the metrics under each other prefix (`vllm:x` -> `pagedllm:x` for prefix "pagedllm")."""
+    return [
+        dataclasses.replace(m, name=f"{prefix.rstrip(':')}:{m.name.partition(':')[2]}", labels=dict(m.labels))
+        for prefix in prefixes
+        for m in metrics
+    ]

@@ -29,6 +29,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    metrics_prefixes: tuple[str, ...] = ()  # /metrics also shows each family under these prefixes (--metrics-prefix)
     _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 
     @property

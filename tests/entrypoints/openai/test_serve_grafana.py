@@ -66,3 +66,18 @@ def test_dashboard_series_resolve(server):
         assert all(f'model_name="{MODEL_NAME}"' in labels for labels in labels_of[name]), name
     reasons = {re.search(r'finished_reason="(\w+)"', lbl).group(1) for lbl in labels_of["vllm:request_success_total"]}
     assert {"stop", "length", "abort"} <= reasons
+
+
+def test_metrics_prefix_adds_families():
+    """--metrics-prefix pagedllm: every family also under pagedllm:, same values, vllm: untouched."""
+    from pagedllm.entrypoints.openai import metrics_text
+    from pagedllm.metrics import Counter, HistogramData
+
+    hist = HistogramData()
+    hist.observe(0.3)
+    found = [Counter("vllm:prompt_tokens_total", {"model_name": "m"}, 5), hist.to_metric("vllm:e2e_seconds", {})]
+    text = metrics_text.render(found + metrics_text.renamed(found, ("pagedllm",)))
+    assert 'vllm:prompt_tokens_total{model_name="m"} 5.0' in text
+    assert 'pagedllm:prompt_tokens_total{model_name="m"} 5.0' in text
+    assert "# TYPE pagedllm:e2e_seconds histogram" in text and 'pagedllm:e2e_seconds_bucket{le="0.5"} 1.0' in text
+    assert found[0].name == "vllm:prompt_tokens_total"  # the originals are not renamed
