@@ -89,3 +89,29 @@ def test_compat_options_no_ops_and_refusals(tmp_path_factory):
             LLM(path, **base, **{name: value})
     args = EngineArgs.from_cli_args(_parser().parse_args(["--num-scheduler-steps", "8", "--use-v2-block-manager"]))
     assert args.num_scheduler_steps == 8 and args.use_v2_block_manager is True
+
+
+# launch lines of vLLM's documents and deployment guides, with `vllm` replaced by `pagedllm` (the model a path)
+LAUNCH_LINES = [
+    "serve /models/llama --dtype auto --api-key token-abc123",
+    "serve /models/llama --disable-log-requests --disable-log-stats --host 0.0.0.0 --port 8000",
+    "serve /models/llama --gpu-memory-utilization 0.95 --max-model-len 4096 -tp 1 --max-num-seqs 128",
+    "serve /models/llama --enable-prefix-caching --enable-chunked-prefill --max-num-batched-tokens 2048",
+    "serve /models/llama --swap-space 16 --use-v2-block-manager --num-scheduler-steps 8 --disable-custom-all-reduce",
+    "serve /models/llama --served-model-name llama --trust-remote-code --seed 0 --block-size 16 --enforce-eager",
+    "serve /models/llama -q fp8 --kv-cache-dtype auto --tokenizer-mode auto --load-format auto",
+    "serve /models/bge --task embed --max-model-len 512",
+    "serve --model /models/llama --max-seq-len-to-capture 8192 --disable-async-output-proc --preemption-mode recompute",
+    "run-batch -i in.jsonl -o out.jsonl --model /models/llama --disable-log-stats",
+]
+
+
+def test_documented_launch_lines_parse_and_validate():
+    from pagedllm.cli import build_parser
+    from pagedllm.engine_compat import check_compat_args
+
+    for line in LAUNCH_LINES:
+        args = build_parser().parse_args(line.split())
+        engine = EngineArgs.from_cli_args(args)
+        check_compat_args(vars(engine))  # no compatibility option at an unsupported value
+        assert (args.model or args.model_flag).startswith("/models/"), line
