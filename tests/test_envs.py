@@ -132,3 +132,16 @@ def test_kernel_cache_under_cache_root(monkeypatch, tmp_path):
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     assert cpu_kernels._cache_dir() == tmp_path / "kernels"
+
+
+def test_offline_variable_named_in_the_missing_model_error(monkeypatch, tmp_path):
+    from pagedllm.model_loader.resolve import resolve_model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ValueError) as plain:
+        resolve_model("org/missing")
+    assert "HF_HUB_OFFLINE" not in str(plain.value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="not reachable from here; HF_HUB_OFFLINE is set"):
+        resolve_model("org/missing")

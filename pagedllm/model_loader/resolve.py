@@ -83,9 +83,9 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
         cached = _from_hf_cache(model, revision)
         if cached is not None:
             return cached
-    offline = " (HF_HUB_OFFLINE is set)" if envs.hf_hub_offline() else ""
+    offline = "; HF_HUB_OFFLINE is set" if envs.hf_hub_offline() else ""
     raise ValueError(
         f"model {model!r} was not found: it is not a local directory or .gguf file and not in the local "
-        f"Hugging Face cache ({hf_cache_dir()}); pagedllm does not download models{offline}, so place the "
-        "model files locally and pass their path"
+        f"Hugging Face cache ({hf_cache_dir()}); pagedllm does not download models (the model hub is not "
+        f"reachable from here{offline}), so place the model files locally and pass their path"
     )
