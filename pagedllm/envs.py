@@ -25,7 +25,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "VLLM_LOGGING_LEVEL": ("INFO", "level of pagedllm's log (DEBUG, INFO, WARNING, ERROR)"),
     "VLLM_CONFIGURE_LOGGING": ("1", "0: leave the `pagedllm` logger to the application (no handler is added)"),
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: allow a max_model_len above the model's (a warning, not an error)"),
-    "VLLM_CACHE_ROOT": ("$XDG_CACHE_HOME/pagedllm", "where compiled CPU kernels are cached"),
+    "VLLM_CACHE_ROOT": ("$XDG_CACHE_HOME/pagedllm", "where compiled CPU kernels and GGUF tokenizers are cached"),
     "VLLM_LOG_STATS_INTERVAL": ("10", "seconds between the server's stats lines"),
     "VLLM_TORCH_PROFILER_DIR": ("unset", "enables the server's /start_profile and /stop_profile; traces go here"),
     "HF_HUB_OFFLINE": ("0", "1: models only from local paths and the local Hugging Face cache"),

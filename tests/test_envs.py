@@ -132,6 +132,9 @@ def test_kernel_cache_under_cache_root(monkeypatch, tmp_path):
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     assert cpu_kernels._cache_dir() == tmp_path / "kernels"
+    from pagedllm.model_loader import gguf_loader
+
+    assert gguf_loader._default_cache_dir() == str(tmp_path)
 
 
 def test_offline_variable_named_in_the_missing_model_error(monkeypatch, tmp_path):
