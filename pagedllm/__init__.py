@@ -4,8 +4,12 @@ from pagedllm import LLM, SamplingParams
 """
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
+from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.registry import ModelRegistry
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -25,9 +29,15 @@ from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, Struc
 
 __version__ = "0.1.0"
 
+configure_logging()  # vLLM's log handler and level (VLLM_CONFIGURE_LOGGING=0: left to the application)
+
 __all__ = [
     "LLM",
     "LoRARequest",
+    "EngineArgs",
+    "LLMEngine",
+    "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "ModelRegistry",
     "SamplingParams",
     "GuidedDecodingParams",

@@ -1,5 +1,5 @@
 """The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`, `pagedllm chat ...`,
-`pagedllm serve [MODEL] ...`."""
+`pagedllm serve [MODEL] ...`, `pagedllm run-batch -i IN.jsonl -o OUT.jsonl [MODEL] ...`."""
 
 from __future__ import annotations
 
@@ -63,7 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedllm import __version__
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference with vLLM's API")
+    parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="*", help="prompt texts")
@@ -85,10 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
     add_serve_parser(sub)
+    from pagedllm.entrypoints.openai.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)
+    from pagedllm.entrypoints.collect_env import add_collect_env_parser
+
+    add_collect_env_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.cli_config import expand_config
+
+    try:
+        argv = expand_config(sys.argv[1:] if argv is None else list(argv))
+    except (ValueError, OSError) as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
-import os
+from argparse import SUPPRESS
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import (
     CacheConfig,
     CompilationConfig,
@@ -19,6 +22,7 @@ from pagedllm.config import (
     SchedulerConfig,
     parse_dtype,
 )
+from pagedllm.engine_compat import check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import resolve_quantization
 from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
@@ -30,9 +34,11 @@ from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.spec_decode.draft_model import draft_model_config
+from pagedllm.worker.cpu_threads import bind_cpu_threads
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "quantization": ("-q",)}
+_NOT_CLI_FLAGS = ("model",)  # commands take the model as MODEL (and --model) themselves
 logger = logging.getLogger(__name__)
 
 
@@ -89,10 +95,59 @@ class EngineArgs:
     limit_mm_per_prompt: dict | None = None  # e.g. {"image": 2}: more items in one prompt is a ValueError
     mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
     allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
+    disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
+    disable_log_requests: bool = False  # the server's per-request log lines
+    # vLLM's options kept for compatibility (engine_compat.COMPAT_ARGS: no-ops, or one supported value)
+    use_v2_block_manager: bool = True
+    num_scheduler_steps: int = 1
+    disable_custom_all_reduce: bool = False
+    max_seq_len_to_capture: int = 8192
+    max_context_len_to_capture: int | None = None
+    disable_async_output_proc: bool = False
+    multi_step_stream_outputs: bool = True
+    scheduler_delay_factor: float = 0.0
+    swap_space: float = 4
+    max_parallel_loading_workers: int | None = None
+    download_dir: str | None = None
+    code_revision: str | None = None
+    tokenizer_revision: str | None = None
+    enable_chunked_prefill: bool | None = None
+    preemption_mode: str | None = None
+    tokenizer_mode: str = "auto"
+    cpu_offload_gb: float = 0
+    disable_sliding_window: bool = False
+    scheduling_policy: str = "fcfs"
+    enable_sleep_mode: bool = False
+    otlp_traces_endpoint: str | None = None
 
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One --flag-name per field (vLLM's spelling and short forms -tp, -pp, -q), typed from the field's
+        annotation: booleans as --flag / --no-flag, dicts and Any as JSON. Absent flags keep the defaults."""
+        group = parser.add_argument_group("engine", "the engine's arguments (EngineArgs, LLM's keywords)")
+        for f in fields(cls):
+            if f.name in _NOT_CLI_FLAGS:
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+            kind = _flag_type(f.type)
+            if kind is bool:
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=SUPPRESS)
+            else:
+                group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**cls.cli_kwargs(args))
+
+    @classmethod
+    def cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The engine keywords the command line gave (the fields add_cli_args made flags for)."""
+        return {name: getattr(args, name) for name in cls.names() if name not in _NOT_CLI_FLAGS and hasattr(args, name)}
 
     def _device(self) -> torch.device:
         return parse_device(self.device)
@@ -157,6 +212,7 @@ class EngineArgs:
         )
 
     def create_engine_config(self) -> EngineConfig:
+        check_compat_args(vars(self))
         parallel = ParallelConfig(
             self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
         )
@@ -172,6 +228,8 @@ class EngineArgs:
         model = self.create_model_config(device)
         if speculative is not None and speculative.method == "draft_model":
             speculative.draft_model_config = draft_model_config(speculative, model)
+        if device.type == "cpu":
+            bind_cpu_threads()  # VLLM_CPU_OMP_THREADS_BIND, before the model loads
         cache = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -309,9 +367,7 @@ def _check_not_quantized(path: str, hf_config) -> None:
 def _check_max_model_len(max_len: int, longest: int) -> None:
     if max_len <= longest:
         return
-    allowed = next(
-        (v for v in ALLOW_LONG_MAX_MODEL_LEN if os.environ.get(v, "").strip().lower() in ("1", "true")), None
-    )
+    allowed = envs.allow_long_max_model_len()
     if allowed is not None:
         logger.warning(
             "max_model_len=%d is longer than the model's %d (%s is set): outputs past %d tokens may be wrong",
@@ -321,6 +377,19 @@ def _check_max_model_len(max_len: int, longest: int) -> None:
     raise ValueError(
         f"max_model_len={max_len} is out of range: [1, {longest}] (the model's max_position_embeddings or "
         "trained length, in its config, times its rope scaling factor); a longer one may give wrong outputs or "
-        f"fail. To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or "
-        f"{ALLOW_LONG_MAX_MODEL_LEN[1]}=1)"
+        "fail. To allow it anyway, set the environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or "
+        "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
     )
+
+
+def _json_flag(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The argparse type of a field from its annotation (a string here): the first type that is not None."""
+    first = next(p.strip() for p in str(annotation).split("|") if p.strip() != "None")
+    return {"bool": bool, "int": int, "float": float, "str": str}.get(first, _json_flag)

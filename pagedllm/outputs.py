@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # the pooling outputs, importable from here as from vllm.outputs
 from pagedllm.pooling.outputs import (  # noqa: F401
@@ -41,6 +41,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """vLLM's RequestOutput.metrics: wall-clock times (time.time(), seconds) of a request's milestones, None until
+    reached; time_in_queue is first_scheduled_time - arrival_time."""
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -49,3 +62,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = field(default=None, compare=False)  # timings differ between equal outputs

@@ -1,7 +1,8 @@
-"""Rewrites README.md's architectures table (between its marker comments) from pagedllm's model registry.
+"""Rewrites README.md's generated tables (each between its marker comments): the architectures (from the model
+registry) and the environment variables (from pagedllm/envs.py).
 
 python scripts/readme_tables.py           # rewrite README.md
-python scripts/readme_tables.py --check   # exit 1 if README.md's table is stale
+python scripts/readme_tables.py --check   # exit 1 if a table in README.md is stale
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from __future__ import annotations
 import pathlib
 import sys
 
+from pagedllm import envs
 from pagedllm.models.registry import get_model_class, native_architectures
 from pagedllm.models.transformers_fallback import check_transformers_supported
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
 
 # architecture -> family / notes (short); every native architecture needs one
 NOTES = {
@@ -91,13 +92,44 @@ def parallelism_of(architecture: str) -> str:
     return ", ".join(kinds) or "one GPU"
 
 
+def environment_table() -> str:
+    """The markdown table of the environment variables pagedllm reads (envs.ENV_VARS)."""
+    rows = []
+    for name, (default, meaning) in envs.ENV_VARS.items():
+        other = "PAGEDLLM_" + name.removeprefix("VLLM_")
+        rows.append(f"| `{name}` (`{other}`) | `{default}` | {meaning} |")
+    return "\n".join(["| Variable (pagedllm's spelling) | Default | Meaning |", "| --- | --- | --- |", *rows])
+
+
+def engine_args_table() -> str:
+    """Every EngineArgs field (an LLM keyword and a flag): works, a no-op, or supported at one value only."""
+    from dataclasses import fields
+
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.engine_compat import COMPAT_ARGS
+
+    rows = []
+    for f in fields(EngineArgs):
+        flag = "MODEL / `--model`" if f.name == "model" else f"`--{f.name.replace('_', '-')}`"
+        kind, _, why = COMPAT_ARGS.get(f.name, ("works", None, ""))
+        status = {"no-op": "accepted, no effect", "only": "default only (else an error)"}.get(kind, "works")
+        rows.append(f"| `{f.name}` | {flag} | {status} | {why} |")
+    return "\n".join(["| Keyword | Flag | Status | Why |", "| --- | --- | --- | --- |", *rows])
+
+
+TABLES = {"architectures": architectures_table, "environment": environment_table, "engine-args": engine_args_table}
+
+
 def rewrite(text: str) -> str:
-    """text with the block between the markers replaced by the current table."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"README.md needs the markers {BEGIN} and {END}")
-    return f"{head}{BEGIN}\n{architectures_table()}\n{END}{tail}"
+    """text with the block between each table's markers replaced by the current table."""
+    for name, table in TABLES.items():
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        head, sep, rest = text.partition(begin)
+        _, sep2, tail = rest.partition(end)
+        if not sep or not sep2:
+            raise SystemExit(f"README.md needs the markers {begin} and {end}")
+        text = f"{head}{begin}\n{table()}\n{end}{tail}"
+    return text
 
 
 def main(argv: list[str]) -> int:
@@ -105,7 +137,7 @@ def main(argv: list[str]) -> int:
     new = rewrite(text)
     if "--check" in argv:
         if new != text:
-            print("README.md's architectures table is stale: run python scripts/readme_tables.py")
+            print("a table in README.md is stale: run python scripts/readme_tables.py")
             return 1
         return 0
     README.write_text(new)

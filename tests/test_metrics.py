@@ -13,7 +13,7 @@ def test_histogram_buckets_are_cumulative():
     hist = HistogramData()
     for v in values:
         hist.observe(v)
-    metric = hist.to_metric("pagedllm:x_seconds", {"model_name": "m"})
+    metric = hist.to_metric("vllm:x_seconds", {"model_name": "m"})
     assert metric.count == len(values)
     assert metric.sum == sum(values)
     assert list(metric.buckets) == [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]

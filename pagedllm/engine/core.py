@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
@@ -22,7 +23,11 @@ _GRAMMAR_WAIT_S = 0.05  # a step with nothing to run waits this long at most for
 
 
 def default_cpu_kv_cache_bytes() -> int:
-    """On CPU with no setting: a quarter of the available memory, at most 4 GiB."""
+    """On CPU with no kv_cache_memory_bytes: VLLM_CPU_KVCACHE_SPACE GiB, else a quarter of the available memory, at
+    most 4 GiB (vLLM's default)."""
+    configured = envs.cpu_kvcache_space_bytes()
+    if configured is not None:
+        return configured
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -8,12 +8,13 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.metrics import Counter, Gauge, Metric
+from pagedllm.metrics import PREFIX, Gauge, Metric, engine_metrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -199,7 +200,7 @@ class LLMEngine:
                 Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens, cache_salt, vocab)
             )
             seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
-        return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs)
+        return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs, requests)
 
     def add_lora(self, lora_request) -> bool:
         """Reads and checks a LoRA adapter (ValueError naming what is wrong) and keeps it ready; False if its id was
@@ -230,9 +231,49 @@ class LLMEngine:
         self.output_processor.add_request(state)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None, prompt_text: str | None = None
     ) -> None:
-        self.add(*self.make_request(prompt, prompt_token_ids, params, request_id))
+        """vLLM's add_request: `prompt` is a text, {"prompt": text}, {"prompt_token_ids": [...]} or a token-id list
+        (then `prompt_text`, if given, is its text)."""
+        text, token_ids = self.parse_prompt(prompt, prompt_text)
+        self.add(*self.make_request(text, token_ids, params if params is not None else SamplingParams(), request_id))
+
+    def parse_prompt(self, prompt: Any, prompt_text: str | None = None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None or self.config.model.skip_tokenizer_init:
+                raise ValueError("a text prompt needs a tokenizer (skip_tokenizer_init=True gives none)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return prompt_text, list(prompt)
+        raise TypeError(f"prompt has type {type(prompt).__name__}; expected str, a prompt dict or list[int]")
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> LLMEngine:
+        """vLLM's LLMEngine.from_engine_args(EngineArgs(model=...)) for a generative model."""
+        from pagedllm.tokenizer import get_tokenizer
+
+        config = engine_args.create_engine_config()
+        if config.model.runner == "pooling":
+            raise ValueError(f"{config.model.architecture} is a pooling model: use LLM(...).embed/classify/score")
+        tokenizer = None
+        if not engine_args.skip_tokenizer_init:
+            model = config.model
+            tokenizer = get_tokenizer(model.model_path, engine_args.tokenizer, model.trust_remote_code,
+                                      engine_args.revision)  # fmt: skip
+        return cls(config, tokenizer)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    def get_model_config(self):
+        return self.config.model
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Aborts one request (its id) or several (an iterable of ids); unknown ids are ignored."""
@@ -264,44 +305,13 @@ class LLMEngine:
         return self.core.scheduler.kv.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters, gauges and latency histograms now (vLLM's names, `pagedllm:` prefix)."""
-        sched = self.core.scheduler
-        stats = self.output_processor.stats
+        """The engine's counters, gauges and histograms now, under vLLM's names (`vllm:` prefix)."""
         labels = {"model_name": self.config.model.model}
-        metrics: list[Metric] = [
-            Gauge("pagedllm:num_requests_running", labels, len(sched.running)),
-            Gauge("pagedllm:num_requests_waiting", labels, len(sched.waiting)),
-            Gauge("pagedllm:kv_cache_usage_perc", labels, sched.kv.pool.usage()),
-            Counter("pagedllm:prefix_cache_queries_total", labels, sched.kv.num_queries),
-            Counter("pagedllm:prefix_cache_hits_total", labels, sched.kv.num_hits),
-            Counter("pagedllm:num_preemptions_total", labels, sched.num_preemptions),
-            Counter("pagedllm:prompt_tokens_total", labels, stats.prompt_tokens),
-            Counter("pagedllm:generation_tokens_total", labels, stats.generation_tokens),
-        ]
-        if self.config.speculative_config is not None:
-            metrics += _spec_decode_metrics(sched, labels)
+        metrics = engine_metrics(self.core.scheduler, self.output_processor.stats, labels,
+                                 self.config.speculative_config is not None)  # fmt: skip
         if self.config.lora is not None:
-            metrics.append(_lora_info(sched, self.config.lora.max_loras))
-        for reason, count in stats.success_by_reason.items():
-            metrics.append(Counter("pagedllm:request_success_total", {**labels, "finished_reason": reason}, count))
-        metrics.append(stats.time_to_first_token.to_metric("pagedllm:time_to_first_token_seconds", labels))
-        metrics.append(stats.inter_token_latency.to_metric("pagedllm:inter_token_latency_seconds", labels))
-        metrics.append(stats.e2e_request_latency.to_metric("pagedllm:e2e_request_latency_seconds", labels))
+            metrics.append(_lora_info(self.core.scheduler, self.config.lora.max_loras))
         return metrics
-
-
-def _spec_decode_metrics(sched, labels: dict[str, str]) -> list[Metric]:
-    """vLLM's speculative-decoding counters: draft sequences, draft tokens, accepted tokens, and accepted tokens
-    per position in the draft sequence (label `position`)."""
-    metrics: list[Metric] = [
-        Counter("pagedllm:spec_decode_num_drafts_total", labels, sched.num_drafts),
-        Counter("pagedllm:spec_decode_num_draft_tokens_total", labels, sched.num_draft_tokens),
-        Counter("pagedllm:spec_decode_num_accepted_tokens_total", labels, sched.num_accepted_tokens),
-    ]
-    for pos, count in enumerate(sched.num_accepted_per_pos):
-        name = "pagedllm:spec_decode_num_accepted_tokens_per_pos_total"
-        metrics.append(Counter(name, {**labels, "position": str(pos)}, count))
-    return metrics
 
 
 def _lora_info(sched, max_loras: int) -> Metric:
@@ -316,7 +326,7 @@ def _lora_info(sched, max_loras: int) -> Metric:
         "running_lora_adapters": names(sched.running),
         "waiting_lora_adapters": names(sched.waiting),
     }
-    return Gauge("pagedllm:lora_requests_info", labels, time.time())
+    return Gauge(f"{PREFIX}lora_requests_info", labels, time.time())
 
 
 def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -10,7 +10,7 @@ import time
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.scheduler import EngineCoreOutput
 from pagedllm.metrics import RequestStats
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -112,7 +112,13 @@ class RequestState:
     """A user request: its prompt and the sequences generated for it (n, or best_of to pick n from)."""
 
     def __init__(
-        self, req_id: str, prompt: str | None, prompt_token_ids: list[int], n: int, sequences: dict[str, SequenceState]
+        self,
+        req_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        n: int,
+        sequences: dict[str, SequenceState],
+        core_requests: list | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt = prompt
@@ -122,6 +128,10 @@ class RequestState:
         self.num_cached_tokens = 0
         self.arrival_time = time.monotonic()
         self.last_token_time: float | None = None  # None until the first token
+        self.core_requests = core_requests or []  # the engine's Requests (first scheduled time, max_tokens)
+        self.scheduled_time: float | None = None  # first admission of any of its sequences
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         first = next(iter(sequences.values()))
         self.tokenizer = first.tokenizer
         wants_prompt_logprobs = first.params.prompt_logprobs is not None
@@ -148,6 +158,25 @@ class RequestState:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self._metrics(),
+        )
+
+    def _metrics(self) -> RequestMetrics:
+        """The milestones so far, on the wall clock (they are kept on the monotonic one)."""
+        shift = time.time() - time.monotonic()
+        scheduled = [r.first_scheduled_time for r in self.core_requests if r.first_scheduled_time is not None]
+        first_scheduled = self.scheduled_time if self.scheduled_time is not None else min(scheduled, default=None)
+
+        def wall(t: float | None) -> float | None:
+            return None if t is None else t + shift
+
+        return RequestMetrics(
+            arrival_time=self.arrival_time + shift,
+            last_token_time=wall(self.last_token_time),
+            first_scheduled_time=wall(first_scheduled),
+            first_token_time=wall(self.first_token_time),
+            time_in_queue=None if first_scheduled is None else first_scheduled - self.arrival_time,
+            finished_time=wall(self.finished_time),
         )
 
 
@@ -206,6 +235,7 @@ class OutputProcessor:
             elif not stopped and out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             if state.finished:
+                state.finished_time = now
                 output = state.to_output()
                 self._record_finish(state, output)
                 finished.append(output)
@@ -220,12 +250,29 @@ class OutputProcessor:
         if state.last_token_time is None:
             stats.prompt_tokens += len(state.prompt_token_ids)
             stats.time_to_first_token.observe(now - state.arrival_time)
+            times = [r.first_scheduled_time for r in state.core_requests if r.first_scheduled_time is not None]
+            state.scheduled_time = min(times, default=state.arrival_time)
+            state.first_token_time = now
+            stats.request_queue_time.observe(state.scheduled_time - state.arrival_time)
+            stats.request_prefill_time.observe(now - state.scheduled_time)
         elif now > state.last_token_time:  # sequences of one request share a step: one interval per step
             stats.inter_token_latency.observe(now - state.last_token_time)
         state.last_token_time = now
 
     def _record_finish(self, state: RequestState, output: RequestOutput) -> None:
         reason = output.outputs[0].finish_reason if output.outputs else None
-        if reason in self.stats.success_by_reason:
-            self.stats.success_by_reason[reason] += 1
-        self.stats.e2e_request_latency.observe(time.monotonic() - state.arrival_time)
+        stats, now = self.stats, time.monotonic()
+        if reason in stats.success_by_reason:
+            stats.success_by_reason[reason] += 1
+        stats.e2e_request_latency.observe(now - state.arrival_time)
+        first_token = state.first_token_time if state.first_token_time is not None else now
+        stats.request_decode_time.observe(now - first_token)
+        scheduled = state.scheduled_time if state.scheduled_time is not None else state.arrival_time
+        stats.request_inference_time.observe(now - scheduled)
+        lengths = [len(s.token_ids) for s in state.sequences.values()]
+        stats.request_prompt_tokens.observe(len(state.prompt_token_ids))
+        stats.request_generation_tokens.observe(sum(lengths))
+        stats.request_max_num_generation_tokens.observe(max(lengths, default=0))
+        stats.request_params_n.observe(state.n)
+        if state.core_requests:
+            stats.request_params_max_tokens.observe(state.core_requests[0].max_tokens)

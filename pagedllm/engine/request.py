@@ -57,6 +57,7 @@ class Request:
         # tokens scheduled to be sampled whose values have not come back from the device yet (async scheduling)
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        self.first_scheduled_time: float | None = None  # time.monotonic() at first admission (metrics)
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, filled by the KV manager
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -233,6 +234,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.lora_int_id:

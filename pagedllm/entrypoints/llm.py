@@ -82,8 +82,13 @@ class LLM(PoolingAPI):
         limit_mm_per_prompt: dict | None = None,
         mm_processor_kwargs: dict | None = None,
         allowed_local_media_path: str = "",
+        **kwargs: Any,
     ) -> None:
-        args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
+        """Every EngineArgs field is a keyword (the ones not listed above through **kwargs, as vLLM's LLM)."""
+        unknown = sorted(set(kwargs) - set(EngineArgs.names()))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
+        args = {k: v for k, v in locals().items() if k in EngineArgs.names()} | kwargs
         self.engine_args = EngineArgs(**args)
         config = self.engine_args.create_engine_config()
         from pagedllm.entrypoints.data_parallel import start_replicas  # here: it is also the replicas' __main__
@@ -151,7 +156,7 @@ class LLM(PoolingAPI):
         return self.llm_engine.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. pagedllm:prefix_cache_hits_total)."""
+        """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. vllm:prefix_cache_hits_total)."""
         return self.llm_engine.get_metrics()
 
     # -- generate -----------------------------------------------------------------------------------------------

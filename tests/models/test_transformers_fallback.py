@@ -17,7 +17,8 @@ from test_model_parity import _hf_greedy, _our_logits
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, add_serve_parser
+from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 from pagedllm.models.registry import native_architectures, resolve_model_impl
 from pagedllm.models.transformers_fallback import TransformersForCausalLM
 
@@ -197,7 +198,7 @@ def test_serve_flag_and_pooling_refusal(tmp_path):
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "m", "--model-impl", "transformers"])
-    assert args.model_impl == "transformers" and "model_impl" in ENGINE_FLAGS  # handed to LLM(...)
+    assert args.model_impl == "transformers" and EngineArgs.cli_kwargs(args)["model_impl"] == "transformers"
     bert = T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
     bert.architectures = ["BertModel"]
     with pytest.raises(ValueError, match=r"'BertModel'.*not among them"):  # no causal LM: refused before loading

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,7 +33,10 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
+from pagedllm.entrypoints.openai.serving_generate import add_generate_route
 from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
+from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes
+from pagedllm.entrypoints.openai.serving_profile import add_profile_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
 logger = logging.getLogger(__name__)
@@ -65,7 +69,9 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.expected is not None and scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
+        path, root = scope["path"], scope.get("root_path", "")
+        path = path[len(root) :] if root and path.startswith(root) else path  # uvicorn puts --root-path in front
+        if self.expected is not None and path not in PUBLIC_PATHS and not self._authorized(scope):
             body = error_body("Invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
             return await _send_json(send, 401, body)
         if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -143,7 +149,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
-def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+def build_app(state: ServerState, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
+    """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -153,8 +161,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    if cors is not None:  # added last: the outermost layer
+        app.add_middleware(CORSMiddleware, **cors)
     _add_error_handlers(app)
     _add_routes(app, state, __version__)
+    add_pooling_routes(app, state)  # /v1/score, /v1/rerank, /pooling
+    add_generate_route(app, state)  # the demo server's /generate
+    add_profile_routes(app, state)  # /start_profile, /stop_profile with VLLM_TORCH_PROFILER_DIR
     return app
 
 
@@ -217,6 +230,7 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
         for metric in found:
             if "model_name" in metric.labels:
                 metric.labels["model_name"] = state.served_model_names[0]
+        found += metrics_text.renamed(found, state.metrics_prefixes)
         return PlainTextResponse(metrics_text.render(found), media_type=metrics_text.CONTENT_TYPE)
 
     add_lora_routes(app, state)  # only where runtime LoRA updating is allowed

@@ -126,6 +126,7 @@ class AsyncEngine:
         self._running = False
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._pool = DaemonThreads(NUM_PREPARE_THREADS, "pagedllm-prepare")
+        self.request_logger = None  # server_logging.RequestLogger, or None (--disable-log-requests)
 
     # -- lifecycle (event-loop side) ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -199,6 +200,8 @@ class AsyncEngine:
             prompts = make_prompts()
             if check is not None:
                 check(prompts)
+            for rid, (text, tokens) in zip(ids, prompts) if self.request_logger is not None else ():
+                self.request_logger.received(rid, text, tokens, params)
             lora = {"lora_request": lora_request} if lora_request is not None else {}
             return [  # a pair may carry its processed images (multimodal.inputs.ProcessedPair)
                 engine.make_request(
@@ -273,11 +276,15 @@ class AsyncEngine:
             stream.deliver(out, out.request_id)
             if out.finished:
                 del self._streams[out.request_id]
+                if self.request_logger is not None:
+                    self.request_logger.finished(out.request_id)
 
     def _abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
         if ids and self.generates:
             self.engine.abort_request(ids)
+            if self.request_logger is not None:
+                self.request_logger.aborted(ids)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -1,4 +1,5 @@
-"""`pagedllm serve [MODEL] [options]`: the server's flags and the engine's (LLM's arguments, vLLM's flag names).
+"""`pagedllm serve [MODEL] [options]`: the server's flags, and the engine's from EngineArgs.add_cli_args (vLLM's
+flag names; the one definition of the engine's options).
 
 Only argparse lives here, so `pagedllm --help` works without the `serve` extra; the server is imported when the
 command runs."""
@@ -9,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_BAD_WORDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -20,79 +22,13 @@ from pagedllm.entrypoints.openai.limits import (
 )
 
 
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-
-
-_BOOL = "bool"
-# LLM argument -> flag type; each becomes --flag-name (absent flags keep LLM's defaults)
-ENGINE_FLAGS: dict[str, Any] = {
-    "tokenizer": str,
-    "revision": str,
-    "dtype": str,
-    "seed": int,
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "block_size": int,
-    "gpu_memory_utilization": float,
-    "enforce_eager": _BOOL,
-    "async_scheduling": _BOOL,
-    "tensor_parallel_size": int,
-    "pipeline_parallel_size": int,
-    "distributed_executor_backend": str,
-    "data_parallel_size": int,
-    "trust_remote_code": _BOOL,
-    "hf_overrides": _json,
-    "rope_scaling": _json,
-    "rope_theta": float,
-    "load_format": str,
-    "quantization": str,
-    "num_gpu_blocks_override": int,
-    "kv_cache_memory_bytes": int,
-    "kv_cache_dtype": str,
-    "enable_prefix_caching": _BOOL,
-    "compilation_config": _json,
-    "device": str,
-    "generation_config": str,
-    "attention_backend": str,
-    "task": str,
-    "runner": str,
-    "convert": str,
-    "pooler_config": _json,
-    "model_impl": str,
-    "speculative_config": _json,
-    "enable_lora": _BOOL,
-    "max_loras": int,
-    "max_lora_rank": int,
-    "max_cpu_loras": int,
-    "lora_dtype": str,
-    "limit_mm_per_prompt": _json,  # e.g. '{"image": 2}'
-    "mm_processor_kwargs": _json,
-    "allowed_local_media_path": str,
-}
-ENGINE_FLAG_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine", "the arguments of LLM(...); omitted ones keep LLM's defaults")
-    for name, kind in ENGINE_FLAGS.items():
-        flags = ["--" + name.replace("_", "-"), *filter(None, [ENGINE_FLAG_SHORT.get(name)])]
-        if kind is _BOOL:
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        else:
-            group.add_argument(*flags, dest=name, type=kind, default=argparse.SUPPRESS)
-
-
 def add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="run an OpenAI-compatible HTTP server",
         description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/embeddings "
-        "(--task embed), /v1/models, /tokenize, /detokenize, /health, /version, /metrics.",
+        "(--task embed), /v1/score, /v1/rerank, /pooling (pooling models), /generate, /v1/models, /tokenize, "
+        "/detokenize, /health, /version, /metrics.",
     )
     serve.add_argument("model", nargs="?", default=None, help="model directory, .gguf file or cached repo id")
     serve.add_argument("--model", dest="model_flag", default=None, help="the same as the positional MODEL")
@@ -151,8 +87,18 @@ def add_serve_parser(sub: Any) -> None:
         default=30,
         help="on SIGTERM, seconds in-flight requests may take to finish before they are cut (default: 30)",
     )
+    _add_http_flags(serve)
+    serve.add_argument(
+        "--metrics-prefix",
+        action="append",
+        default=[],
+        help="also show every /metrics family under this prefix (e.g. pagedllm), beside vLLM's `vllm:` names",
+    )
+    serve.add_argument(
+        "--max-log-len", type=int, default=None, help="most prompt characters / token ids a request log line shows"
+    )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _add_engine_flags(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
 
@@ -178,13 +124,37 @@ def _add_tool_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings, e.g. '[\"*\"]'")
+    return value
+
+
+def _add_http_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's CORS, SSL and root-path flags, with vLLM's defaults."""
+    http = serve.add_argument_group("http", "CORS, TLS and proxy settings (vLLM's flags and defaults)")
+    http.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins (JSON; default ["*"])')
+    http.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON)")
+    http.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON)")
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    http.add_argument("--root-path", default=None, help="the path prefix a proxy serves this app under")
+    http.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS)")
+    http.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    http.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with")
+    http.add_argument("--ssl-cert-reqs", type=int, default=0, help="client certificate: 0 none, 1 optional, 2 required")
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} differ: give one")
     args.model = args.model or args.model_flag
-    engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+    engine_kwargs = EngineArgs.cli_kwargs(args)
     if engine_kwargs.get("data_parallel_size", 1) != 1:
         raise ValueError(
             f"--data-parallel-size={engine_kwargs['data_parallel_size']}: the server runs one engine (allowed: 1); "

@@ -8,24 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.server_logging import RequestLogger, start_stats_thread
 from pagedllm.entrypoints.openai.serving_utils import ServerState
 
-API_KEY_ENV = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
 
-
-def resolve_api_key(flag: str | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
-    """--api-key, else the first non-empty of API_KEY_ENV, else None (no key required)."""
-    if flag:
-        return flag
-    return next((environ[name] for name in API_KEY_ENV if environ.get(name)), None)
+def resolve_api_key(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """--api-key, else $PAGEDLLM_API_KEY, else $VLLM_API_KEY (envs), else None (no key required)."""
+    return flag or envs.api_key(environ)
 
 
 class HalfCloseProtocol(H11Protocol):
@@ -94,6 +93,11 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     template = load_chat_template(args.chat_template) if args.chat_template else None
     llm = LLM(args.model, **engine_kwargs)
     engine = AsyncEngine(llm)
+    if not llm.engine_args.disable_log_requests:
+        engine.request_logger = RequestLogger(args.max_log_len)
+    stop_stats = None
+    if not llm.engine_args.disable_log_stats and engine.generates:
+        stop_stats = start_stats_thread(engine.engine, envs.log_stats_interval())
     names = served_names(args.model, args.served_model_name, llm.llm_engine.config.model.model_path)
     loras = lora_modules(llm, getattr(args, "lora_modules", None), names)
     state = ServerState(engine, names, limits, template, args.chat_template_content_format, lora_modules=loras)
@@ -104,7 +108,14 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         state.reasoning_parser = args.reasoning_parser
         markers = reasoning_markers(get_reasoning_parser(args.reasoning_parser), llm.get_tokenizer())
         llm.llm_engine.reasoning_markers = markers  # a structured output's grammar starts after the reasoning
-    app = build_app(state, resolve_api_key(args.api_key))
+    state.metrics_prefixes = tuple(args.metrics_prefix)
+    cors = dict(
+        allow_origins=args.allowed_origins,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+    )
+    app = build_app(state, resolve_api_key(args.api_key), cors)
     engine.start()
     config = uvicorn.Config(
         app,
@@ -114,7 +125,14 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
         access_log=args.uvicorn_log_level == "debug",
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     _Server(config).run()
+    if stop_stats is not None:
+        stop_stats.set()
     engine.stop()
     return 0

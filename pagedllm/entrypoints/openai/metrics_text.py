@@ -1,25 +1,41 @@
 """The engine's metrics (LLMEngine.get_metrics(): Counter / Gauge / Histogram objects already named
-`pagedllm:...`) in Prometheus' text exposition format, version 0.0.4."""
+`vllm:...`) in Prometheus' text exposition format, version 0.0.4."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from pagedllm.metrics import Counter, Gauge, Histogram, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _HELP = {
-    "pagedllm:num_requests_running": "Number of requests in the model execution batch.",
-    "pagedllm:num_requests_waiting": "Number of requests waiting to be processed.",
-    "pagedllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
-    "pagedllm:prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
-    "pagedllm:prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
-    "pagedllm:num_preemptions_total": "Cumulative number of preemptions from the engine.",
-    "pagedllm:prompt_tokens_total": "Number of prefill tokens processed.",
-    "pagedllm:generation_tokens_total": "Number of generation tokens processed.",
-    "pagedllm:request_success_total": "Count of successfully processed requests.",
-    "pagedllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
-    "pagedllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
-    "pagedllm:e2e_request_latency_seconds": "Histogram of end to end request latency in seconds.",
+    "num_requests_running": "Number of requests in the model execution batch.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "num_requests_swapped": "Number of requests swapped to CPU (always 0: pagedllm preempts by recomputation).",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "gpu_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage (older name of kv_cache_usage_perc).",
+    "cpu_cache_usage_perc": "CPU swap-space usage (always 0: pagedllm does not swap).",
+    "gpu_prefix_cache_hit_rate": "Prefix cache hit rate over all queried tokens so far.",
+    "prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
+    "num_preemptions_total": "Cumulative number of preemptions from the engine.",
+    "prompt_tokens_total": "Number of prefill tokens processed.",
+    "generation_tokens_total": "Number of generation tokens processed.",
+    "request_success_total": "Count of successfully processed requests.",
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "time_per_output_token_seconds": "Histogram of time per output token in seconds (older name).",
+    "e2e_request_latency_seconds": "Histogram of end to end request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "request_params_n": "Histogram of the n request parameter.",
 }
 
 
@@ -68,7 +84,16 @@ def render(metrics: list[Metric]) -> str:
         families.setdefault(name, (kind, []))[1].extend(_samples(metric))
     lines = []
     for name, (kind, samples) in families.items():
-        lines.append(f"# HELP {name} {_HELP.get(name, name)}")
+        lines.append(f"# HELP {name} {_HELP.get(name.partition(':')[2], name)}")
         lines.append(f"# TYPE {name} {kind}")
         lines.extend(samples)
     return "\n".join(lines) + "\n"
+
+
+def renamed(metrics: list[Metric], prefixes: tuple[str, ...]) -> list[Metric]:
+    """Copies of the metrics under each other prefix (`vllm:x` -> `pagedllm:x` for prefix "pagedllm")."""
+    return [
+        dataclasses.replace(m, name=f"{prefix.rstrip(':')}:{m.name.partition(':')[2]}", labels=dict(m.labels))
+        for prefix in prefixes
+        for m in metrics
+    ]

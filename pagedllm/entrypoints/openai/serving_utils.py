@@ -33,6 +33,7 @@ class ServerState:
     enable_auto_tools: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser: the <think> section goes to reasoning_content
     lora_modules: dict = field(default_factory=dict)  # served name -> LoRARequest (--lora-modules)
+    metrics_prefixes: tuple[str, ...] = ()  # /metrics also shows each family under these prefixes (--metrics-prefix)
     _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 
     @property

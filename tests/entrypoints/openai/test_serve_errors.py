@@ -151,19 +151,19 @@ def test_tokenize_detokenize(server, offline_llm):
 
 
 METRIC_NAMES = [
-    "pagedllm:num_requests_running",
-    "pagedllm:num_requests_waiting",
-    "pagedllm:kv_cache_usage_perc",
-    "pagedllm:prompt_tokens_total",
-    "pagedllm:generation_tokens_total",
-    "pagedllm:num_preemptions_total",
-    "pagedllm:request_success_total",
-    "pagedllm:prefix_cache_queries_total",
-    "pagedllm:prefix_cache_hits_total",
-    "pagedllm:time_to_first_token_seconds_bucket",
-    "pagedllm:inter_token_latency_seconds_bucket",
-    "pagedllm:e2e_request_latency_seconds_bucket",
-    "pagedllm:e2e_request_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_count",
 ]
 
 
@@ -178,10 +178,10 @@ def test_metrics_exposition(server):
             samples.setdefault(name_labels.split("{")[0], []).append((name_labels, float(value)))
     for name in METRIC_NAMES:
         assert name in samples, name
-    assert "# TYPE pagedllm:prompt_tokens_total counter" in text  # prometheus-client's layout
-    assert "# TYPE pagedllm:time_to_first_token_seconds histogram" in text
-    assert samples["pagedllm:generation_tokens_total"][0][1] >= 2
-    buckets = [v for _, v in samples["pagedllm:e2e_request_latency_seconds_bucket"]]
-    assert buckets == sorted(buckets) and buckets[-1] == samples["pagedllm:e2e_request_latency_seconds_count"][0][1]
-    assert 'le="+Inf"' in samples["pagedllm:e2e_request_latency_seconds_bucket"][-1][0]
-    assert f'model_name="{MODEL_NAME}"' in samples["pagedllm:num_requests_running"][0][0]
+    assert "# TYPE vllm:prompt_tokens_total counter" in text  # prometheus-client's layout
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert samples["vllm:generation_tokens_total"][0][1] >= 2
+    buckets = [v for _, v in samples["vllm:e2e_request_latency_seconds_bucket"]]
+    assert buckets == sorted(buckets) and buckets[-1] == samples["vllm:e2e_request_latency_seconds_count"][0][1]
+    assert 'le="+Inf"' in samples["vllm:e2e_request_latency_seconds_bucket"][-1][0]
+    assert f'model_name="{MODEL_NAME}"' in samples["vllm:num_requests_running"][0][0]

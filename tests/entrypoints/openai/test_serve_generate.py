@@ -162,8 +162,8 @@ def _metric(server, name: str) -> float:
 def _wait_idle(server, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        running = _metric(server, "pagedllm:num_requests_running")
-        if running == 0 and _metric(server, "pagedllm:kv_cache_usage_perc") == 0:
+        running = _metric(server, "vllm:num_requests_running")
+        if running == 0 and _metric(server, "vllm:kv_cache_usage_perc") == 0:
             return
         time.sleep(0.1)
     raise AssertionError("the request was not aborted: it still runs or holds KV-cache blocks")
@@ -188,8 +188,8 @@ def test_disconnect_aborts_streaming_and_non_streaming(server):
         if line.startswith("data: "):
             data.append(json.loads(line[6:]))
     assert data[0]["choices"][0]["finish_reason"] is None
-    assert _metric(server, "pagedllm:num_requests_running") == 1
-    assert _metric(server, "pagedllm:kv_cache_usage_perc") > 0
+    assert _metric(server, "vllm:num_requests_running") == 1
+    assert _metric(server, "vllm:kv_cache_usage_perc") > 0
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     _wait_idle(server)  # the closed stream aborted its request and freed its blocks

@@ -189,11 +189,11 @@ def test_metrics_parse_with_prometheus_client(server):
     text = server.request("GET", "/metrics", auth=False)[1]
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}
     for name in ("prompt_tokens", "generation_tokens", "request_success", "prefix_cache_queries"):
-        family = families[f"pagedllm:{name}"]
+        family = families[f"vllm:{name}"]
         assert family.type == "counter" and family.samples, name
-        assert all(s.name == f"pagedllm:{name}_total" for s in family.samples)
-    assert families["pagedllm:generation_tokens"].samples[0].value >= 1
-    assert families["pagedllm:e2e_request_latency_seconds"].type == "histogram"
+        assert all(s.name == f"vllm:{name}_total" for s in family.samples)
+    assert families["vllm:generation_tokens"].samples[0].value >= 1
+    assert families["vllm:e2e_request_latency_seconds"].type == "histogram"
     assert all(f.type != "unknown" for f in families.values())
 
 

@@ -96,7 +96,7 @@ class _Engine:
         raise ValueError(f"prompt length {len(token_ids)} is refused by this fake engine")
 
     def get_metrics(self):
-        return [Counter("pagedllm:prompt_tokens_total", {"model_name": "fake"}, 7)]
+        return [Counter("vllm:prompt_tokens_total", {"model_name": "fake"}, 7)]
 
 
 async def _asgi(app, method: str, path: str, body: dict | None = None) -> tuple[int, str]:
@@ -151,7 +151,7 @@ def test_preparation_and_metrics_never_wait_for_the_engine_thread():
         metrics, health, tokenized, refused, too_long = asyncio.run(_while_engine_busy(app, engine))
     finally:
         engine.stop()
-    assert metrics[0] == 200 and 'pagedllm:prompt_tokens_total{model_name="fake"} 7.0' in metrics[1]
+    assert metrics[0] == 200 and 'vllm:prompt_tokens_total{model_name="fake"} 7.0' in metrics[1]
     assert health[0] == 200
     assert tokenized[0] == 200 and json.loads(tokenized[1])["tokens"] == [ord(c) % 50 for c in "abc"]
     assert refused[0] == 400 and "prompt length 4 is refused" in json.loads(refused[1])["error"]["message"]

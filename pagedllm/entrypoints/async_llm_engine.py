@@ -1,0 +1,82 @@
+"""vLLM's AsyncLLMEngine for asyncio programs: `AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=...))`,
+`generate(prompt, params, request_id)` and `encode(...)` as async generators of cumulative outputs, `abort(id)`.
+
+The engine runs on its own thread (the server's AsyncEngine): steps never block the event loop, and many
+generate() calls at once are batched together."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs for AsyncLLMEngine (the same fields; vLLM's name)."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.engine = AsyncEngine(llm)
+        self.engine.start()
+        self._streams: dict[str, tuple[RequestStream, str]] = {}  # user request id -> (stream, engine request id)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLMEngine:
+        from pagedllm import LLM
+
+        values = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
+        return cls(LLM(values.pop("model"), **values))
+
+    async def generate(
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, **_: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's cumulative output after each step that gave it tokens; the last has finished=True."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        core = self.engine.engine
+
+        def make_prompts() -> list[tuple[str | None, list[int]]]:
+            return [core.parse_prompt(prompt)]
+
+        stream = await self.engine.generate(make_prompts, 1, sampling_params, request_id)
+        self._streams[request_id] = (stream, f"{request_id}-0")
+        try:
+            async with stream:
+                async for _, out in stream:
+                    yield dataclasses.replace(out, request_id=request_id)
+        finally:
+            self._streams.pop(request_id, None)
+
+    async def encode(self, prompt: Any, pooling_params: Any = None, request_id: str | None = None, **kwargs: Any):
+        """A pooling model's output (one, finished) as an async generator, as vLLM's encode."""
+        outputs = await self.engine.call(self.llm.encode, prompt, pooling_params, use_tqdm=False, **kwargs)
+        for out in outputs:
+            yield out
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Ends the requests: their generate() loops stop without a finished output."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            found = self._streams.pop(rid, None)
+            if found is not None:
+                stream, engine_id = found
+                self.engine.abort([engine_id])
+                stream.unfinished.clear()
+                stream.ready.set()  # wakes the generate() loop, which then ends
+
+    async def get_model_config(self):
+        return self.llm.llm_engine.config.model
+
+    async def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def shutdown(self) -> None:
+        self.engine.stop()
