@@ -15,6 +15,12 @@ from pagedllm.worker.pooling_runner import PoolingRequest, PoolingRunner
 
 class PoolingEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
+        if config.parallel.world_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.parallel.tensor_parallel_size}, pipeline_parallel_size="
+                f"{config.parallel.pipeline_parallel_size}: pooling models (embed, classify, score) run on one GPU "
+                "(allowed: 1 and 1); data_parallel_size splits their prompts over replicas"
+            )
         self.config = config
         self.tokenizer = tokenizer
         self.spec = config.model.pooler  # PoolingSpec: tasks, pooling type, normalization, Matryoshka sizes
