@@ -37,7 +37,12 @@ from pagedllm.spec_decode.draft_model import draft_model_config
 from pagedllm.worker.cpu_threads import bind_cpu_threads
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "quantization": ("-q",)}
+_SHORT_FLAGS = {
+    "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
+    "data_parallel_size": ("-dp",),
+    "quantization": ("-q",),
+}
 _NOT_CLI_FLAGS = ("model",)  # commands take the model as MODEL (and --model) themselves
 logger = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@ the cache's bytes per block. The FP8 cache's kernels are tested in tests/kernels
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -16,7 +17,6 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine_args import EngineArgs
-from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model
 from pagedllm.worker.model_runner import ModelRunner
@@ -73,7 +73,8 @@ def test_fp8_cache_on_cpu_is_refused_before_loading(tiny, value):
 
 
 def test_flag_and_default():
-    assert ENGINE_FLAGS["kv_cache_dtype"] is str
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.cli_kwargs(parser.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
     assert EngineArgs().kv_cache_dtype == "auto"
 
 
