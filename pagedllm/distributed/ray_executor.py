@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.mp_executor import WorkerFailed
 from pagedllm.distributed.parallel_state import RankInfo
-from pagedllm.distributed.worker import Worker, WorkerSpec, _warm_cpu_kernels
+from pagedllm.distributed.worker import Worker, WorkerSpec, warm_cpu_kernels
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 PLACEMENT_TIMEOUT_S = 60.0  # the cluster has this long to reserve every rank's bundle
@@ -69,7 +69,7 @@ class RayWorker:
 
     def warm(self, config: EngineConfig) -> None:
         """Imports and builds the CPU kernels before the groups' rendezvous, so that no rank waits on another."""
-        _warm_cpu_kernels(config.device.device)
+        warm_cpu_kernels(config.device.device)
 
     def start(self, config: EngineConfig, spec: WorkerSpec) -> None:
         if config.device.device.type == "cuda":

@@ -49,7 +49,7 @@ class Worker:
             config = replace(config, device=replace(config.device, device=device))
         elif spec.num_threads:
             torch.set_num_threads(spec.num_threads)
-        _warm_cpu_kernels(device)
+        warm_cpu_kernels(device)
         if store is None:
             store = dist.TCPStore(spec.store_host, spec.store_port, spec.info.world_size, is_master=False)
         timeout = spec.timeout_s if device.type != "cuda" else max(spec.timeout_s, _NCCL_MIN_TIMEOUT_S)
@@ -89,7 +89,7 @@ class Worker:
         self.groups.shutdown()
 
 
-def _warm_cpu_kernels(device: torch.device) -> None:
+def warm_cpu_kernels(device: torch.device) -> None:
     """Builds (or loads) the C kernels before the first collective, so no rank waits on another's compiler."""
     if device.type == "cpu":
         from pagedllm.kernels import cpu_kernels
@@ -97,7 +97,7 @@ def _warm_cpu_kernels(device: torch.device) -> None:
         cpu_kernels.compiled()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ends this process within a second of the engine's process dying, however it dies (the main thread may be
     waiting in a collective that will never complete)."""
     parent = os.getppid()
@@ -116,7 +116,7 @@ def serve(conn: Connection) -> None:
     "launch" gets no answer, the others get ("ok", result) or ("error", traceback). Ends when the engine hangs up."""
     try:
         config, spec = conn.recv()
-        _warm_cpu_kernels(config.device.device)
+        warm_cpu_kernels(config.device.device)
         conn.send(("ok", None))
         worker = Worker(config, spec)
         conn.send(("ok", None))
@@ -141,7 +141,7 @@ def serve(conn: Connection) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which ends its workers
     conn = Connection(int(sys.argv[1]))
     try:

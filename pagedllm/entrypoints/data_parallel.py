@@ -289,9 +289,9 @@ def serve(conn: Connection) -> None:
 
 
 def main() -> None:
-    from pagedllm.distributed.worker import _die_with_parent
+    from pagedllm.distributed.worker import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the caller's process, which ends its replicas
     conn = Connection(int(sys.argv[1]))
     try:
