@@ -19,7 +19,14 @@ from pagedllm.models.registry import get_model_class
 
 QUICK = {("llama", "tp"), ("qwen2-bias", "tp"), ("llama3-rope-tied", "pp")}  # the rest run in the slow tier
 # pipeline stages share one forward (LlamaModel's): a few families whose layers differ most stand for the rest
-PP_FAMILIES = {"llama3-rope-tied", "gemma2-softcap-sliding", "olmo2", "mixtral-8-experts", "deepseek-v3-noaux-tc", "phi3-longrope"}
+PP_FAMILIES = {
+    "llama3-rope-tied",
+    "gemma2-softcap-sliding",
+    "olmo2",
+    "mixtral-8-experts",
+    "deepseek-v3-noaux-tc",
+    "phi3-longrope",
+}
 FLAGS = {"tp": "supports_tensor_parallel", "pp": "supports_pipeline_parallel"}
 
 
