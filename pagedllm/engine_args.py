@@ -85,6 +85,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_dtype: Any = "auto"
     fully_sharded_loras: bool = False
+    guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -201,7 +202,14 @@ class EngineArgs:
             speculative_proposer=NgramProposer(speculative) if speculative and speculative.method == "ngram" else None,
             speculative_config=speculative,
             lora=lora,
+            guided_decoding_backend=self._guided_decoding_backend(),
         )
+
+    def _guided_decoding_backend(self) -> str:
+        from pagedllm.structured_output.manager import check_backend
+
+        check_backend(self.guided_decoding_backend, "guided_decoding_backend")
+        return self.guided_decoding_backend
 
     def create_lora_config(self, model: ModelConfig):
         """The LoRAConfig with enable_lora=True (None without)."""

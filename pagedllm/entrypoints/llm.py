@@ -78,6 +78,7 @@ class LLM(PoolingAPI):
         max_cpu_loras: int | None = None,
         lora_dtype: Any = "auto",
         fully_sharded_loras: bool = False,
+        guided_decoding_backend: str = "auto",
     ) -> None:
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()}
         self.engine_args = EngineArgs(**args)

@@ -70,6 +70,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "max_lora_rank": int,
     "max_cpu_loras": int,
     "lora_dtype": str,
+    "guided_decoding_backend": str,
 }
 ENGINE_FLAG_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 
