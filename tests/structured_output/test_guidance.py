@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import numpy as np
@@ -139,3 +140,26 @@ def test_unknown_backend_is_a_clear_error(tiny_char_model):
         manager = StructuredOutputManager(char_tokenizer(), MODEL_VOCAB, [EOS_ID], default_backend="guidance")
         tag = {"structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}], "triggers": ["<a>"]}
         manager.grammar(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+
+
+@pytest.mark.parametrize(
+    "constraint,message",
+    [
+        ({"json": {"type": "bogus"}}, "structured_outputs.json is invalid"),
+        ({"regex": "a(b"}, "structured_outputs.regex is invalid"),
+        ({"regex": "(a+)+b" * 50}, None),  # nested quantifiers: llguidance's lexer does not backtrack
+        ({"grammar": "start: ("}, "structured_outputs.grammar is invalid"),
+        ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar is invalid"),
+    ],
+)
+def test_bad_constraints_fail_fast_and_the_engine_lives(tiny_llm, constraint, message):
+    start = time.monotonic()
+    params = SamplingParams(max_tokens=4, structured_outputs=dict(constraint, backend="guidance"))
+    if message is None:
+        tiny_llm.generate(["x"], params, use_tqdm=False)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tiny_llm.generate(["x"], params, use_tqdm=False)
+    assert time.monotonic() - start < 2.0
+    out = tiny_llm.generate(["x"], constrained(choice=["fine"], backend="guidance"), use_tqdm=False)
+    assert out[0].outputs[0].text == "fine"
