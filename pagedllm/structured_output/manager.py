@@ -195,6 +195,7 @@ class StructuredOutputManager:
         self.default_backend = default_backend
         self.backends: dict[str, Any] = {}  # name -> backend, made on first use
         self.backend_locks = {name: threading.Lock() for name in _PACKAGES}
+        self.unusable: dict[str, str] = {}  # name -> why the backend could not be built
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-grammar")
         self.cache: OrderedDict[tuple, Future] = OrderedDict()
         self.lock = threading.Lock()  # requests may be added from several threads (the server's)
@@ -214,10 +215,18 @@ class StructuredOutputManager:
         return True
 
     def get_backend(self, name: str):
+        """The backend, built on first use; ValueError where its package is missing or it cannot read the tokenizer
+        (remembered: not tried again)."""
         backend = self.backends.get(name)
         if backend is None:
             with self.backend_locks[name]:  # one lock a backend: building one does not hold up the other
-                backend = self.backends.get(name) or self.backends.setdefault(name, self._make_backend(name))
+                if name in self.unusable:
+                    raise ValueError(self.unusable[name])
+                try:
+                    backend = self.backends.get(name) or self.backends.setdefault(name, self._make_backend(name))
+                except ValueError as e:
+                    self.unusable[name] = str(e)
+                    raise
         return backend
 
     def _make_backend(self, name: str):
@@ -227,11 +236,7 @@ class StructuredOutputManager:
             else:
                 from pagedllm.structured_output.guidance_backend import GuidanceBackend as cls
         except ImportError:
-            extra = "structured" if name == "xgrammar" else "guidance"
-            raise ValueError(
-                f"the {name} structured output backend needs the {_PACKAGES[name]} package: "
-                f"pip install 'pagedllm[{extra}]'"
-            ) from None
+            raise ValueError(_missing(name)) from None
         return cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
 
     def choose(self, params: GuidedDecodingParams) -> str:
@@ -313,5 +318,10 @@ def _guidance_parse(params: GuidedDecodingParams, text: str, field: str) -> str:
     try:
         from pagedllm.structured_output.guidance_backend import parse
     except ImportError:
-        raise ValueError("the guidance structured output backend needs the llguidance package") from None
+        raise ValueError(_missing("guidance")) from None
     return parse(params, text, field)
+
+
+def _missing(name: str) -> str:
+    extra = "structured" if name == "xgrammar" else "guidance"
+    return f"the {name} structured output backend needs the {_PACKAGES[name]} package: pip install 'pagedllm[{extra}]'"

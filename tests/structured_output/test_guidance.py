@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 
 import jsonschema
@@ -163,3 +164,14 @@ def test_bad_constraints_fail_fast_and_the_engine_lives(tiny_llm, constraint, me
     assert time.monotonic() - start < 2.0
     out = tiny_llm.generate(["x"], constrained(choice=["fine"], backend="guidance"), use_tqdm=False)
     assert out[0].outputs[0].text == "fine"
+
+
+def test_auto_without_xgrammar(monkeypatch):
+    """Without the xgrammar package, "auto" takes guidance and asking for xgrammar is a ValueError saying what to
+    install."""
+    monkeypatch.setitem(sys.modules, "pagedllm.structured_output.xgrammar_backend", None)  # its import fails
+    manager = StructuredOutputManager(char_tokenizer(), MODEL_VOCAB, [EOS_ID])
+    assert backend_of(manager, StructuredOutputsParams(regex="[0-9]+")) == "guidance"
+    for _ in range(2):  # the second time from the remembered failure
+        with pytest.raises(ValueError, match=r"needs the xgrammar package: pip install 'pagedllm\[structured\]'"):
+            manager.grammar(StructuredOutputsParams(regex="[0-9]+", backend="xgrammar"))
