@@ -252,6 +252,7 @@ class EngineConfig:
     speculative_config: Any = None  # the user's SpeculativeConfig (spec_decode/config.py), None: no speculation
     lora: Any = None  # LoRAConfig (lora/config.py); None: LoRA is off
     multimodal: Any = None  # multimodal.MultiModalConfig (limits, processor options, encoder cache size)
+    guided_decoding_backend: str = "auto"  # structured outputs' default backend: auto | xgrammar | guidance
 
 
 def cpu_has_bf16() -> bool:

@@ -124,6 +124,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     enable_sleep_mode: bool = False
     otlp_traces_endpoint: str | None = None
+    guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -274,7 +275,14 @@ class EngineArgs:
             speculative_config=speculative,
             lora=lora,
             multimodal=multimodal,
+            guided_decoding_backend=self._guided_decoding_backend(),
         )
+
+    def _guided_decoding_backend(self) -> str:
+        from pagedllm.structured_output.manager import check_backend
+
+        check_backend(self.guided_decoding_backend, "guided_decoding_backend")
+        return self.guided_decoding_backend
 
     def create_lora_config(self, model: ModelConfig):
         """The LoRAConfig with enable_lora=True (None without)."""

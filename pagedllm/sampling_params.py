@@ -31,8 +31,8 @@ class GuidedDecodingParams:
     json_object: bool | None = None
     structural_tag: str | None = None  # JSON text of an xgrammar structural tag
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
-    backend: str | None = None  # "xgrammar" or "auto" (the only backend)
-    whitespace_pattern: str | None = None  # not supported by the xgrammar backend: must stay None
+    backend: str | None = None  # "xgrammar" | "guidance" | "auto"; None: the engine's guided_decoding_backend
+    whitespace_pattern: str | None = None  # JSON whitespace regex (guidance backend only)
 
     def __post_init__(self) -> None:
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
@@ -71,8 +71,19 @@ class GuidedDecodingParams:
             self.disable_any_whitespace,
             "False unless the constraint is json or json_object",
         )
-        _check(self.backend in (None, "auto", "xgrammar"), f"{field_}.backend", self.backend, '"xgrammar" or "auto"')
-        _check(self.whitespace_pattern is None, f"{field_}.whitespace_pattern", self.whitespace_pattern, "None")
+        _check(
+            self.backend in (None, "auto", "xgrammar", "guidance"),
+            f"{field_}.backend",
+            self.backend,
+            '"xgrammar", "guidance" or "auto"',
+        )
+        _check(
+            self.whitespace_pattern is None
+            or (isinstance(self.whitespace_pattern, str) and self.kind in ("json", "json_object")),
+            f"{field_}.whitespace_pattern",
+            self.whitespace_pattern,
+            "None, or a str with a json or json_object constraint",
+        )
 
     @property
     def kind(self) -> str:

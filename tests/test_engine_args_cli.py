@@ -82,9 +82,8 @@ def test_compat_options_no_ops_and_refusals(tmp_path_factory):
     ids = {"prompt_token_ids": [1, 2, 3, 4]}
     got = llm.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == reference.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids  # no effect
-    for name, value in (("enable_chunked_prefill", False), ("preemption_mode", "swap"), ("kv_cache_dtype", "fp8"),
-                        ("cpu_offload_gb", 4), ("data_parallel_size", 2), ("scheduling_policy", "priority"),
-                        ("tokenizer_mode", "mistral")):  # fmt: skip
+    for name, value in (("enable_chunked_prefill", False), ("preemption_mode", "swap"), ("cpu_offload_gb", 4),
+                        ("scheduling_policy", "priority"), ("tokenizer_mode", "mistral")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"{name}={value!r} is not supported: "):
             LLM(path, **base, **{name: value})
     args = EngineArgs.from_cli_args(_parser().parse_args(["--num-scheduler-steps", "8", "--use-v2-block-manager"]))

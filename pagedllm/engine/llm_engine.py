@@ -50,7 +50,8 @@ class LLMEngine:
         self._mm_lock = threading.Lock()
 
     def structured_output_manager(self):
-        """The grammar compiler and cache (xgrammar), built once from the tokenizer, padded to the model's vocab."""
+        """The grammar compilers and cache (xgrammar, llguidance), built once from the tokenizer, padded to the
+        model's vocab."""
         with self._structured_lock:
             return self._structured or self._make_structured_output_manager()
 
@@ -61,7 +62,9 @@ class LLMEngine:
             from pagedllm.structured_output import StructuredOutputManager
 
             stop_ids = [t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None]
-            self._structured = StructuredOutputManager(self.tokenizer, self.config.model.vocab_size, stop_ids)
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.config.model.vocab_size, stop_ids, self.config.guided_decoding_backend
+            )
         return self._structured
 
     def process_multimodal(

@@ -82,6 +82,7 @@ class LLM(PoolingAPI):
         limit_mm_per_prompt: dict | None = None,
         mm_processor_kwargs: dict | None = None,
         allowed_local_media_path: str = "",
+        guided_decoding_backend: str = "auto",
         **kwargs: Any,
     ) -> None:
         """Every EngineArgs field is a keyword (the ones not listed above through **kwargs, as vLLM's LLM)."""

@@ -18,7 +18,6 @@ from pagedllm.models.utils import (
     check_learned_positions,
     join_prefix,
     load_weights,
-    missing_prefixes,
     tied_ignore,
 )
 
@@ -76,5 +75,4 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ignore = (*tied_ignore(self.tied, self.tied_head_ignore or f"{self.head_attr}."), *self.extra_ignore)
-        ignore += missing_prefixes(self)  # the parts other pipeline stages hold
         return load_weights(self, weights, self.stacked, self.rename, ignore, self.convert)

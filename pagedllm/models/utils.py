@@ -43,6 +43,7 @@ def load_weights(
     renamed name: a transposed Conv1D, q/k/v interleaved per head). Returns the parameters loaded completely (a
     merged one once all shards came)."""
     params = dict(model.named_parameters())
+    ignore = (*ignore, *missing_prefixes(model))  # the parts other pipeline stages hold
     shards: dict[str, set] = {}
     loaded: set[str] = set()
     for hf_name, tensor in weights:

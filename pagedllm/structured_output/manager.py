@@ -1,6 +1,10 @@
 """StructuredOutputManager: one per engine. Checks a request's constraint when it is added (size and depth limits,
 then a parse: a bad schema, regex or grammar is a ValueError at once), compiles each distinct constraint once on a
-worker thread (cached by its kind and text), and gives each request its own RequestGrammar.
+worker thread (cached by its backend, kind and text), and gives each request its own RequestGrammar.
+
+Backends (vLLM's names): "xgrammar", "guidance" (llguidance) and "auto": xgrammar, falling back to guidance where
+xgrammar refuses the constraint (its parse fails: e.g. a Lark grammar or a JSON schema feature it lacks) or fails to
+compile it, and guidance for a JSON `whitespace_pattern` (xgrammar has none). With both failing, xgrammar's error.
 
 The scheduler keeps a request waiting until its grammar is compiled, asks each constrained request that samples in
 a step for its allowed-token bitmask, and hands it the sampled tokens; the request finishes when its grammar
@@ -12,8 +16,10 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from pagedllm.sampling_params import GuidedDecodingParams
 
@@ -21,6 +27,20 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all c
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema's objects and arrays
 MAX_CHOICES = 1024
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped)
+BACKENDS = ("auto", "xgrammar", "guidance")
+_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
+def check_backend(value: object, field: str) -> None:
+    if value not in BACKENDS:
+        raise ValueError(f"{field}={value!r} is not a structured output backend: one of {', '.join(BACKENDS)}")
+
+
+class Compiled(NamedTuple):
+    """A compiled constraint and the backend that compiled it (what a Future of the manager resolves to)."""
+
+    backend: Any
+    grammar: Any
 
 
 def _depth(value: object) -> int:
@@ -77,9 +97,9 @@ class RequestGrammar:
     With `start_after` (the token ids that end a reasoning section, e.g. `</think>`), the grammar applies only after
     the output holds them: until then every token is allowed and the tokens are only watched for that end."""
 
-    def __init__(self, backend, compiled: Future, start_after: tuple[int, ...] | None = None) -> None:
-        self.backend = backend
-        self.compiled = compiled
+    def __init__(self, num_words: int, compiled: Future, start_after: tuple[int, ...] | None = None) -> None:
+        self.num_words = num_words  # packed int32 words of a bitmask row
+        self.compiled = compiled  # Future of a Compiled
         self.state = None  # GrammarState, made on first use
         self.start_after = start_after
         self.before: list[int] = []  # the output tokens before the grammar started (the reasoning and its end)
@@ -94,7 +114,8 @@ class RequestGrammar:
 
     def _state(self):
         if self.state is None:
-            self.state = self.backend.matcher(self.compiled.result())
+            backend, grammar = self.compiled.result()
+            self.state = backend.matcher(grammar)
         return self.state
 
     def accept(self, token_ids: list[int]) -> int:
@@ -125,7 +146,7 @@ class RequestGrammar:
 
     def is_completed(self) -> bool:
         """Whether the tokens so far form a complete output (the grammar may end here)."""
-        return self.active and self._state().matcher.is_completed()
+        return self.active and self._state().is_completed()
 
     def fill_bitmask(self, out, row: int) -> None:
         """The allowed next tokens in out[row]; a fresh row allows all, as it stays while reasoning."""
@@ -156,45 +177,132 @@ def fill_bitmasks(grammars: dict[str, RequestGrammar]) -> dict[str, np.ndarray]:
     """The allowed-token bitmask of each constrained request that samples now: req id -> int32 [num_words]."""
     if not grammars:
         return {}
-    from pagedllm.structured_output.xgrammar_backend import new_bitmask
-
-    first = next(iter(grammars.values()))
-    tensor, array = new_bitmask(len(grammars), first.backend.num_words)  # [num_rows, num_words]
+    num_words = next(iter(grammars.values())).num_words
+    tensor = torch.full((len(grammars), num_words), -1, dtype=torch.int32)  # [num_rows, num_words]; -1: all allowed
+    array = tensor.numpy()
     for row, grammar in enumerate(grammars.values()):
         grammar.fill_bitmask(tensor, row)
     return dict(zip(grammars, array))
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        try:
-            from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
-        except ImportError:
-            raise ValueError(
-                "structured outputs need the xgrammar package: pip install 'pagedllm[structured]'"
-            ) from None
-        self.backend = XgrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    """default_backend: the engine's `guided_decoding_backend`, for requests that name none."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], default_backend: str = "auto") -> None:
+        check_backend(default_backend, "guided_decoding_backend")
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.num_words = (vocab_size + 31) // 32
+        self.default_backend = default_backend
+        self.backends: dict[str, Any] = {}  # name -> backend, made on first use
+        self.backend_locks = {name: threading.Lock() for name in _PACKAGES}
+        self.unusable: dict[str, str] = {}  # name -> why the backend could not be built
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-grammar")
-        self.cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+        self.cache: OrderedDict[tuple, Future] = OrderedDict()
         self.lock = threading.Lock()  # requests may be added from several threads (the server's)
+        if default_backend != "auto":
+            self.get_backend(default_backend)  # a missing package or an unusable tokenizer fails here, at once
+
+    @property
+    def backend(self):
+        """The default backend (xgrammar for "auto")."""
+        return self.get_backend("xgrammar" if self.default_backend == "auto" else self.default_backend)
+
+    def available(self, name: str) -> bool:
+        try:
+            self.get_backend(name)
+        except ValueError:
+            return False
+        return True
+
+    def get_backend(self, name: str):
+        """The backend, built on first use; ValueError where its package is missing or it cannot read the tokenizer
+        (remembered: not tried again)."""
+        backend = self.backends.get(name)
+        if backend is None:
+            with self.backend_locks[name]:  # one lock a backend: building one does not hold up the other
+                if name in self.unusable:
+                    raise ValueError(self.unusable[name])
+                try:
+                    backend = self.backends.get(name) or self.backends.setdefault(name, self._make_backend(name))
+                except ValueError as e:
+                    self.unusable[name] = str(e)
+                    raise
+        return backend
+
+    def _make_backend(self, name: str):
+        try:
+            if name == "xgrammar":
+                from pagedllm.structured_output.xgrammar_backend import XgrammarBackend as cls
+            else:
+                from pagedllm.structured_output.guidance_backend import GuidanceBackend as cls
+        except ImportError:
+            raise ValueError(_missing(name)) from None
+        return cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+
+    def choose(self, params: GuidedDecodingParams) -> str:
+        """The backend a constraint asks for: its own `backend`, else the engine's default."""
+        name = params.backend or self.default_backend
+        if params.whitespace_pattern is not None:
+            if name == "xgrammar":
+                raise ValueError("whitespace_pattern is not supported by the xgrammar backend: use 'guidance'")
+            return "guidance"
+        return name
 
     def grammar(self, params: GuidedDecodingParams, field: str = "structured_outputs") -> Future:
-        """The compiled grammar of a constraint (a Future: compiling runs on the worker thread). Raises ValueError
-        at once for a constraint over the limits or one that does not parse."""
+        """The compiled grammar of a constraint (a Future of a Compiled: compiling runs on the worker thread).
+        Raises ValueError at once for a constraint over the limits or one that does not parse."""
         text = spec_text(params, field)
-        key = (params.kind, text, params.disable_any_whitespace)
+        name = self.choose(params)
+        key = (name, params.kind, text, params.disable_any_whitespace, params.whitespace_pattern)
         with self.lock:
             future = self.cache.get(key)
             if future is not None and not (future.done() and future.exception() is not None):
                 self.cache.move_to_end(key)
                 return future
-        grammar = self.backend.parse(params, text, field)
-        future = self.pool.submit(self.backend.compile, grammar)
+        if name == "auto":
+            future = self._auto(params, text, field)
+        else:
+            future = self.pool.submit(self._compile, name, self.get_backend(name).parse(params, text, field))
         with self.lock:
             self.cache[key] = future
             while len(self.cache) > MAX_CACHED_GRAMMARS:
                 self.cache.popitem(last=False)
         return future
+
+    def _auto(self, params: GuidedDecodingParams, text: str, field: str) -> Future:
+        """xgrammar, or guidance where xgrammar is missing, refuses the constraint or fails to compile it. (Only
+        guidance's parse runs here; its backend, slow to build the first time, is made on the worker thread.)"""
+
+        def guidance() -> str:  # the parsed grammar; ValueError where guidance cannot read it either
+            return _guidance_parse(params, text, field)
+
+        if not self.available("xgrammar"):
+            return self.pool.submit(self._compile, "guidance", guidance())
+        try:
+            grammar = self.get_backend("xgrammar").parse(params, text, field)
+        except ValueError as error:
+            try:
+                parsed = guidance()
+            except ValueError:
+                raise error from None
+            return self.pool.submit(self._compile, "guidance", parsed)
+        return self.pool.submit(self._compile_or_fall_back, grammar, guidance)
+
+    def _compile(self, name: str, grammar) -> Compiled:
+        backend = self.get_backend(name)
+        return Compiled(backend, backend.compile(grammar))
+
+    def _compile_or_fall_back(self, grammar, guidance) -> Compiled:
+        """With "auto", on the worker thread: xgrammar's compilation, where it fails guidance's (else xgrammar's
+        error)."""
+        try:
+            return self._compile("xgrammar", grammar)
+        except Exception as error:
+            try:
+                parsed = guidance()
+            except ValueError:
+                raise error from None
+            return self._compile("guidance", parsed)
 
     def request_grammar(
         self, compiled: Future, prompt_token_ids: list[int] = (), reasoning: tuple | None = None
@@ -202,5 +310,18 @@ class StructuredOutputManager:
         """A request's own matcher. reasoning = (start ids, end ids) of a reasoning section: the grammar starts
         after the output's end marker, unless the prompt already ended the reasoning."""
         if reasoning is None or reasoning_ended(list(prompt_token_ids), *reasoning):
-            return RequestGrammar(self.backend, compiled)
-        return RequestGrammar(self.backend, compiled, tuple(reasoning[1]))
+            return RequestGrammar(self.num_words, compiled)
+        return RequestGrammar(self.num_words, compiled, tuple(reasoning[1]))
+
+
+def _guidance_parse(params: GuidedDecodingParams, text: str, field: str) -> str:
+    try:
+        from pagedllm.structured_output.guidance_backend import parse
+    except ImportError:
+        raise ValueError(_missing("guidance")) from None
+    return parse(params, text, field)
+
+
+def _missing(name: str) -> str:
+    extra = "structured" if name == "xgrammar" else "guidance"
+    return f"the {name} structured output backend needs the {_PACKAGES[name]} package: pip install 'pagedllm[{extra}]'"

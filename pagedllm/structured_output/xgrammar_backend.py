@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -25,6 +24,8 @@ def _message(error: Exception) -> str:
 class XgrammarBackend:
     """One per engine: the tokenizer's vocabulary as xgrammar sees it, padded to the model's vocab size (the ids
     past the tokenizer's are never allowed), and a compiler shared by all requests."""
+
+    name = "xgrammar"
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], num_threads: int = 2) -> None:
         try:
@@ -97,12 +98,10 @@ class GrammarState:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def is_completed(self) -> bool:
+        """Whether the tokens so far form a complete output (the grammar may end here)."""
+        return self.matcher.is_completed()
+
     def fill_bitmask(self, out: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into out[row] (int32 [rows, num_words], on the CPU)."""
         self.matcher.fill_next_token_bitmask(out, row)
-
-
-def new_bitmask(num_rows: int, num_words: int) -> tuple[torch.Tensor, np.ndarray]:
-    """A bitmask buffer: the tensor xgrammar fills and the numpy view of it."""
-    t = torch.full((num_rows, num_words), -1, dtype=torch.int32)  # [num_rows, num_words]
-    return t, t.numpy()

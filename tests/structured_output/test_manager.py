@@ -95,7 +95,8 @@ def test_compile_failure_ends_only_its_request(tiny_llm, monkeypatch):
         raise RuntimeError("out of memory while compiling")
 
     monkeypatch.setattr(backend, "compile", fail)
-    engine.add_request("bad", tok("x"), SamplingParams(max_tokens=4, structured_outputs={"regex": "never-cached"}))
+    xgrammar_only = {"regex": "never-cached", "backend": "xgrammar"}  # "auto" would fall back to guidance
+    engine.add_request("bad", tok("x"), SamplingParams(max_tokens=4, structured_outputs=xgrammar_only))
     engine.add_request("good", tok("x"), SamplingParams(temperature=0, max_tokens=3))
     outs = _step_until_done(engine)
     assert outs["bad"].outputs[0].finish_reason == "abort" and outs["bad"].outputs[0].token_ids == []

@@ -6,7 +6,6 @@ constrained request is never scheduled while its last token is on the device."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -20,7 +19,7 @@ from pagedllm.worker.scheduler_output import ModelRunnerOutput
 class StandInGrammar:
     """Allows one token: the length of what it accepted so far; terminates after `length` tokens."""
 
-    backend = SimpleNamespace(num_words=2)
+    num_words = 2
 
     def __init__(self, length: int, ready: bool = True) -> None:
         self.compiled: Future = Future()

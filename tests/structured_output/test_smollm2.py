@@ -49,9 +49,12 @@ def chat(llm, params):
     return llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.7, seed=1, n=2)])
-def test_person_schema_validates(llm, sampling):
-    constraint = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+def test_person_schema_validates(llm, sampling, backend):
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+    constraint = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True, backend=backend)
     outs = chat(llm, SamplingParams(max_tokens=250, structured_outputs=constraint, **sampling))
     for c in (c for o in outs for c in o.outputs):
         assert c.finish_reason == "stop", c.text

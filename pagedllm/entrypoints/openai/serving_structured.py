@@ -10,7 +10,7 @@ from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_BACKENDS = (None, "auto", "xgrammar")
+_BACKENDS = (None, "auto", "xgrammar", "guidance")
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -60,14 +60,14 @@ def _given(req: Any) -> list[tuple[str, dict]]:
 
 
 def structured_outputs(req: Any) -> tuple[StructuredOutputsParams | None, str | None]:
-    """The request's constraint and the field it came in (None, None without one)."""
+    """The request's constraint and the field it came in (None, None without one). `guided_decoding_backend` and
+    `guided_whitespace_pattern` apply to it where its own fields do not say otherwise."""
     if req.guided_decoding_backend not in _BACKENDS:
         raise _bad(
-            f"guided_decoding_backend={req.guided_decoding_backend!r} is not supported: 'xgrammar' or 'auto'",
+            f"guided_decoding_backend={req.guided_decoding_backend!r} is not supported: 'xgrammar', 'guidance' or "
+            "'auto'",
             "guided_decoding_backend",
         )
-    if req.guided_whitespace_pattern is not None:
-        raise _bad("guided_whitespace_pattern is not supported by the xgrammar backend", "guided_whitespace_pattern")
     given = _given(req)
     if not given:
         return None, None
@@ -75,6 +75,10 @@ def structured_outputs(req: Any) -> tuple[StructuredOutputsParams | None, str | 
         names = ", ".join(name for name, _ in given)
         raise _bad(f"give one structured output constraint, not several ({names})", given[1][0])
     field, values = given[0]
+    if req.guided_decoding_backend is not None:
+        values.setdefault("backend", req.guided_decoding_backend)
+    if req.guided_whitespace_pattern is not None:
+        values.setdefault("whitespace_pattern", req.guided_whitespace_pattern)
     try:
         return StructuredOutputsParams(**values), field
     except (ValueError, TypeError) as e:

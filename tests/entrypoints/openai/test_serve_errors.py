@@ -43,6 +43,12 @@ BAD_COMPLETIONS = [  # (body changes, expected param or None)
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"guided_regex": "a+", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"guided_grammar": "start: (", "guided_decoding_backend": "guidance"}, "guided_grammar"),
+    ({"guided_regex": "a(b", "guided_decoding_backend": "guidance"}, "guided_regex"),
+    (
+        {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " ", "guided_decoding_backend": "xgrammar"},
+        "guided_json",
+    ),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),  # two constraints
     ({"structured_outputs": {"regex": "a+", "nonsense": 1}}, "structured_outputs"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),

@@ -44,8 +44,10 @@ def _completion_texts(server, change: dict) -> list[str]:
         {"guided_json": SCHEMA},
         {"guided_json": json.dumps(SCHEMA), "guided_decoding_backend": "xgrammar"},
         {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+        {"guided_json": SCHEMA, "guided_decoding_backend": "guidance", "guided_whitespace_pattern": " ?"},
+        {"structured_outputs": {"json": SCHEMA, "backend": "guidance"}},
     ],
-    ids=["response_format", "guided_json", "guided_json text", "structured_outputs"],
+    ids=["response_format", "guided_json", "guided_json text", "structured_outputs", "guidance", "guidance field"],
 )
 def test_chat_json_schema(server, change):
     jsonschema.validate(json.loads(_chat_text(server, change)), SCHEMA)
@@ -70,6 +72,17 @@ def test_completion_fields(server):
     text = _completion_texts(server, {"structured_outputs": {"choice": ["a", "b"]}, "guided_decoding_backend": "auto"})
     assert text[0] in ("a", "b")
     assert _completion_texts(server, {"response_format": {"type": "text"}, "max_tokens": 3})[0]
+
+
+@pytest.mark.parametrize("backend", ["guidance", "auto"])
+def test_completion_lark_grammar(server, backend):
+    """A Lark grammar: llguidance reads it; "auto" falls back to it (xgrammar reads only EBNF)."""
+    lark = 'start: "It is " TEMP "."\nTEMP: "warm" | "cool"\n'
+    change = {"guided_grammar": lark, "guided_decoding_backend": backend}
+    assert _completion_texts(server, change)[0] in ("It is warm.", "It is cool.")
+    for regex in (r"(sunny|rainy), [0-9]{2} degrees", r"[a-z]{3}"):
+        text = _completion_texts(server, {"guided_regex": regex, "guided_decoding_backend": backend})[0]
+        assert re.fullmatch(regex, text), text
 
 
 def test_openai_client_response_format(client):

@@ -1,0 +1,170 @@
+"""Structured outputs' cost: a batch of 64 requests with a JSON schema against the same 64 unconstrained, same
+prompts, same run, alternating (unconstrained, schema, unconstrained, schema, ...) so both see the same machine.
+
+  time per output token   wall time of generate(64 prompts) / output tokens, best of --repeats runs each
+  time to first token     generate(prompt, max_tokens=1): one request (median of --ttft-repeats) and all 64 at once,
+                          with the schema already compiled (cached) and unconstrained; plus a fresh schema's first
+                          request (compilation included)
+
+CPU (default without CUDA): the bundled SmolLM2-135M-Instruct. GPU (with CUDA): Qwen3-0.6B shapes
+(benchmarks/configs/qwen3-0.6b) with dummy weights in bfloat16, and the bundled SmolLM2 tokenizer (its 49,152 tokens
+padded to Qwen3's vocab: the masked ids past them are never allowed). Outputs: one JSON line per backend on stdout
+and in results.jsonl (unless --no-append).
+
+    python benchmarks/structured_output_bench.py [--backend xgrammar] [--max-tokens 32] [--no-append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from common import BENCH_DIR, emit, git_commit, machine_description, make_record, rounded  # noqa: E402
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["engineer", "doctor", "artist", "other"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 20}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+        },
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+}
+SUBJECTS = ["a doctor", "an engineer", "a painter", "a pilot", "a teacher", "a chef", "a farmer", "a poet"]
+
+
+def prompts(num: int) -> list[str]:
+    return [
+        f"Describe {SUBJECTS[i % len(SUBJECTS)]} number {i} as a JSON record with name, age and skills:\n"
+        for i in range(num)
+    ]
+
+
+def build_llm(device: str) -> LLM:
+    if device == "cuda":
+        from pagedllm.model_loader.resolve import default_model_path
+
+        model = str(BENCH_DIR / "configs" / "qwen3-0.6b")
+        return LLM(model, load_format="dummy", dtype="bfloat16", tokenizer=default_model_path(), max_model_len=4096)
+    return LLM(max_model_len=2048)
+
+
+def params(max_tokens: int, backend: str | None, schema: dict | None = SCHEMA) -> SamplingParams:
+    # ignore_eos: unconstrained rows run to max_tokens; constrained rows end where their JSON does (or at max_tokens)
+    constraint = None if backend is None else StructuredOutputsParams(json=schema, backend=backend)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=constraint)
+
+
+def timed(llm: LLM, batch: list[str], sp: SamplingParams) -> tuple[float, list]:
+    start = time.perf_counter()
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def per_token(llm: LLM, batch: list[str], args, backend: str) -> dict:
+    """Best-of-repeats seconds per output token, unconstrained and with the schema (alternating runs)."""
+    timed(llm, batch[:4], params(4, backend))  # warm-up (and the schema compiled into the cache)
+    best: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    valid = finished = 0
+    for _ in range(args.repeats):
+        for mode, be in (("unconstrained", None), ("schema", backend)):
+            wall, outs = timed(llm, batch, params(args.max_tokens, be))
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            best[mode] = min(best.get(mode, float("inf")), wall / n)
+            tokens[mode] = n
+            if be is not None:
+                finished = sum(o.outputs[0].finish_reason == "stop" for o in outs)
+                valid = sum(_valid(o.outputs[0].text) for o in outs if o.outputs[0].finish_reason == "stop")
+    return {
+        "unconstrained_ms_per_token": rounded(best["unconstrained"] * 1e3, 3),
+        "schema_ms_per_token": rounded(best["schema"] * 1e3, 3),
+        "tpot_ratio": rounded(best["schema"] / best["unconstrained"], 3),
+        "output_tokens": tokens,
+        "schema_rows_finished": finished,
+        "schema_rows_finished_valid": valid,
+    }
+
+
+def _valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def first_token(llm: LLM, batch: list[str], args, backend: str) -> dict:
+    """Time to first token (max_tokens=1) for a cached schema and unconstrained: one request and the whole batch."""
+    one: dict[str, list[float]] = {"unconstrained": [], "schema": []}
+    for _ in range(args.ttft_repeats):
+        for mode, be in (("unconstrained", None), ("schema", backend)):
+            one[mode].append(timed(llm, batch[:1], params(1, be))[0])
+    full = {mode: timed(llm, batch, params(1, be))[0] for mode, be in (("unconstrained", None), ("schema", backend))}
+    fresh = dict(SCHEMA, title=f"fresh-{time.time_ns()}")  # a schema not in the cache: compiled on this request
+    fresh_s = timed(llm, batch[:1], params(1, backend, fresh))[0]
+    med = {mode: statistics.median(v) for mode, v in one.items()}
+    return {
+        "ttft_1_unconstrained_ms": rounded(med["unconstrained"] * 1e3),
+        "ttft_1_cached_schema_ms": rounded(med["schema"] * 1e3),
+        "ttft_1_added_ms": rounded((med["schema"] - med["unconstrained"]) * 1e3),
+        "ttft_64_unconstrained_ms": rounded(full["unconstrained"] * 1e3),
+        "ttft_64_cached_schema_ms": rounded(full["schema"] * 1e3),
+        "ttft_64_added_ms": rounded((full["schema"] - full["unconstrained"]) * 1e3),
+        "ttft_1_fresh_schema_ms": rounded(fresh_s * 1e3),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--backend", action="append", choices=["xgrammar", "guidance"], help="repeatable")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: 32 on CPU, 256 on GPU")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ttft-repeats", type=int, default=5)
+    parser.add_argument("--no-append", action="store_true", help="print only; do not add to results.jsonl")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    args.max_tokens = args.max_tokens or (256 if device == "cuda" else 32)
+    llm = build_llm(device)
+    batch = prompts(args.batch)
+    machine, commit = machine_description(), git_commit()
+    for backend in args.backend or ["xgrammar", "guidance"]:
+        figures = per_token(llm, batch, args, backend) | first_token(llm, batch, args, backend)
+        record = make_record(
+            f"structured-output-{device}-{backend}",
+            machine,
+            commit,
+            batch=args.batch,
+            max_tokens=args.max_tokens,
+            model="qwen3-0.6b dummy" if device == "cuda" else "SmolLM2-135M-Instruct",
+            **figures,
+        )
+        emit(record, append=not args.no_append)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
