@@ -11,7 +11,12 @@ import platform
 import pytest
 import torch
 
-from pagedllm.kernels import cpu_kernels
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a kernel is decorated: set before any test module imports a kernel module
+    # (some imports reach Triton early: transformers' model classes import it), so tests/kernels run them interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedllm.kernels import cpu_kernels  # noqa: E402
 
 # The slow tier (`pytest -m "not slow"` leaves it out; CI runs it): tests of the bundled real models end to end
 # (their fixtures), the OpenAI server (a real server process each), and the Triton kernels run in Triton's CPU

@@ -38,6 +38,10 @@ def two_node_cluster():
     line)."""
     ray = pytest.importorskip("ray")
     temp = tempfile.mkdtemp(prefix="pagedllm-ray-", dir="/tmp")  # short: Ray's socket paths live under it
+    # a local test cluster without token authentication (Ray 2.60 turns it on for a head it starts, and a second
+    # node that does not find the head's token cannot join)
+    saved_auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     ray_cli = [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "start"]
     port = _free_port()
@@ -53,6 +57,10 @@ def two_node_cluster():
         ray.shutdown()
         _end_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)
+        if saved_auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_auth
 
 
 def _free_port() -> int:

@@ -91,7 +91,7 @@ class _Engine:
     def has_unfinished_requests(self) -> bool:
         return False
 
-    def make_request(self, prompt, token_ids, params, request_id, cache_salt=None):
+    def make_request(self, prompt, token_ids, params, request_id, cache_salt=None, **kwargs):
         self.checked_on.append(threading.current_thread().name)
         raise ValueError(f"prompt length {len(token_ids)} is refused by this fake engine")
 
