@@ -33,7 +33,41 @@ class WorkerFailed(RuntimeError):
     """A worker process died, hung past the collectives' timeout or raised."""
 
 
-class MultiprocExecutor:
+class RanksExecutor:
+    """What the executors of several ranks share: rank 0 (`driver`, a Worker in this process) and the others reached
+    through `_call(method, *args)` (-> [driver's answer, the others'...]); subclasses add `launch` and `shutdown`."""
+
+    driver: Worker
+
+    def _call(self, method: str, *args) -> list:
+        raise NotImplementedError
+
+    def launch(self, scheduler_output: SchedulerOutput):
+        raise NotImplementedError
+
+    @property
+    def runner(self):
+        """The driver rank's ModelRunner (rank 0, in this process)."""
+        return self.driver.runner
+
+    def kv_bytes_per_block(self) -> int:
+        return max(self._call("kv_bytes_per_block"))
+
+    def available_kv_cache_bytes(self) -> int | None:
+        found = self._call("available_kv_cache_bytes")
+        return None if found[0] is None else min(found)
+
+    def register_logits_processors(self, req_id: str, processors: list) -> None:
+        self.driver.runner.register_logits_processors(req_id, processors)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output).result()
+
+
+class MultiprocExecutor(RanksExecutor):
     def __init__(self, config: EngineConfig) -> None:
         p = config.parallel
         world = p.tensor_parallel_size * p.pipeline_parallel_size
@@ -70,11 +104,6 @@ class MultiprocExecutor:
             raise self._error(e) from e
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._monitor, args=(rank, proc), daemon=True, name=f"pagedllm-rank{rank}").start()
-
-    @property
-    def runner(self):
-        """The driver rank's ModelRunner (rank 0, in this process)."""
-        return self.driver.runner
 
     def _spawn(self, config: EngineConfig, spec: WorkerSpec) -> None:
         ours, theirs = multiprocessing.Pipe()
@@ -149,22 +178,6 @@ class MultiprocExecutor:
     def _check(self) -> None:
         if self.failure is not None:
             raise WorkerFailed(f"a tensor/pipeline-parallel worker failed: {self.failure}")
-
-    def kv_bytes_per_block(self) -> int:
-        return max(self._call("kv_bytes_per_block"))
-
-    def available_kv_cache_bytes(self) -> int | None:
-        found = self._call("available_kv_cache_bytes")
-        return None if found[0] is None else min(found)
-
-    def register_logits_processors(self, req_id: str, processors: list) -> None:
-        self.driver.runner.register_logits_processors(req_id, processors)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(scheduler_output).result()
 
     def launch(self, scheduler_output: SchedulerOutput) -> GuardedFuture:
         self._check()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.mp_executor import WorkerFailed
+from pagedllm.distributed.mp_executor import RanksExecutor, WorkerFailed
 from pagedllm.distributed.parallel_state import RankInfo
 from pagedllm.distributed.worker import Worker, WorkerSpec, warm_cpu_kernels
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -114,7 +114,7 @@ def visible_index(gpu_id: str) -> int:
     return ids.index(gpu_id)
 
 
-class RayExecutor:
+class RayExecutor(RanksExecutor):
     def __init__(self, config: EngineConfig) -> None:
         ray = import_ray()
         if not ray.is_initialized():
@@ -245,22 +245,6 @@ class RayExecutor:
             return [mine, *self._get(refs)]
         except BaseException as e:
             raise self._error(e) from e
-
-    def kv_bytes_per_block(self) -> int:
-        return max(self._call("kv_bytes_per_block"))
-
-    def available_kv_cache_bytes(self) -> int | None:
-        found = self._call("available_kv_cache_bytes")
-        return None if found[0] is None else min(found)
-
-    def register_logits_processors(self, req_id: str, processors: list) -> None:
-        self.driver.runner.register_logits_processors(req_id, processors)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(scheduler_output).result()
 
     def launch(self, scheduler_output: SchedulerOutput) -> RayStepFuture:
         self.poll()

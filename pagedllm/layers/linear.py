@@ -179,32 +179,26 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, method={type(self.quant_method).__name__}"
 
 
-class ReplicatedLinear(LinearBase):
+class SingleLinear(LinearBase):
+    """A linear layer of one projection (output_size rows)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
+
+
+class ReplicatedLinear(SingleLinear):
     """The whole weight on every rank (small layers every rank needs whole, such as an MoE router)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
-
-class ColumnParallelLinear(LinearBase):
+class ColumnParallelLinear(SingleLinear):
     """Output rows split across ranks."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
     def partition_outputs(self, output_sizes: list[int]) -> list[int]:
         return [divide(size, self.tp_size, "output_size") for size in output_sizes]
@@ -214,22 +208,9 @@ class ColumnParallelLinear(LinearBase):
         return 0, size, self.tp_rank * size
 
 
-class RowParallelLinear(LinearBase):
+class RowParallelLinear(SingleLinear):
     """Input features split across ranks, their outputs summed over the ranks (one all-reduce). The bias is added
-    once: the first rank holds it, the others zeros. reduce_results=False leaves the partial sums (the caller sums
-    several layers' outputs in one all-reduce)."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-        reduce_results: bool = True,
-    ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
-        self.reduce_results = reduce_results
+    once: the first rank holds it, the others zeros."""
 
     def partition_input(self, input_size: int) -> int:
         return divide(input_size, self.tp_size, "input_size")
@@ -242,7 +223,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x)
-        if self.tp_size > 1 and self.reduce_results:
+        if self.tp_size > 1:
             self.tp_group.all_reduce(out)
         return out
 
