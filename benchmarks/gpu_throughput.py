@@ -26,8 +26,10 @@ records' kv_cache_blocks double and kv_bytes_per_token halves.
 The HF peers stay bf16. Compare with a run without the flag on the same machine.
 --tensor-parallel-size / --pipeline-parallel-size spread pagedllm's engines over that many GPUs (the HF peers use
 one); weight_bytes and the roofline figures are then the first rank's shard against one GPU's bandwidth. Compare
-with a run at 1 on the same machine. --nano-config llama-3.1-8b runs
-nanovllm-bench (and its HF peer) on Llama-3.1-8B shapes instead of Qwen3-0.6B's.
+with a run at 1 on the same machine. --nano-config llama-3.1-8b (or llama-3.1-70b) runs
+nanovllm-bench (and its HF peer) on Llama-3.1-8B (70B) shapes instead of Qwen3-0.6B's; --llama-config llama-3.1-70b
+runs the decode-bs1 and prefill workloads on Llama-3.1-70B shapes (the records say `llama_config`; the workload
+names keep "llama-3.1-8b").
 
     python benchmarks/gpu_throughput.py --no-append
     python benchmarks/gpu_throughput.py --num-seqs 32 --hf-prompts 8 --prefill-prompts 4 --no-append   # smoke
@@ -60,7 +62,7 @@ except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     from common import BENCH_DIR, REPO_ROOT, emit, git_commit, machine_description, make_record, rounded
 
 QWEN = str(BENCH_DIR / "configs" / "qwen3-0.6b")
-LLAMA = str(BENCH_DIR / "configs" / "llama-3.1-8b")
+LLAMA_CONFIGS = ("llama-3.1-8b", "llama-3.1-70b")  # --llama-config: the shapes of the decode and prefill workloads
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 dense bf16
 # weight-only integer formats: the quantization_config a copy of the model's config.json gets (dummy weights)
 WEIGHT_ONLY = {
@@ -120,12 +122,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--nano-config",
-        choices=("qwen3-0.6b", "llama-3.1-8b"),
+        choices=("qwen3-0.6b", *LLAMA_CONFIGS),
         default="qwen3-0.6b",
         help="the model shapes of nanovllm-bench (default: Qwen3-0.6B, as nano-vllm's bench.py)",
     )
+    p.add_argument("--llama-config", choices=LLAMA_CONFIGS, default="llama-3.1-8b", help="decode/prefill shapes")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="pagedllm's GPUs per stage")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pagedllm's pipeline stages")
+    p.add_argument("--disable-custom-all-reduce", action="store_true", help="TP all-reduces all through NCCL")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     args = p.parse_args(argv)
     args.nano_model = str(BENCH_DIR / "configs" / args.nano_config)
@@ -141,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "disable_custom_all_reduce": args.disable_custom_all_reduce,
     }
     return args
 
@@ -296,7 +301,7 @@ def run_nano_hf(args, ours_tok_s: float | None, prompts, max_tokens) -> dict:
 def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
     from pagedllm import LLM, SamplingParams
 
-    model = engine_model(LLAMA, args.quantization)
+    model = engine_model(str(BENCH_DIR / "configs" / args.llama_config), args.quantization)
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=8192, **args.engine_options)
     weight_bytes, num_params, kv_per_token = model_bytes(llm)
     rng = random.Random(1)
@@ -331,7 +336,7 @@ def run_llama(args, bw: float, workloads: list[str]) -> dict[str, dict]:
         llm.llm_engine.shutdown()
         del llm
         free()
-        model = hf_peers.load_model(LLAMA)
+        model = hf_peers.load_model(str(BENCH_DIR / "configs" / args.llama_config))
         hf_tok_s, hf_s = hf_peers.prefill_tok_s(model, prompts, args.hf_prefill_batch)
         out["prefill-llama-3.1-8b"].update(
             hf_tok_s=rounded(hf_tok_s),
@@ -382,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "custom_all_reduce": not args.disable_custom_all_reduce,
             **({"nano_config": args.nano_config} if workload.startswith("nanovllm") else {}),
+            **({"llama_config": args.llama_config} if workload.endswith("llama-3.1-8b") else {}),
         }
         emit(make_record(workload, machine, commit, **figures), append=not args.no_append)
 

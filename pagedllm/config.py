@@ -199,6 +199,7 @@ class ParallelConfig:
     # this machine has fewer GPUs than the ranks need
     distributed_executor_backend: str | None = None
     distributed_timeout_s: float = 10.0  # a collective waiting longer on a peer (gloo) fails the step
+    disable_custom_all_reduce: bool = False  # True: every GPU all-reduce through NCCL (no one-shot kernel)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

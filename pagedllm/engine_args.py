@@ -102,10 +102,10 @@ class EngineArgs:
     allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
+    disable_custom_all_reduce: bool = False  # GPU all-reduces all through NCCL (no one-shot kernel for small ones)
     # vLLM's options kept for compatibility (engine_compat.COMPAT_ARGS: no-ops, or one supported value)
     use_v2_block_manager: bool = True
     num_scheduler_steps: int = 1
-    disable_custom_all_reduce: bool = False
     max_seq_len_to_capture: int = 8192
     max_context_len_to_capture: int | None = None
     disable_async_output_proc: bool = False
@@ -220,7 +220,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         check_compat_args(vars(self))
         parallel = ParallelConfig(
-            self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.distributed_executor_backend,
+            disable_custom_all_reduce=self.disable_custom_all_reduce,
         )
         compilation = CompilationConfig.from_user(self.compilation_config)
         device = self._device()

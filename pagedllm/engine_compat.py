@@ -11,7 +11,6 @@ from typing import Any
 COMPAT_ARGS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "use_v2_block_manager": ("no-op", lambda v: True, "one block manager: the paged KV cache"),
     "num_scheduler_steps": ("no-op", lambda v: True, "each step is scheduled; async scheduling overlaps host work"),
-    "disable_custom_all_reduce": ("no-op", lambda v: True, "all-reduce is torch.distributed's"),
     "max_seq_len_to_capture": ("no-op", lambda v: True, "CUDA graphs are captured by batch size, any length"),
     "max_context_len_to_capture": ("no-op", lambda v: True, "older name of max_seq_len_to_capture"),
     "disable_async_output_proc": ("no-op", lambda v: True, "outputs are processed on the engine's thread"),

@@ -2,7 +2,8 @@
 gloo between CPU processes).
 
 The groups are torch ProcessGroup objects built directly on a store (no `init_process_group`): a process may hold
-several engines, and nothing is registered globally. A group of one rank needs no process group at all: every
+several engines. Only an NCCL group is named in c10d's registry (torch's symmetric-memory ops look it up there),
+under a name unique to its engine. A group of one rank needs no process group at all: every
 collective is then the identity, so single-process code paths never touch torch.distributed."""
 
 from __future__ import annotations
@@ -12,13 +13,25 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from pagedllm.distributed.symm_all_reduce import SymmAllReduce, registered_group, unregister
+
 
 class Communicator:
     """Collectives over `ranks` (global ranks, in group order) for the process at group rank `rank`."""
 
-    def __init__(self, pg: dist.ProcessGroup | None, rank: int, ranks: list[int], device: torch.device) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        rank: int,
+        ranks: list[int],
+        device: torch.device,
+        name: str | None = None,
+        symm: SymmAllReduce | None = None,
+    ) -> None:
         self.pg, self.rank, self.ranks, self.device = pg, rank, list(ranks), device
         self.size = len(self.ranks)
+        self.name = name  # the c10d registry name of an NCCL group (None: not registered)
+        self.symm = symm  # the one-shot all-reduce of small tensors (None: every all-reduce through pg)
 
     @classmethod
     def single(cls, device: torch.device) -> Communicator:
@@ -33,8 +46,10 @@ class Communicator:
         ranks: list[int],
         device: torch.device,
         timeout_s: float,
+        custom_all_reduce: bool = True,
     ) -> Communicator:
-        """The group `name` of global `ranks`, this process being group rank `rank`; every member calls this."""
+        """The group `name` of global `ranks`, this process being group rank `rank`; every member calls this.
+        custom_all_reduce: small all-reduces of an NCCL group take the one-shot kernel (symm_all_reduce.py)."""
         if len(ranks) == 1:
             return cls(None, 0, ranks, device)
         store = dist.PrefixStore(f"pagedllm/{name}/", store)
@@ -42,7 +57,10 @@ class Communicator:
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, rank, len(ranks), options)
+            backend = dist.ProcessGroupNCCL(store, rank, len(ranks), options)
+            pg, registered = registered_group(store, backend, rank, len(ranks), device, name)
+            symm = SymmAllReduce.create(store, pg, registered, rank, len(ranks), device) if custom_all_reduce else None
+            return cls(pg, rank, ranks, device, registered, symm)
         else:
             pg = dist.ProcessGroupGloo(store, rank, len(ranks), timeout)
         return cls(pg, rank, ranks, device)
@@ -57,6 +75,8 @@ class Communicator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the group, in place (also inside CUDA graphs: the collective is queued on the stream)."""
+        if self.symm is not None and self.symm.all_reduce(x):
+            return x
         if self.pg is not None:
             self.pg.allreduce([x]).wait()
         return x
@@ -96,8 +116,10 @@ class Communicator:
         shutdown, abort and destructor all blocked on the peers' communicators in a running process, while at exit
         it ends cleanly; the cost is its buffers, once per engine built and shut down."""
         if self.pg is not None and self.device.type == "cuda":
-            _RETIRED.append(self.pg)
-        self.pg = None
+            _RETIRED.append((self.pg, self.symm))
+        if self.name is not None:
+            unregister(self.name)
+        self.pg, self.symm, self.name = None, None, None
 
 
-_RETIRED: list = []  # NCCL process groups of engines shut down (see Communicator.shutdown)
+_RETIRED: list = []  # NCCL process groups (and their symmetric buffers) of engines shut down (see shutdown)

@@ -52,19 +52,25 @@ class ParallelGroups:
         return cls(RankInfo(0, 1, 1), one, one, one)
 
     @classmethod
-    def create(cls, store: dist.Store, info: RankInfo, device: torch.device, timeout_s: float) -> ParallelGroups:
+    def create(
+        cls, store: dist.Store, info: RankInfo, device: torch.device, timeout_s: float, custom_all_reduce: bool = True
+    ) -> ParallelGroups:
         """Every rank of the world calls this with the same store (the collectives of the groups it is not in are
-        not created on it)."""
+        not created on it). custom_all_reduce: the tensor-parallel group's small all-reduces take the one-shot
+        kernel on GPUs."""
         tp_ranks = [info.pp_rank * info.tp_size + r for r in range(info.tp_size)]
         pp_ranks = [s * info.tp_size + info.tp_rank for s in range(info.pp_size)]
-        tp = Communicator.create(store, f"tp{info.pp_rank}", info.tp_rank, tp_ranks, device, timeout_s)
-        pp = Communicator.create(store, f"pp{info.tp_rank}", info.pp_rank, pp_ranks, device, timeout_s)
+        tp = Communicator.create(
+            store, f"tp{info.pp_rank}", info.tp_rank, tp_ranks, device, timeout_s, custom_all_reduce
+        )
+        pp = Communicator.create(store, f"pp{info.tp_rank}", info.pp_rank, pp_ranks, device, timeout_s, False)
         if info.pp_size == 1:
             world = tp
         elif info.tp_size == 1:
             world = pp
         else:
-            world = Communicator.create(store, "world", info.rank, list(range(info.world_size)), device, timeout_s)
+            ranks = list(range(info.world_size))
+            world = Communicator.create(store, "world", info.rank, ranks, device, timeout_s, False)
         return cls(info, tp, pp, world)
 
     def build_context(self) -> BuildContext:

@@ -54,7 +54,8 @@ class Worker:
             store = dist.TCPStore(spec.store_host, spec.store_port, spec.info.world_size, is_master=False)
         timeout = spec.timeout_s if device.type != "cuda" else max(spec.timeout_s, _NCCL_MIN_TIMEOUT_S)
         self.info = spec.info
-        self.groups = ParallelGroups.create(store, spec.info, device, timeout)
+        custom = not config.parallel.disable_custom_all_reduce
+        self.groups = ParallelGroups.create(store, spec.info, device, timeout, custom)
         self.runner = ModelRunner(config, self.groups)
         self.pending = None  # the launched step whose tokens this rank has not put in its batch yet
 

@@ -1,0 +1,104 @@
+"""One-shot all-reduce over symmetric GPU memory, through torch's symmetric-memory ops.
+
+A decode step's all-reduces are small (batch x hidden, a few KB to a few hundred KB) and bound by latency, not
+bandwidth. The one-shot kernel copies each rank's input into its peer-mapped buffer, meets the peers at a barrier
+of signal flags, then every rank reads all peers' buffers over NVLink and sums them: one kernel, no protocol
+round trips, capturable in CUDA graphs. Larger tensors, float16 (the op sums float32 and bfloat16 only) and any
+failure to set the buffers up fall back to NCCL.
+
+torch's op finds the group by name in c10d's registry, so the NCCL group is wrapped in a `ProcessGroup` and
+registered under a name unique to its engine (the only entry pagedllm puts there; removed at shutdown)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# the largest all-reduce taken by the one-shot kernel, by group size: each rank reads size x bytes, so the
+# crossover with NCCL's ring falls as the group grows
+MAX_BYTES = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def registered_group(
+    store: dist.Store, backend: dist.ProcessGroup, rank: int, size: int, device: torch.device, tag: str
+) -> tuple[dist.ProcessGroup, str]:
+    """`backend` (a ProcessGroupNCCL, or ProcessGroupGloo on CPU) wrapped in a ProcessGroup registered under a name
+    the group's ranks agree on (rank 0 draws it and publishes it in the store)."""
+    if rank == 0:
+        store.set("group_name", f"pagedllm-{tag}-{uuid.uuid4().hex[:12]}")
+    name = store.get("group_name").decode()
+    pg = dist.ProcessGroup(store, rank, size)
+    kind = dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, backend)
+    pg._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, pg)
+    return pg, name
+
+
+def unregister(name: str) -> None:
+    try:
+        torch._C._distributed_c10d._unregister_process_group(name)
+    except Exception:  # already gone (process exit)
+        pass
+
+
+class SymmAllReduce:
+    """The one-shot path of one group: `all_reduce(x)` sums x in place and says True, or says False (x untouched)
+    when x is not for this path."""
+
+    def __init__(self, name: str, buffer: torch.Tensor, max_bytes: int) -> None:
+        self.name, self.buffer, self.max_bytes = name, buffer, max_bytes  # buffer: [max_bytes] uint8, symmetric
+
+    @classmethod
+    def create(
+        cls, store: dist.Store, pg: dist.ProcessGroup, name: str, rank: int, size: int, device: torch.device
+    ) -> SymmAllReduce | None:
+        """Every rank of the group calls this; None on every rank unless every rank set its buffer up."""
+        max_bytes = MAX_BYTES.get(size)
+        buffer, ok = None, max_bytes is not None and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        if ok:
+            try:
+                from torch._C._distributed_c10d import _SymmetricMemory
+                from torch.distributed import _symmetric_memory as symm_mem
+
+                _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm/", store))
+                buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+            except Exception as e:  # no symmetric memory in this torch build or driver
+                logger.info("one-shot all-reduce unavailable (%s: %s); NCCL only", type(e).__name__, e)
+                ok = False
+        if not _all_agree(pg, ok, device):
+            return None
+        try:
+            symm_mem.rendezvous(buffer, name)
+        except Exception as e:
+            logger.warning("one-shot all-reduce rendezvous failed (%s: %s); NCCL only", type(e).__name__, e)
+            ok = False
+        if not _all_agree(pg, ok, device):
+            return None
+        return cls(name, buffer, max_bytes)
+
+    def all_reduce(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        if x.dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 16 or x.data_ptr() % 16:
+            return False
+        if not x.is_contiguous():
+            return False
+        flat = x.view(-1)
+        symm = self.buffer[:nbytes].view(x.dtype)  # [numel] this rank's peer-mapped staging
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.name, flat)
+        return True
+
+
+def _all_agree(pg: dist.ProcessGroup, ok: bool, device: torch.device) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    pg.allreduce([flag], opts).wait()
+    return bool(flag.item())

@@ -1,0 +1,136 @@
+"""The Communicator's collectives across spawned ranks: gloo on CPU (every CI run), and on GPUs NCCL plus the
+one-shot symmetric-memory all-reduce, checked against NCCL's sums eagerly and inside a CUDA graph.
+
+`python tests/distributed/test_collectives.py N [cpu|cuda] [bench]` runs the same check (and, with bench, a latency
+table per message size) outside pytest."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedllm.distributed.communicator import Communicator
+from pagedllm.distributed.symm_all_reduce import MAX_BYTES
+
+HIDDEN = 4096
+
+
+def _sizes(world: int) -> list[int]:
+    """Element counts of bfloat16 all-reduces: decode-sized rows (one-shot) up to prefill-sized (NCCL)."""
+    return [HIDDEN, 8 * HIDDEN, 64 * HIDDEN, MAX_BYTES.get(world, 1 << 20) // 2, 4 * (1 << 20)]
+
+
+def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    comm = Communicator.create(store, "tp0", rank, list(range(world)), device, 60.0)
+    plain = Communicator.create(store, "plain", rank, list(range(world)), device, 60.0, custom_all_reduce=False)
+    report = {"rank": rank, "one_shot": comm.symm is not None, "errors": []}
+    assert plain.symm is None
+    if device_type == "cpu":
+        assert comm.symm is None  # no symmetric memory on CPU: every all-reduce is gloo's
+    dtypes = (torch.bfloat16, torch.float32) if device_type == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        for n in _sizes(world):
+            gen = torch.Generator().manual_seed(1000 * rank + n)
+            x = torch.randn(n, generator=gen).to(device, dtype)
+            want = plain.all_reduce(x.clone())
+            got = comm.all_reduce(x.clone())
+            if not torch.equal(got, want) and not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+                report["errors"].append(f"{dtype} n={n}: max diff {(got.float() - want.float()).abs().max()}")
+    if device_type == "cuda":
+        report["errors"] += _graph_check(comm, plain, device)
+        if bench:
+            report["latency_us"] = _latency(comm, plain, device, world)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(report, f)
+
+
+def _graph_check(comm: Communicator, plain: Communicator, device: torch.device) -> list[str]:
+    """Eight all-reduces captured in one CUDA graph, replayed on fresh inputs, equal NCCL's sums."""
+    x = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=device)
+    graph = torch.cuda.CUDAGraph()
+    comm.all_reduce(x[0].clone())  # warm-up outside capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for i in range(8):
+            comm.all_reduce(x[i])
+    errors = []
+    for trial in range(3):
+        fresh = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(trial + 7 * comm.rank))
+        x.copy_(fresh.to(device, torch.bfloat16))
+        want = plain.all_reduce(x.clone())
+        graph.replay()
+        if not torch.allclose(x.float(), want.float(), rtol=1e-2, atol=1e-2):
+            errors.append(f"graph replay {trial}: max diff {(x.float() - want.float()).abs().max()}")
+    return errors
+
+
+def _latency(comm: Communicator, plain: Communicator, device: torch.device, world: int) -> dict:
+    """Microseconds per all-reduce inside a CUDA graph of 64, one-shot path vs NCCL, per message size."""
+    table = {}
+    for n in _sizes(world):
+        row = {}
+        for name, c in (("custom", comm), ("nccl", plain)):
+            x = torch.randn(64, n, device=device).to(torch.bfloat16)
+            c.all_reduce(x[0])
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(64):
+                    c.all_reduce(x[i])
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            plain.barrier()
+            start = time.perf_counter()
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize()
+            row[name] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
+        table[f"{n * 2 // 1024}KB"] = row
+    return table
+
+
+def run(world: int, device_type: str, bench: bool, tmp: str) -> list[dict]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_check, args=(world, port, device_type, bench, tmp), nprocs=world, start_method="spawn")
+    reports = []
+    for rank in range(world):
+        with open(f"{tmp}.{rank}") as f:
+            reports.append(json.load(f))
+    return reports
+
+
+def test_gloo_collectives_and_no_one_shot_on_cpu(tmp_path):
+    reports = run(2, "cpu", False, str(tmp_path / "r"))
+    assert all(not r["errors"] and not r["one_shot"] for r in reports), reports
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_shot_all_reduce_equals_nccl(world, tmp_path):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    reports = run(world, "cuda", False, str(tmp_path / "r"))
+    assert all(r["one_shot"] for r in reports), "symmetric memory did not set up"
+    assert all(not r["errors"] for r in reports), reports
+
+
+if __name__ == "__main__":
+    world, kind = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cuda"
+    print(json.dumps(run(world, kind, "bench" in sys.argv, os.path.join("/tmp", f"collectives-{os.getpid()}"))))

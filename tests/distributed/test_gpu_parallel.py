@@ -1,0 +1,67 @@
+"""Tensor and pipeline parallelism on GPUs (NCCL, the one-shot all-reduce, CUDA graphs for TP): TP=2, TP=4,
+TP=2 x PP=2 and PP=4 give the greedy tokens of one GPU, float32 compute, on a tiny Llama whose 2 KV heads are
+split at TP=2 and replicated at TP=4. Layouts needing more GPUs than the machine has are skipped."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import save_tiny_decoder
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
+ENGINE = dict(
+    dtype="float32",
+    skip_tokenizer_init=True,
+    block_size=16,
+    kv_cache_memory_bytes=1 << 26,
+    compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
+)
+LAYOUTS = [(2, 1), (4, 1), (2, 2), (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    _, path = save_tiny_decoder("llama-gpu-parallel", LlamaConfig, LlamaForCausalLM, MODEL, tmp_path_factory)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (k,), generator=gen).tolist()} for k in (5, 40, 17, 1, 63)]
+    return path, prompts, _generate(path, (1, 1), prompts)
+
+
+def _generate(path: str, layout: tuple[int, int], prompts: list[dict]) -> list:
+    tp, pp = layout
+    start = time.monotonic()
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    print(f"tp={tp} pp={pp}: engine up in {time.monotonic() - start:.1f} s", flush=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(c.token_ids, [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]) for o in outs for c in o.outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}")
+def test_layout_equals_one_gpu(layout, reference):
+    if torch.cuda.device_count() < layout[0] * layout[1]:
+        pytest.skip(f"needs {layout[0] * layout[1]} GPUs")
+    path, prompts, want = reference
+    got = _generate(path, layout, prompts)
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(lps, want_lps, atol=1e-3, rtol=0)
