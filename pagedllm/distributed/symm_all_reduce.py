@@ -7,10 +7,16 @@ round trips, capturable in CUDA graphs. Larger tensors, float16 (the op sums flo
 failure to set the buffers up fall back to NCCL.
 
 torch's op finds the group by name in c10d's registry, so the NCCL group is wrapped in a `ProcessGroup` and
-registered under a name unique to its engine (the only entry pagedllm puts there; removed at shutdown)."""
+registered under a name unique to its engine (the only entry pagedllm puts there; removed at shutdown).
+
+One group per process sets symmetric memory up: torch's allocator keeps per-process state, and a second engine's
+rendezvous in the same process failed on GPUs while its fresh worker processes waited. A later engine in a process
+that already had one (the driver's process, when a program builds several engines) runs on NCCL only; the ranks
+agree on that before any rendezvous, so none waits."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import uuid
 
@@ -23,6 +29,7 @@ logger = logging.getLogger(__name__)
 # crossover with NCCL's ring falls as the group grows
 MAX_BYTES = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
 DTYPES = (torch.bfloat16, torch.float32)
+_SET_UP: list[str] = []  # the group that set symmetric memory up in this process (at most one; see above)
 
 
 def registered_group(
@@ -39,6 +46,9 @@ def registered_group(
     pg._register_backend(device, kind, backend)
     pg._set_group_name(name)
     torch._C._distributed_c10d._register_process_group(name, pg)
+    # an engine never shut down: its group must leave the registry before exit (a registered NCCL group destroyed
+    # with C++'s statics aborts the process)
+    atexit.register(unregister, name)
     return pg, name
 
 
@@ -62,7 +72,8 @@ class SymmAllReduce:
     ) -> SymmAllReduce | None:
         """Every rank of the group calls this; None on every rank unless every rank set its buffer up."""
         max_bytes = MAX_BYTES.get(size)
-        buffer, ok = None, max_bytes is not None and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        buffer = None
+        ok = max_bytes is not None and not _SET_UP and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
         if ok:
             try:
                 from torch._C._distributed_c10d import _SymmetricMemory
@@ -82,6 +93,7 @@ class SymmAllReduce:
             ok = False
         if not _all_agree(pg, ok, device):
             return None
+        _SET_UP.append(name)
         return cls(name, buffer, max_bytes)
 
     def all_reduce(self, x: torch.Tensor) -> bool:

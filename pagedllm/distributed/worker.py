@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
@@ -56,6 +57,8 @@ class Worker:
         self.info = spec.info
         custom = not config.parallel.disable_custom_all_reduce
         self.groups = ParallelGroups.create(store, spec.info, device, timeout, custom)
+        # groups left at interpreter exit are shut down first (an NCCL group torn down with the interpreter aborts it)
+        self._end_groups = weakref.finalize(self, self.groups.shutdown)
         self.runner = ModelRunner(config, self.groups)
         self.pending = None  # the launched step whose tokens this rank has not put in its batch yet
 
@@ -87,7 +90,7 @@ class Worker:
             self.pending = None
 
     def shutdown(self) -> None:
-        self.groups.shutdown()
+        self._end_groups()
 
 
 def warm_cpu_kernels(device: torch.device) -> None:

@@ -1,5 +1,6 @@
 """The Communicator's collectives across spawned ranks: gloo on CPU (every CI run), and on GPUs NCCL plus the
-one-shot symmetric-memory all-reduce, checked against NCCL's sums eagerly and inside a CUDA graph.
+one-shot symmetric-memory all-reduce, checked against the exact sum of the ranks' inputs (within the rounding of
+the additions in the tensor's dtype), eagerly and inside a CUDA graph.
 
 `python tests/distributed/test_collectives.py N [cpu|cuda] [bench]` runs the same check (and, with bench, a latency
 table per message size) outside pytest."""
@@ -42,22 +43,32 @@ def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out:
     dtypes = (torch.bfloat16, torch.float32) if device_type == "cuda" else (torch.float32,)
     for dtype in dtypes:
         for n in _sizes(world):
-            gen = torch.Generator().manual_seed(1000 * rank + n)
-            x = torch.randn(n, generator=gen).to(device, dtype)
-            want = plain.all_reduce(x.clone())
-            got = comm.all_reduce(x.clone())
-            if not torch.equal(got, want) and not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
-                report["errors"].append(f"{dtype} n={n}: max diff {(got.float() - want.float()).abs().max()}")
+            inputs = [torch.randn(n, generator=torch.Generator().manual_seed(1000 * r + n)) for r in range(world)]
+            x = inputs[rank].to(device, dtype)
+            for name, c in (("one-shot", comm), ("nccl", plain)):
+                error = _sum_error(c.all_reduce(x.clone()), inputs, dtype)
+                if error:
+                    report["errors"].append(f"{name} {dtype} n={n}: {error}")
     if device_type == "cuda":
-        report["errors"] += _graph_check(comm, plain, device)
+        report["errors"] += _graph_check(comm, device)
         if bench:
             report["latency_us"] = _latency(comm, plain, device, world)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(report, f)
 
 
-def _graph_check(comm: Communicator, plain: Communicator, device: torch.device) -> list[str]:
-    """Eight all-reduces captured in one CUDA graph, replayed on fresh inputs, equal NCCL's sums."""
+def _sum_error(got: torch.Tensor, inputs: list[torch.Tensor], dtype: torch.dtype) -> str | None:
+    """None when got is the exact sum of the ranks' inputs (as `dtype` holds them) up to the rounding of
+    len(inputs) - 1 additions in `dtype`, else what is wrong."""
+    held = torch.stack([x.to(dtype).double() for x in inputs])  # [world, n]
+    exact, scale = held.sum(0), held.abs().sum(0)
+    bound = len(inputs) * torch.finfo(dtype).eps * scale + 1e-30
+    excess = ((got.double().cpu() - exact).abs() / bound).max().item()
+    return None if excess <= 1.0 else f"error {excess:.2f}x the rounding bound"
+
+
+def _graph_check(comm: Communicator, device: torch.device) -> list[str]:
+    """Eight all-reduces captured in one CUDA graph, replayed on fresh inputs, give the exact sums."""
     x = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=device)
     graph = torch.cuda.CUDAGraph()
     comm.all_reduce(x[0].clone())  # warm-up outside capture
@@ -67,12 +78,14 @@ def _graph_check(comm: Communicator, plain: Communicator, device: torch.device) 
             comm.all_reduce(x[i])
     errors = []
     for trial in range(3):
-        fresh = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(trial + 7 * comm.rank))
-        x.copy_(fresh.to(device, torch.bfloat16))
-        want = plain.all_reduce(x.clone())
+        inputs = [
+            torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(trial + 7 * r)) for r in range(comm.size)
+        ]
+        x.copy_(inputs[comm.rank].to(device, torch.bfloat16))
         graph.replay()
-        if not torch.allclose(x.float(), want.float(), rtol=1e-2, atol=1e-2):
-            errors.append(f"graph replay {trial}: max diff {(x.float() - want.float()).abs().max()}")
+        error = _sum_error(x, inputs, torch.bfloat16)
+        if error:
+            errors.append(f"graph replay {trial}: {error}")
     return errors
 
 

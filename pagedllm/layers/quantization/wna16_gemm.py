@@ -133,6 +133,7 @@ def wna16_gemm(x2, qweight, scales, zeros, bias, bits: int, group_size: int) -> 
         x2.stride(0), m * n, n,
         BITS=bits, HAS_ZP=has_zp, HAS_BIAS=has_bias and splits == 1, ONE_GROUP=one_group,
         IEEE=x2.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        num_stages=2 if x2.dtype == torch.float32 else 3,  # float32 tiles at 3 stages pass Hopper's shared memory
     )  # fmt: skip
     if splits > 1:
         block = 1024
