@@ -1,5 +1,6 @@
 """The grouped LoRA kernels (shrink, expand) against a per-row torch reference, for mixes of adapters, base rows,
-ranks and slice layouts. Without CUDA they run in Triton's interpreter (see conftest.py)."""
+ranks and slice layouts, over an eager step's block table and over the graphs' static one (a fixed grid with empty
+blocks). Without CUDA they run in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.lora.mapping import LoRAMapping
+from pagedllm.lora.mapping import StaticLoRAMapping, build_mapping
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton")
@@ -40,9 +41,18 @@ CASES = [  # (token slots, rank, slice sizes)
 ]
 
 
+def mapping(token_slots: np.ndarray, static: bool):
+    if not static:
+        return build_mapping(token_slots, DEVICE)
+    m = StaticLoRAMapping(len(token_slots) + 5, 3, DEVICE)  # buffers larger than the batch, as a graph's are
+    m.load(token_slots, len(token_slots))
+    return m.view(len(token_slots))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots,rank,sizes", CASES)
-def test_shrink_expand_match_per_row_reference(slots, rank, sizes, dtype):
+def test_shrink_expand_match_per_row_reference(slots, rank, sizes, dtype, static):
     g = torch.Generator().manual_seed(len(slots) * 31 + rank)
     in_features, max_loras, out_features = 40, 3, sum(sizes)
     slices = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
@@ -52,12 +62,12 @@ def test_shrink_expand_match_per_row_reference(slots, rank, sizes, dtype):
     b = (0.3 * torch.randn(max_loras, out_features, rank, generator=g)).to(dtype)
     y = torch.randn(len(slots), out_features, generator=g).to(dtype)
     expected = reference(x, a, b, y, token_slots, slices, rank)
-    m = LoRAMapping(token_slots, DEVICE)
+    m = mapping(token_slots, static)
     out = y.to(DEVICE)
-    t = ops.lora_shrink(x.to(DEVICE), a.to(DEVICE), m.sorted_tokens, m.starts, m.slots, m.num_m)
+    t = ops.lora_shrink(x.to(DEVICE), a.to(DEVICE), m.sorted_tokens, m.blocks, m.num_blocks)
     starts = torch.tensor([s for s, _ in slices], device=DEVICE)
     counts = torch.tensor(sizes, device=DEVICE)
-    ops.lora_expand(t, b.to(DEVICE), out, m.sorted_tokens, m.starts, m.slots, m.num_m, starts, counts, max(sizes))
+    ops.lora_expand(t, b.to(DEVICE), out, m.sorted_tokens, m.blocks, m.num_blocks, starts, counts, max(sizes))
     tol = 1e-4 if dtype == torch.float32 else 6e-2
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
     base = token_slots < 0
