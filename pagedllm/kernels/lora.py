@@ -32,14 +32,17 @@ def lora_shrink_kernel(
     stride_an,
     stride_tm,
     stride_blk,
+    K_SPLIT,  # input features per program (a multiple of BLOCK_K)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per token block and column block, each over K_SPLIT features (atomic sums)
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_k = pid % SPLIT_K
+    pid_n = (pid // SPLIT_K) % num_n
+    pid_m = pid // (SPLIT_K * num_n)
     count = tl.load(block_ptr + stride_blk + pid_m)
     if count == 0:
         return
@@ -52,7 +55,7 @@ def lora_shrink_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * K_SPLIT, tl.minimum(K, (pid_k + 1) * K_SPLIT), BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
         xs = tl.load(x_ptr + tok[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -62,7 +65,11 @@ def lora_shrink_kernel(
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(xs, w)
-    tl.store(t_ptr + tok[:, None] * stride_tm + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.atomic_add(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -130,14 +137,20 @@ def lora_shrink(
     x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, blocks: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
     """x [num_tokens, in] (a's dtype), a [max_loras, N, in] -> t [num_tokens, N] float32 (rows of base tokens
-    unwritten). blocks [3, >= num_blocks]: the block table (first, count, slot rows); the grid covers num_blocks."""
+    unwritten, or zero). blocks [3, >= num_blocks]: the block table (first, count, slot rows); the grid covers
+    num_blocks. The input features are split over up to 32 programs of at least 256 (a decode step's few token
+    blocks would otherwise run the whole K loop in one program each), their partial sums added atomically."""
     n, k = a.shape[1], a.shape[2]
-    t = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    block_n = min(_pow2(n), 64)
-    grid = num_blocks * triton.cdiv(n, block_n)
+    block_n, block_k = min(_pow2(n), 64), 64
+    split_k = min(32, triton.cdiv(k, 256))
+    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_split)
+    alloc = torch.empty if split_k == 1 else torch.zeros
+    t = alloc(x.shape[0], n, dtype=torch.float32, device=x.device)
+    grid = num_blocks * triton.cdiv(n, block_n) * split_k
     _shrink(
         grid, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-        blocks.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
+        blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
     return t
 

@@ -32,12 +32,13 @@ def reference(x, a, b, y, token_slots, slices, rank):
     return out
 
 
-CASES = [  # (token slots, rank, slice sizes)
-    ([0], 8, [48]),  # decode, one adapter
-    ([-1, 1, 0, 1, -1, 2, 0], 8, [32, 16, 16]),  # adapters and base rows interleaved, q/k/v-like slices
-    ([2] * 20 + [-1] * 3 + [0] * 17, 16, [40, 40]),  # groups over a token block, gate/up-like slices
-    ([1, 1, 1, 1], 32, [24]),  # a larger rank
-    ([-1, 0, -1], 16, [72, 8, 8]),  # slices of unequal sizes (one over the column block)
+CASES = [  # (token slots, rank, slice sizes, input features)
+    ([0], 8, [48], 40),  # decode, one adapter
+    ([1, -1, 0], 16, [24, 8], 1000),  # input features split over 4 programs of 256 (the last one short)
+    ([-1, 1, 0, 1, -1, 2, 0], 8, [32, 16, 16], 40),  # adapters and base rows interleaved, q/k/v-like slices
+    ([2] * 20 + [-1] * 3 + [0] * 17, 16, [40, 40], 40),  # groups over a token block, gate/up-like slices
+    ([1, 1, 1, 1], 32, [24], 40),  # a larger rank
+    ([-1, 0, -1], 16, [72, 8, 8], 40),  # slices of unequal sizes (one over the column block)
 ]
 
 
@@ -51,10 +52,10 @@ def mapping(token_slots: np.ndarray, static: bool):
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("slots,rank,sizes", CASES)
-def test_shrink_expand_match_per_row_reference(slots, rank, sizes, dtype, static):
+@pytest.mark.parametrize("slots,rank,sizes,in_features", CASES)
+def test_shrink_expand_match_per_row_reference(slots, rank, sizes, in_features, dtype, static):
     g = torch.Generator().manual_seed(len(slots) * 31 + rank)
-    in_features, max_loras, out_features = 40, 3, sum(sizes)
+    max_loras, out_features = 3, sum(sizes)
     slices = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
     token_slots = np.array(slots, dtype=np.int64)
     x = torch.randn(len(slots), in_features, generator=g).to(dtype)
