@@ -1,8 +1,13 @@
 """Grouped LoRA kernels (punica's SGMV layout): the step's tokens that use an adapter are sorted by its slot and cut
 into blocks of at most BLOCK_M tokens of one slot; each program multiplies one block by that slot's weights.
 
-shrink: t[tok, :] = x[tok, :] @ A[slot].T             A [max_loras, num_slices * rank, in]   t float32
-expand: y[tok, slice s] += t[tok, s-th rank block] @ B[slot, slice s rows].T   B [max_loras, out, rank]
+shrink: t[p, tok, :] = x[tok, part p of in] @ A[slot, :, part p].T   A [max_loras, num_slices * rank, in]
+expand: y[tok, slice s] += (sum over p of t[p, tok, s-th rank block]) @ B[slot, slice s rows].T
+                                                    B [max_loras, out, rank]
+
+The shrink splits the input features over SPLIT_K programs (a decode step has one or two token blocks: one program
+each would run the whole K loop alone); each writes its partial sums (t float32 [SPLIT_K, num_tokens, N]) and the
+expand adds them up as it reads them: no atomics, no zeroed buffer, two launches per layer.
 
 The block table (lora/mapping.py) holds per block its first entry in the sorted tokens, its count and its slot;
 blocks of count 0 do nothing, so CUDA graphs launch a fixed grid over a table refilled before each replay. Base-model
@@ -22,7 +27,7 @@ from pagedllm.kernels.launch import Launch
 def lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [max_loras, N, K]
-    t_ptr,  # [num_tokens, N] float32
+    t_ptr,  # [SPLIT_K, num_tokens, N] float32
     sorted_ptr,  # [num_lora_tokens] token indices grouped by slot
     block_ptr,  # [3, >= num_blocks] per block: first entry in sorted, count, slot
     K,
@@ -30,13 +35,14 @@ def lora_shrink_kernel(
     stride_xm,
     stride_al,
     stride_an,
+    stride_tk,
     stride_tm,
     stride_blk,
     K_SPLIT,  # input features per program (a multiple of BLOCK_K)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # programs per token block and column block, each over K_SPLIT features (atomic sums)
+    SPLIT_K: tl.constexpr,  # programs per token block and column block, each over K_SPLIT features
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -65,16 +71,13 @@ def lora_shrink_kernel(
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(xs, w)
-    t_ptrs = t_ptr + tok[:, None] * stride_tm + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
-    else:
-        tl.atomic_add(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    t_ptrs = t_ptr + pid_k * stride_tk + tok[:, None] * stride_tm + offs_n[None, :]
+    tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def lora_expand_kernel(
-    t_ptr,  # [num_tokens, num_slices * R] float32
+    t_ptr,  # [SPLIT_K, num_tokens, num_slices * R] float32: the shrink's partial sums
     b_ptr,  # [max_loras, out, R]
     y_ptr,  # [num_tokens, out]
     sorted_ptr,
@@ -82,6 +85,7 @@ def lora_expand_kernel(
     slice_start_ptr,  # [num_slices] first output row of each slice
     slice_size_ptr,  # [num_slices]
     R,
+    stride_tk,
     stride_tm,
     stride_bl,
     stride_bn,
@@ -89,6 +93,7 @@ def lora_expand_kernel(
     stride_blk,
     NUM_N: tl.constexpr,  # column blocks per slice (enough for the largest slice)
     NUM_SLICES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -112,7 +117,10 @@ def lora_expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_size
     cols = n_start + offs_n
-    ts = tl.load(t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :])
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :]
+    ts = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in tl.static_range(SPLIT_K):
+        ts += tl.load(t_ptrs + p * stride_tk, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     w = tl.load(
         b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None],
         mask=mask_r[:, None] & mask_n[None, :],
@@ -136,21 +144,20 @@ def _pow2(n: int, least: int = 16) -> int:
 def lora_shrink(
     x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, blocks: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
-    """x [num_tokens, in] (a's dtype), a [max_loras, N, in] -> t [num_tokens, N] float32 (rows of base tokens
-    unwritten, or zero). blocks [3, >= num_blocks]: the block table (first, count, slot rows); the grid covers
-    num_blocks. The input features are split over up to 32 programs of at least 256 (a decode step's few token
-    blocks would otherwise run the whole K loop in one program each), their partial sums added atomically."""
+    """x [num_tokens, in] (a's dtype), a [max_loras, N, in] -> t [split_k, num_tokens, N] float32: partial sums
+    over split_k parts of the input features (rows of base tokens unwritten). blocks [3, >= num_blocks]: the block
+    table (first, count, slot rows); the grid covers num_blocks. The features are split while the token and column
+    blocks are under ~128 programs, in parts of at least 256."""
     n, k = a.shape[1], a.shape[2]
     block_n, block_k = min(_pow2(n), 64), 64
-    split_k = min(32, triton.cdiv(k, 256))
+    programs = num_blocks * triton.cdiv(n, block_n)
+    split_k = max(1, min(triton.cdiv(k, 256), 32, triton.cdiv(128, programs)))
     k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_split)
-    alloc = torch.empty if split_k == 1 else torch.zeros
-    t = alloc(x.shape[0], n, dtype=torch.float32, device=x.device)
-    grid = num_blocks * triton.cdiv(n, block_n) * split_k
+    t = torch.empty(split_k, x.shape[0], n, dtype=torch.float32, device=x.device)
     _shrink(
-        grid, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-        blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        programs * split_k, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
+        t.stride(1), blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
     return t
 
@@ -166,13 +173,14 @@ def lora_expand(
     slice_sizes: torch.Tensor,
     max_slice: int,
 ) -> None:
-    """y [num_tokens, out] += per slice s: t[:, s*R:(s+1)*R] @ b[slot, slice rows].T, in place, for blocked tokens."""
+    """y [num_tokens, out] += per slice s: (t summed over its first dim)[:, s*R:(s+1)*R] @ b[slot, slice rows].T, in
+    place, for blocked tokens. t: lora_shrink's [split_k, num_tokens, num_slices * R]."""
     rank = b.shape[2]
-    block_n = 64
+    block_n = 128
     num_n, num_slices = triton.cdiv(max_slice, block_n), len(slice_starts)
     grid = num_blocks * num_slices * num_n
     _expand(
-        grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), blocks.stride(0), NUM_N=num_n, NUM_SLICES=num_slices, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, BLOCK_R=_pow2(rank),
+        grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), t.stride(1), b.stride(0),
+        b.stride(1), y.stride(0), blocks.stride(0), NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=t.shape[0],
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
     )  # fmt: skip
