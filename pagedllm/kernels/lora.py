@@ -147,11 +147,12 @@ def lora_shrink(
     """x [num_tokens, in] (a's dtype), a [max_loras, N, in] -> t [split_k, num_tokens, N] float32: partial sums
     over split_k parts of the input features (rows of base tokens unwritten). blocks [3, >= num_blocks]: the block
     table (first, count, slot rows); the grid covers num_blocks. The features are split while the token and column
-    blocks are under ~128 programs, in parts of at least 256."""
+    blocks are under ~128 programs, in up to 32 parts (a power of two) of at least 256."""
     n, k = a.shape[1], a.shape[2]
     block_n, block_k = min(_pow2(n), 64), 64
     programs = num_blocks * triton.cdiv(n, block_n)
     split_k = max(1, min(triton.cdiv(k, 256), 32, triton.cdiv(128, programs)))
+    split_k = 1 << (split_k.bit_length() - 1)  # a power of two: few compiled variants over the graphs' sizes
     k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_split)
     t = torch.empty(split_k, x.shape[0], n, dtype=torch.float32, device=x.device)
