@@ -60,6 +60,11 @@ class RanksExecutor:
     def register_logits_processors(self, req_id: str, processors: list) -> None:
         self.driver.runner.register_logits_processors(req_id, processors)
 
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks a LoRA adapter on the driver (ValueError); the other ranks read their parts when a
+        request with it reaches them. False if it was known."""
+        return self.driver.runner.add_lora(lora_request)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call("initialize_kv_cache", num_blocks)
 

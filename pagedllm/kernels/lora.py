@@ -1,11 +1,18 @@
-"""Grouped LoRA kernels (punica's SGMV layout): the step's tokens that use an adapter are sorted by its slot, and
-each program multiplies a block of one adapter's tokens by that adapter's weights.
+"""Grouped LoRA kernels (punica's SGMV layout): the step's tokens that use an adapter are sorted by its slot and cut
+into blocks of at most BLOCK_M tokens of one slot; each program multiplies one block by that slot's weights.
 
-shrink: t[tok, :] = x[tok, :] @ A[slot].T             A [max_loras, num_slices * rank, in]   t float32
-expand: y[tok, slice s] += t[tok, s-th rank block] @ B[slot, slice s rows].T   B [max_loras, out, rank]
+shrink: t[p, tok, :] = x[tok, part p of in] @ A[slot, :, part p].T   A [max_loras, num_slices * rank, in]
+expand: y[tok, slice s] += (sum over p of t[p, tok, s-th rank block]) @ B[slot, slice s rows].T
+                                                    B [max_loras, out, rank]
 
-Base-model tokens (slot -1) are in no group and are left alone. The grids are one-dimensional (flattened) so that
-the launches go through `Launch`."""
+The shrink splits the input features over SPLIT_K programs (a decode step has one or two token blocks: one program
+each would run the whole K loop alone); each writes its partial sums (t float32 [SPLIT_K, num_tokens, N]) and the
+expand adds them up as it reads them: no atomics, no zeroed buffer, two launches per layer.
+
+The block table (lora/mapping.py) holds per block its first entry in the sorted tokens, its count and its slot;
+blocks of count 0 do nothing, so CUDA graphs launch a fixed grid over a table refilled before each replay. Base-model
+tokens (slot -1) are in no block and are left alone. The grids are one-dimensional (flattened) so that the launches
+go through `Launch`."""
 
 from __future__ import annotations
 
@@ -20,39 +27,41 @@ from pagedllm.kernels.launch import Launch
 def lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [max_loras, N, K]
-    t_ptr,  # [num_tokens, N] float32
-    sorted_ptr,  # [num_lora_tokens] token indices grouped by adapter
-    start_ptr,  # [num_groups + 1] each group's first entry in sorted
-    slot_ptr,  # [num_groups] each group's slot
+    t_ptr,  # [SPLIT_K, num_tokens, N] float32
+    sorted_ptr,  # [num_lora_tokens] token indices grouped by slot
+    block_ptr,  # [3, >= num_blocks] per block: first entry in sorted, count, slot
     K,
     N,
     stride_xm,
     stride_al,
     stride_an,
+    stride_tk,
     stride_tm,
-    NUM_M,  # token blocks per group (enough for the largest group)
+    stride_blk,
+    K_SPLIT,  # input features per program (a multiple of BLOCK_K)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per token block and column block, each over K_SPLIT features
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (NUM_M * num_n)
-    pid_m = (pid // num_n) % NUM_M
-    pid_n = pid % num_n
-    start = tl.load(start_ptr + group)
-    count = tl.load(start_ptr + group + 1) - start
-    if pid_m * BLOCK_M >= count:
+    pid_k = pid % SPLIT_K
+    pid_n = (pid // SPLIT_K) % num_n
+    pid_m = pid // (SPLIT_K * num_n)
+    count = tl.load(block_ptr + stride_blk + pid_m)
+    if count == 0:
         return
-    slot = tl.load(slot_ptr + group).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.load(block_ptr + pid_m)
+    slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
-    tok = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    tok = tl.load(sorted_ptr + first + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * K_SPLIT, tl.minimum(K, (pid_k + 1) * K_SPLIT), BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
         xs = tl.load(x_ptr + tok[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -62,27 +71,29 @@ def lora_shrink_kernel(
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(xs, w)
-    tl.store(t_ptr + tok[:, None] * stride_tm + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+    t_ptrs = t_ptr + pid_k * stride_tk + tok[:, None] * stride_tm + offs_n[None, :]
+    tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def lora_expand_kernel(
-    t_ptr,  # [num_tokens, num_slices * R] float32
+    t_ptr,  # [SPLIT_K, num_tokens, num_slices * R] float32: the shrink's partial sums
     b_ptr,  # [max_loras, out, R]
     y_ptr,  # [num_tokens, out]
     sorted_ptr,
-    start_ptr,
-    slot_ptr,
+    block_ptr,
     slice_start_ptr,  # [num_slices] first output row of each slice
     slice_size_ptr,  # [num_slices]
     R,
+    stride_tk,
     stride_tm,
     stride_bl,
     stride_bn,
     stride_ym,
-    NUM_M,
+    stride_blk,
     NUM_N: tl.constexpr,  # column blocks per slice (enough for the largest slice)
     NUM_SLICES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -90,24 +101,26 @@ def lora_expand_kernel(
     pid = tl.program_id(0)
     pid_n = pid % NUM_N
     s = (pid // NUM_N) % NUM_SLICES
-    pid_m = (pid // (NUM_N * NUM_SLICES)) % NUM_M
-    group = pid // (NUM_N * NUM_SLICES * NUM_M)
-    start = tl.load(start_ptr + group)
-    count = tl.load(start_ptr + group + 1) - start
-    n_start = tl.load(slice_start_ptr + s)
+    pid_m = pid // (NUM_N * NUM_SLICES)
+    count = tl.load(block_ptr + stride_blk + pid_m)
     n_size = tl.load(slice_size_ptr + s)
-    if pid_m * BLOCK_M >= count or pid_n * BLOCK_N >= n_size:
+    if count == 0 or pid_n * BLOCK_N >= n_size:
         return
-    slot = tl.load(slot_ptr + group).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.load(block_ptr + pid_m)
+    slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
+    n_start = tl.load(slice_start_ptr + s)
+    offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
-    tok = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    tok = tl.load(sorted_ptr + first + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_size
     cols = n_start + offs_n
-    ts = tl.load(t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :])
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :]
+    ts = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in tl.static_range(SPLIT_K):
+        ts += tl.load(t_ptrs + p * stride_tk, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     w = tl.load(
         b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None],
         mask=mask_r[:, None] & mask_n[None, :],
@@ -121,7 +134,7 @@ def lora_expand_kernel(
 
 
 _shrink, _expand = Launch(lora_shrink_kernel), Launch(lora_expand_kernel)
-BLOCK_M = 16  # tl.dot's smallest tile: decode groups are often a few tokens
+BLOCK_M = 16  # tl.dot's smallest tile: decode groups are often a few tokens (lora/mapping.py's BLOCK_M)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -129,17 +142,23 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, num_m: int
+    x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, blocks: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
-    """x [num_tokens, in] (a's dtype), a [max_loras, N, in] -> t [num_tokens, N] float32 (rows of base tokens
-    unwritten). num_m: token blocks of the largest group (cdiv(its tokens, BLOCK_M))."""
+    """x [num_tokens, in] (a's dtype), a [max_loras, N, in] -> t [split_k, num_tokens, N] float32: partial sums
+    over split_k parts of the input features (rows of base tokens unwritten). blocks [3, >= num_blocks]: the block
+    table (first, count, slot rows); the grid covers num_blocks. The features are split while the token and column
+    blocks are under ~128 programs, in up to 32 parts (a power of two) of at least 256."""
     n, k = a.shape[1], a.shape[2]
-    t = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    block_n = min(_pow2(n), 64)
-    grid = len(slots) * num_m * triton.cdiv(n, block_n)
+    block_n, block_k = min(_pow2(n), 64), 64
+    programs = num_blocks * triton.cdiv(n, block_n)
+    split_k = max(1, min(triton.cdiv(k, 256), 32, triton.cdiv(128, programs)))
+    split_k = 1 << (split_k.bit_length() - 1)  # a power of two: few compiled variants over the graphs' sizes
+    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_split)
+    t = torch.empty(split_k, x.shape[0], n, dtype=torch.float32, device=x.device)
     _shrink(
-        grid, x, a, t, sorted_tokens, starts, slots, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-        num_m, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
+        programs * split_k, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
+        t.stride(1), blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
     return t
 
@@ -149,20 +168,20 @@ def lora_expand(
     b: torch.Tensor,
     y: torch.Tensor,
     sorted_tokens: torch.Tensor,
-    starts: torch.Tensor,
-    slots: torch.Tensor,
-    num_m: int,
+    blocks: torch.Tensor,
+    num_blocks: int,
     slice_starts: torch.Tensor,
     slice_sizes: torch.Tensor,
     max_slice: int,
 ) -> None:
-    """y [num_tokens, out] += per slice s: t[:, s*R:(s+1)*R] @ b[slot, slice rows].T, in place, for grouped tokens."""
+    """y [num_tokens, out] += per slice s: (t summed over its first dim)[:, s*R:(s+1)*R] @ b[slot, slice rows].T, in
+    place, for blocked tokens. t: lora_shrink's [split_k, num_tokens, num_slices * R]."""
     rank = b.shape[2]
-    block_n = 64
+    block_n = 128
     num_n, num_slices = triton.cdiv(max_slice, block_n), len(slice_starts)
-    grid = len(slots) * num_m * num_slices * num_n
+    grid = num_blocks * num_slices * num_n
     _expand(
-        grid, t, b, y, sorted_tokens, starts, slots, slice_starts, slice_sizes, rank, t.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), num_m, NUM_N=num_n, NUM_SLICES=num_slices, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_R=_pow2(rank),
+        grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), t.stride(1), b.stride(0),
+        b.stride(1), y.stride(0), blocks.stride(0), NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=t.shape[0],
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
     )  # fmt: skip

@@ -2,7 +2,11 @@
 
 A layer's adapter slots: A [max_loras, num_slices * R, in] (the slices' A stacked along the rank) and
 B [max_loras, out, R] (each output row's B row, the scaling folded in), R = max_lora_rank (smaller ranks are
-zero-padded). A merged layer's slices are its projections (q, k, v of qkv_proj; gate, up of gate_up_proj)."""
+zero-padded). A merged layer's slices are its projections (q, k, v of qkv_proj; gate, up of gate_up_proj).
+
+With tensor parallelism the slots hold this rank's part, cut like the base layer's weight: a column-parallel layer's
+B by its output rows (A whole), a row-parallel layer's A by its input features (B whole), so that the rank's partial
+term joins the base output before the layer's all-reduce sums them."""
 
 from __future__ import annotations
 
@@ -29,14 +33,26 @@ class LoRALayerWeights:
 
     def __init__(self, layer: LinearBase, max_loras: int, rank: int, dtype: torch.dtype, device) -> None:
         self.shard_ids = slice_ids(layer)
-        self.slices = [layer.output_shard(s)[:2] for s in self.shard_ids]  # [(first output row, rows)]
-        self.rank, self.input_size = rank, layer.input_size_per_partition
+        shards = [layer.output_shard(s) for s in self.shard_ids]
+        self.slices = [(start, rows) for start, rows, _ in shards]  # [(first output row on this rank, rows)]
+        self.row_sources = [source for _, _, source in shards]  # first row of each slice in the whole projection
+        self.full_rows = list(layer.output_sizes)  # each projection's rows over all ranks
+        self.rank, self.input_size, self.full_input = rank, layer.input_size_per_partition, layer.input_size
+        self.input_start = layer.tp_rank * self.input_size if self.input_size != self.full_input else 0
         num_slices = len(self.slices)
         self.a = torch.zeros(max_loras, num_slices * rank, self.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, layer.output_size_per_partition, rank, dtype=dtype, device=device)
         self.slice_starts = torch.tensor([s for s, _ in self.slices], dtype=torch.int64, device=device)
         self.slice_sizes = torch.tensor([n for _, n in self.slices], dtype=torch.int64, device=device)
         self.max_slice = max(n for _, n in self.slices)
+
+    def rank_part(self, index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's part of projection `index`'s A [r, in] and B [out, r] (None: they do not fit the layer)."""
+        if a.shape[1] != self.full_input or b.shape[0] != self.full_rows[index]:
+            return None
+        if self.input_size != self.full_input:
+            a = a.narrow(1, self.input_start, self.input_size)
+        return a, b.narrow(0, self.row_sources[index], self.slices[index][1])
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copies one adapter's (A [S*R, in], B [out, R]) into the slot; None zeroes it (adapter leaves layer out)."""
@@ -48,23 +64,29 @@ class LoRALayerWeights:
         self.b[slot].copy_(weights[1], non_blocking=True)
 
     def add(self, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-        """out [num_tokens, out] += each adapter token's x @ A.T @ B.T (in place); returns out."""
+        """out [num_tokens, out] += each adapter token's x @ A.T @ B.T (in place); returns out. No host sync and no
+        branch on the data: the same launches run in a CUDA graph over a static mapping."""
         xs = x.reshape(-1, x.shape[-1]).to(self.a.dtype).contiguous()  # [num_tokens, in]
         y = out.view(-1, out.shape[-1])  # a view: the adds below must land in out
+        m = mapping
         if use_triton(xs) and y.is_contiguous():
             from pagedllm.kernels.lora import lora_expand, lora_shrink
 
-            t = lora_shrink(xs, self.a, mapping.sorted_tokens, mapping.starts, mapping.slots, mapping.num_m)
-            lora_expand(t, self.b, y, mapping.sorted_tokens, mapping.starts, mapping.slots, mapping.num_m,
-                        self.slice_starts, self.slice_sizes, self.max_slice)  # fmt: skip
-            return out
-        for slot, index in mapping.groups:
-            rows = xs if index is None else xs.index_select(0, index)
-            delta = self._delta(rows, slot).to(y.dtype)  # [rows, out]
-            if index is None:
-                y += delta
-            else:
-                y.index_add_(0, index, delta)
+            t = lora_shrink(xs, self.a, m.sorted_tokens, m.blocks, m.num_blocks)
+            lora_expand(t, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, self.slice_starts, self.slice_sizes,
+                        self.max_slice)  # fmt: skip
+        elif m.groups is None:  # a graph's mapping: every slot over every token, masked to its tokens
+            for slot in range(self.a.shape[0]):
+                keep = (m.token_slots == slot).unsqueeze(1).to(y.dtype)  # [num_tokens, 1]
+                y += self._delta(xs, slot).to(y.dtype) * keep
+        else:
+            for slot, index in m.groups:
+                rows = xs if index is None else xs.index_select(0, index)
+                delta = self._delta(rows, slot).to(y.dtype)  # [rows, out]
+                if index is None:
+                    y += delta
+                else:
+                    y.index_add_(0, index, delta)
         return out
 
     def _delta(self, rows: torch.Tensor, slot: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.lora.config import LoRAConfig
-from pagedllm.lora.mapping import LoRAMapping
+from pagedllm.lora.mapping import LoRAMapping, build_mapping
 from pagedllm.lora.model import LoRAModel, SlotWeights
 from pagedllm.lora.peft_adapter import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
@@ -20,11 +20,6 @@ def make_lora_manager(config, model: nn.Module, device: torch.device) -> LoRAMan
     """The runner's LoRAManager for an EngineConfig (None: LoRA is off)."""
     if config.lora is None:
         return None
-    if config.parallel.world_size > 1:
-        raise ValueError(
-            "enable_lora=True runs on one rank: LoRA with tensor_parallel_size or pipeline_parallel_size > 1 is not "
-            "supported yet"
-        )
     return LoRAManager(model, config.lora, config.lora.lora_dtype or config.model.dtype, device)
 
 
@@ -99,8 +94,9 @@ class LoRAManager:
                 return slot
         raise RuntimeError("no free LoRA slot")
 
-    def mapping(self, token_lora_ids: np.ndarray) -> LoRAMapping | None:
-        """The step's mapping from each token's adapter id (0: the base model); None when no token uses one."""
+    def token_slots(self, token_lora_ids: np.ndarray) -> np.ndarray | None:
+        """Each token's device slot [num_tokens] from its adapter id (0: the base model, slot -1), loading the step's
+        adapters into slots; None when no token uses one."""
         ids = np.unique(token_lora_ids)
         ids = ids[ids > 0]
         if not len(ids):
@@ -108,4 +104,9 @@ class LoRAManager:
         slots = self.slots_for(ids.tolist())
         table = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
         table[ids] = [slots[i] for i in ids.tolist()]
-        return LoRAMapping(table[token_lora_ids], self.device)
+        return table[token_lora_ids]
+
+    def mapping(self, token_lora_ids: np.ndarray) -> LoRAMapping | None:
+        """An eager step's mapping (None when no token uses an adapter)."""
+        token_slots = self.token_slots(token_lora_ids)
+        return None if token_slots is None else build_mapping(token_slots, self.device)

@@ -69,11 +69,14 @@ class LoRAModel:
             name, index = located
             layer = self.layers[name]
             start, rows = layer.slices[index]
-            if a.shape[1] != layer.input_size or b.shape[0] != rows:
+            part = layer.rank_part(index, a, b)  # (this rank's, with tensor parallelism)
+            if part is None:
                 raise ValueError(
                     f"lora_path={adapter.path!r}: module {module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
-                    f"the base model's layer takes [r, {layer.input_size}] and [{rows}, r] (another base model?)"
+                    f"the base model's layer takes [r, {layer.full_input}] and [{layer.full_rows[index]}, r] "
+                    "(another base model?)"
                 )
+            a, b = part
             if name not in out:
                 num_slices = len(layer.slices)
                 out[name] = (

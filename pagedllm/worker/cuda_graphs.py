@@ -4,7 +4,9 @@ A decode step of n requests is padded to the next captured size: padded rows get
 slot -1 (the KV-write kernel skips it) and sequence length 0 (the attention kernel reads no key for them), and
 their outputs are ignored. The attention metadata is built once per captured size over the static buffers, with the
 split-K count fixed for that size, so the capture and every replay launch the same kernels. All graphs share one
-memory pool and are captured largest first, so the smaller ones reuse its blocks."""
+memory pool and are captured largest first, so the smaller ones reuse its blocks. With LoRA the graphs are captured
+with the adapter path on over a static mapping (`lora`; padded rows and base rows: slot -1, no term), so a batch
+mixing adapters replays them too."""
 
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ class CudaGraphRunner:
         max_model_len: int,
         num_kv_heads: int,
         device: torch.device,
+        lora=None,
     ) -> None:
         self.model, self.backend, self.sizes = model, backend, sorted(sizes)
+        self.lora = lora  # StaticLoRAMapping (lora/mapping.py) of max_size tokens; None: LoRA is off
         self.max_size, self.max_blocks, self.device = self.sizes[-1], max_blocks, device
         n = self.max_size
         # int64 rows: input ids, positions, cache slots; pinned host staging and its device twin
@@ -85,10 +89,12 @@ class CudaGraphRunner:
         """Inputs that write no KV (slot -1) and read no key (sequence length 0): for warm-ups and profiling."""
         self.dev_i64[2].fill_(-1)
         self.dev_i32[: self.max_size].zero_()
+        if self.lora is not None:
+            self.lora.clear()
 
     def forward_eager(self, bs: int) -> torch.Tensor:
         """The model over the static buffers of size bs, without a graph (warm-up, profiling, tests)."""
-        with forward_context(self.metas[bs]):
+        with forward_context(self.metas[bs], self.lora.view(bs) if self.lora is not None else None):
             return self.model(self.dev_i64[0, :bs], self.dev_i64[1, :bs])  # [bs, hidden]
 
     @torch.inference_mode()
@@ -108,9 +114,10 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.2f s", len(self.sizes), self.sizes, seconds)
         return seconds
 
-    def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table, late=None) -> None:
+    def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table, late=None, lora_slots=None):
         """Host arrays of n <= bs decodes into the static buffers, rows n..bs as padding; one copy per dtype.
-        late: (places in input_ids, values) of input tokens still on the device (the previous step sampled them)."""
+        late: (places in input_ids, values) of input tokens still on the device (the previous step sampled them).
+        lora_slots: each row's adapter slot [n] (-1: none; None: no row uses one), with LoRA on."""
         n = len(input_ids)
         self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
         h64 = self.host_i64.numpy()
@@ -124,6 +131,8 @@ class CudaGraphRunner:
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         end = self.max_size + bs * self.max_blocks
         self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
+        if self.lora is not None:  # (its staging is reused after the same wait)
+            self.lora.load(lora_slots, n)
         self.copy_done.record()
         if late is not None:
             self.dev_i64[0].index_copy_(0, *late)

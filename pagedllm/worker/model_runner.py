@@ -18,6 +18,7 @@ from pagedllm.distributed.pipeline import pipeline_forward
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
+from pagedllm.lora.mapping import StaticLoRAMapping
 from pagedllm.model_loader.loader import get_model
 from pagedllm.multimodal.encoder_runner import make_multimodal_runner
 from pagedllm.sample.logprobs import LogprobTensors
@@ -81,11 +82,10 @@ class ModelRunner:
         eager = self.config.device.enforce_eager or self.groups.info.pp_size > 1  # (stages run eagerly)
         if not self.on_cuda or eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
             return None
-        if self.lora is not None:  # the adapter mapping changes every step: LoRA steps run eagerly
-            return None
         sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
         if not sizes:
             return None
+        lora = None if self.lora is None else StaticLoRAMapping(max(sizes), self.lora.config.max_loras, self.device)
         return CudaGraphRunner(
             self.model,
             self.backend,
@@ -95,6 +95,7 @@ class ModelRunner:
             self.max_model_len,
             self.num_kv_heads,
             self.device,
+            lora,
         )
 
     def kv_bytes_per_block(self) -> int:
@@ -267,8 +268,9 @@ class ModelRunner:
         if self.graphs is not None and num_tokens == num_reqs and mm is None:
             graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None:
+            lora_slots = self.lora.token_slots(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
             self.graphs.load_inputs(
-                graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table, late
+                graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table, late, lora_slots
             )
             return self.graphs.replay(graph_bs, num_tokens)
         layout = BatchLayout(

@@ -1,5 +1,6 @@
 """The grouped LoRA kernels (shrink, expand) against a per-row torch reference, for mixes of adapters, base rows,
-ranks and slice layouts. Without CUDA they run in Triton's interpreter (see conftest.py)."""
+ranks and slice layouts, over an eager step's block table and over the graphs' static one (a fixed grid with empty
+blocks). Without CUDA they run in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.lora.mapping import LoRAMapping
+from pagedllm.lora.mapping import StaticLoRAMapping, build_mapping
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton")
@@ -31,20 +32,30 @@ def reference(x, a, b, y, token_slots, slices, rank):
     return out
 
 
-CASES = [  # (token slots, rank, slice sizes)
-    ([0], 8, [48]),  # decode, one adapter
-    ([-1, 1, 0, 1, -1, 2, 0], 8, [32, 16, 16]),  # adapters and base rows interleaved, q/k/v-like slices
-    ([2] * 20 + [-1] * 3 + [0] * 17, 16, [40, 40]),  # groups over a token block, gate/up-like slices
-    ([1, 1, 1, 1], 32, [24]),  # a larger rank
-    ([-1, 0, -1], 16, [72, 8, 8]),  # slices of unequal sizes (one over the column block)
+CASES = [  # (token slots, rank, slice sizes, input features)
+    ([0], 8, [48], 40),  # decode, one adapter
+    ([1, -1, 0], 16, [24, 8], 1000),  # input features split over 4 programs of 256 (the last one short)
+    ([-1, 1, 0, 1, -1, 2, 0], 8, [32, 16, 16], 40),  # adapters and base rows interleaved, q/k/v-like slices
+    ([2] * 20 + [-1] * 3 + [0] * 17, 16, [40, 40], 40),  # groups over a token block, gate/up-like slices
+    ([1, 1, 1, 1], 32, [24], 40),  # a larger rank
+    ([-1, 0, -1], 16, [72, 8, 8], 40),  # slices of unequal sizes (one over the column block)
 ]
 
 
+def mapping(token_slots: np.ndarray, static: bool):
+    if not static:
+        return build_mapping(token_slots, DEVICE)
+    m = StaticLoRAMapping(len(token_slots) + 5, 3, DEVICE)  # buffers larger than the batch, as a graph's are
+    m.load(token_slots, len(token_slots))
+    return m.view(len(token_slots))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("slots,rank,sizes", CASES)
-def test_shrink_expand_match_per_row_reference(slots, rank, sizes, dtype):
+@pytest.mark.parametrize("slots,rank,sizes,in_features", CASES)
+def test_shrink_expand_match_per_row_reference(slots, rank, sizes, in_features, dtype, static):
     g = torch.Generator().manual_seed(len(slots) * 31 + rank)
-    in_features, max_loras, out_features = 40, 3, sum(sizes)
+    max_loras, out_features = 3, sum(sizes)
     slices = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
     token_slots = np.array(slots, dtype=np.int64)
     x = torch.randn(len(slots), in_features, generator=g).to(dtype)
@@ -52,12 +63,12 @@ def test_shrink_expand_match_per_row_reference(slots, rank, sizes, dtype):
     b = (0.3 * torch.randn(max_loras, out_features, rank, generator=g)).to(dtype)
     y = torch.randn(len(slots), out_features, generator=g).to(dtype)
     expected = reference(x, a, b, y, token_slots, slices, rank)
-    m = LoRAMapping(token_slots, DEVICE)
+    m = mapping(token_slots, static)
     out = y.to(DEVICE)
-    t = ops.lora_shrink(x.to(DEVICE), a.to(DEVICE), m.sorted_tokens, m.starts, m.slots, m.num_m)
+    t = ops.lora_shrink(x.to(DEVICE), a.to(DEVICE), m.sorted_tokens, m.blocks, m.num_blocks)
     starts = torch.tensor([s for s, _ in slices], device=DEVICE)
     counts = torch.tensor(sizes, device=DEVICE)
-    ops.lora_expand(t, b.to(DEVICE), out, m.sorted_tokens, m.starts, m.slots, m.num_m, starts, counts, max(sizes))
+    ops.lora_expand(t, b.to(DEVICE), out, m.sorted_tokens, m.blocks, m.num_blocks, starts, counts, max(sizes))
     tol = 1e-4 if dtype == torch.float32 else 6e-2
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
     base = token_slots < 0

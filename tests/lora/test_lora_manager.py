@@ -11,6 +11,7 @@ from pagedllm.layers.build_context import BuildContext, building
 from pagedllm.layers.linear import QKVParallelLinear
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.mapping import StaticLoRAMapping, block_layout
 from pagedllm.lora.peft_adapter import PEFTAdapter
 from pagedllm.lora.request import LoRARequest
 
@@ -70,7 +71,31 @@ def test_host_copies_are_an_lru_and_evicted_ones_are_read_again(manager):
 def test_mapping_groups_tokens_by_slot(manager):
     mapping = manager.mapping(np.array([0, 3, 1, 3, 0, 1]))
     slots = manager.slots_for([1, 3])
-    assert mapping.slots.tolist() == sorted(slots.values())
     by_slot = {s: idx.tolist() for s, idx in mapping.groups}
     assert by_slot == {slots[1]: [2, 5], slots[3]: [1, 3]}
+    first, count, slot = mapping.blocks.tolist()
+    assert slot == sorted(slots.values()) and count == [2, 2]
+    assert [mapping.sorted_tokens[f : f + c].tolist() for f, c in zip(first, count)] == [by_slot[s] for s in slot]
     assert manager.mapping(np.zeros(4, dtype=np.int64)) is None
+
+
+def test_block_layout_cuts_groups_into_token_blocks():
+    """40 tokens: 20 of slot 2, 17 of slot 0, 3 base; blocks of at most BLOCK_M=16 tokens of one slot."""
+    token_slots = np.array([2] * 20 + [-1] * 3 + [0] * 17)
+    sorted_tokens, blocks, group_slots = block_layout(token_slots)
+    assert sorted_tokens.tolist() == list(range(23, 40)) + list(range(20))
+    assert blocks.tolist() == [[0, 16, 17, 33], [16, 1, 16, 4], [0, 0, 2, 2]]
+    assert group_slots.tolist() == [0, 2]
+
+
+def test_static_mapping_refills_fixed_buffers():
+    static = StaticLoRAMapping(max_tokens=8, max_loras=2, device=torch.device("cpu"))
+    view, address = static.view(4), static.dev.data_ptr()
+    assert view.num_blocks == 1 + 2  # cdiv(4, 16) blocks + one per slot: any mix fits
+    static.load(np.array([1, -1, 0, 1]), 4)
+    assert view.token_slots.tolist() == [1, -1, 0, 1]
+    assert view.blocks[:, :3].tolist() == [[0, 1, 0], [1, 2, 0], [0, 1, 0]]
+    assert view.sorted_tokens[:3].tolist() == [2, 0, 3]
+    static.load(None, 3)  # no adapter: every block empty, every token on the base
+    assert view.token_slots.tolist() == [-1] * 4 and not view.blocks[1].any()
+    assert static.dev.data_ptr() == address

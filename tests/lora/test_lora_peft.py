@@ -4,11 +4,16 @@ oracle is PEFT's merged model in HF transformers (greedy float32 tokens identica
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
+import numpy as np
 import pytest
+import torch
 from tiny_models import hf_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.forward_context import forward_context
+from pagedllm.lora.mapping import StaticLoRAMapping
 
 PROMPTS = [[5, 17, 42, 7, 99, 3], [11, 200, 13, 8], list(range(40, 61))]  # the last spans more than one KV block
 MAX_TOKENS = 6
@@ -103,3 +108,106 @@ def test_lora_requests_info_metric(lora_family, lora_llm):
     }
     while engine.has_unfinished_requests():
         engine.step()
+
+
+# -- the CUDA-graph path: a static mapping over fixed buffers, no host sync --------------------------------------
+HOST_SYNCS = [(torch.Tensor, n) for n in ("item", "tolist", "nonzero", "numpy", "cpu", "__bool__", "__int__")]
+HOST_SYNCS.append((torch, "nonzero"))
+
+
+@contextmanager
+def no_host_syncs():
+    """Tensor-to-host reads raise inside (what a CUDA-graph capture forbids)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host sync in the graphed LoRA path")
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in HOST_SYNCS]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def graph_mapping(manager, max_tokens: int = 256):
+    """manager.mapping as the graphs' replay gets it: the step's slots loaded into a StaticLoRAMapping."""
+    static = StaticLoRAMapping(max_tokens, manager.config.max_loras, manager.device)
+
+    def mapping(token_lora_ids: np.ndarray):
+        static.load(manager.token_slots(token_lora_ids), len(token_lora_ids))
+        return static.view(len(token_lora_ids))
+
+    return mapping
+
+
+def test_graph_path_has_no_host_sync_and_equals_eager(lora_family, lora_llm):
+    """Every LoRA layer over a mix of two adapters and base rows: the static mapping's forward reads nothing back
+    to the host and gives the eager mapping's outputs (a test that a host sync would fail: see no_host_syncs)."""
+    runner = lora_llm.llm_engine.core.executor.runner
+    reqs = list(lora_requests(lora_family).values())  # [0]: every module, [2]: o, gate and down only
+    for req in (reqs[0], reqs[2]):
+        lora_llm.llm_engine.add_lora(req)
+    ids = np.array([reqs[0].lora_int_id, 0, reqs[2].lora_int_id, reqs[0].lora_int_id, 0], dtype=np.int64)
+    eager, static = runner.lora.mapping(ids), graph_mapping(runner.lora)(ids)
+    g = torch.Generator().manual_seed(0)
+    for name, weights in runner.lora.lora_model.layers.items():
+        layer = runner.model.get_submodule(name)
+        x = torch.randn(len(ids), weights.full_input, generator=g)
+        with forward_context(object(), None):
+            base = layer(x)
+        with forward_context(object(), eager):
+            expected = layer(x)
+        with forward_context(object(), static), no_host_syncs():
+            got = layer(x)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[[1, 4]], base[[1, 4]], atol=1e-6, rtol=0)  # base rows: no term
+        assert (got[[0, 3]] - base[[0, 3]]).abs().max() > 1e-3, name  # adapter "all" targets every layer
+
+
+def test_graph_path_matches_peft(lora_family, lora_llm, monkeypatch):
+    """A mixed batch of 4 adapters and base rows with every step's LoRA term through the graphs' static mapping."""
+    manager = lora_llm.llm_engine.core.executor.runner.lora
+    monkeypatch.setattr(manager, "mapping", graph_mapping(manager))
+    reqs = lora_requests(lora_family)
+    rows = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate([*reqs, None])]
+    outs = lora_llm.generate(
+        [{"prompt_token_ids": p} for _, p in rows],
+        SP,
+        use_tqdm=False,
+        lora_request=[None if name is None else reqs[name] for name, _ in rows],
+    )
+    for (name, prompt), out in zip(rows, outs):
+        tokens, logprobs = tokens_and_logprobs(out)
+        ref_tokens, ref_logprobs = oracle(lora_family, name, prompt)
+        assert tokens == ref_tokens, (name, prompt)
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4), (name, prompt)
+
+
+def test_tensor_parallel_matches_one_rank_and_peft(lora_family, lora_llm):
+    """TP=2 over two CPU processes (gloo): B cut by output rows in column-parallel layers (q/k/v, gate/up), A by
+    input features in row-parallel ones (o, down): the same tokens as PEFT and the logprobs of one rank."""
+    _, base_path, _, _ = lora_family
+    reqs = lora_requests(lora_family)
+    rows = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate([*reqs, None])]
+    prompts = [{"prompt_token_ids": p} for _, p in rows]
+    loras = [None if name is None else reqs[name] for name, _ in rows]
+    one = lora_llm.generate(prompts, SP, use_tqdm=False, lora_request=loras)
+    llm = LLM(
+        base_path, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22,
+        enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=8, tensor_parallel_size=2,
+    )  # fmt: skip
+    try:
+        two = llm.generate(prompts, SP, use_tqdm=False, lora_request=loras)
+    finally:
+        llm.llm_engine.shutdown()
+    for (name, prompt), a, b in zip(rows, one, two):
+        assert tokens_and_logprobs(b)[0] == oracle(lora_family, name, prompt)[0], (name, prompt)
+        assert tokens_and_logprobs(b)[1] == pytest.approx(tokens_and_logprobs(a)[1], abs=1e-4), (name, prompt)
+
+
+def test_pipeline_parallel_is_refused(lora_family):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
+        LLM(lora_family[1], device="cpu", skip_tokenizer_init=True, enable_lora=True, pipeline_parallel_size=2)
