@@ -6,6 +6,7 @@ scheduler outputs), pickled over a socket pair that only the two processes hold,
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -51,12 +52,20 @@ class Worker:
         elif spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         warm_cpu_kernels(device)
-        if store is None:
-            store = dist.TCPStore(spec.store_host, spec.store_port, spec.info.world_size, is_master=False)
         timeout = spec.timeout_s if device.type != "cuda" else max(spec.timeout_s, _NCCL_MIN_TIMEOUT_S)
         self.info = spec.info
         custom = not config.parallel.disable_custom_all_reduce
-        self.groups = ParallelGroups.create(store, spec.info, device, timeout, custom)
+        try:
+            if store is None:
+                wait = datetime.timedelta(seconds=timeout)
+                store = dist.TCPStore(spec.store_host, spec.store_port, spec.info.world_size, False, timeout=wait)
+            self.groups = ParallelGroups.create(store, spec.info, device, timeout, custom)
+        except Exception as e:
+            backend = "NCCL" if device.type == "cuda" else "gloo"
+            raise RuntimeError(
+                f"rank {spec.info.rank} could not join the {backend} groups at {spec.store_host}:{spec.store_port} "
+                f"({type(e).__name__}: {e})"
+            ) from e
         # groups left at interpreter exit are shut down first (an NCCL group torn down with the interpreter aborts it)
         self._end_groups = weakref.finalize(self, self.groups.shutdown)
         self.runner = ModelRunner(config, self.groups)

@@ -90,3 +90,22 @@ def test_engine_process_ending_ends_its_workers(sig, llama_path, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_group_init_failure_names_rank_and_address(llama_path):
+    """A rank that cannot reach the rendezvous store fails at once with its rank and the store's address."""
+    import socket
+
+    from pagedllm.distributed.parallel_state import RankInfo
+    from pagedllm.distributed.worker import Worker, WorkerSpec
+    from pagedllm.engine_args import EngineArgs
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = EngineArgs(llama_path, tensor_parallel_size=2, **ENGINE).create_engine_config()
+    spec = WorkerSpec(RankInfo(1, 2, 1), "127.0.0.1", port, local_device=0, timeout_s=1.0, num_threads=1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank 1 could not join the gloo groups at 127\.0\.0\.1:{port}"):
+        Worker(config, spec)
+    assert time.monotonic() - start < 10.0
