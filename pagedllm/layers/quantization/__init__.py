@@ -23,12 +23,13 @@ __all__ = [
 
 _BUILTIN = {  # name -> (module, class)
     "awq": ("pagedllm.layers.quantization.awq", "AWQConfig"),
+    "bitsandbytes": ("pagedllm.layers.quantization.bitsandbytes", "BitsAndBytesConfig"),
     "compressed-tensors": ("pagedllm.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "fp8": ("pagedllm.layers.quantization.fp8", "Fp8Config"),
     "gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig"),
     "gptq": ("pagedllm.layers.quantization.gptq", "GPTQConfig"),
 }
-AT_LOAD = ("fp8",)  # quantizations `quantization=` applies to a float checkpoint while loading it
+AT_LOAD = ("fp8", "bitsandbytes")  # quantizations `quantization=` applies to a float checkpoint while loading it
 _REGISTERED: dict[str, type[QuantizationConfig]] = {}
 
 
