@@ -71,7 +71,7 @@ class EngineArgs:
     rope_scaling: dict | None = None  # replaces the config's rope scaling, e.g. {"rope_type": "yarn", "factor": 4.0}
     rope_theta: float | None = None
     load_format: str = "auto"
-    quantization: str | None = None  # None: the checkpoint's; "fp8": quantize a float checkpoint while loading
+    quantization: str | None = None  # None: the checkpoint's; "fp8" / "bitsandbytes": quantize a float one at load
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 (CUDA, Triton attention)
@@ -354,7 +354,7 @@ def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_back
 
 
 def _check_not_quantized(path: str, hf_config) -> None:
-    """A checkpoint quantized in a format no registered QuantizationConfig reads (bitsandbytes, ...) is
+    """A checkpoint quantized in a format no registered QuantizationConfig reads (HQQ, ...) is
     refused before anything loads, naming the format and the supported ones; a supported one has its
     quantization_config read here, so that a scheme it cannot run is refused before loading too."""
     from pagedllm.layers.quantization import (

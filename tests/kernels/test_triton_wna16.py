@@ -188,3 +188,50 @@ def test_layer_kernel_path_matches_its_dense_path(fmt, act_orders, monkeypatch):
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,group", [(17, 96, 32), (70, 256, 64), (33, 200, 8)])
+@pytest.mark.parametrize("m", [1, 5, 80])
+def test_codebook(n, k, group, m):
+    """The codebook variant (bitsandbytes nf4 / fp4): w = codebook[q] * scale, on the fused kernel (m <= 64) and the
+    dequantize-then-GEMM path (m = 80)."""
+    g = torch.Generator().manual_seed(n + k + m)
+    q = torch.randint(0, 16, (k, n), generator=g)  # [K, N] codes
+    scales = torch.rand(-(-k // group), n, generator=g) + 0.1
+    codebook = torch.randn(16, generator=g)
+    w = codebook.double()[q] * scales.double()[torch.arange(k) // group]  # [K, N]
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    args = (pack_int32(q, 4, dim=0), scales, None, b, None, 4, group, codebook)
+    out = gemm.wna16_linear(x.to(DEVICE), *(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+    assert_close(out, reference(x, w, b), torch.float32)
+
+
+def test_bnb_layer_kernel_path(monkeypatch):
+    """A merged bitsandbytes 4-bit layer (two projections of a checkpoint's tensors) on the GEMM path: its codes
+    repacked K-major, scales transposed, the codebook kept; the same outputs as its dequantized weight."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    bnb = importlib.import_module("pagedllm.layers.quantization.bitsandbytes")
+    from pagedllm.layers.linear import MergedColumnParallelLinear
+    from pagedllm.layers.quantization.bnb_format import dequantize_4bit, regroup_4bit
+
+    monkeypatch.setattr(bnb, "wna16_linear", gemm.wna16_linear)  # the interpreted kernels
+    monkeypatch.setattr(bnb, "kernel_device", lambda device: True)
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(48, 128, generator=g), torch.randn(24, 128, generator=g)]
+    stream = []
+    for i, w in enumerate(weights):
+        packed, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="fp4", compress_statistics=True)
+        stream += [(f"p{i}.weight", packed)] + [(f"p{i}.weight.{k}", v) for k, v in state.as_dict(packed=True).items()]
+    decoded = dict(regroup_4bit(stream, torch.uint8))
+    layer = MergedColumnParallelLinear(128, [48, 24], bias=False, quant_config=bnb.BitsAndBytesConfig(4), prefix="m")
+    dense = []
+    for i in range(2):
+        for name in ("codes", "scales", "codebook"):
+            param = getattr(layer, f"bnb_{name}")
+            param.weight_loader(param, decoded[f"p{i}.bnb_{name}"], i)
+        dense.append(dequantize_4bit(*(decoded[f"p{i}.bnb_{name}"] for name in ("codes", "scales", "codebook"))))
+    layer.process_weights_after_loading()
+    assert type(layer.quant_method).__name__ == "Bnb4bitGemmMethod" and layer.wq_packed.shape == (16, 72)
+    x = torch.randn(3, 128, generator=g)
+    ref = x.double() @ torch.cat(dense).double().t()
+    assert_close(layer(x.to(DEVICE)), ref, torch.float32)
