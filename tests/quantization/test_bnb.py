@@ -82,16 +82,21 @@ def _float_with(float_path: str, weights: dict[str, torch.Tensor]):
     return model
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def bnb_case(request, float_model, tmp_path_factory):
-    """(variant, pagedllm LLM, oracle, float HF model, HF's own load of the checkpoint, its folder)."""
-    hf_float, float_path = float_model
-    out = str(tmp_path_factory.mktemp(request.param) / "ckpt")
-    config = transformers.BitsAndBytesConfig(**VARIANTS[request.param])
+def _make_checkpoint(float_path: str, out: str, variant: str) -> str:
+    """transformers loads the float checkpoint with BitsAndBytesConfig (bitsandbytes quantizes it) and saves it."""
+    config = transformers.BitsAndBytesConfig(**VARIANTS[variant])
     quantized = transformers.AutoModelForCausalLM.from_pretrained(
         float_path, quantization_config=config, device_map="cpu", dtype=torch.float32
     )
     quantized.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def bnb_case(request, float_model, tmp_path_factory):
+    """(variant, pagedllm LLM, oracle, float HF model, HF's own load of the checkpoint, its folder)."""
+    hf_float, float_path = float_model
+    out = _make_checkpoint(float_path, str(tmp_path_factory.mktemp(request.param) / "ckpt"), request.param)
     hf_bnb = transformers.AutoModelForCausalLM.from_pretrained(out, device_map="cpu", dtype=torch.float32).eval()
     oracle = hf_bnb if request.param == "int8" else _float_with(float_path, _dequantized_4bit(out))
     return request.param, LLM(out, **CPU), oracle, hf_float, hf_bnb, out
@@ -291,3 +296,27 @@ def test_moe_experts_are_refused():
     for config in (BitsAndBytesConfig.from_config(FOUR), BitsAndBytesConfig.in_flight()):
         with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts: quantized experts \(bitsandbytes"):
             expert_fp8_strategy(config, "model.layers.1.mlp.experts")
+
+
+def _generate(path: str, tp: int) -> list:
+    llm = LLM(path, tensor_parallel_size=tp, max_num_batched_tokens=16, **CPU)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 320, (int(n),), generator=gen).tolist() for n in (1, 17, 30)]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]  # fmt: skip
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_matches_one_rank(float_model, tmp_path):
+    """Two CPU ranks (gloo): each takes its rows (column-parallel) or input features (row-parallel: o_proj's 64
+    split into 32, finer than the 64-feature scale runs decoded) of the codes and scales; the same greedy tokens as
+    one rank, logprobs within float32 all-reduce noise."""
+    path = _make_checkpoint(float_model[1], str(tmp_path / "ckpt"), "nf4-double-quant")
+    one, two = _generate(path, 1), _generate(path, 2)
+    for (tokens1, lps1), (tokens2, lps2) in zip(one, two):
+        assert tokens2 == tokens1
+        torch.testing.assert_close(torch.tensor(lps2), torch.tensor(lps1), atol=1e-4, rtol=0)

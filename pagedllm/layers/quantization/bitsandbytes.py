@@ -51,6 +51,15 @@ def load_codes(layer: LinearBase, param: torch.Tensor, loaded: torch.Tensor, sha
     load_part(layer, 1, 1, param, loaded, shard_id)
 
 
+def load_scales(layer: LinearBase, g: int, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """Scales float32 [N, K / g0] (g0 = gcd(K, 64), as decoded) into this rank's part of [N, K / g]; g (which divides
+    g0) is finer where a row-parallel rank's input features are not a multiple of g0."""
+    g0 = layer.input_size // loaded.shape[1]
+    if g0 != g:
+        loaded = loaded.repeat_interleave(g0 // g, dim=1)  # each run of g0 features split into runs of g
+    load_part(layer, 1, g, param, loaded, shard_id)
+
+
 class Bnb4bitLinearMethod(LinearMethod):
     """Loading: codes uint8 [N, K] (`bnb_codes`), scales float32 [N, K / g] (`bnb_scales`) and each projection's
     codebook [num_projections, 16] (`bnb_codebook`), as bnb_format.regroup_4bit decodes them. Of a float checkpoint
@@ -64,18 +73,13 @@ class Bnb4bitLinearMethod(LinearMethod):
         if not self.serialized:
             DENSE.create_weights(layer, input_size, output_sizes)
             return
-        g = scale_group(layer.input_size)
-        if input_size % g:
-            raise ValueError(
-                f"{layer.prefix}: the {input_size} input features of each tensor-parallel rank split the 4-bit scale "
-                f"groups of {g} features; use a tensor_parallel_size that divides input_size / {g}"
-            )
+        g = scale_group(input_size)  # this rank's input features: a row-parallel shard holds whole groups
         rows = sum(output_sizes)
         codes_loader = functools.partial(load_codes, layer)
         layer.bnb_codes = new_param(
             rows, input_size, dtype=torch.uint8, output_dim=0, weight_loader=codes_loader, dummy_fill=dummy_codes
         )
-        scales_loader = functools.partial(load_part, layer, 1, g)
+        scales_loader = functools.partial(load_scales, layer, g)
         layer.bnb_scales = new_param(
             rows, input_size // g, dtype=torch.float32, output_dim=0, weight_loader=scales_loader
         )
@@ -89,7 +93,10 @@ class Bnb4bitLinearMethod(LinearMethod):
 
     def loaded(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes [N, K], scales [N, K / g], codebooks [num_projections, 16]), removed from the layer."""
-        if not self.serialized:  # quantized here, each projection on its own (as the checkpoint's tensors would be)
+        # of a float checkpoint: quantized here, each projection on its own (as the checkpoint's tensors would be);
+        # under tensor parallelism each rank's shard, whose blocks differ from the whole weight's where a row-parallel
+        # rank's input features are not a multiple of 64
+        if not self.serialized:
             parts = [quantize_nf4(w) for w in layer.weight.data.split(layer.output_partition_sizes)]
             del layer.weight
             codebooks = torch.tensor(NF4, device=parts[0][0].device).expand(len(parts), 16)

@@ -21,7 +21,8 @@ major, the only layout written by current versions); W[n, k] = weight[n, k] * SC
 
 Decoded form kept by the 4-bit method: codes uint8 [N, K] (one code per byte) and scales float32 [N, K / g], one per
 g = gcd(K, 64) consecutive features of a row: a block boundary (a multiple of blocksize, itself a multiple of 64, in the
-flat index) falls inside a row only at a multiple of g, so each run of g features has one scale."""
+flat index) falls inside a row only at a multiple of g, so each run of g features has one scale (any divisor of g
+works as well: a tensor-parallel rank with K / tp input features keeps gcd(K / tp, 64))."""
 
 from __future__ import annotations
 
