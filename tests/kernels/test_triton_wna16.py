@@ -212,7 +212,7 @@ def test_bnb_layer_kernel_path(monkeypatch):
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     bnb = importlib.import_module("pagedllm.layers.quantization.bitsandbytes")
     from pagedllm.layers.linear import MergedColumnParallelLinear
-    from pagedllm.layers.quantization.bnb_format import dequantize_4bit, regroup_4bit
+    from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit
 
     monkeypatch.setattr(bnb, "wna16_linear", gemm.wna16_linear)  # the interpreted kernels
     monkeypatch.setattr(bnb, "kernel_device", lambda device: True)
@@ -222,14 +222,15 @@ def test_bnb_layer_kernel_path(monkeypatch):
     for i, w in enumerate(weights):
         packed, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="fp4", compress_statistics=True)
         stream += [(f"p{i}.weight", packed)] + [(f"p{i}.weight.{k}", v) for k, v in state.as_dict(packed=True).items()]
-    decoded = dict(regroup_4bit(stream, torch.uint8))
-    layer = MergedColumnParallelLinear(128, [48, 24], bias=False, quant_config=bnb.BitsAndBytesConfig(4), prefix="m")
+    decoded = dict(regroup_4bit(stream, torch.uint8, "fp4"))
+    config = bnb.BitsAndBytesConfig(4, "fp4")
+    layer = MergedColumnParallelLinear(128, [48, 24], bias=False, quant_config=config, prefix="m")
     dense = []
     for i in range(2):
-        for name in ("codes", "scales", "codebook"):
+        for name in ("codes", "scales"):
             param = getattr(layer, f"bnb_{name}")
             param.weight_loader(param, decoded[f"p{i}.bnb_{name}"], i)
-        dense.append(dequantize_4bit(*(decoded[f"p{i}.bnb_{name}"] for name in ("codes", "scales", "codebook"))))
+        dense.append(dequantize_4bit(decoded[f"p{i}.bnb_codes"], decoded[f"p{i}.bnb_scales"], codebook("fp4")))
     layer.process_weights_after_loading()
     assert type(layer.quant_method).__name__ == "Bnb4bitGemmMethod" and layer.wq_packed.shape == (16, 72)
     x = torch.randn(3, 128, generator=g)

@@ -31,7 +31,7 @@ from tiny_models import our_logits as _our_logits
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.bnb_format import dequantize_4bit, regroup_4bit
+from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit
 
 bnb = pytest.importorskip("bitsandbytes")
 F = pytest.importorskip("bitsandbytes.functional")
@@ -127,7 +127,7 @@ def test_projections_on_cpu(bnb_case):
     expected = ("LLMInt8Method",) if variant == "int8" else ("OneDNNLinearMethod", "DenseLinearMethod")
     for m in linears:
         assert type(m.quant_method).__name__ in expected, m.prefix
-        assert not any(hasattr(m, t) for t in ("bnb_codes", "bnb_scales", "bnb_codebook", "SCB"))
+        assert not any(hasattr(m, t) for t in ("bnb_codes", "bnb_scales", "SCB"))
 
 
 def test_logits_match_the_oracle(bnb_case):
@@ -159,6 +159,25 @@ def test_greedy_tokens_match_the_oracle(bnb_case):
                 pad_token_id=0,
             )
         assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt {p}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_qkv_rows_regrouped(bits, tmp_path_factory):
+    """GPT-NeoX stores q, k and v fused and interleaved per head; the model regroups the rows of the decoded 4-bit
+    codes and scales (8-bit: the int8 weight and SCB) as it does a float weight's."""
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=320)
+    _, path = save_tiny_decoder(
+        "bnb-neox", transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, kwargs, tmp_path_factory
+    )
+    variant = "nf4-double-quant" if bits == 4 else "int8"
+    out = _make_checkpoint(path, str(tmp_path_factory.mktemp(f"neox-{bits}") / "ckpt"), variant)
+    if bits == 4:
+        oracle = _float_with(path, _dequantized_4bit(out))
+    else:
+        oracle = transformers.AutoModelForCausalLM.from_pretrained(out, device_map="cpu", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = oracle(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(_our_logits(LLM(out, **CPU), IDS), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -220,9 +239,9 @@ def test_decode_matches_bitsandbytes(quant_type, double_quant, shape):
     stream = [("m.proj.weight", packed), ("m.norm.weight", torch.ones(3))]
     stream += [(f"m.proj.weight.{k}", v) for k, v in state.as_dict(packed=True).items()]
     random.Random(shape[1]).shuffle(stream)
-    out = dict(regroup_4bit(stream, torch.uint8))
-    assert set(out) == {"m.norm.weight", "m.proj.bnb_codes", "m.proj.bnb_scales", "m.proj.bnb_codebook"}
-    ours = dequantize_4bit(out["m.proj.bnb_codes"], out["m.proj.bnb_scales"], out["m.proj.bnb_codebook"])
+    out = dict(regroup_4bit(stream, torch.uint8, quant_type))
+    assert set(out) == {"m.norm.weight", "m.proj.bnb_codes", "m.proj.bnb_scales"}
+    ours = dequantize_4bit(out["m.proj.bnb_codes"], out["m.proj.bnb_scales"], codebook(quant_type))
     torch.testing.assert_close(ours, _generic_dequantize(packed, state), atol=0, rtol=0)
 
 
@@ -231,7 +250,24 @@ def test_incomplete_group_is_refused():
     packed, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
     stream = [("m.proj.weight", packed), ("m.proj.weight.absmax", state.absmax)]
     with pytest.raises(ValueError, match=r"4-bit weight of m.proj lacks its tensors \['quant_map', 'quant_state'\]"):
-        list(regroup_4bit(stream, torch.uint8))
+        list(regroup_4bit(stream, torch.uint8, "nf4"))
+
+
+@pytest.mark.parametrize("what", ["quant_type", "quant_map"])
+def test_group_of_another_type_is_refused(what):
+    """A weight whose quant_state names another type than the config's, or whose table is not its type's."""
+    packed, state = F.quantize_4bit(torch.randn(8, 64), blocksize=64, quant_type="fp4")
+    tensors = state.as_dict(packed=True)
+    if what == "quant_map":
+        tensors["quant_map"] = tensors["quant_map"].flip(0)
+    stream = [("m.proj.weight", packed)] + [(f"m.proj.weight.{k}", v) for k, v in tensors.items()]
+    expected = "nf4" if what == "quant_type" else "fp4"
+    message = {
+        "quant_type": r"m.proj.weight.quant_state: quant_type='fp4' differs from .*bnb_4bit_quant_type='nf4'",
+        "quant_map": r"m.proj.weight.quant_map=\[.*\] is not bitsandbytes' fp4 table",
+    }[what]
+    with pytest.raises(ValueError, match=message):
+        list(regroup_4bit(stream, torch.uint8, expected))
 
 
 def _with_quantization_config(float_path: str, dst, quantization_config: dict) -> str:

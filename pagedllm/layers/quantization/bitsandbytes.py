@@ -8,8 +8,8 @@ Which path runs where:
 - 4-bit on CUDA (with Triton): the codes repacked into the W4A16 GEMM's K-packed int32 layout with a scale per g input
   features (g = gcd(K, 64)) and the 16-value codebook; wna16_gemm.py's Triton GEMMs in their codebook variant
   (w = codebook[q] * scale): fused dequant-GEMM for decode batches, dequantize-then-GEMM for large ones.
-- 4-bit elsewhere (CPU), or projections of one layer with different codebooks: the weight dequantized once at load to
-  the compute dtype, then the dense method's packing (oneDNN / AMX tiles).
+- 4-bit elsewhere (CPU): the weight dequantized once at load to the compute dtype, then the dense method's packing
+  (oneDNN / AMX tiles).
 - 8-bit on every device: the weight dequantized once at load (int8 * SCB / 127); each matmul's input goes through
   LLM.int8's activation rule first (bnb_int8.py): the same numbers bitsandbytes' int8 GEMM computes with."""
 
@@ -25,9 +25,9 @@ from torch import nn
 from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 from pagedllm.layers.quantization.bnb_format import (
-    NF4,
     QUANT_TYPES,
     STORAGE_DTYPES,
+    codebook,
     dequantize_4bit,
     quantize_nf4,
     regroup_4bit,
@@ -35,7 +35,7 @@ from pagedllm.layers.quantization.bnb_format import (
 )
 from pagedllm.layers.quantization.bnb_int8 import Int8WeightMethod, drop_weight_format
 from pagedllm.layers.quantization.int_packing import pack_int32
-from pagedllm.layers.quantization.wna16 import kernel_device, load_part, load_per_projection, not_converted
+from pagedllm.layers.quantization.wna16 import kernel_device, load_part, not_converted
 from pagedllm.layers.quantization.wna16_gemm import wna16_linear
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
@@ -61,12 +61,12 @@ def load_scales(layer: LinearBase, g: int, param: torch.Tensor, loaded: torch.Te
 
 
 class Bnb4bitLinearMethod(LinearMethod):
-    """Loading: codes uint8 [N, K] (`bnb_codes`), scales float32 [N, K / g] (`bnb_scales`) and each projection's
-    codebook [num_projections, 16] (`bnb_codebook`), as bnb_format.regroup_4bit decodes them. Of a float checkpoint
+    """Loading: codes uint8 [N, K] (`bnb_codes`) and scales float32 [N, K / g] (`bnb_scales`), as
+    bnb_format.regroup_4bit decodes them; the codes' values are the quant_type's table. Of a float checkpoint
     (`serialized=False`): the float weight, quantized to nf4 after loading."""
 
-    def __init__(self, serialized: bool = True) -> None:
-        self.serialized = serialized
+    def __init__(self, quant_type: str, serialized: bool = True) -> None:
+        self.quant_type, self.serialized = quant_type, serialized
 
     def create_weights(self, layer: LinearBase, input_size: int, output_sizes: list[int]) -> None:
         layer.bnb_compute_dtype = torch.get_default_dtype()
@@ -83,40 +83,30 @@ class Bnb4bitLinearMethod(LinearMethod):
         layer.bnb_scales = new_param(
             rows, input_size // g, dtype=torch.float32, output_dim=0, weight_loader=scales_loader
         )
-        layer.bnb_codebook = new_param(
-            len(output_sizes),
-            16,
-            dtype=torch.float32,
-            weight_loader=functools.partial(load_per_projection, layer),
-            dummy_fill=lambda t: t.copy_(torch.tensor(NF4).expand_as(t)),
-        )
 
-    def loaded(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes [N, K], scales [N, K / g], codebooks [num_projections, 16]), removed from the layer."""
+    def loaded(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [N, K], scales [N, K / g]), removed from the layer."""
         # of a float checkpoint: quantized here, each projection on its own (as the checkpoint's tensors would be);
         # under tensor parallelism each rank's shard, whose blocks differ from the whole weight's where a row-parallel
         # rank's input features are not a multiple of 64
         if not self.serialized:
             parts = [quantize_nf4(w) for w in layer.weight.data.split(layer.output_partition_sizes)]
             del layer.weight
-            codebooks = torch.tensor(NF4, device=parts[0][0].device).expand(len(parts), 16)
-            return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]), codebooks
-        out = layer.bnb_codes.data, layer.bnb_scales.data, layer.bnb_codebook.data
-        del layer.bnb_codes, layer.bnb_scales, layer.bnb_codebook
+            return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+        out = layer.bnb_codes.data, layer.bnb_scales.data
+        del layer.bnb_codes, layer.bnb_scales
         return out
 
     def process_weights_after_loading(self, layer: LinearBase) -> LinearMethod:
-        codes, scales, codebooks = self.loaded(layer)
-        one_codebook = bool((codebooks == codebooks[0]).all())
-        if kernel_device(codes.device) and one_codebook:
+        codes, scales = self.loaded(layer)
+        table = codebook(self.quant_type, codes.device)  # [16]
+        if kernel_device(codes.device):
             group = codes.shape[1] // scales.shape[1]
             layer.wq_packed = nn.Parameter(pack_int32(codes.t(), 4, dim=0), requires_grad=False)  # [K / 8, N]
             layer.wq_scales = nn.Parameter(scales.t().contiguous(), requires_grad=False)  # [K / g, N]
-            layer.wq_codebook = nn.Parameter(codebooks[0].float().contiguous(), requires_grad=False)  # [16]
+            layer.wq_codebook = nn.Parameter(table, requires_grad=False)  # [16]
             return Bnb4bitGemmMethod(group)
-        sizes = torch.tensor(layer.output_partition_sizes, device=codes.device)
-        row_codebooks = codebooks.float().repeat_interleave(sizes, dim=0)  # [N, 16]
-        weight = dequantize_4bit(codes, scales, row_codebooks).to(layer.bnb_compute_dtype)  # [N, K]
+        weight = dequantize_4bit(codes, scales, table).to(layer.bnb_compute_dtype)  # [N, K]
         layer.weight = nn.Parameter(weight, requires_grad=False)
         return pack_dense(layer)
 
@@ -164,17 +154,17 @@ class BitsAndBytesConfig(QuantizationConfig):
     name = "bitsandbytes"
 
     def __init__(
-        self, bits: int, threshold: float = 6.0, skip: list[str] | None = None, storage: str = "uint8",
-        serialized: bool = True,
+        self, bits: int, quant_type: str = "nf4", threshold: float = 6.0, skip: list[str] | None = None,
+        storage: str = "uint8", serialized: bool = True,
     ) -> None:  # fmt: skip
-        self.bits, self.storage, self.skip = bits, storage, list(skip or [])
-        self.method = Bnb4bitLinearMethod(serialized) if bits == 4 else Int8WeightMethod(threshold)
+        self.bits, self.quant_type, self.storage, self.skip = bits, quant_type, storage, list(skip or [])
+        self.method = Bnb4bitLinearMethod(quant_type, serialized) if bits == 4 else Int8WeightMethod(threshold)
         self.serialized = serialized
 
     @classmethod
     def in_flight(cls) -> BitsAndBytesConfig:
         """quantization="bitsandbytes" of a float checkpoint: 4-bit nf4 at load."""
-        return cls(4, serialized=False)
+        return cls(4, "nf4", serialized=False)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> BitsAndBytesConfig:
@@ -191,9 +181,9 @@ class BitsAndBytesConfig(QuantizationConfig):
                 f"bitsandbytes: quantization_config.llm_int8_skip_modules={skip!r} must be a list of names"
             )
         if four:
-            _check_choice(config, "bnb_4bit_quant_type", "fp4", QUANT_TYPES)
+            quant_type = _check_choice(config, "bnb_4bit_quant_type", "fp4", QUANT_TYPES)
             storage = _check_choice(config, "bnb_4bit_quant_storage", "uint8", STORAGE_DTYPES)
-            return cls(4, skip=skip, storage=storage)
+            return cls(4, quant_type, skip=skip, storage=storage)
         if config.get("llm_int8_has_fp16_weight"):
             raise ValueError(
                 "bitsandbytes: quantization_config.llm_int8_has_fp16_weight=True is not supported (supported: False; "
@@ -205,7 +195,7 @@ class BitsAndBytesConfig(QuantizationConfig):
                 f"bitsandbytes: quantization_config.llm_int8_threshold={threshold!r} is not supported (supported: a "
                 "number >= 0; 0 turns the outlier columns off)"
             )
-        return cls(8, float(threshold), skip)
+        return cls(8, threshold=float(threshold), skip=skip)
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:
         if not_converted(prefix, self.skip):
@@ -216,5 +206,5 @@ class BitsAndBytesConfig(QuantizationConfig):
         if not self.serialized:
             return weights
         if self.bits == 4:
-            return regroup_4bit(weights, getattr(torch, self.storage))
+            return regroup_4bit(weights, getattr(torch, self.storage), self.quant_type)
         return drop_weight_format(weights)

@@ -8,7 +8,8 @@
   weight.absmax                             float32 [num_blocks]: one scale per `blocksize` consecutive elements of
                                             the flattened W (the last block may be short); with double quantization
                                             uint8 codes of the scales minus `nested_offset`
-  weight.quant_map                          float32 [16]: the value of each code (the nf4 or fp4 table)
+  weight.quant_map                          float32 [16]: the value of each code, the quant_type's table (checked;
+                                            bitsandbytes' CUDA kernels use their built-in tables, as done here)
   weight.nested_absmax, .nested_quant_map   double quantization: float32 [ceil(num_blocks / nested_blocksize)] and
                                             float32 [256]; scale b = nested_quant_map[absmax[b]] *
                                             nested_absmax[b // nested_blocksize] + nested_offset
@@ -43,6 +44,16 @@ NF4 = (
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )  # fmt: skip
+# fp4 (get_4bit_type("fp4")): 1 sign, 2 exponent and 1 mantissa bits, in bit-pattern order, divided by its largest
+FP4_UNSCALED = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
+
+
+def codebook(quant_type: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 float32 values of the codes of `quant_type` ("nf4" | "fp4"), as bitsandbytes computes them."""
+    if quant_type == "nf4":
+        return torch.tensor(NF4, dtype=torch.float32, device=device)
+    table = torch.tensor(FP4_UNSCALED, dtype=torch.float32, device=device)
+    return table.div_(table.abs().max())
 
 
 def scale_group(k: int) -> int:
@@ -65,12 +76,15 @@ def split_name(name: str) -> tuple[str, str] | None:
     return None
 
 
-def parse_state(module: str, blob: torch.Tensor) -> dict:
-    """The quant_state JSON of `module`, checked for what this decoder reads."""
+def parse_state(module: str, blob: torch.Tensor, quant_type: str) -> dict:
+    """The quant_state JSON of `module`, checked for what this decoder reads (and against the config's quant_type)."""
     state = json.loads(bytes(blob.cpu().to(torch.uint8).numpy()).decode("utf-8"))
     where = f"{module}.weight.quant_state"
-    if state.get("quant_type") not in QUANT_TYPES:
-        raise ValueError(f"{where}: quant_type={state.get('quant_type')!r} is not supported (supported: {QUANT_TYPES})")
+    if state.get("quant_type") != quant_type:
+        raise ValueError(
+            f"{where}: quant_type={state.get('quant_type')!r} differs from quantization_config.bnb_4bit_quant_type="
+            f"{quant_type!r} (supported: one of {QUANT_TYPES} for every layer)"
+        )
     blocksize = state.get("blocksize")
     if type(blocksize) is not int or blocksize <= 0 or blocksize % SCALE_UNIT:
         raise ValueError(f"{where}: blocksize={blocksize!r} is not supported (supported: multiples of {SCALE_UNIT})")
@@ -95,11 +109,8 @@ def block_scales(module: str, parts: dict[str, torch.Tensor], state: dict) -> to
     return out + torch.tensor(float(state["nested_offset"]), dtype=torch.float32)
 
 
-def decode_4bit(
-    module: str, parts: dict[str, torch.Tensor], state: dict
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8 [N, K], scales float32 [N, K / g], codebook float32 [16]) of one 4-bit weight's tensors and its
-    parsed quant_state."""
+def decode_4bit(module: str, parts: dict[str, torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [N, K], scales float32 [N, K / g]) of one 4-bit weight's tensors and its parsed quant_state."""
     (n, k), blocksize = state["shape"], state["blocksize"]
     packed = parts["weight"].contiguous().view(torch.uint8).reshape(-1)
     numel, num_blocks = n * k, -(-n * k // blocksize)
@@ -109,12 +120,15 @@ def decode_4bit(
     absmax = block_scales(module, parts, state)
     if absmax.numel() != num_blocks:
         raise ValueError(f"{module}.weight.absmax: {absmax.numel()} scales, expected {num_blocks} blocks")
-    codebook = parts["quant_map"].float().reshape(-1)
-    if codebook.numel() != 16:
-        raise ValueError(f"{module}.weight.quant_map: {codebook.numel()} values, expected 16")
+    table = parts["quant_map"].float().reshape(-1)
+    if table.shape != (16,) or not torch.equal(table.cpu(), codebook(state["quant_type"])):
+        raise ValueError(
+            f"{module}.weight.quant_map={table.tolist()} is not bitsandbytes' {state['quant_type']} table (supported: "
+            "the nf4 and fp4 tables)"
+        )
     g = scale_group(k)
     starts = torch.arange(n)[:, None] * k + torch.arange(0, k, g)[None, :]  # [N, K / g] flat index of each run
-    return codes, absmax[starts // blocksize], codebook
+    return codes, absmax[starts // blocksize]
 
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +141,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     padded = torch.nn.functional.pad(flat, (0, num_blocks * blocksize - flat.numel()))
     absmax = padded.reshape(num_blocks, blocksize).abs().amax(dim=1)  # [num_blocks]
     scaled = (padded.reshape(num_blocks, blocksize) * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp(-1, 1)
-    table = torch.tensor(NF4, dtype=torch.float32, device=w.device)
+    table = codebook("nf4", w.device)
     edges = (table[:-1] + table[1:]) / 2
     codes = torch.bucketize(scaled.reshape(-1)[: flat.numel()], edges, out_int32=True).to(torch.uint8)
     g = scale_group(k)
@@ -135,18 +149,18 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     return codes.reshape(n, k), absmax[starts // blocksize]
 
 
-def dequantize_4bit(codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """codes [N, K], scales [N, K / g], codebook [16] or [N, 16] (each row's) -> float32 [N, K]."""
+def dequantize_4bit(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """codes [N, K], scales [N, K / g], table [16] (the codes' values) -> float32 [N, K]."""
     g = codes.shape[1] // scales.shape[1]
-    values = codebook[codes.long()] if codebook.dim() == 1 else torch.gather(codebook, 1, codes.long())
-    return values * scales.repeat_interleave(g, dim=1)
+    return table[codes.long()] * scales.repeat_interleave(g, dim=1)
 
 
 def regroup_4bit(
-    weights: Iterable[tuple[str, torch.Tensor]], storage: torch.dtype
+    weights: Iterable[tuple[str, torch.Tensor]], storage: torch.dtype, quant_type: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with each 4-bit weight's group decoded into "<module>.bnb_codes", ".bnb_scales" and
-    ".bnb_codebook"; other tensors pass as they are. A group's tensors may come in any order (or in different
+    """The checkpoint's tensors with each 4-bit weight's group decoded into "<module>.bnb_codes" and ".bnb_scales"
+    (rows in the weight's order: a model's rearrangement of fused q/k/v rows applies to them as to a weight); other
+    tensors pass as they are. A group's tensors may come in any order (or in different
     files): they wait until the group is whole. A "<module>.weight" of the storage dtype shaped [*, 1] is held until
     its group completes or the checkpoint ends (then it is a plain weight)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -161,14 +175,13 @@ def regroup_4bit(
         parts[component] = tensor
         if not {"weight", "quant_state", "absmax", "quant_map"} <= parts.keys():
             continue
-        state = parse_state(module, parts["quant_state"])
+        state = parse_state(module, parts["quant_state"], quant_type)
         if "nested_offset" in state and not {"nested_absmax", "nested_quant_map"} <= parts.keys():
             continue
         del pending[module]
-        codes, scales, codebook = decode_4bit(module, parts, state)
+        codes, scales = decode_4bit(module, parts, state)
         yield f"{module}.bnb_codes", codes
         yield f"{module}.bnb_scales", scales
-        yield f"{module}.bnb_codebook", codebook
     for module, parts in pending.items():
         if parts.keys() == {"weight"}:
             yield f"{module}.weight", parts["weight"]  # a plain weight after all
