@@ -212,7 +212,7 @@ def test_bnb_layer_kernel_path(monkeypatch):
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     bnb = importlib.import_module("pagedllm.layers.quantization.bitsandbytes")
     from pagedllm.layers.linear import MergedColumnParallelLinear
-    from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit
+    from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit, unpack_rows
 
     monkeypatch.setattr(bnb, "wna16_linear", gemm.wna16_linear)  # the interpreted kernels
     monkeypatch.setattr(bnb, "kernel_device", lambda device: True)
@@ -230,7 +230,8 @@ def test_bnb_layer_kernel_path(monkeypatch):
         for name in ("codes", "scales"):
             param = getattr(layer, f"bnb_{name}")
             param.weight_loader(param, decoded[f"p{i}.bnb_{name}"], i)
-        dense.append(dequantize_4bit(decoded[f"p{i}.bnb_codes"], decoded[f"p{i}.bnb_scales"], codebook("fp4")))
+        codes = unpack_rows(decoded[f"p{i}.bnb_codes"], 128)
+        dense.append(dequantize_4bit(codes, decoded[f"p{i}.bnb_scales"], codebook("fp4")))
     layer.process_weights_after_loading()
     assert type(layer.quant_method).__name__ == "Bnb4bitGemmMethod" and layer.wq_packed.shape == (16, 72)
     x = torch.randn(3, 128, generator=g)

@@ -31,7 +31,7 @@ from tiny_models import our_logits as _our_logits
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit
+from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit, unpack_rows
 
 bnb = pytest.importorskip("bitsandbytes")
 F = pytest.importorskip("bitsandbytes.functional")
@@ -228,7 +228,7 @@ def test_in_flight_nf4_matches_the_oracle(in_flight):
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("shape", [(64, 96), (5, 200), (300, 64)])
+@pytest.mark.parametrize("shape", [(64, 96), (5, 200), (300, 64), (7, 33)])
 def test_decode_matches_bitsandbytes(quant_type, double_quant, shape):
     """One weight's serialized tensors (bitsandbytes' QuantState.as_dict(packed=True), as transformers saves them),
     in shuffled order among other tensors, decoded against bitsandbytes' torch dequantization; K not a multiple of
@@ -241,7 +241,9 @@ def test_decode_matches_bitsandbytes(quant_type, double_quant, shape):
     random.Random(shape[1]).shuffle(stream)
     out = dict(regroup_4bit(stream, torch.uint8, quant_type))
     assert set(out) == {"m.norm.weight", "m.proj.bnb_codes", "m.proj.bnb_scales"}
-    ours = dequantize_4bit(out["m.proj.bnb_codes"], out["m.proj.bnb_scales"], codebook(quant_type))
+    assert out["m.proj.bnb_codes"].shape == (shape[0], -(-shape[1] // 2))
+    codes = unpack_rows(out["m.proj.bnb_codes"], shape[1])
+    ours = dequantize_4bit(codes, out["m.proj.bnb_scales"], codebook(quant_type))
     torch.testing.assert_close(ours, _generic_dequantize(packed, state), atol=0, rtol=0)
 
 

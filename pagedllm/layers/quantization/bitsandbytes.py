@@ -32,6 +32,7 @@ from pagedllm.layers.quantization.bnb_format import (
     quantize_nf4,
     regroup_4bit,
     scale_group,
+    unpack_rows,
 )
 from pagedllm.layers.quantization.bnb_int8 import Int8WeightMethod, drop_weight_format
 from pagedllm.layers.quantization.int_packing import pack_int32
@@ -42,13 +43,13 @@ COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def load_codes(layer: LinearBase, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    """4-bit codes uint8 [N, K] of one projection (decoded from the checkpoint) into this rank's part."""
+    """4-bit codes uint8 [N, ceil(K / 2)] (two per byte along the row) of one projection into this rank's part."""
     if loaded.dtype != torch.uint8:
         raise ValueError(
             f"{layer.prefix}: a bitsandbytes 4-bit layer got codes of dtype {loaded.dtype} (is this projection stored "
             "unquantized? then name it in llm_int8_skip_modules)"
         )
-    load_part(layer, 1, 1, param, loaded, shard_id)
+    load_part(layer, 1, 2, param, loaded, shard_id)
 
 
 def load_scales(layer: LinearBase, g: int, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -61,7 +62,8 @@ def load_scales(layer: LinearBase, g: int, param: torch.Tensor, loaded: torch.Te
 
 
 class Bnb4bitLinearMethod(LinearMethod):
-    """Loading: codes uint8 [N, K] (`bnb_codes`) and scales float32 [N, K / g] (`bnb_scales`), as
+    """Loading: codes uint8 [N, ceil(K / 2)] (`bnb_codes`, two per byte: half a byte per weight while loading too)
+    and scales float32 [N, K / g] (`bnb_scales`), as
     bnb_format.regroup_4bit decodes them; the codes' values are the quant_type's table. Of a float checkpoint
     (`serialized=False`): the float weight, quantized to nf4 after loading."""
 
@@ -74,10 +76,14 @@ class Bnb4bitLinearMethod(LinearMethod):
             DENSE.create_weights(layer, input_size, output_sizes)
             return
         g = scale_group(input_size)  # this rank's input features: a row-parallel shard holds whole groups
-        rows = sum(output_sizes)
-        codes_loader = functools.partial(load_codes, layer)
+        if input_size != layer.input_size and input_size % 2:
+            raise ValueError(
+                f"{layer.prefix}: each tensor-parallel rank's {input_size} input features split the 4-bit codes' "
+                "bytes (two features each); use a tensor_parallel_size that leaves an even number"
+            )
+        rows, codes_loader = sum(output_sizes), functools.partial(load_codes, layer)
         layer.bnb_codes = new_param(
-            rows, input_size, dtype=torch.uint8, output_dim=0, weight_loader=codes_loader, dummy_fill=dummy_codes
+            rows, -(-input_size // 2), dtype=torch.uint8, output_dim=0, weight_loader=codes_loader
         )
         scales_loader = functools.partial(load_scales, layer, g)
         layer.bnb_scales = new_param(
@@ -93,7 +99,7 @@ class Bnb4bitLinearMethod(LinearMethod):
             parts = [quantize_nf4(w) for w in layer.weight.data.split(layer.output_partition_sizes)]
             del layer.weight
             return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
-        out = layer.bnb_codes.data, layer.bnb_scales.data
+        out = unpack_rows(layer.bnb_codes.data, layer.input_size_per_partition), layer.bnb_scales.data
         del layer.bnb_codes, layer.bnb_scales
         return out
 
@@ -112,10 +118,6 @@ class Bnb4bitLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{layer.prefix}: 4-bit weights run after process_weights_after_loading")
-
-
-def dummy_codes(codes: torch.Tensor) -> None:
-    codes.random_(0, 16)  # load_format="dummy": random 4-bit codes
 
 
 class Bnb4bitGemmMethod(LinearMethodVariant):

@@ -20,7 +20,9 @@
 8-bit (LLM.int8): weight int8 [N, K], "<module>.SCB" float32 [N] (each row's absmax), "<module>.weight_format" (0: row
 major, the only layout written by current versions); W[n, k] = weight[n, k] * SCB[n] / 127.
 
-Decoded form kept by the 4-bit method: codes uint8 [N, K] (one code per byte) and scales float32 [N, K / g], one per
+Decoded form kept by the 4-bit method while loading: codes uint8 [N, ceil(K / 2)] packed along each row (feature 2 j
+in the high nibble of byte j, 2 j + 1 in the low one: for an even K the checkpoint's bytes as they are, reshaped) and
+scales float32 [N, K / g], one per
 g = gcd(K, 64) consecutive features of a row: a block boundary (a multiple of blocksize, itself a multiple of 64, in the
 flat index) falls inside a row only at a multiple of g, so each run of g features has one scale (any divisor of g
 works as well: a tensor-parallel rank with K / tp input features keeps gcd(K / tp, 64))."""
@@ -109,14 +111,29 @@ def block_scales(module: str, parts: dict[str, torch.Tensor], state: dict) -> to
     return out + torch.tensor(float(state["nested_offset"]), dtype=torch.float32)
 
 
+def pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] -> [N, ceil(K / 2)], two per byte along each row (even feature in the high nibble)."""
+    codes = torch.nn.functional.pad(codes, (0, codes.shape[1] % 2))
+    return (codes[:, 0::2] << 4) | codes[:, 1::2]
+
+
+def unpack_rows(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of pack_rows: [N, ceil(K / 2)] -> codes uint8 [N, K]."""
+    return torch.stack([packed >> 4, packed & 0xF], dim=2).reshape(packed.shape[0], -1)[:, :k]
+
+
 def decode_4bit(module: str, parts: dict[str, torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 [N, K], scales float32 [N, K / g]) of one 4-bit weight's tensors and its parsed quant_state."""
+    """(codes uint8 [N, ceil(K / 2)] packed along rows, scales float32 [N, K / g]) of one 4-bit weight's tensors and
+    its parsed quant_state."""
     (n, k), blocksize = state["shape"], state["blocksize"]
     packed = parts["weight"].contiguous().view(torch.uint8).reshape(-1)
     numel, num_blocks = n * k, -(-n * k // blocksize)
     if packed.numel() != -(-numel // 2):
         raise ValueError(f"{module}.weight: {packed.numel()} bytes do not hold a 4-bit weight of shape [{n}, {k}]")
-    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel].reshape(n, k)  # [N, K]
+    if k % 2 == 0:  # each row's pairs of features are whole bytes of the flat packing
+        codes = packed.reshape(n, k // 2)
+    else:
+        codes = pack_rows(torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel].reshape(n, k))
     absmax = block_scales(module, parts, state)
     if absmax.numel() != num_blocks:
         raise ValueError(f"{module}.weight.absmax: {absmax.numel()} scales, expected {num_blocks} blocks")
