@@ -237,3 +237,33 @@ def test_bnb_layer_kernel_path(monkeypatch):
     x = torch.randn(3, 128, generator=g)
     ref = x.double() @ torch.cat(dense).double().t()
     assert_close(layer(x.to(DEVICE)), ref, torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 6, 70])
+def test_bnb_int8_layer_kernel_path(m, monkeypatch):
+    """A bitsandbytes 8-bit layer on the GEMM path: its int8 weight kept 8-bit (offset to the W8A16 midpoint, one
+    scale per channel), the input through LLM.int8's rule (outlier columns included); the same outputs as the
+    dequantized weight times that input, on the fused kernel (m <= 64) and the dequantize-then-GEMM path."""
+    bnb_int8 = importlib.import_module("pagedllm.layers.quantization.bnb_int8")
+    from pagedllm.layers.linear import MergedColumnParallelLinear
+    from pagedllm.layers.quantization.bitsandbytes import BitsAndBytesConfig
+
+    monkeypatch.setattr(bnb_int8, "wna16_linear", gemm.wna16_linear)  # the interpreted kernels
+    monkeypatch.setattr(bnb_int8, "kernel_device", lambda device: True)
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randint(-127, 128, (40, 72), generator=g, dtype=torch.int8)  # [N, K], two projections
+    scb = torch.rand(40, generator=g) + 0.5
+    config = BitsAndBytesConfig(8, threshold=6.0)
+    layer = MergedColumnParallelLinear(72, [24, 16], bias=True, quant_config=config, prefix="m")
+    bias = torch.randn(40, generator=g)
+    for i, rows in enumerate((slice(0, 24), slice(24, 40))):
+        layer.weight.weight_loader(layer.weight, weight[rows], i)
+        layer.SCB.weight_loader(layer.SCB, scb[rows], i)
+        layer.bias.weight_loader(layer.bias, bias[rows], i)
+    layer.process_weights_after_loading()
+    assert type(layer.quant_method).__name__ == "LLMInt8GemmMethod" and layer.wq_packed.shape == (18, 40)
+    x = torch.randn(m, 72, generator=g)
+    x[0, 5] = 9.0  # an outlier column
+    dense = weight.double() * (scb.double() * bnb_int8.WEIGHT_DEQUANT)[:, None]
+    ref = bnb_int8.llm_int8_input(x, 6.0).double() @ dense.t() + bias.double()
+    assert_close(layer(x.to(DEVICE)), ref, torch.float32)

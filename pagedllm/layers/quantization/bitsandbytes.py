@@ -10,8 +10,9 @@ Which path runs where:
   (w = codebook[q] * scale): fused dequant-GEMM for decode batches, dequantize-then-GEMM for large ones.
 - 4-bit elsewhere (CPU): the weight dequantized once at load to the compute dtype, then the dense method's packing
   (oneDNN / AMX tiles).
-- 8-bit on every device: the weight dequantized once at load (int8 * SCB / 127); each matmul's input goes through
-  LLM.int8's activation rule first (bnb_int8.py): the same numbers bitsandbytes' int8 GEMM computes with."""
+- 8-bit: each matmul's input goes through LLM.int8's activation rule first (bnb_int8.py), the same numbers
+  bitsandbytes' int8 GEMM computes with; on CUDA the int8 weight stays 8-bit for the W8A16 Triton GEMM, elsewhere it is
+  dequantized once at load (int8 * SCB / 127) for the dense path."""
 
 from __future__ import annotations
 

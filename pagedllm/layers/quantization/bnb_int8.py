@@ -4,10 +4,13 @@ weight * SCB / 127.
 bitsandbytes computes x @ w.T as: x cast to float16; the columns (input features) where any row of the batch has
 |x| >= llm_int8_threshold are outliers, computed in the input's precision against the dequantized weight columns;
 the rest is quantized per row (scale = absmax / 127 of the row without its outliers, round half to even) and
-multiplied by the int8 weight. Here, on every device, the weight is dequantized once at load and the input is
-rewritten into the numbers that computation uses (its int8 values times their scale, the outlier columns as they
-are) before the dense matmul: one matmul, the same products. As in bitsandbytes, which columns are outliers depends
-on the batch the row runs in."""
+multiplied by the int8 weight. Here the input is rewritten into the numbers that computation uses (its int8 values
+times their scale, the outlier columns as they are; plain torch ops, no host sync, so CUDA graphs capture it), then
+one matmul with the weight gives the same products:
+- CUDA (with Triton): the int8 weight stays 8-bit, offset to unsigned (q + 128, the W8A16 kernel's midpoint) in the
+  K-packed int32 layout with one scale per output channel (SCB / 127), through wna16_gemm.py's Triton GEMMs.
+- Elsewhere (CPU): the weight dequantized once at load to the compute dtype, then the dense method's packing.
+As in bitsandbytes, which columns are outliers depends on the batch the row runs in."""
 
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from torch import nn
 
 from pagedllm.layers.linear import LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant
+from pagedllm.layers.quantization.int_packing import pack_int32
+from pagedllm.layers.quantization.wna16 import kernel_device
+from pagedllm.layers.quantization.wna16_gemm import wna16_linear
 
 ROW_FORMAT = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 MIN_ROW_SCALE = 1e-30  # an all-zero row quantizes to zeros (bitsandbytes would divide by 0)
@@ -75,9 +81,16 @@ class Int8WeightMethod(LinearMethod):
         layer.SCB = new_param(rows, dtype=torch.float32, output_dim=0, weight_loader=layer.weight_loader)  # [N]
 
     def process_weights_after_loading(self, layer: LinearBase) -> LinearMethod:
-        scale = layer.SCB.data.float()[:, None] * WEIGHT_DEQUANT
+        scale = layer.SCB.data.float() * WEIGHT_DEQUANT  # [N]
         del layer.SCB
-        dense = (layer.weight.data.float() * scale).to(layer.bnb_compute_dtype)  # [N, K]
+        weight = layer.weight.data  # [N, K] int8
+        if kernel_device(weight.device):
+            del layer.weight
+            unsigned = weight.t().to(torch.int32) + 128  # [K, N], midpoint 128
+            layer.wq_packed = nn.Parameter(pack_int32(unsigned, 8, dim=0), requires_grad=False)  # [K / 4, N]
+            layer.wq_scales = nn.Parameter(scale[None, :].contiguous(), requires_grad=False)  # [1, N]
+            return LLMInt8GemmMethod(self.threshold, weight.shape[1])
+        dense = (weight.float() * scale[:, None]).to(layer.bnb_compute_dtype)  # [N, K]
         layer.weight = nn.Parameter(dense, requires_grad=False)
         return LLMInt8Method(pack_dense(layer), self.threshold)
 
@@ -94,3 +107,14 @@ class LLMInt8Method(LinearMethodVariant):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         x2 = llm_int8_input(x.reshape(-1, x.shape[-1]), self.threshold).reshape(x.shape)
         return self.dense.apply(layer, x2)
+
+
+class LLMInt8GemmMethod(LinearMethodVariant):
+    """CUDA: the input through LLM.int8's rule, then the W8A16 Triton GEMM on the int8 weight (one channel group)."""
+
+    def __init__(self, threshold: float, in_features: int) -> None:
+        self.threshold, self.in_features = threshold, in_features
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        x2 = llm_int8_input(x.reshape(-1, x.shape[-1]), self.threshold).reshape(x.shape)
+        return wna16_linear(x2, layer.wq_packed, layer.wq_scales, None, layer.bias, None, 8, self.in_features)
