@@ -193,7 +193,7 @@ def in_flight(tmp_path_factory):
         if name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS)):
             packed, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
             weights[name] = _generic_dequantize(packed, state)
-    return LLM(path, quantization="bitsandbytes", **CPU), _float_with(path, weights), hf
+    return LLM(path, quantization="bitsandbytes", **CPU), _float_with(path, weights), hf, path
 
 
 def _generic_dequantize(packed: torch.Tensor, state) -> torch.Tensor:
@@ -209,7 +209,7 @@ def _generic_dequantize(packed: torch.Tensor, state) -> torch.Tensor:
 
 
 def test_in_flight_nf4_matches_the_oracle(in_flight):
-    llm, oracle, hf_float = in_flight
+    llm, oracle, hf_float, _ = in_flight
     with torch.no_grad():
         ref = oracle(torch.tensor([IDS])).logits[0]
         float_logits = hf_float(torch.tensor([IDS])).logits[0]
@@ -245,6 +245,19 @@ def test_decode_matches_bitsandbytes(quant_type, double_quant, shape):
     codes = unpack_rows(out["m.proj.bnb_codes"], shape[1])
     ours = dequantize_4bit(codes, out["m.proj.bnb_scales"], codebook(quant_type))
     torch.testing.assert_close(ours, _generic_dequantize(packed, state), atol=0, rtol=0)
+
+
+def test_vllm_load_format_alias(in_flight):
+    """vLLM's load_format="bitsandbytes" (quantization unset) quantizes a float checkpoint at load, as
+    quantization="bitsandbytes" does; another quantization with it is refused."""
+    _, oracle, _, path = in_flight
+    with torch.no_grad():
+        ref = oracle(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(
+        _our_logits(LLM(path, load_format="bitsandbytes", **CPU), IDS), ref, atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ValueError, match=r"load_format='bitsandbytes' reads bitsandbytes weights: quantization='fp8'"):
+        LLM(path, load_format="bitsandbytes", quantization="fp8", **CPU)
 
 
 def test_incomplete_group_is_refused():
