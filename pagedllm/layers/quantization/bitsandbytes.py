@@ -64,9 +64,9 @@ def load_scales(layer: LinearBase, g: int, param: torch.Tensor, loaded: torch.Te
 
 class Bnb4bitLinearMethod(LinearMethod):
     """Loading: codes uint8 [N, ceil(K / 2)] (`bnb_codes`, two per byte: half a byte per weight while loading too)
-    and scales float32 [N, K / g] (`bnb_scales`), as
-    bnb_format.regroup_4bit decodes them; the codes' values are the quant_type's table. Of a float checkpoint
-    (`serialized=False`): the float weight, quantized to nf4 after loading."""
+    and scales float32 [N, K / g] (`bnb_scales`), as bnb_format.regroup_4bit decodes them; the codes' values are the
+    quant_type's table. Of a float checkpoint (`serialized=False`): the float weight, quantized to nf4 after
+    loading."""
 
     def __init__(self, quant_type: str, serialized: bool = True) -> None:
         self.quant_type, self.serialized = quant_type, serialized

@@ -177,9 +177,9 @@ def regroup_4bit(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each 4-bit weight's group decoded into "<module>.bnb_codes" and ".bnb_scales"
     (rows in the weight's order: a model's rearrangement of fused q/k/v rows applies to them as to a weight); other
-    tensors pass as they are. A group's tensors may come in any order (or in different
-    files): they wait until the group is whole. A "<module>.weight" of the storage dtype shaped [*, 1] is held until
-    its group completes or the checkpoint ends (then it is a plain weight)."""
+    tensors pass as they are. A group's tensors may come in any order (or in different files): they wait until the
+    group is whole. A "<module>.weight" of the storage dtype shaped [*, 1] is held until its group completes or the
+    checkpoint ends (then it is a plain weight)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         split = split_name(name)
