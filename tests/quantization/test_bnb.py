@@ -161,7 +161,7 @@ def test_greedy_tokens_match_the_oracle(bnb_case):
         assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt {p}"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_fused_qkv_rows_regrouped(bits, tmp_path_factory):
     """GPT-NeoX stores q, k and v fused and interleaved per head; the model regroups the rows of the decoded 4-bit
     codes and scales (8-bit: the int8 weight and SCB) as it does a float weight's."""
