@@ -33,8 +33,12 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit, unpack_rows
 
-bnb = pytest.importorskip("bitsandbytes")
-F = pytest.importorskip("bitsandbytes.functional")
+
+def _bnb():
+    """bitsandbytes.functional, or the test skipped: the package makes the checkpoints and is the oracle (the
+    option checks below run without it)."""
+    return pytest.importorskip("bitsandbytes.functional")
+
 
 IDS = list(range(3, 40))
 CPU = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 24, block_size=4, skip_tokenizer_init=True)
@@ -62,6 +66,7 @@ def float_model(tmp_path_factory):
 
 def _dequantized_4bit(path: str) -> dict[str, torch.Tensor]:
     """{"<module>.weight": float32 W} of every 4-bit weight in the checkpoint, by bitsandbytes' dequantize_4bit."""
+    F = _bnb()
     tensors = load_file(os.path.join(path, "model.safetensors"))
     out = {}
     for name in tensors:
@@ -84,6 +89,7 @@ def _float_with(float_path: str, weights: dict[str, torch.Tensor]):
 
 def _make_checkpoint(float_path: str, out: str, variant: str) -> str:
     """transformers loads the float checkpoint with BitsAndBytesConfig (bitsandbytes quantizes it) and saves it."""
+    _bnb()
     config = transformers.BitsAndBytesConfig(**VARIANTS[variant])
     quantized = transformers.AutoModelForCausalLM.from_pretrained(
         float_path, quantization_config=config, device_map="cpu", dtype=torch.float32
@@ -184,7 +190,7 @@ def test_fused_qkv_rows_regrouped(bits, tmp_path_factory):
 def in_flight(tmp_path_factory):
     """quantization="bitsandbytes" of the float TINY_DECODER (down_proj: K = 96, blocks straddling rows) and its
     oracle: each projection's weight through bitsandbytes' quantize_4bit (nf4, blocks of 64) and back."""
-    cfg = transformers.LlamaConfig
+    F, cfg = _bnb(), transformers.LlamaConfig
     hf, path = save_tiny_decoder(
         "bnb-in-flight", cfg, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
     )
@@ -198,6 +204,7 @@ def in_flight(tmp_path_factory):
 
 def _generic_dequantize(packed: torch.Tensor, state) -> torch.Tensor:
     """bitsandbytes' torch dequantization (its CPU kernel misplaces blocks that straddle rows)."""
+    F = _bnb()
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 
     absmax = state.absmax
@@ -233,7 +240,7 @@ def test_decode_matches_bitsandbytes(quant_type, double_quant, shape):
     """One weight's serialized tensors (bitsandbytes' QuantState.as_dict(packed=True), as transformers saves them),
     in shuffled order among other tensors, decoded against bitsandbytes' torch dequantization; K not a multiple of
     the blocksize, odd sizes, and more than 256 blocks (several nested blocks) included."""
-    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    F, g = _bnb(), torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     w = torch.randn(*shape, generator=g)
     packed, state = F.quantize_4bit(w, blocksize=64, quant_type=quant_type, compress_statistics=double_quant)
     stream = [("m.proj.weight", packed), ("m.norm.weight", torch.ones(3))]
@@ -261,8 +268,7 @@ def test_vllm_load_format_alias(in_flight):
 
 
 def test_incomplete_group_is_refused():
-    w = torch.randn(8, 64)
-    packed, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    packed, state = _bnb().quantize_4bit(torch.randn(8, 64), blocksize=64, quant_type="nf4")
     stream = [("m.proj.weight", packed), ("m.proj.weight.absmax", state.absmax)]
     with pytest.raises(ValueError, match=r"4-bit weight of m.proj lacks its tensors \['quant_map', 'quant_state'\]"):
         list(regroup_4bit(stream, torch.uint8, "nf4"))
@@ -271,7 +277,7 @@ def test_incomplete_group_is_refused():
 @pytest.mark.parametrize("what", ["quant_type", "quant_map"])
 def test_group_of_another_type_is_refused(what):
     """A weight whose quant_state names another type than the config's, or whose table is not its type's."""
-    packed, state = F.quantize_4bit(torch.randn(8, 64), blocksize=64, quant_type="fp4")
+    packed, state = _bnb().quantize_4bit(torch.randn(8, 64), blocksize=64, quant_type="fp4")
     tensors = state.as_dict(packed=True)
     if what == "quant_map":
         tensors["quant_map"] = tensors["quant_map"].flip(0)
