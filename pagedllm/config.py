@@ -88,7 +88,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     keep_q4: bool = False  # GGUF Q4_0/Q4_1 weights stay 4-bit for the int4 kernel (CPU, half-precision compute)
-    quantization: str | None = None  # the checkpoint's quant_method, or one applied while loading ("fp8")
+    quantization: str | None = None  # the checkpoint's quant_method, or one applied at load ("fp8", "bitsandbytes")
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a path
     runner: str = "generate"  # "generate" | "pooling" (embeddings, classifiers: no KV cache, no sampler)
     pooler: Any = None  # pooling.config.PoolingSpec of a pooling model

@@ -24,7 +24,7 @@ from pagedllm.config import (
 )
 from pagedllm.engine_compat import check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
-from pagedllm.layers.quantization import resolve_quantization
+from pagedllm.layers.quantization import bnb_load_format, resolve_quantization
 from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
 from pagedllm.model_loader.loader import LOAD_FORMATS, load_hf_config
 from pagedllm.model_loader.resolve import default_embedding_model_path, resolve_model
@@ -71,7 +71,7 @@ class EngineArgs:
     rope_scaling: dict | None = None  # replaces the config's rope scaling, e.g. {"rope_type": "yarn", "factor": 4.0}
     rope_theta: float | None = None
     load_format: str = "auto"
-    quantization: str | None = None  # None: the checkpoint's; "fp8": quantize a float checkpoint while loading
+    quantization: str | None = None  # None: the checkpoint's; "fp8" / "bitsandbytes": quantize a float one at load
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 (CUDA, Triton attention)
@@ -159,8 +159,9 @@ class EngineArgs:
         return parse_device(self.device)
 
     def create_model_config(self, device: torch.device) -> ModelConfig:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
+        load_format, requested = bnb_load_format(self.load_format, self.quantization)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r} must be one of {(*LOAD_FORMATS, 'bitsandbytes')}")
         pooling_default = self.model is None and wants_pooling(self.task, self.runner, self.convert)
         path = default_embedding_model_path() if pooling_default else resolve_model(self.model, self.revision)
         hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides, self.rope_scaling, self.rope_theta)
@@ -170,8 +171,8 @@ class EngineArgs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
         model_impl = resolve_model_impl(archs[0], self.model_impl)
         _check_not_quantized(path, hf_config)
-        quantization = resolve_quantization(self.quantization, hf_config, is_gguf=path.endswith(".gguf"))
-        check_load_format(path, self.load_format)
+        quantization = resolve_quantization(requested, hf_config, is_gguf=path.endswith(".gguf"))
+        check_load_format(path, load_format)
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = getattr(torch, config_dtype, None)
@@ -193,7 +194,7 @@ class EngineArgs:
             is_gguf
             and device.type == "cpu"
             and dtype != torch.float32
-            and self.load_format != "dummy"
+            and load_format != "dummy"
             and model_impl == "pagedllm"  # the fallback runs dense weights
             and q4_kernel_available()
         )
@@ -206,7 +207,7 @@ class EngineArgs:
             dtype=dtype,
             max_model_len=max_len,
             seed=self.seed,
-            load_format=self.load_format,
+            load_format=load_format,
             trust_remote_code=self.trust_remote_code,
             skip_tokenizer_init=self.skip_tokenizer_init,
             keep_q4=keep_q4,
@@ -362,7 +363,7 @@ def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_back
 
 
 def _check_not_quantized(path: str, hf_config) -> None:
-    """A checkpoint quantized in a format no registered QuantizationConfig reads (bitsandbytes, ...) is
+    """A checkpoint quantized in a format no registered QuantizationConfig reads (HQQ, ...) is
     refused before anything loads, naming the format and the supported ones; a supported one has its
     quantization_config read here, so that a scheme it cannot run is refused before loading too."""
     from pagedllm.layers.quantization import (

@@ -91,7 +91,7 @@ def _weights(model_config: ModelConfig):
 
 def quant_config_of(model_config: ModelConfig) -> QuantizationConfig | None:
     """GGUF with 4-bit tensors kept packed, else the checkpoint's quantization_config, else the quantization asked
-    for at load (`quantization="fp8"` of a float checkpoint); None: dense."""
+    for at load (`quantization="fp8"` or "bitsandbytes" of a float checkpoint); None: dense."""
     if model_config.keep_q4:
         return get_quantization_config("gguf")()
     found = quantization_config_from_hf(model_config.hf_config)
@@ -99,6 +99,10 @@ def quant_config_of(model_config: ModelConfig) -> QuantizationConfig | None:
         from pagedllm.layers.quantization.fp8 import Fp8Config
 
         return Fp8Config.dynamic()
+    if found is None and model_config.quantization == "bitsandbytes":
+        from pagedllm.layers.quantization.bitsandbytes import BitsAndBytesConfig
+
+        return BitsAndBytesConfig.in_flight()
     return found
 
 
@@ -128,7 +132,8 @@ def get_model(model_config: ModelConfig, device: torch.device, context: BuildCon
     if model_config.load_format == "dummy":
         W.dummy_init(model, model_config.seed)
     else:
-        loaded = model.load_weights(_weights(model_config))
+        weights = _weights(model_config)
+        loaded = model.load_weights(quant_config.checkpoint_weights(weights) if quant_config else weights)
         expected = {n for n, _ in model.named_parameters()}
         missing = expected - loaded
         if missing:

@@ -188,3 +188,82 @@ def test_layer_kernel_path_matches_its_dense_path(fmt, act_orders, monkeypatch):
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,group", [(17, 96, 32), (70, 256, 64), (33, 200, 8)])
+@pytest.mark.parametrize("m", [1, 5, 80])
+def test_codebook(n, k, group, m):
+    """The codebook variant (bitsandbytes nf4 / fp4): w = codebook[q] * scale, on the fused kernel (m <= 64) and the
+    dequantize-then-GEMM path (m = 80)."""
+    g = torch.Generator().manual_seed(n + k + m)
+    q = torch.randint(0, 16, (k, n), generator=g)  # [K, N] codes
+    scales = torch.rand(-(-k // group), n, generator=g) + 0.1
+    codebook = torch.randn(16, generator=g)
+    w = codebook.double()[q] * scales.double()[torch.arange(k) // group]  # [K, N]
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    args = (pack_int32(q, 4, dim=0), scales, None, b, None, 4, group, codebook)
+    out = gemm.wna16_linear(x.to(DEVICE), *(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+    assert_close(out, reference(x, w, b), torch.float32)
+
+
+def test_bnb_layer_kernel_path(monkeypatch):
+    """A merged bitsandbytes 4-bit layer (two projections of a checkpoint's tensors) on the GEMM path: its codes
+    repacked K-major, scales transposed, the codebook kept; the same outputs as its dequantized weight."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    bnb = importlib.import_module("pagedllm.layers.quantization.bitsandbytes")
+    from pagedllm.layers.linear import MergedColumnParallelLinear
+    from pagedllm.layers.quantization.bnb_format import codebook, dequantize_4bit, regroup_4bit, unpack_rows
+
+    monkeypatch.setattr(bnb, "wna16_linear", gemm.wna16_linear)  # the interpreted kernels
+    monkeypatch.setattr(bnb, "kernel_device", lambda device: True)
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(48, 128, generator=g), torch.randn(24, 128, generator=g)]
+    stream = []
+    for i, w in enumerate(weights):
+        packed, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="fp4", compress_statistics=True)
+        stream += [(f"p{i}.weight", packed)] + [(f"p{i}.weight.{k}", v) for k, v in state.as_dict(packed=True).items()]
+    decoded = dict(regroup_4bit(stream, torch.uint8, "fp4"))
+    config = bnb.BitsAndBytesConfig(4, "fp4")
+    layer = MergedColumnParallelLinear(128, [48, 24], bias=False, quant_config=config, prefix="m")
+    dense = []
+    for i in range(2):
+        for name in ("codes", "scales"):
+            param = getattr(layer, f"bnb_{name}")
+            param.weight_loader(param, decoded[f"p{i}.bnb_{name}"], i)
+        codes = unpack_rows(decoded[f"p{i}.bnb_codes"], 128)
+        dense.append(dequantize_4bit(codes, decoded[f"p{i}.bnb_scales"], codebook("fp4")))
+    layer.process_weights_after_loading()
+    assert type(layer.quant_method).__name__ == "Bnb4bitGemmMethod" and layer.wq_packed.shape == (16, 72)
+    x = torch.randn(3, 128, generator=g)
+    ref = x.double() @ torch.cat(dense).double().t()
+    assert_close(layer(x.to(DEVICE)), ref, torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 6, 70])
+def test_bnb_int8_layer_kernel_path(m, monkeypatch):
+    """A bitsandbytes 8-bit layer on the GEMM path: its int8 weight kept 8-bit (offset to the W8A16 midpoint, one
+    scale per channel), the input through LLM.int8's rule (outlier columns included); the same outputs as the
+    dequantized weight times that input, on the fused kernel (m <= 64) and the dequantize-then-GEMM path."""
+    bnb_int8 = importlib.import_module("pagedllm.layers.quantization.bnb_int8")
+    from pagedllm.layers.linear import MergedColumnParallelLinear
+    from pagedllm.layers.quantization.bitsandbytes import BitsAndBytesConfig
+
+    monkeypatch.setattr(bnb_int8, "wna16_linear", gemm.wna16_linear)  # the interpreted kernels
+    monkeypatch.setattr(bnb_int8, "kernel_device", lambda device: True)
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randint(-127, 128, (40, 72), generator=g, dtype=torch.int8)  # [N, K], two projections
+    scb = torch.rand(40, generator=g) + 0.5
+    config = BitsAndBytesConfig(8, threshold=6.0)
+    layer = MergedColumnParallelLinear(72, [24, 16], bias=True, quant_config=config, prefix="m")
+    bias = torch.randn(40, generator=g)
+    for i, rows in enumerate((slice(0, 24), slice(24, 40))):
+        layer.weight.weight_loader(layer.weight, weight[rows], i)
+        layer.SCB.weight_loader(layer.SCB, scb[rows], i)
+        layer.bias.weight_loader(layer.bias, bias[rows], i)
+    layer.process_weights_after_loading()
+    assert type(layer.quant_method).__name__ == "LLMInt8GemmMethod" and layer.wq_packed.shape == (18, 40)
+    x = torch.randn(m, 72, generator=g)
+    x[0, 5] = 9.0  # an outlier column
+    dense = weight.double() * (scb.double() * bnb_int8.WEIGHT_DEQUANT)[:, None]
+    ref = bnb_int8.llm_int8_input(x, 6.0).double() @ dense.t() + bias.double()
+    assert_close(layer(x.to(DEVICE)), ref, torch.float32)

@@ -54,7 +54,7 @@ def test_devices_that_pagedllm_does_not_run_on(model_dir, device):
     [
         {"quant_method": "aqlm", "in_group_size": 8, "nbits_per_codebook": 16, "num_codebooks": 1},
         {"quant_method": "hqq", "nbits": 4, "group_size": 64},
-        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "eetq", "weights": "int8"},
     ],
 )
 def test_quantized_checkpoint_is_refused_before_loading(tmp_path, quant):

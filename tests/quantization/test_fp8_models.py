@@ -158,10 +158,10 @@ def _config_only(src: str, dst) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("value", ["bitsandbytes", "FP8", 8, ""])
+@pytest.mark.parametrize("value", ["bnb", "FP8", 8, ""])
 def test_unknown_quantization_is_refused_before_loading(float_model, tmp_path, value):
     supported = supported_quantizations()  # the built-ins and any registered by other tests
-    assert {"awq", "compressed-tensors", "fp8", "gguf", "gptq"} <= set(supported)
+    assert {"awq", "bitsandbytes", "compressed-tensors", "fp8", "gguf", "gptq"} <= set(supported)
     with pytest.raises(
         ValueError, match=rf"quantization={value!r} is not supported; supported: {re.escape(str(supported))}"
     ):
@@ -177,7 +177,8 @@ def test_quantization_that_contradicts_the_checkpoint(float_model, tmp_path):
 
 @pytest.mark.parametrize("value", ["compressed-tensors", "gguf"])
 def test_formats_that_need_a_quantized_checkpoint(float_model, tmp_path, value):
-    with pytest.raises(ValueError, match=rf"quantization={value!r} needs a checkpoint quantized.*\['fp8'\]"):
+    message = rf"quantization={value!r} needs a checkpoint quantized.*\['fp8', 'bitsandbytes'\]"
+    with pytest.raises(ValueError, match=message):
         LLM(_config_only(float_model[1], tmp_path), quantization=value, skip_tokenizer_init=True)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 
 __all__ = [
+    "bnb_load_format",
     "LinearMethod",
     "LinearMethodVariant",
     "QuantizationConfig",
@@ -23,12 +24,13 @@ __all__ = [
 
 _BUILTIN = {  # name -> (module, class)
     "awq": ("pagedllm.layers.quantization.awq", "AWQConfig"),
+    "bitsandbytes": ("pagedllm.layers.quantization.bitsandbytes", "BitsAndBytesConfig"),
     "compressed-tensors": ("pagedllm.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "fp8": ("pagedllm.layers.quantization.fp8", "Fp8Config"),
     "gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig"),
     "gptq": ("pagedllm.layers.quantization.gptq", "GPTQConfig"),
 }
-AT_LOAD = ("fp8",)  # quantizations `quantization=` applies to a float checkpoint while loading it
+AT_LOAD = ("fp8", "bitsandbytes")  # quantizations `quantization=` applies to a float checkpoint while loading it
 _REGISTERED: dict[str, type[QuantizationConfig]] = {}
 
 
@@ -67,6 +69,19 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
         return None
     method = raw.get("quant_method") if isinstance(raw, dict) else getattr(raw, "quant_method", None)
     return getattr(method, "value", method)  # transformers' QuantizationMethod enum
+
+
+def bnb_load_format(load_format: Any, quantization: Any) -> tuple[Any, Any]:
+    """(load_format, quantization) with vLLM's load_format="bitsandbytes" read as "auto" with
+    quantization="bitsandbytes" (a bitsandbytes checkpoint, or a float one quantized while loading)."""
+    if load_format != "bitsandbytes":
+        return load_format, quantization
+    if quantization not in (None, "bitsandbytes"):
+        raise ValueError(
+            f"load_format='bitsandbytes' reads bitsandbytes weights: quantization={quantization!r} must be "
+            "'bitsandbytes' or unset"
+        )
+    return "auto", "bitsandbytes"
 
 
 def resolve_quantization(requested: Any, hf_config: Any, is_gguf: bool = False) -> str | None:

@@ -4,6 +4,7 @@ loading) and its matmul; a `QuantizationConfig` picks the method of each layer b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,3 +54,8 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:
         """The method of the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj"); None: dense."""
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) stream as the layers' parameters take it: a format that stores one weight
+        in several tensors (bitsandbytes) decodes them here; the others pass it through."""
+        return weights

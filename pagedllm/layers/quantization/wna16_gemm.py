@@ -7,7 +7,10 @@ registers (the word is loaded for each of its K rows: those loads hit the cache)
 ((q - zero) * scale, float32) to the activations' dtype and multiplies on the tensor cores with float32 accumulation.
 When the N blocks alone would not fill the GPU, K is split and the float32 partials are summed in a fixed order by
 fp8_gemv's reduce kernel (deterministic). Larger batches: a kernel dequantizes the weight once into a [K, N] buffer
-in the activations' dtype, then the dense GEMM (cuBLAS) runs on it."""
+in the activations' dtype, then the dense GEMM (cuBLAS) runs on it.
+
+A codebook (bitsandbytes' nf4 / fp4: 16 float32 values, `codebook`) replaces the affine rule: w = codebook[q] * scale,
+no zero points."""
 
 from __future__ import annotations
 
@@ -27,20 +30,27 @@ if triton is not None:
 
     @triton.jit
     def dequant_tile(
-        qw_ptr, s_ptr, z_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size,
-        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr,
+        qw_ptr, s_ptr, z_ptr, cb_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr, CODEBOOK: tl.constexpr,
     ):  # fmt: skip
         """The float32 weight tile [BLOCK_K, BLOCK_N] of input features offs_k and outputs offs_n (0 where masked).
-        ONE_GROUP: every offs_k is in the group of offs_k[0] (one scale row loaded, not a [K, N] gather)."""
+        ONE_GROUP: every offs_k is in the group of offs_k[0] (one scale row loaded, not a [K, N] gather).
+        CODEBOOK: w = cb[q] * s (cb_ptr: 2**BITS float32 values), else the affine (q - z) * s."""
         pack: tl.constexpr = 32 // BITS
         mask = mask_k[:, None] & mask_n[None, :]
         words = tl.load(qw_ptr + (offs_k // pack)[:, None] * N + offs_n[None, :], mask=mask, other=0)
-        q = ((words >> ((offs_k % pack) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+        q_int = (words >> ((offs_k % pack) * BITS)[:, None]) & ((1 << BITS) - 1)
+        if CODEBOOK:
+            q = tl.load(cb_ptr + q_int)  # 16-entry table: these loads hit the cache
+        else:
+            q = q_int.to(tl.float32)
         if ONE_GROUP:
             g = tl.min(offs_k, axis=0) // group_size
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if HAS_ZP:
                 z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            elif CODEBOOK:
+                z = 0.0
             else:
                 z = (1 << (BITS - 1)) * 1.0
         else:
@@ -48,15 +58,18 @@ if triton is not None:
             s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_ZP:
                 z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            elif CODEBOOK:
+                z = 0.0
             else:
                 z = (1 << (BITS - 1)) * 1.0
         return tl.where(mask, (q - z) * s, 0.0)
 
     @triton.jit
     def wna16_gemm_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, group_size, k_split,
+        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, N, K, group_size, k_split,
         stride_xm, stride_os, stride_om,
         BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
+        CODEBOOK: tl.constexpr,
         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s, m): out[s, m-block, n-block] = x[m-block, K split s] @ W[K split s, n-block] (+ bias with
@@ -74,8 +87,9 @@ if triton is not None:
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             w = dequant_tile(
-                qw_ptr, s_ptr, z_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size, BITS, HAS_ZP, ONE_GROUP
-            ).to(x.dtype)  # [BLOCK_K, BLOCK_N]
+                qw_ptr, s_ptr, z_ptr, cb_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size,
+                BITS, HAS_ZP, ONE_GROUP, CODEBOOK,
+            ).to(x.dtype)  # fmt: skip  # [BLOCK_K, BLOCK_N]
             if IEEE:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
@@ -87,14 +101,16 @@ if triton is not None:
 
     @triton.jit
     def wna16_dequant_kernel(
-        qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
-        BITS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+        qw_ptr, s_ptr, z_ptr, cb_ptr, w_ptr, N, K, group_size,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """w [K, N] (its dtype) = the dequantized weight, one [BLOCK_K, BLOCK_N] tile per program."""
         offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_k, mask_n = offs_k < K, offs_n < N
-        w = dequant_tile(qw_ptr, s_ptr, z_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size, BITS, HAS_ZP, False)
+        w = dequant_tile(
+            qw_ptr, s_ptr, z_ptr, cb_ptr, offs_k, offs_n, mask_k, mask_n, N, group_size, BITS, HAS_ZP, False, CODEBOOK
+        )
         ptrs = w_ptr + offs_k[:, None] * N + offs_n[None, :]
         tl.store(ptrs, w.to(w_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
@@ -116,8 +132,9 @@ def plan_splits(n: int, k: int, m_blocks: int, block_k: int, sms: int) -> tuple[
     return triton.cdiv(k, k_split), k_split
 
 
-def wna16_gemm(x2, qweight, scales, zeros, bias, bits: int, group_size: int) -> torch.Tensor:
-    """x2 [M, K] (M <= GEMM_MAX_M, last dim contiguous) @ the dequantized weight [K, N] + bias -> [M, N], x's dtype."""
+def wna16_gemm(x2, qweight, scales, zeros, bias, bits: int, group_size: int, codebook=None) -> torch.Tensor:
+    """x2 [M, K] (M <= GEMM_MAX_M, last dim contiguous) @ the dequantized weight [K, N] + bias -> [M, N], x's dtype.
+    codebook: [2**bits] float32 values of the codes (zeros then None), or None: affine."""
     m, k = x2.shape
     n = qweight.shape[1]
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -129,9 +146,10 @@ def wna16_gemm(x2, qweight, scales, zeros, bias, bits: int, group_size: int) -> 
     has_bias, has_zp = bias is not None, zeros is not None
     bias_arg = bias if has_bias else scales
     wna16_gemm_kernel[(triton.cdiv(n, BLOCK_N), splits, m_blocks)](
-        x2, qweight, scales, zeros if has_zp else scales, bias_arg, target, m, n, k, group_size, k_split,
-        x2.stride(0), m * n, n,
+        x2, qweight, scales, zeros if has_zp else scales, codebook if codebook is not None else scales, bias_arg,
+        target, m, n, k, group_size, k_split, x2.stride(0), m * n, n,
         BITS=bits, HAS_ZP=has_zp, HAS_BIAS=has_bias and splits == 1, ONE_GROUP=one_group,
+        CODEBOOK=codebook is not None,
         IEEE=x2.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
         num_stages=2 if x2.dtype == torch.float32 else 3,  # float32 tiles at 3 stages pass Hopper's shared memory
     )  # fmt: skip
@@ -143,21 +161,23 @@ def wna16_gemm(x2, qweight, scales, zeros, bias, bits: int, group_size: int) -> 
     return out
 
 
-def wna16_dequantize(qweight, scales, zeros, k: int, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def wna16_dequantize(
+    qweight, scales, zeros, k: int, bits: int, group_size: int, dtype: torch.dtype, codebook=None
+) -> torch.Tensor:
     """The dequantized weight [K, N] in dtype."""
     n = qweight.shape[1]
     w = torch.empty((k, n), dtype=dtype, device=qweight.device)  # [K, N]
     bk, bn = DEQUANT_BLOCK
     wna16_dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
-        qweight, scales, zeros if zeros is not None else scales, w, n, k, group_size,
-        BITS=bits, HAS_ZP=zeros is not None, BLOCK_K=bk, BLOCK_N=bn,
+        qweight, scales, zeros if zeros is not None else scales, codebook if codebook is not None else scales, w, n, k,
+        group_size, BITS=bits, HAS_ZP=zeros is not None, CODEBOOK=codebook is not None, BLOCK_K=bk, BLOCK_N=bn,
     )  # fmt: skip
     return w
 
 
-def wna16_linear(x, qweight, scales, zeros, bias, perm, bits: int, group_size: int) -> torch.Tensor:
+def wna16_linear(x, qweight, scales, zeros, bias, perm, bits: int, group_size: int, codebook=None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype; perm [K]: the input-feature order the weight's rows were sorted into
-    (act-order checkpoints), or None."""
+    (act-order checkpoints), or None; codebook: see wna16_gemm."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
     if perm is not None:
@@ -165,9 +185,9 @@ def wna16_linear(x, qweight, scales, zeros, bias, perm, bits: int, group_size: i
     elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if 0 < x2.shape[0] <= GEMM_MAX_M:
-        out = wna16_gemm(x2, qweight, scales, zeros, bias, bits, group_size)
+        out = wna16_gemm(x2, qweight, scales, zeros, bias, bits, group_size, codebook)
     else:
-        out = x2 @ wna16_dequantize(qweight, scales, zeros, k, bits, group_size, x2.dtype)
+        out = x2 @ wna16_dequantize(qweight, scales, zeros, k, bits, group_size, x2.dtype, codebook)
         if bias is not None:
             out = out + bias
     return out.reshape(*x.shape[:-1], qweight.shape[1])
