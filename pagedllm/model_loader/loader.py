@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,8 @@ from pagedllm.layers.rope_config import apply_rope_overrides
 from pagedllm.model_loader import weights as W
 from pagedllm.models.registry import get_model_class
 from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 # image-text checkpoints that run as text models on their text_config (their vision weights are skipped)
@@ -141,4 +144,19 @@ def get_model(model_config: ModelConfig, device: torch.device, context: BuildCon
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    logger.info("%s", weights_summary(model))
     return model.eval()
+
+
+def weights_summary(model: nn.Module) -> str:
+    """One line: the weights' memory and, per linear layer kind (its attribute name), the method that runs it."""
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights counted once
+    buffers = {id(b): b for b in model.buffers()}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in (*params, *buffers))
+    kinds: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, str):
+            kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(type(method).__name__)
+    methods = ", ".join(f"{kind}: {'/'.join(sorted(m))}" for kind, m in sorted(kinds.items()))
+    return f"weights {nbytes / 2**30:.2f} GiB; linear methods: {methods or 'none'}"
