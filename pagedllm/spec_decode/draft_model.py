@@ -213,8 +213,8 @@ class DraftModelProposer:
     def _block_tables(self, rows: np.ndarray) -> np.ndarray:
         return scratch_block_tables(self.runner.batch, rows, self.num_blocks, self.scratch_per_row)
 
-    def record_step(self, flat, hidden: torch.Tensor) -> None:
-        """The target's step (its flat batch and hidden states): EAGLE heads read them; a draft model does not."""
+    def record_step(self, flat, hidden: torch.Tensor, drafts: dict[str, list[int]]) -> None:
+        """The target's step (its flat batch, hidden states and drafts): EAGLE heads read them; a draft model not."""
 
     def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
         """Positions [start, start + take) of each row; the rows' `valid` grow over the blocks they hold. ->

@@ -98,8 +98,8 @@ class StepRecord:
     start: np.ndarray  # [n] first position computed
     count: np.ndarray  # [n] positions computed
     cu: np.ndarray  # [n + 1] the requests' offsets in features
-    waits: np.ndarray  # [n] sampled in the step: ready once its tokens are committed (num_tokens > num_tokens_before)
-    num_tokens_before: np.ndarray  # [n]
+    waits: np.ndarray  # [n] sampled in the step: ready once its tokens are committed (num_tokens > known)
+    known: np.ndarray  # [n] the row's tokens before the step's sampled ones (its inputs less its drafts)
     features: torch.Tensor  # [num_tokens, H] the head's input hidden states (after combine)
 
 
@@ -161,8 +161,9 @@ class EagleProposer:
         return 0.0  # the head's passes run eagerly
 
     @torch.inference_mode()
-    def record_step(self, flat, hidden: torch.Tensor) -> None:
-        """The target's step: flat batch (model_runner.FlatBatch) and hidden [num_tokens, H]. Consumed later."""
+    def record_step(self, flat, hidden: torch.Tensor, drafts: dict[str, list[int]]) -> None:
+        """The target's step: flat batch (model_runner.FlatBatch), hidden [num_tokens, H] and the drafts it verifies.
+        Consumed once its tokens are on the host."""
         start_time = time.perf_counter()
         self._consume_ready()
         n = len(flat.input_ids)
@@ -172,11 +173,12 @@ class EagleProposer:
         else:
             features = hidden[:n].clone()  # (a CUDA graph's output buffer is overwritten by the next replay)
         b, counts = self.runner.batch, np.diff(flat.query_start_loc)
+        # (with asynchronous scheduling the host's num_tokens may still lack the previous step's token)
+        num_drafts = np.array([len(drafts.get(r, ())) for r in flat.req_ids], dtype=np.int64)
         self.records.append(
             StepRecord(
                 list(flat.req_ids), flat.rows.copy(), b.generation[flat.rows].copy(), flat.seq_lens - counts,
-                counts, flat.query_start_loc.copy(), flat.sample_mask.copy(), b.num_tokens[flat.rows].copy(),
-                features,
+                counts, flat.query_start_loc.copy(), flat.sample_mask.copy(), flat.seq_lens - num_drafts, features,
             )
         )  # fmt: skip
         self.seconds += time.perf_counter() - start_time
@@ -191,7 +193,7 @@ class EagleProposer:
         while self.records:
             rec = self.records[0]
             alive = self._alive(rec)
-            ready = ~rec.waits | (self.runner.batch.num_tokens[rec.rows] > rec.num_tokens_before)
+            ready = ~rec.waits | (self.runner.batch.num_tokens[rec.rows] > rec.known)
             if not (ready | ~alive).all():
                 return
             self.records.pop(0)

@@ -195,15 +195,8 @@ def forced(engine) -> Forced:
 def test_proposals_equal_the_oracle(engine, method, target, forced):
     llm, weights = engine
     drafter = llm.llm_engine.core.executor.runner.drafter
-    calls = []
-    propose = drafter.propose
-
-    def recording(token_ids):
-        out = propose(token_ids)
-        calls.extend((list(token_ids[r]), d) for r, d in out.items())
-        return out
-
-    drafter.propose, drafter.force_drafts = recording, forced
+    calls = record_proposals(drafter)
+    drafter.force_drafts = forced
     try:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         _, (num_drafts, num_accepted) = run(llm, PROMPTS[:3], params, speculate=True)
@@ -214,6 +207,41 @@ def test_proposals_equal_the_oracle(engine, method, target, forced):
     w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     for tokens, drafts in calls:
         assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
+
+
+def record_proposals(drafter) -> list:
+    """(tokens so far, drafts) of each proposal the drafter makes from now on (del drafter.propose stops it)."""
+    calls, propose = [], drafter.propose
+
+    def recording(token_ids):
+        out = propose(token_ids)
+        calls.extend((list(token_ids[r]), d) for r, d in out.items())
+        return out
+
+    drafter.propose = recording
+    return calls
+
+
+def test_asynchronous_steps_feed_the_head(method, target, tmp_path):
+    """With asynchronous scheduling (drafts off above disable_by_batch_size) the head consumes each step's hidden
+    states one step late: once one request is left, its proposals equal the oracle's."""
+    path = str(tmp_path / method)
+    weights = save_head(path, method == "eagle3")
+    spec = {"method": method, "model": path, "num_speculative_tokens": K, "disable_by_batch_size": 1}
+    llm = LLM(
+        target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22,
+        speculative_config=spec, async_scheduling=True,
+    )  # fmt: skip
+    drafter = llm.llm_engine.core.executor.runner.drafter
+    calls = record_proposals(drafter)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 16)]
+    reference, _ = run(llm, PROMPTS[:2], params, speculate=False)
+    outputs, (num_drafts, _) = run(llm, PROMPTS[:2], params, speculate=True)
+    assert exact(outputs) == exact(reference) and num_drafts > 0
+    assert calls and all(len(tokens) > len(PROMPTS[1]) + 8 for tokens, _ in calls)  # after the other one ended
+    w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    for tokens, drafts in calls:
+        assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, [-1] * K), tokens
 
 
 def run(llm: LLM, prompts, params, speculate: bool):
