@@ -244,6 +244,31 @@ def test_asynchronous_steps_feed_the_head(method, target, tmp_path):
         assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, [-1] * K), tokens
 
 
+def test_preemption_chunked_prefill_and_prefix_hits(engine, target, forced, method, tmp_path):
+    # 24 blocks of 4 tokens for 4 requests of up to 42 tokens: preemption; a 16-token budget: chunked prefill (the
+    # head consumes prompts chunk by chunk); then the same prompts with their outputs: prefix-cache hits
+    spec = {
+        "method": method,
+        "model": engine[0].llm_engine.config.speculative_config.model,
+        "num_speculative_tokens": K,
+    }
+    small = LLM(
+        target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
+        max_num_batched_tokens=16, speculative_config=spec,
+    )  # fmt: skip
+    small.llm_engine.core.executor.runner.drafter.force_drafts = forced
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference, _ = run(small, PROMPTS, params, speculate=False)
+    outputs, (num_drafts, num_accepted) = run(small, PROMPTS, params, speculate=True)
+    assert exact(outputs) == exact(reference) and num_accepted > 0
+    assert small.llm_engine.core.scheduler.num_preemptions > 0
+    continued = [o.prompt_token_ids + list(o.outputs[0].token_ids)[:8] for o in reference]
+    hits = small.llm_engine.core.scheduler.kv.num_hits
+    reference, _ = run(small, continued[:2], params, speculate=False)
+    outputs, _ = run(small, continued[:2], params, speculate=True)
+    assert exact(outputs) == exact(reference) and small.llm_engine.core.scheduler.kv.num_hits > hits
+
+
 def run(llm: LLM, prompts, params, speculate: bool):
     config, sched = llm.llm_engine.config, llm.llm_engine.core.scheduler
     proposer, before = config.speculative_proposer, (sched.num_draft_tokens, sched.num_accepted_tokens)
