@@ -34,7 +34,6 @@ from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.spec_decode.draft_model import draft_model_config
-from pagedllm.spec_decode.eagle import eagle_model_config
 from pagedllm.worker.cpu_threads import bind_cpu_threads
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -236,6 +235,8 @@ class EngineArgs:
         if speculative is not None and speculative.method == "draft_model":
             speculative.draft_model_config = draft_model_config(speculative, model)
         elif speculative is not None and speculative.method in ("eagle", "eagle3"):
+            from pagedllm.spec_decode.eagle import eagle_model_config
+
             speculative.draft_model_config = eagle_model_config(speculative, model)
         if device.type == "cpu":
             bind_cpu_threads()  # VLLM_CPU_OMP_THREADS_BIND, before the model loads
