@@ -9,6 +9,7 @@ still runs its chain on them, and its own tokens at the other positions are chec
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -332,3 +333,29 @@ def test_bad_heads_are_refused(target, tmp_path):
     # vLLM's default layers (2, L // 2, L - 3) for the 4-layer target: (2, 2, 1)
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids=\[2, 2, 1\] must be 3 different layers"):
         load("eagle3", eagle_aux_hidden_state_layer_ids=None)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_steps_feed_the_head_as_eager_ones(method, target, tmp_path):
+    """On a GPU (float32): decode steps replayed from CUDA graphs (the EAGLE-3 layers' copy is in the graph) give
+    the head what eager steps give: the same proposals; outputs equal those without speculation."""
+    path = str(tmp_path / method)
+    save_head(path, method == "eagle3")
+    spec = {"method": method, "model": path, "num_speculative_tokens": K}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    proposals = []
+    for eager in (False, True):
+        llm = LLM(
+            target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 24,
+            speculative_config=spec, enforce_eager=eager,
+        )  # fmt: skip
+        runner = llm.llm_engine.core.executor.runner
+        assert (runner.graphs is None) == eager
+        calls = record_proposals(runner.drafter)
+        reference, _ = run(llm, PROMPTS, params, speculate=False)
+        outputs, (num_drafts, _) = run(llm, PROMPTS, params, speculate=True)
+        assert exact(outputs) == exact(reference) and num_drafts > 0
+        proposals.append(calls)
+        del llm, runner
+        gc.collect()
+    assert proposals[0] == proposals[1] and len(proposals[0]) > len(PROMPTS)
