@@ -131,7 +131,7 @@ class EagleHead(nn.Module):
             loaded.add("fc.bias")
         if self.eagle3 and "lm_head.weight" not in loaded and self.draft_vocab_size == self.config.vocab_size:
             self.lm_head, loaded = None, loaded | {"lm_head.weight"}  # the target's
-        return loaded
+        return loaded | ({"embed_tokens.weight"} if self.embed_tokens is not None else set())
 
     def _renamed(self, weights):
         for name, tensor in weights:
@@ -139,8 +139,10 @@ class EagleHead(nn.Module):
             if name == "d2t":
                 self.d2t.copy_(tensor)
                 continue
-            if name == "embed_tokens.weight" and self.eagle3 and self.embed_tokens is None:  # its own embedding
+            if name == "embed_tokens.weight" and self.eagle3:  # its own embedding
                 weight = self.fc.weight
                 embedding = VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size, parallel=False)
                 self.embed_tokens = embedding.to(device=weight.device, dtype=weight.dtype)
+                self.embed_tokens.weight.data.copy_(tensor)
+                continue
             yield name, tensor

@@ -46,8 +46,9 @@ def _random(shape, scale=0.15):
 
 
 def save_head(path: str, eagle3: bool) -> dict[str, torch.Tensor]:
-    """A random head in the EAGLE (layers.0.*, fc with bias, the target's embedding saved too) or EAGLE-3
-    (midlayer.*, fc over 3 hidden states, norm, lm_head over DRAFT_VOCAB tokens, d2t, t2d) checkpoint layout."""
+    """A random head in the EAGLE (layers.0.*, fc with bias, an embedding that is not used: the target's is) or
+    EAGLE-3 (midlayer.*, fc over 3 hidden states, norm, lm_head over DRAFT_VOCAB tokens, d2t, t2d, its own embedding)
+    checkpoint layout."""
     torch.manual_seed(3 if eagle3 else 1)
     layer = "midlayer" if eagle3 else "layers.0"
     qkv_in = 2 * H if eagle3 else H
@@ -72,6 +73,7 @@ def save_head(path: str, eagle3: bool) -> dict[str, torch.Tensor]:
             "lm_head.weight": _random((DRAFT_VOCAB, H), 1.0),
             "d2t": target_ids - torch.arange(DRAFT_VOCAB),
             "t2d": torch.zeros(TARGET["vocab_size"], dtype=torch.bool).index_fill(0, target_ids, True),
+            "embed_tokens.weight": _random((TARGET["vocab_size"], H), 1.0),  # its own (EAGLE-3 may have one)
         }
         config |= dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
         config |= dict(eagle_aux_hidden_state_layer_ids=AUX_LAYERS)
@@ -155,7 +157,8 @@ def oracle_drafts(hf, w, eagle3, tokens: list[int], forced: list[int]) -> list[i
             features = torch.cat([states[i][0] for i in AUX_LAYERS], -1)[:-1] @ w["fc.weight"].T
         else:
             features = states[-1][0, :-1]  # the last hidden state (after the final norm)
-        embed, head = hf.model.embed_tokens.weight, w["lm_head.weight"] if eagle3 else hf.lm_head.weight
+        embed = w["embed_tokens.weight"] if eagle3 else hf.model.embed_tokens.weight
+        head = w["lm_head.weight"] if eagle3 else hf.lm_head.weight
         ids, hidden, drafts = list(tokens[1:]), features, []
         for j in range(K):
             logit_h, next_h = head_forward(w, eagle3, embed, torch.tensor(ids), hidden)
