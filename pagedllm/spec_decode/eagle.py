@@ -62,6 +62,8 @@ def eagle_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
 def load_head(model_config: ModelConfig, target: torch.nn.Module, device: torch.device) -> EagleHead:
     """The head with its checkpoint's weights (or dummy ones), sharing the target's embedding / LM head."""
     eagle3 = model_config.architecture == "eagle3"
+    if not hasattr(target, "model_attr") or not hasattr(target, "head_attr"):
+        raise ValueError(f"speculative_config method {model_config.architecture!r} needs a decoder-only target model")
     target_hidden = target.config.hidden_size
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
