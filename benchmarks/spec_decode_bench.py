@@ -14,6 +14,13 @@ Verification accepts a draft while it and those before it agree, so the acceptan
 vLLM counts it) is (agree + agree^2 + ... + agree^K) / K: --acceptance sets that rate and `agree` follows from it.
 disable_by_batch_size (--disable-by-batch-size, default 32) turns drafts off at batch 64.
 
+--method eagle | eagle3: the same 8B target with a dummy EAGLE head of its shapes (one Llama layer of the 8B's sizes
+and fc over concat(embedding, hidden state), sharing the target's embedding and LM head: the layout of
+yuhuili/EAGLE-LLaMA3-Instruct-8B; eagle3: fc over three target layers' hidden states, its own LM head over a 32000-token
+draft vocabulary). Agreement is forced the same way: the head consumes each step's hidden states and runs its K chain
+steps as usual (their cost is measured), but the token each step feeds on and proposes is the target's greedy token
+with probability `agree`, else another.
+
 Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl unless --no-append):
   spec-decode-{ngram,draft}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default
                             scheduling: asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts'
@@ -24,6 +31,7 @@ Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl un
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft  # 8B target, 1B draft, dummy (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --tiny --no-append   # a tiny random model on the CPU (smoke)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft --tiny --no-append
+    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method eagle  # 8B target, dummy EAGLE head (on a GPU)
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ def tiny_prompts(count: int, length: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(320) for _ in range(length // 4)] * 4} for _ in range(count)]
 
 
+MODEL_METHODS = ("draft", "eagle", "eagle3")  # a draft model or head with dummy weights, agreement forced
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_TARGET = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
 TINY_DRAFT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
@@ -121,6 +130,20 @@ def draft_paths(tiny: bool) -> tuple[str, str]:
         return target, draft
     small = dict(num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024, rope_scaling=None)
     return dummy_config_dir(target, **TINY_TARGET, **small), dummy_config_dir(draft, **TINY_DRAFT, **small)
+
+
+def eagle_paths(tiny: bool, method: str) -> tuple[str, str]:
+    """(target, head) config folders: the Llama-3.1-8B target (tiny: 4 layers of the tiny shapes) and an EAGLE /
+    EAGLE-3 head of its shapes (one layer)."""
+    target = os.path.join(BENCH_DIR, "configs", "llama-3.1-8b")
+    if tiny:
+        small = dict(num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024, rope_scaling=None)
+        target = dummy_config_dir(target, **(TINY_TARGET | small | dict(num_hidden_layers=4)))
+    head = dict(num_hidden_layers=1)
+    if method == "eagle3":
+        head |= dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=64 if tiny else 32000)
+        head |= dict(eagle_aux_hidden_state_layer_ids=[1, 2, 3]) if tiny else {}
+    return target, dummy_config_dir(target, **head)
 
 
 def agreement_for(acceptance: float, k: int) -> float:
@@ -168,7 +191,7 @@ def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[l
 def make_llm(args, spec: dict | None) -> LLM:
     # a fixed KV cache (no memory profile): the engine built before may not have handed all of its memory back
     kwargs = dict(speculative_config=spec, kv_cache_memory_bytes=(64 << 20) if args.tiny else (8 << 30))
-    if args.method == "draft":
+    if args.method in MODEL_METHODS:
         kwargs |= dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len)
         return LLM(args.target, dtype="float32" if args.tiny else args.dtype, **kwargs)
     if args.tiny:
@@ -177,7 +200,7 @@ def make_llm(args, spec: dict | None) -> LLM:
 
 
 def workload(args, llm: LLM, batch: int) -> list[dict]:
-    if args.method == "draft":
+    if args.method in MODEL_METHODS:
         vocab = llm.llm_engine.config.model.vocab_size
         return random_prompts(batch, args.prompt_len, vocab, seed=batch)
     return tiny_prompts(batch, 256) if args.tiny else chat_prompts(llm, batch, args.sentences)
@@ -188,7 +211,7 @@ def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
     configuration. references (batch size -> the outputs without speculation): the draft model's tokens are forced
     to agree with them at the rate asked for."""
     llm = make_llm(args, spec)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny or args.method == "draft")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny or args.method != "ngram")
     drafter = getattr(llm.llm_engine.core.executor.runner, "drafter", None)
     results = {}
     for batch in args.batch_sizes:
@@ -213,7 +236,7 @@ def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    parser.add_argument("--method", choices=["ngram", *MODEL_METHODS], default="ngram")
     parser.add_argument("--model", default=None, help="ngram: model (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke run)")
     parser.add_argument("--dtype", default="auto", help="in half precision a verifying step's sums may round apart")
@@ -229,15 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="draft (default 2048; tiny 512)")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args(argv)
-    draft = args.method == "draft"
+    draft = args.method in MODEL_METHODS
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,16,64" if draft else "1,16")).split(",")]
     args.max_tokens = args.max_tokens or (48 if args.tiny else 256 if draft else 512)
     args.prompt_len = args.prompt_len or (32 if args.tiny else 128)
     args.max_model_len = args.max_model_len or (512 if args.tiny else 2048)
     if draft:
-        args.target, draft_path = draft_paths(args.tiny)
+        paths = draft_paths(args.tiny) if args.method == "draft" else eagle_paths(args.tiny, args.method)
+        args.target, draft_path = paths
         args.agree = agreement_for(args.acceptance, args.k)
-        spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": args.k}
+        method = "draft_model" if args.method == "draft" else args.method
+        spec = {"method": method, "model": draft_path, "num_speculative_tokens": args.k}
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     else:
         spec = {"method": "ngram", "num_speculative_tokens": args.k}
@@ -250,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args, spec: dict, base: dict, fast: dict) -> None:
     machine, commit = machine_description(), git_commit()
-    draft = args.method == "draft"
-    model = ("tiny-random" if args.tiny else args.model) if not draft else ("tiny-dummy" if args.tiny else "8B+1B")
+    draft = args.method in MODEL_METHODS
+    big = {"draft": "8B+1B", "eagle": "8B+EAGLE", "eagle3": "8B+EAGLE-3"}.get(args.method)
+    model = ("tiny-random" if args.tiny else args.model) if not draft else ("tiny-dummy" if args.tiny else big)
     for batch in args.batch_sizes:
         (ref, t0, _, _), (out, t1, (steps, drafts, accepted), proposing) = base[batch], fast[batch]
         tokens = sum(len(o) for o in out)

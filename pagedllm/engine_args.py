@@ -238,6 +238,10 @@ class EngineArgs:
         model = self.create_model_config(device)
         if speculative is not None and speculative.method == "draft_model":
             speculative.draft_model_config = draft_model_config(speculative, model)
+        elif speculative is not None and speculative.method in ("eagle", "eagle3"):
+            from pagedllm.spec_decode.eagle import eagle_model_config
+
+            speculative.draft_model_config = eagle_model_config(speculative, model)
         if device.type == "cpu":
             bind_cpu_threads()  # VLLM_CPU_OMP_THREADS_BIND, before the model loads
         cache = CacheConfig(

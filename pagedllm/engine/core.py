@@ -13,6 +13,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
+from pagedllm.spec_decode.config import MODEL_METHODS
 from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.worker.executor import make_executor
 
@@ -49,7 +50,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         spec = config.speculative_config
         self.draft_policy = DraftPolicy(spec)  # which requests get drafts (a proposer may be set without spec)
-        if spec is not None and spec.method == "draft_model":  # the draft model runs where the target does
+        if spec is not None and spec.method in MODEL_METHODS:  # the draft model / head runs where the target does
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)

@@ -136,6 +136,10 @@ class LlamaModel(nn.Module):
 
     layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
+    # an EAGLE-3 head sets these: the layers whose input (the residual stream) forward copies, concatenated, into
+    # the buffer aux_hidden_states [max tokens, len(layers) * hidden] (a buffer: CUDA graphs replay the copy)
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    aux_hidden_states: torch.Tensor | None = None
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
@@ -183,8 +187,13 @@ class LlamaModel(nn.Module):
             x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [num_tokens, hidden]
             residual = None
         rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers[self.first : self.last]:
-            x, residual = layer(rope, x, residual)
+        aux = []
+        for i in range(self.first, self.last):
+            if i in self.aux_hidden_state_layers:
+                aux.append(x.clone() if residual is None else x + residual)
+            x, residual = self.layers[i](rope, x, residual)
+        if aux:
+            self.aux_hidden_states[: x.shape[0]].copy_(torch.cat(aux, dim=-1))
         if not self.is_last_stage:
             return x, torch.zeros_like(x) if residual is None else residual
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -1,7 +1,9 @@
 """The user's speculative-decoding options, as vLLM spells them: `speculative_config={"method": "ngram",
 "num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m}` or `{"method": "draft_model",
-"model": PATH, "num_speculative_tokens": K}`, or the older keywords `speculative_model="[ngram]"` (or a draft
-model's path), `num_speculative_tokens`, `ngram_prompt_lookup_max`, `ngram_prompt_lookup_min`.
+"model": PATH, "num_speculative_tokens": K}` or `{"method": "eagle" | "eagle3", "model": PATH,
+"num_speculative_tokens": K}` (an EAGLE head: a draft layer fed by the target's hidden states; a model given without
+a method is an EAGLE head by its name, as vLLM detects it), or the older keywords `speculative_model="[ngram]"` (or a
+draft model's / EAGLE head's path), `num_speculative_tokens`, `ngram_prompt_lookup_max`, `ngram_prompt_lookup_min`.
 
 Drafts are turned off per step and row by spec_decode/policy.py (disable_by_batch_size, poor acceptance)."""
 
@@ -10,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # a model of their own, which runs where the target runs
 # vLLM's other methods: named so that asking for one says it is not built, rather than that it is unknown
-NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp", "suffix")
+NOT_BUILT = ("medusa", "mlp_speculator", "deepseek_mtp", "mtp", "suffix")
 
 
 @dataclass
@@ -24,7 +27,7 @@ class SpeculativeConfig:
     # no drafts in a step where more requests than this decode (None: always drafts); at large batches the step is
     # compute bound and the rejected drafts' work costs more than the accepted ones save
     disable_by_batch_size: int | None = None
-    model: str | None = None  # the draft model (method "draft_model"): a local folder or hub name, same vocabulary
+    model: str | None = None  # the draft model or EAGLE head (methods in MODEL_METHODS): a local folder or hub name
     # the draft's resolved ModelConfig, built with the target's (EngineArgs); not a user field
     draft_model_config: Any = field(default=None, init=False, repr=False)
 
@@ -38,9 +41,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (an integer >= 1)")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
             raise ValueError(
-                f"speculative_config method='draft_model' needs model (the draft's path), got {self.model!r}"
+                f"speculative_config method={self.method!r} needs model (the draft's path), got {self.model!r}"
             )
         if self.method == "ngram" and self.model not in (None, "ngram", "[ngram]"):
             raise ValueError(f"speculative_config method='ngram' takes no model, got model={self.model!r}")
@@ -92,7 +95,7 @@ class SpeculativeConfig:
             ngram_keys = [k for k in given if k.startswith("ngram_")]
             if ngram_keys:
                 raise ValueError(f"{ngram_keys} are options of speculative_model='[ngram]', not of a draft model")
-            return cls("draft_model", num_speculative_tokens, model=speculative_model)
+            return cls(method_of_model(speculative_model), num_speculative_tokens, model=speculative_model)
         return cls("ngram", num_speculative_tokens, ngram_prompt_lookup_max, ngram_prompt_lookup_min)
 
     @classmethod
@@ -104,8 +107,8 @@ class SpeculativeConfig:
         value = dict(value)
         if "model" in value and "method" not in value:  # vLLM's older spelling: {"model": "[ngram]"} / a model
             model = value.pop("model")
-            value["method"] = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
-            if value["method"] == "draft_model":
+            value["method"] = "ngram" if model in ("ngram", "[ngram]") else method_of_model(model)
+            if value["method"] != "ngram":
                 value["model"] = model
         names = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(value) - names)
@@ -115,6 +118,14 @@ class SpeculativeConfig:
         if not isinstance(method, str):
             raise ValueError(f"speculative_config method={method!r} must be a string, e.g. 'ngram'")
         return cls(**value)
+
+
+def method_of_model(model: str) -> str:
+    """The method of a model given without one, by its name as vLLM detects it: "eagle3" in the name is an EAGLE-3
+    head (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), "eagle-" an EAGLE head (yuhuili/EAGLE-LLaMA3-Instruct-8B),
+    anything else a draft model."""
+    name = str(model).lower()
+    return "eagle" if "eagle-" in name else "eagle3" if "eagle3" in name else "draft_model"
 
 
 def _positive(name: str, value: Any) -> None:

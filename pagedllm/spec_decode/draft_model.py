@@ -34,7 +34,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model, load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.registry import resolve_model_impl
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
@@ -68,16 +68,31 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
 
 
 def make_drafter(config: EngineConfig, runner) -> DraftModelProposer | None:
-    """The runner's draft model, when speculative_config asks for one."""
+    """The runner's draft model or EAGLE head, when speculative_config asks for one."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in MODEL_METHODS:
         return None
     if config.parallel.world_size > 1:
         raise ValueError(
-            "speculative_config method 'draft_model' runs on one rank: use tensor_parallel_size=1 and "
+            f"speculative_config method {spec.method!r} runs on one rank: use tensor_parallel_size=1 and "
             "pipeline_parallel_size=1 with it (the n-gram method works with tensor parallelism)"
         )
+    if spec.method != "draft_model":
+        from pagedllm.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(config, runner)
     return DraftModelProposer(config, runner)
+
+
+def scratch_block_tables(batch, rows: np.ndarray, num_blocks: int, scratch_per_row: int) -> np.ndarray:
+    """The rows' block tables, with the scratch blocks of each (scratch_per_row, by its index here, after the
+    num_blocks shared ones) after the blocks it holds. -> [len(rows), max_blocks]"""
+    table = batch.block_table[rows].copy()
+    extra = np.arange(table.shape[1])[None, :] - batch.num_blocks[rows][:, None]  # [n, max_blocks] past the held
+    scratch = num_blocks + np.arange(len(rows))[:, None] * scratch_per_row + extra
+    use = (extra >= 0) & (extra < scratch_per_row)
+    table[use] = scratch[use]
+    return table
 
 
 class DraftModelProposer:
@@ -196,15 +211,10 @@ class DraftModelProposer:
         self.fed_len[rows] = np.clip(held_end - num_tokens, 0, n)
 
     def _block_tables(self, rows: np.ndarray) -> np.ndarray:
-        """The rows' block tables, with the scratch blocks of each (scratch_per_row, by its index here) after the
-        blocks it holds. -> [len(rows), max_blocks]"""
-        b = self.runner.batch
-        table = b.block_table[rows].copy()
-        extra = np.arange(table.shape[1])[None, :] - b.num_blocks[rows][:, None]  # [n, max_blocks] past the held
-        scratch = self.num_blocks + np.arange(len(rows))[:, None] * self.scratch_per_row + extra
-        use = (extra >= 0) & (extra < self.scratch_per_row)
-        table[use] = scratch[use]
-        return table
+        return scratch_block_tables(self.runner.batch, rows, self.num_blocks, self.scratch_per_row)
+
+    def record_step(self, flat, hidden: torch.Tensor, drafts: dict[str, list[int]]) -> None:
+        """The target's step (its flat batch, hidden states and drafts): EAGLE heads read them; a draft model not."""
 
     def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
         """Positions [start, start + take) of each row; the rows' `valid` grow over the blocks they hold. ->

@@ -217,6 +217,8 @@ class ModelRunner:
             logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
             step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts) if self.is_driver else rows
         hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden] | None
+        if self.drafter is not None and hidden is not None:  # an EAGLE head reads the target's hidden states
+            self.drafter.record_step(flat, hidden, spec)
         prompt_lps = self._prompt_logprobs(hidden, flat) if hidden is not None else {}  # (later stages: None)
         if step is None:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))

@@ -31,7 +31,9 @@ def test_lookup_bounds_default_from_each_other():
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' is not implemented yet"),
+        ({"method": "medusa", "num_speculative_tokens": 3}, "method='medusa' is not implemented yet"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' needs model"),
+        ({"method": "eagle3", "model": "", "num_speculative_tokens": 3}, "method='eagle3' needs model"),
         ({"method": "draft_model", "num_speculative_tokens": 3}, "method='draft_model' needs model"),
         ({"method": "ngram", "model": "a/draft", "num_speculative_tokens": 3}, "'ngram' takes no model"),
         ({"method": "draft_model", "model": "a/draft"}, "needs num_speculative_tokens"),
@@ -63,6 +65,15 @@ def test_draft_model_in_the_dict_and_the_older_keywords():
     )
 
 
+def test_eagle_heads_are_detected_by_name_as_vllm_does():
+    eagle = SpeculativeConfig.from_user({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 3})
+    eagle3 = SpeculativeConfig.from_user(None, "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 2)
+    assert (eagle.method, eagle.model) == ("eagle", "yuhuili/EAGLE-LLaMA3-Instruct-8B")
+    assert (eagle3.method, eagle3.num_speculative_tokens) == ("eagle3", 2)
+    explicit = SpeculativeConfig.from_user({"method": "eagle3", "model": "a/head", "num_speculative_tokens": 1})
+    assert explicit.method == "eagle3"
+
+
 def test_bad_older_keywords():
     with pytest.raises(ValueError, match=r"\['ngram_prompt_lookup_max'\] are options of speculative_model='\[ngram\]'"):
         SpeculativeConfig.from_user(None, "some/model", 3, 2)
@@ -74,8 +85,8 @@ def test_bad_older_keywords():
 
 def test_engine_args_check_before_loading():
     # the model does not exist: the speculative config is checked first
-    with pytest.raises(ValueError, match="method='eagle' is not implemented yet"):
-        EngineArgs(model="/nonexistent", speculative_config={"method": "eagle"}).create_engine_config()
+    with pytest.raises(ValueError, match="method='medusa' is not implemented yet"):
+        EngineArgs(model="/nonexistent", speculative_config={"method": "medusa"}).create_engine_config()
 
 
 def test_the_server_flag_takes_json():
