@@ -84,16 +84,16 @@ class LLMEngine:
 
     def multimodal_processor(self):
         """The model's MultiModalProcessor (its transformers processor), made once."""
-        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
-        from pagedllm.multimodal.processor import MultiModalProcessor
+        from pagedllm.multimodal.config import MultiModalConfig
+        from pagedllm.multimodal.processor import make_processor
 
         model = self.config.model
         with self._mm_lock:
             if self._mm_processor is None:
-                self._mm_processor = MultiModalProcessor(
+                self._mm_processor = make_processor(
+                    model.architecture,
                     model.model_path,
                     model.hf_config.vision_language_config,
-                    MULTIMODAL_ARCHITECTURES[model.architecture],
                     self.config.multimodal or MultiModalConfig(),
                     model.trust_remote_code,
                 )

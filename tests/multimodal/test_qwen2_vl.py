@@ -1,0 +1,157 @@
+"""Tiny Qwen2-VL and Qwen2.5-VL against HF transformers in float32: greedy tokens with one and two images of other
+sizes (dynamic resolution), batched with text-only requests, with chunked prefill cutting through an image, with
+prefix caching keyed by the image, and with videos; M-RoPE positions against HF's get_rope_index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_qwen2_vl import IMAGE, IMAGE_TOKEN_ID, VIDEO, hf_generate, image, video
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.multimodal.mrope import mrope_positions
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    (f"Say: {IMAGE} what?", [image(0, (84, 112))]),
+    (f"Two {IMAGE} and {IMAGE}!", [image(2), image(3, (60, 130))]),
+    ("No picture here.", []),
+]
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    options = dict(dtype="float32", device="cpu", max_model_len=160, kv_cache_memory_bytes=1 << 22, block_size=4)
+    return LLM(path, **{**options, **kwargs})
+
+
+def as_prompt(text: str, images: list, videos: list | None = None) -> dict:
+    data = {k: v for k, v in (("image", images), ("video", videos)) if v is not None and len(v)}
+    return {"prompt": text, "multi_modal_data": data} if data else {"prompt": text}
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_qwen2_vl):
+    return make_llm(tiny_qwen2_vl[2], limit_mm_per_prompt={"image": 2, "video": 1})
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen2_vl):
+    hf, processor, _ = tiny_qwen2_vl
+    return [hf_generate(hf, processor, text, images, GREEDY.max_tokens) for text, images in PROMPTS]
+
+
+def test_greedy_tokens_match_hf_batched_with_text(qwen, expected):
+    outputs = qwen.generate([as_prompt(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected
+    assert expected[0] != expected[2]  # the image decides the tokens
+    # dynamic resolution: 84x112 pixels -> a 3x4 grid of merged patches
+    assert outputs[0].prompt_token_ids.count(IMAGE_TOKEN_ID) == 12
+
+
+@pytest.mark.parametrize("budget", [5, 7])
+def test_chunked_prefill_through_an_image(tiny_qwen2_vl, expected, budget):
+    llm = make_llm(tiny_qwen2_vl[2], max_num_batched_tokens=budget, max_num_seqs=2, enable_prefix_caching=False)
+    outputs = llm.generate([as_prompt(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected
+    assert llm.llm_engine.core.executor.runner.mm.num_encoder_runs == 3  # each image once, cut into chunks
+
+
+def test_prefix_cache_hits_only_with_the_same_image(qwen, tiny_qwen2_vl):
+    hf, processor, _ = tiny_qwen2_vl
+    qwen.reset_prefix_cache()
+    text = f"A long shared prefix of text before {IMAGE}!"
+    first = qwen.generate(as_prompt(text, [image(7)]), GREEDY, use_tqdm=False)[0]
+    same = qwen.generate(as_prompt(text, [image(7)]), GREEDY, use_tqdm=False)[0]
+    other = qwen.generate(as_prompt(text, [image(8)]), GREEDY, use_tqdm=False)[0]
+    num_before = first.prompt_token_ids.index(IMAGE_TOKEN_ID)
+    assert first.num_cached_tokens == 0 and same.num_cached_tokens > num_before
+    assert other.num_cached_tokens == num_before // 4 * 4  # only the whole blocks before the image
+    assert tokens([same]) == tokens([first]) == [hf_generate(hf, processor, text, [image(7)], GREEDY.max_tokens)]
+    assert tokens([other]) == [hf_generate(hf, processor, text, [image(8)], GREEDY.max_tokens)]
+
+
+def test_video_matches_hf(qwen, tiny_qwen2_vl):
+    """3 frames (padded to 4: two temporal patches), with an image; frames as an array and as PIL images."""
+    from PIL import Image
+
+    hf, processor, _ = tiny_qwen2_vl
+    text = f"Clip {VIDEO} then {IMAGE}."
+    frames = video(5)
+    engine = qwen.llm_engine.multimodal_processor()
+    ids, features = engine.process(text, {"video": frames, "image": image(1)})
+    video_feature = next(f for f in features if f.modality == "video")
+    assert video_feature.grid == (2, 2, 1) and video_feature.data["video_grid_thw"].tolist() == [[2, 4, 2]]
+    want = hf_generate(
+        hf,
+        processor,
+        text,
+        [image(1)],
+        GREEDY.max_tokens,
+        (video_feature.data["pixel_values_videos"], video_feature.data["video_grid_thw"]),
+    )
+    as_array = qwen.generate(as_prompt(text, [image(1)], frames), GREEDY, use_tqdm=False)
+    as_pil = qwen.generate(as_prompt(text, [image(1)], [[Image.fromarray(f) for f in frames]]), GREEDY, use_tqdm=False)
+    assert tokens(as_array) == tokens(as_pil) == [want]
+    assert as_array[0].prompt_token_ids == ids
+
+
+def test_video_patches_match_the_image_processor(qwen, tiny_qwen2_vl):
+    """Two equal frames make the patches transformers' image processor makes of one frame (it repeats an image
+    over the temporal patch): the patch layout is transformers'."""
+    _, processor, _ = tiny_qwen2_vl
+    frame = video(6, 1)[0]
+    engine = qwen.llm_engine.multimodal_processor()
+    _, features = engine.process(VIDEO, {"video": np.stack([frame, frame])})
+    ref = processor.image_processor(images=[frame], return_tensors="pt")
+    assert torch.equal(features[0].data["video_grid_thw"], ref["image_grid_thw"])
+    torch.testing.assert_close(features[0].data["pixel_values_videos"], ref["pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_mrope_positions_match_hf(qwen, tiny_qwen2_vl):
+    hf, _, _ = tiny_qwen2_vl
+    text = f"a{IMAGE}bc{VIDEO}{IMAGE}d"
+    engine = qwen.llm_engine.multimodal_processor()
+    ids, features = engine.process(text, {"image": [image(0, (84, 112)), image(1)], "video": video(2, 4)})
+    ids_t = torch.tensor([ids])
+    kinds = torch.where(ids_t == IMAGE_TOKEN_ID, 1, torch.where(ids_t == IMAGE_TOKEN_ID + 1, 2, 0))
+    kwargs = {}
+    video_feature = next(f for f in features if f.modality == "video")
+    if video_feature.time_interval != 1.0:  # Qwen2.5-VL: seconds per temporal patch at 2 fps
+        kwargs["second_per_grid_ts"] = torch.tensor([1.0])
+    want, delta = hf.model.get_rope_index(
+        ids_t,
+        kinds,
+        torch.cat([f.data["image_grid_thw"] for f in features if f.modality == "image"]),
+        video_feature.data["video_grid_thw"],
+        **kwargs,
+    )
+    got = mrope_positions(np.arange(len(ids) + 3), features)
+    np.testing.assert_array_equal(got[:, : len(ids)], want[:, 0].numpy())
+    # generated tokens continue from the prompt's last position, shifted alike on every axis
+    np.testing.assert_array_equal(got[:, len(ids) :], np.arange(len(ids), len(ids) + 3) + int(delta) + np.zeros((3, 1)))
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"video": [video(0), video(1)]}, r"2 items, more than limit_mm_per_prompt\['video'\]=1"),
+        ({"video": "frames"}, r"multi_modal_data\['video'\]\[0\] has type str"),
+        ({"image": image(0)}, r"0 image placeholders"),
+    ],
+)
+def test_bad_video_prompts(qwen, data, match):
+    with pytest.raises(ValueError, match=match):
+        qwen.generate({"prompt": f"{VIDEO}", "multi_modal_data": data}, GREEDY, use_tqdm=False)
+    assert not qwen.llm_engine.has_unfinished_requests()
+
+
+def test_limits_of_zero_run_text_only(tiny_qwen2_vl, expected):
+    llm = make_llm(tiny_qwen2_vl[2], limit_mm_per_prompt={"image": 0, "video": 0})
+    model = llm.llm_engine.core.executor.runner.model
+    assert model.visual is None and not any("visual" in n for n, _ in model.named_parameters())
+    assert tokens(llm.generate(PROMPTS[2][0], GREEDY, use_tqdm=False)) == [expected[2]]
