@@ -19,6 +19,12 @@ SPECIAL = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 12  # 1 to 12 LM tokens per image
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 VISION = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 ROPE = {"rope_type": "default", "mrope_section": [2, 3, 3]}  # of head_dim 16: 8 rotary frequencies
 TEXT = dict(TINY_DECODER, vocab_size=128, bos_token_id=None, eos_token_id=None, rope_parameters=ROPE)
@@ -112,6 +118,7 @@ def save_tiny_qwen2_vl(tmp_path_factory, name: str = "qwen2_vl"):
     tok = char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     assert tok.convert_tokens_to_ids(SPECIAL) == [IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, START_ID, END_ID]
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     T.Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
     video_config = {"video_processor_type": "Qwen2VLVideoProcessor", "temporal_patch_size": 2}

@@ -107,7 +107,9 @@ class LLMEngine:
         if "image" not in MULTIMODAL_ARCHITECTURES.get(self.config.model.architecture, ()):
             return None
         mm_config = self.config.multimodal or MultiModalConfig()
-        return ChatMedia(self.multimodal_processor().image_placeholder, mm_config.allowed_local_media_path)
+        processor = self.multimodal_processor()
+        video = getattr(processor, "video_placeholder", "")  # "": the model takes no videos
+        return ChatMedia(processor.image_placeholder, mm_config.allowed_local_media_path, video)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

@@ -55,7 +55,8 @@ class Qwen2VLProcessor(MultiModalProcessor):
         self.config = mm_config
         self.image_token_id = int(hf_config.image_token_id)
         self.video_token_id = int(hf_config.video_token_id)
-        self.image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"  # (a chat string content)
+        self.image_placeholder = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"  # (in chat string content)
+        self.video_placeholder = f"<|vision_start|>{VIDEO_PAD}<|vision_end|>"
         vision = hf_config.vision_config
         self.merge = vision.spatial_merge_size
         self.tokens_per_second = getattr(vision, "tokens_per_second", None)  # Qwen2.5-VL: temporal positions

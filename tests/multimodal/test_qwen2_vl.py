@@ -155,3 +155,73 @@ def test_limits_of_zero_run_text_only(tiny_qwen2_vl, expected):
     model = llm.llm_engine.core.executor.runner.model
     assert model.visual is None and not any("visual" in n for n, _ in model.named_parameters())
     assert tokens(llm.generate(PROMPTS[2][0], GREEDY, use_tqdm=False)) == [expected[2]]
+
+
+@pytest.mark.parametrize("content_format", ["openai", "string"])
+def test_chat_image_url_matches_hf(qwen, tiny_qwen2_vl, content_format):
+    from test_llava_inputs import data_url, image_message
+
+    hf, processor, _ = tiny_qwen2_vl
+    img = image(11, (56, 84))
+    out = qwen.chat(image_message(data_url(img)), GREEDY, use_tqdm=False, chat_template_content_format=content_format)
+    rendered = f"user: Look:{IMAGE}\nassistant:" if content_format == "openai" else f"user: Look:\n{IMAGE}\nassistant:"
+    assert out[0].prompt == rendered
+    assert tokens(out) == [hf_generate(hf, processor, rendered, [img], GREEDY.max_tokens)]
+
+
+def test_mm_processor_kwargs_set_the_resolution(qwen, tiny_qwen2_vl):
+    _, processor, _ = tiny_qwen2_vl
+    img = image(4, (84, 112))
+    size = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 2}
+    want = int(processor.image_processor(images=[img], size=size)["image_grid_thw"][0].prod()) // 4
+    prompt = {"prompt": IMAGE, "multi_modal_data": {"image": img}, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 2}}
+    out = qwen.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == want < 12  # 12 tokens at the checkpoint max_pixels
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs\['max_pixels'\]=0 must be an integer >= 1"):
+        qwen.generate({**prompt, "mm_processor_kwargs": {"max_pixels": 0}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"unknown keys \['sizes'\]"):
+        qwen.generate({**prompt, "mm_processor_kwargs": {"sizes": 1}}, GREEDY, use_tqdm=False)
+
+
+def mp4_data_url(frames: np.ndarray) -> str:
+    """The frames encoded as MPEG-4 video (lossy) in a data: URL."""
+    import base64
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_video_url_matches_the_decoded_frames(qwen, tiny_qwen2_vl):
+    """A video_url part (an MP4 data URL) gives the tokens of its decoded frames given as multi_modal_data."""
+    pytest.importorskip("av")
+    from pagedllm.multimodal.media import decode_video
+
+    url = mp4_data_url(video(9, 4))
+    frames = decode_video(__import__("base64").b64decode(url.split(",", 1)[1]), "video")
+    assert frames.shape == (4, 56, 28, 3)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Clip:"}, {"type": "video_url", "video_url": {"url": url}}],
+        }
+    ]
+    out = qwen.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="string")
+    assert out[0].prompt == f"user: Clip:\n{VIDEO}\nassistant:"
+    want = qwen.generate(as_prompt(out[0].prompt, [], frames), GREEDY, use_tqdm=False)
+    assert tokens(out) == tokens(want)
+    assert out[0].prompt_token_ids == want[0].prompt_token_ids
+    with pytest.raises(ValueError, match=r"the video cannot be decoded"):
+        qwen.chat(
+            [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}],
+            GREEDY,
+            use_tqdm=False,
+        )
