@@ -83,8 +83,9 @@ class MultiModalRunner:
         self.model.embed_multimodal("image", data)
 
     def step_positions(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray):
-        """M-RoPE positions [3, num_tokens] of the step (positions: the flat batch's [num_tokens]); None for a
-        model without M-RoPE or a step whose requests have no items (then every axis is the plain position)."""
+        """M-RoPE positions of the step (positions: the flat batch's [num_tokens]): [3, num_tokens], or
+        [num_tokens] where every token has one position on all axes (text, decodes: CUDA graphs can take them);
+        None for a model without M-RoPE or a step whose requests have no items (the plain positions hold)."""
         if not self.uses_mrope or not any(self.features.get(r) for r in req_ids):
             return None
         out = np.repeat(positions[None].astype(np.int64), 3, axis=0)  # [3, num_tokens]
@@ -93,7 +94,7 @@ class MultiModalRunner:
             if features:
                 lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
                 out[:, lo:hi] = mrope_positions(positions[lo:hi], features)
-        return out
+        return out[0] if (out[0] == out[1]).all() and (out[0] == out[2]).all() else out
 
     def step_embeddings(
         self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray
