@@ -5,6 +5,8 @@ processor is built without one and videos reach HF's model as patches)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -22,7 +24,8 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 12  # 1 to 12 LM tokens per image
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% else %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% elif p.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}"
     "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 VISION = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -66,6 +69,20 @@ def image(seed: int, size: tuple[int, int] = (40, 50)):
 def video(seed: int, num_frames: int = 3, size: tuple[int, int] = (56, 28)) -> np.ndarray:
     """Frames [T, H, W, 3] at a size the processor keeps (multiples of 28 within the pixel bounds)."""
     return np.random.RandomState(seed).randint(0, 256, (num_frames, *size, 3), dtype=np.uint8)
+
+
+def mp4_data_url(frames: np.ndarray) -> str:
+    """The frames encoded as MPEG-4 video (lossy) in a data: URL."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def hf_processor(path: str) -> T.Qwen2VLProcessor:

@@ -4,10 +4,12 @@ prefix caching keyed by the image, and with videos; M-RoPE positions against HF'
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import torch
-from tiny_qwen2_vl import IMAGE, IMAGE_TOKEN_ID, VIDEO, hf_generate, image, video
+from tiny_qwen2_vl import IMAGE, IMAGE_TOKEN_ID, VIDEO, hf_generate, image, mp4_data_url, video
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.multimodal.mrope import mrope_positions
@@ -183,30 +185,13 @@ def test_mm_processor_kwargs_set_the_resolution(qwen, tiny_qwen2_vl):
         qwen.generate({**prompt, "mm_processor_kwargs": {"sizes": 1}}, GREEDY, use_tqdm=False)
 
 
-def mp4_data_url(frames: np.ndarray) -> str:
-    """The frames encoded as MPEG-4 video (lossy) in a data: URL."""
-    import base64
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=4)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_chat_video_url_matches_the_decoded_frames(qwen, tiny_qwen2_vl):
     """A video_url part (an MP4 data URL) gives the tokens of its decoded frames given as multi_modal_data."""
     pytest.importorskip("av")
     from pagedllm.multimodal.media import decode_video
 
     url = mp4_data_url(video(9, 4))
-    frames = decode_video(__import__("base64").b64decode(url.split(",", 1)[1]), "video")
+    frames = decode_video(base64.b64decode(url.split(",", 1)[1]), "video")
     assert frames.shape == (4, 56, 28, 3)
     messages = [
         {
