@@ -30,11 +30,12 @@ def _video_frames(item: Any) -> np.ndarray | None:
     """A video as frames [T, H, W, 3] uint8 (a numpy array or a list of PIL images / [H, W, 3] arrays); None if
     it is neither."""
     if isinstance(item, np.ndarray) and item.ndim == 4 and item.shape[-1] == 3:
-        return item
+        return item if item.dtype == np.uint8 and len(item) else None
     if isinstance(item, (list, tuple)) and item and all(is_image(f) or isinstance(f, np.ndarray) for f in item):
         frames = [np.asarray(f.convert("RGB")) if is_image(f) else f for f in item]
         if all(f.ndim == 3 and f.shape == frames[0].shape and f.shape[-1] == 3 for f in frames):
-            return np.stack(frames)
+            stacked = np.stack(frames)
+            return stacked if stacked.dtype == np.uint8 else None
     return None
 
 
@@ -126,7 +127,9 @@ class Qwen2VLProcessor(MultiModalProcessor):
                 )
         try:
             encoded = [self._image(im, kwargs) for im in images] + [self._video(v, kwargs) for v in videos]
-        except ValueError as e:
+        except ValueError as e:  # bad sizes, an aspect ratio above 200
+            raise ValueError(f"{where}: {e}") from None
+        except Exception as e:  # whatever the image processor raises on a bad item is the request's fault
             raise ValueError(f"{where}.multi_modal_data: the item cannot be processed: {e}") from None
         for item, raw in zip(encoded, images + videos):
             item["identifier"] = hash_item(item["modality"], raw, kwargs)

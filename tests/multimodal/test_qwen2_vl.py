@@ -144,6 +144,9 @@ def test_mrope_positions_match_hf(qwen, tiny_qwen2_vl):
         ({"video": [video(0), video(1)]}, r"2 items, more than limit_mm_per_prompt\['video'\]=1"),
         ({"video": "frames"}, r"multi_modal_data\['video'\]\[0\] has type str"),
         ({"image": image(0)}, r"0 image placeholders"),
+        ({"video": video(0).astype(np.float32)}, r"\['video'\]\[0\] has type ndarray; expected frames"),
+        ({"video": video(0, 0)}, r"\['video'\]\[0\] has type ndarray"),
+        ({"video": video(0, 2, (28, 28 * 201))}, r"aspect ratio must be smaller than 200"),
     ],
 )
 def test_bad_video_prompts(qwen, data, match):
