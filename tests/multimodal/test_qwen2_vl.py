@@ -47,9 +47,12 @@ def expected(tiny_qwen2_vl):
     return [hf_generate(hf, processor, text, images, GREEDY.max_tokens) for text, images in PROMPTS]
 
 
-def test_greedy_tokens_match_hf_batched_with_text(qwen, expected):
+def test_greedy_tokens_match_hf_batched_with_text(qwen, tiny_qwen2_vl, expected):
     outputs = qwen.generate([as_prompt(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
     assert tokens(outputs) == expected
+    processor = tiny_qwen2_vl[1]
+    for out, (text, images) in zip(outputs, PROMPTS):  # placeholders expanded as transformers' processor does
+        assert out.prompt_token_ids == processor(text=[text], images=images or None)["input_ids"][0]
     assert expected[0] != expected[2]  # the image decides the tokens
     # dynamic resolution: 84x112 pixels -> a 3x4 grid of merged patches
     assert outputs[0].prompt_token_ids.count(IMAGE_TOKEN_ID) == 12
@@ -213,3 +216,21 @@ def test_chat_video_url_matches_the_decoded_frames(qwen, tiny_qwen2_vl):
             GREEDY,
             use_tqdm=False,
         )
+
+
+def test_step_positions_are_1d_where_every_axis_agrees(qwen):
+    """Decode steps after an image take one shifted position per token (what CUDA graphs replay); a step with image
+    tokens takes [3, n]; a step of requests without items takes the plain positions (None)."""
+    runner = qwen.llm_engine.core.executor.runner.mm
+    _, features = qwen.llm_engine.multimodal_processor().process(f"ab{IMAGE}c", {"image": image(0, (84, 112))})
+    (f,) = features  # 3x4 grid at offset 3: 12 tokens, text after it shifted by max(3, 4) - 12 = -8
+    runner.features = {"a": features}
+    try:
+        qsl = np.array([0, 1, 2])
+        decode = runner.step_positions(["a", "b"], qsl, np.array([f.end + 5, 40]))
+        np.testing.assert_array_equal(decode, [f.end + 5 - 8, 40])
+        prefill = runner.step_positions(["a"], np.array([0, 2]), np.array([f.offset, f.offset + 5]))
+        np.testing.assert_array_equal(prefill, [[3, 3], [3, 4], [3, 4]])
+        assert runner.step_positions(["b"], np.array([0, 1]), np.array([7])) is None
+    finally:
+        runner.features = {}
