@@ -83,7 +83,7 @@ class LLMEngine:
         return self.multimodal_processor().process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
 
     def multimodal_processor(self):
-        """The model's MultiModalProcessor (its transformers processor), made once."""
+        """The model's multimodal processor (multimodal.processor.make_processor), made once."""
         from pagedllm.multimodal.config import MultiModalConfig
         from pagedllm.multimodal.processor import make_processor
 

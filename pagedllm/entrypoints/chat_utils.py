@@ -99,7 +99,7 @@ def _content(message: Mapping, where: str, content_format: str, media: Any = Non
         texts = [_part_text(part, f"{where}.content[{j}]", media) for j, part in enumerate(content)]
     else:
         raise TypeError(f"{where}.content has type {type(content).__name__}; expected a str or a list of content parts")
-    if content_format == "openai":  # an image / video part renders where the template writes {"type": "image"}
+    if content_format == "openai":  # a media part renders as {"type": "image"} / {"type": "video"}
         return [{"type": "text", "text": t} if isinstance(t, str) else {"type": t.type} for t in texts]
     return "\n".join(t if isinstance(t, str) else t.text for t in texts)
 
