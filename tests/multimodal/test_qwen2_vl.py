@@ -234,3 +234,20 @@ def test_step_positions_are_1d_where_every_axis_agrees(qwen):
         assert runner.step_positions(["b"], np.array([0, 1]), np.array([7])) is None
     finally:
         runner.features = {}
+
+
+def test_original_checkpoint_layout(tiny_qwen2_vl, expected, tmp_path):
+    """The released checkpoints name the weights `model.layers.*` and `visual.*` (transformers 4's layout)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_qwen2_vl[2], tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    renamed = {
+        k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v for k, v in weights.items()
+    }
+    assert "visual.merger.mlp.2.weight" in renamed and "model.layers.0.mlp.up_proj.weight" in renamed
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    text, images = PROMPTS[0]
+    assert tokens(make_llm(str(tmp_path)).generate(as_prompt(text, images), GREEDY, use_tqdm=False)) == [expected[0]]
