@@ -1,4 +1,4 @@
-"""Vision-language throughput: LLaVA with dummy weights, one image per request.
+"""Vision-language throughput: LLaVA or Qwen2.5-VL with dummy weights, one image per request.
 
 Workloads, each one JSON line on stdout (and appended to benchmarks/results.jsonl unless --no-append):
   vlm-distinct  --num-requests requests, each with its own random --image-size square image: output tok/s,
@@ -7,9 +7,10 @@ Workloads, each one JSON line on stdout (and appended to benchmarks/results.json
                 cache saved (one run for the image, the rest hits)
 
 --shapes llava-1.5-7b: CLIP ViT-L/14 at 336 pixels (576 image tokens) + Llama-2-7B, in bfloat16 on a GPU;
---shapes tiny: a two-layer model for a CPU smoke run. The checkpoint folder (config, CLIPImageProcessor, a
-character-level tokenizer with an <image> token) is written to a temporary directory; weights are random
-(load_format="dummy").
+--shapes qwen2.5-vl-3b: Qwen2.5-VL-3B (dynamic resolution: a 1024x1024 image is 37x37 = 1369 tokens);
+--shapes tiny / qwen2.5-vl-tiny: two-layer models for a CPU smoke run. The checkpoint folder (config, image
+processor, a character-level tokenizer with the image token) is written to a temporary directory; weights are
+random (load_format="dummy").
 
     python benchmarks/vlm_bench.py                                   # on a GPU
     python benchmarks/vlm_bench.py --shapes tiny --num-requests 4 --max-tokens 4 --image-size 64 --no-append
@@ -42,11 +43,27 @@ SHAPES = {
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=2048),
     ),
 }  # fmt: skip
+QWEN_SHAPES = {
+    "qwen2.5-vl-3b": dict(
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                    window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+        text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
+                  rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+    ),
+    "qwen2.5-vl-tiny": dict(
+        vision=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, window_size=112,
+                    fullatt_block_indexes=[1]),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=2048,
+                  rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6}),
+    ),
+}  # fmt: skip
 IMAGE_TOKEN_ID = 97  # after the tokenizer's 96 characters and </s>
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def write_checkpoint(shapes: dict, folder: str) -> None:
-    """config.json, the processor (CLIPImageProcessor + a character tokenizer with <image>) and no weights."""
+def char_tokenizer(special: list[str]):
     import transformers as T
     from tokenizers import Tokenizer, decoders, models
 
@@ -54,7 +71,36 @@ def write_checkpoint(shapes: dict, folder: str) -> None:
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)} | {"</s>": 96}, merges=[], unk_token=None))
     tok.decoder = decoders.Fuse()
     tokenizer = T.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    return tokenizer
+
+
+def write_qwen_checkpoint(shapes: dict, folder: str) -> None:
+    """config.json, the Qwen2-VL image processor (default min/max pixels) and a character tokenizer."""
+    import transformers as T
+
+    special = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+    char_tokenizer(special).save_pretrained(folder)
+    T.Qwen2VLImageProcessorPil().save_pretrained(folder)
+    vision = dict(shapes["vision"], hidden_act="silu", tokens_per_second=2, patch_size=14, spatial_merge_size=2)
+    config = T.Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=dict(shapes["text"], tie_word_embeddings=True),
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=IMAGE_TOKEN_ID + 1,
+        vision_start_token_id=IMAGE_TOKEN_ID + 2,
+        vision_end_token_id=IMAGE_TOKEN_ID + 3,
+        tie_word_embeddings=True,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )
+    config.save_pretrained(folder)
+
+
+def write_checkpoint(shapes: dict, folder: str) -> None:
+    """config.json, the processor (CLIPImageProcessor + a character tokenizer with <image>) and no weights."""
+    import transformers as T
+
+    tokenizer = char_tokenizer(["<image>"])
     side = shapes["vision"]["image_size"]
     images = T.CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     processor = T.LlavaProcessor(images, tokenizer, patch_size=shapes["vision"]["patch_size"],
@@ -76,11 +122,11 @@ def random_image(seed: int, size: int):
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8))
 
 
-def run(llm, images: list, max_tokens: int) -> dict:
+def run(llm, images: list, max_tokens: int, placeholder: str = "<image>") -> dict:
     from pagedllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt": f"USER: <image>\nDescribe picture {i}. ASSISTANT:", "multi_modal_data": {"image": img}}
+    prompts = [{"prompt": f"USER: {placeholder}\nDescribe picture {i}. ASSISTANT:", "multi_modal_data": {"image": img}}
                for i, img in enumerate(images)]  # fmt: skip
     mm = llm.llm_engine.core.executor.runner.mm
     runs_before = mm.num_encoder_runs
@@ -106,7 +152,7 @@ def run(llm, images: list, max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default="llava-1.5-7b")
+    parser.add_argument("--shapes", choices=sorted(SHAPES) + sorted(QWEN_SHAPES), default="llava-1.5-7b")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=1024)
@@ -117,16 +163,21 @@ def main() -> None:
     from pagedllm import LLM
 
     with tempfile.TemporaryDirectory() as folder:
-        write_checkpoint(SHAPES[args.shapes], folder)
+        qwen = args.shapes in QWEN_SHAPES
+        if qwen:
+            write_qwen_checkpoint(QWEN_SHAPES[args.shapes], folder)
+        else:
+            write_checkpoint(SHAPES[args.shapes], folder)
         llm = LLM(folder, load_format="dummy", dtype=args.dtype, max_model_len=2048, enable_prefix_caching=False)
-        run(llm, [random_image(1000, args.image_size)], 2)  # warm-up (the processor, kernels)
+        placeholder = QWEN_IMAGE if qwen else "<image>"
+        run(llm, [random_image(1000, args.image_size)], 2, placeholder)  # warm-up (the processor, kernels)
         machine, commit = machine_description(), git_commit()
         common = dict(shapes=args.shapes, image_size=args.image_size, max_tokens=args.max_tokens)
         distinct = [random_image(i, args.image_size) for i in range(args.num_requests)]
-        figures = run(llm, distinct, args.max_tokens)
+        figures = run(llm, distinct, args.max_tokens, placeholder)
         emit(make_record("vlm-distinct", machine, commit, **common, **figures), not args.no_append)
         same = [random_image(2000, args.image_size)] * args.num_requests  # not among the distinct ones
-        figures = run(llm, same, args.max_tokens)
+        figures = run(llm, same, args.max_tokens, placeholder)
         emit(make_record("vlm-repeat", machine, commit, **common, **figures), not args.no_append)
 
 

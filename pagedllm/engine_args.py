@@ -268,8 +268,8 @@ class EngineArgs:
         multimodal = MultiModalConfig.from_user(
             self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
         )
-        if multimodal.limit_per_prompt.get("image") == 0 and hasattr(model.hf_config, "vision_language_config"):
-            model.hf_config.mm_text_only = True  # {"image": 0}: the vision tower is neither built nor loaded
+        if multimodal.text_only(model.architecture) and hasattr(model.hf_config, "vision_language_config"):
+            model.hf_config.mm_text_only = True  # every modality 0: the vision tower is neither built nor loaded
         return EngineConfig(
             model,
             cache,

@@ -48,6 +48,8 @@ NOTES = {
     "Phi3ForCausalLM": "Phi-3, Phi-4-mini: LongRoPE",
     "PhiForCausalLM": "Phi-1/1.5/2: parallel block, partial rotary",
     "Qwen2ForCausalLM": "Qwen2, Qwen2.5: QKV bias",
+    "Qwen2VLForConditionalGeneration": "Qwen2-VL: dynamic-resolution ViT + patch merger, M-RoPE (images, video)",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL: windowed ViT (RMSNorm, gated MLP), M-RoPE (images, video)",
     "Qwen2MoeForCausalLM": "Qwen1.5-MoE, Qwen2-MoE: experts plus a gated shared expert",
     "Qwen3ForCausalLM": "Qwen3: q/k norm",
     "Qwen3MoeForCausalLM": "Qwen3-MoE: mixture of experts, q/k norm",

@@ -83,17 +83,17 @@ class LLMEngine:
         return self.multimodal_processor().process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
 
     def multimodal_processor(self):
-        """The model's MultiModalProcessor (its transformers processor), made once."""
-        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES, MultiModalConfig
-        from pagedllm.multimodal.processor import MultiModalProcessor
+        """The model's multimodal processor (multimodal.processor.make_processor), made once."""
+        from pagedllm.multimodal.config import MultiModalConfig
+        from pagedllm.multimodal.processor import make_processor
 
         model = self.config.model
         with self._mm_lock:
             if self._mm_processor is None:
-                self._mm_processor = MultiModalProcessor(
+                self._mm_processor = make_processor(
+                    model.architecture,
                     model.model_path,
                     model.hf_config.vision_language_config,
-                    MULTIMODAL_ARCHITECTURES[model.architecture],
                     self.config.multimodal or MultiModalConfig(),
                     model.trust_remote_code,
                 )
@@ -107,7 +107,9 @@ class LLMEngine:
         if "image" not in MULTIMODAL_ARCHITECTURES.get(self.config.model.architecture, ()):
             return None
         mm_config = self.config.multimodal or MultiModalConfig()
-        return ChatMedia(self.multimodal_processor().image_placeholder, mm_config.allowed_local_media_path)
+        processor = self.multimodal_processor()
+        video = getattr(processor, "video_placeholder", "")  # "": the model takes no videos
+        return ChatMedia(processor.image_placeholder, mm_config.allowed_local_media_path, video)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

@@ -60,9 +60,9 @@ def _multimodal_error(where: str, kind: str) -> ValueError:
     return ValueError(f"{where}: a {kind!r} part is multimodal input, which is not supported (text parts only)")
 
 
-def _part_text(part: Any, where: str, media: Any = None) -> str | None:
-    """The text of one content part: a str, or a dict of a text type. An image part goes to `media` (a
-    multimodal.media.ChatMedia of a model that takes images) and gives None; without media it is an error."""
+def _part_text(part: Any, where: str, media: Any = None) -> Any:
+    """The text of one content part: a str, or a dict of a text type. An image or video part goes to `media` (a
+    multimodal.media.ChatMedia of a model that takes them) and gives its MediaPart; without media it is an error."""
     if isinstance(part, str):
         return part
     if not isinstance(part, Mapping):
@@ -75,8 +75,7 @@ def _part_text(part: Any, where: str, media: Any = None) -> str | None:
     if kind in MULTIMODAL_PART_TYPES:
         if media is None:
             raise _multimodal_error(where, kind)
-        media.add(kind, part, where)
-        return None
+        return media.add(kind, part, where)  # a multimodal.media.MediaPart
     if kind not in TEXT_PART_TYPES:
         raise ValueError(f"{where}: type {kind!r} is not one of {', '.join(TEXT_PART_TYPES)}")
     key = TEXT_PART_TYPES[kind]
@@ -100,9 +99,9 @@ def _content(message: Mapping, where: str, content_format: str, media: Any = Non
         texts = [_part_text(part, f"{where}.content[{j}]", media) for j, part in enumerate(content)]
     else:
         raise TypeError(f"{where}.content has type {type(content).__name__}; expected a str or a list of content parts")
-    if content_format == "openai":  # an image part (None) renders where the template writes {"type": "image"}
-        return [{"type": "image"} if t is None else {"type": "text", "text": t} for t in texts]
-    return "\n".join(media.placeholder if t is None else t for t in texts)
+    if content_format == "openai":  # a media part renders as {"type": "image"} / {"type": "video"}
+        return [{"type": "text", "text": t} if isinstance(t, str) else {"type": t.type} for t in texts]
+    return "\n".join(t if isinstance(t, str) else t.text for t in texts)
 
 
 def _tool_calls(value: Any, where: str) -> list[dict]:

@@ -248,10 +248,10 @@ class LLM(PoolingAPI):
         # None: a text-only (or pooling) model, where an image part is a ValueError
         media = getattr(self.llm_engine, "chat_media", lambda: None)()
         text, ids = apply_chat_template(self.get_tokenizer(), conversation, media=media, **options)
-        if media is None or not media.images:
+        if media is None or not media.mm_data():
             return {"prompt": text, "prompt_token_ids": ids}
         ids, features = self.llm_engine.process_multimodal(
-            text, {"image": media.images}, mm_processor_kwargs, add_special_tokens=False, where="messages"
+            text, media.mm_data(), mm_processor_kwargs, add_special_tokens=False, where="messages"
         )
         return ProcessedPrompt(text, ids, features)
 

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # architecture -> the modalities its prompts take
-MULTIMODAL_ARCHITECTURES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGeneration": ("image",)}
+MULTIMODAL_ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("image",),
+    "Qwen2VLForConditionalGeneration": ("image", "video"),
+    "Qwen2_5_VLForConditionalGeneration": ("image", "video"),
+}
 KNOWN_MODALITIES = ("image", "video", "audio")
 _GiB = 1 << 30
 DEFAULT_ENCODER_CACHE_GIB = 1.0  # on a GPU it is reserved out of the KV cache's memory
@@ -36,6 +40,11 @@ class MultiModalConfig:
         return cls(
             limits, dict(mm_processor_kwargs or {}), encoder_cache_bytes(), os.path.realpath(path) if path else ""
         )
+
+    def text_only(self, architecture: str) -> bool:
+        """Every modality the architecture takes is limited to 0 items: it runs without its vision tower."""
+        modalities = MULTIMODAL_ARCHITECTURES.get(architecture, ())
+        return bool(modalities) and all(self.limit_per_prompt.get(m) == 0 for m in modalities)
 
 
 def check_limits(value: Any) -> dict[str, int]:

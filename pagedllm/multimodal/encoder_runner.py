@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.mrope import mrope_positions
 
 
 class EncoderCache:
@@ -49,6 +50,7 @@ class MultiModalRunner:
         self.cache = EncoderCache(cache_bytes)
         self.features: dict[str, list[MultiModalFeature]] = {}  # req_id -> its items, in prompt order
         self.num_encoder_runs = 0  # items encoded so far (a cache hit runs none)
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
 
     def update(self, so) -> None:
         """Applies the step's delta: requests that left drop their items, (re-)admitted ones bring them."""
@@ -76,8 +78,23 @@ class MultiModalRunner:
     @torch.inference_mode()
     def profile_encoder(self) -> None:
         """One encoder run on the largest item the model takes (the GPU memory profile measures its peak)."""
-        data = {k: v.to(self.device, self.dtype) for k, v in self.model.dummy_multimodal_data().items()}
+        data = self.model.dummy_multimodal_data()
+        data = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in data.items()}
         self.model.embed_multimodal("image", data)
+
+    def step_positions(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray):
+        """M-RoPE positions of the step (positions: the flat batch's [num_tokens]): [3, num_tokens], or
+        [num_tokens] where every token has one position on all axes (text, decodes: CUDA graphs can take them);
+        None for a model without M-RoPE or a step whose requests have no items (the plain positions hold)."""
+        if not self.uses_mrope or not any(self.features.get(r) for r in req_ids):
+            return None
+        out = np.repeat(positions[None].astype(np.int64), 3, axis=0)  # [3, num_tokens]
+        for i, req_id in enumerate(req_ids):
+            features = self.features.get(req_id)
+            if features:
+                lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
+                out[:, lo:hi] = mrope_positions(positions[lo:hi], features)
+        return out[0] if (out[0] == out[1]).all() and (out[0] == out[2]).all() else out
 
     def step_embeddings(
         self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class MultiModalFeature:
-    modality: str  # "image"
+    modality: str  # "image" or "video"
     identifier: str  # hex digest of the item's content and the processor options: the encoder cache key
     offset: int  # position of the item's first placeholder token in the prompt
     length: int  # number of placeholder tokens the encoder output fills
     data: dict[str, torch.Tensor]  # the processor's tensors for this item alone, e.g. pixel_values [1, 3, H, W]
+    # M-RoPE models (Qwen2-VL): the item's (t, h, w) grid of LM tokens and the temporal position step per t
+    grid: tuple[int, int, int] | None = field(default=None)
+    time_interval: float = 1.0
 
     @property
     def end(self) -> int:

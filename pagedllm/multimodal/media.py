@@ -1,6 +1,6 @@
-"""Images from chat content parts: `image_url` with a data: URL (base64), an http(s) URL (fetched within a time and
-size limit) or a file:// path under the allowed local media directory. A corrupt, huge, unreachable or disallowed
-image is a ValueError naming the part."""
+"""Images and videos from chat content parts: `image_url` / `video_url` with a data: URL (base64), an http(s) URL
+(fetched within a time and size limit) or a file:// path under the allowed local media directory. A corrupt, huge,
+unreachable or disallowed item is a ValueError naming the part. Videos are decoded with PyAV (the vision extra)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # width * height above this is refused before decoding
-MAX_IMAGE_BYTES = 64 * 1024 * 1024
+MAX_IMAGE_BYTES = 64 * 1024 * 1024  # (videos too)
+MAX_VIDEO_FRAMES = 32  # a longer video is sampled evenly down to this many frames
 
 
 def decode_image(data: bytes, where: str) -> Any:
@@ -38,21 +39,58 @@ def decode_image(data: bytes, where: str) -> Any:
 
 
 def load_image_url(url: Any, where: str, allowed_local_media_path: str = "") -> Any:
+    return decode_image(_url_bytes(url, where, allowed_local_media_path, "image"), where)
+
+
+def load_video_url(url: Any, where: str, allowed_local_media_path: str = "") -> Any:
+    return decode_video(_url_bytes(url, where, allowed_local_media_path, "video"), where)
+
+
+def decode_video(data: bytes, where: str, max_frames: int = MAX_VIDEO_FRAMES) -> Any:
+    """Encoded video bytes -> RGB frames [T, H, W, 3] uint8: every frame, or max_frames spread evenly over them."""
+    import numpy as np
+
+    try:
+        import av
+    except ImportError:
+        raise ValueError(f"{where}: videos need PyAV (pip install 'pagedllm[vision]')") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}: the video has {len(data)} bytes, more than the allowed {MAX_IMAGE_BYTES}")
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            if stream.width * stream.height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"{where}: the video is {stream.width}x{stream.height} pixels, too large")
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    except av.error.FFmpegError as e:  # corrupt or truncated data (some of these are ValueErrors too)
+        raise ValueError(f"{where}: the video cannot be decoded: {e}") from None
+    except ValueError:
+        raise
+    except Exception as e:  # no video stream, other decoder failures
+        raise ValueError(f"{where}: the video cannot be decoded: {e}") from None
+    if not frames:
+        raise ValueError(f"{where}: the video has no frames")
+    if len(frames) > max_frames:
+        frames = [frames[i] for i in np.linspace(0, len(frames) - 1, max_frames).round().astype(int)]
+    return np.stack(frames)
+
+
+def _url_bytes(url: Any, where: str, allowed_local_media_path: str, kind: str) -> bytes:
     if not isinstance(url, str) or not url:
         raise ValueError(f"{where}: 'url' must be a non-empty string")
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
-        if not header.endswith(";base64") or not header[5:].startswith("image/"):
-            raise ValueError(f"{where}: a data URL must be 'data:image/<type>;base64,<data>'")
+        if not header.endswith(";base64") or not header[5:].startswith(f"{kind}/"):
+            raise ValueError(f"{where}: a data URL must be 'data:{kind}/<type>;base64,<data>'")
         try:
-            return decode_image(base64.b64decode(payload, validate=True), where)
+            return base64.b64decode(payload, validate=True)
         except binascii.Error as e:
             raise ValueError(f"{where}: the data URL's base64 is invalid: {e}") from None
     parsed = urlparse(url)
     if parsed.scheme == "file":
-        return decode_image(_read_local(unquote(parsed.path), where, allowed_local_media_path), where)
+        return _read_local(unquote(parsed.path), where, allowed_local_media_path)
     if parsed.scheme in ("http", "https"):
-        return decode_image(_fetch(url, where), where)
+        return _fetch(url, where)
     raise ValueError(
         f"{where}: URL scheme {parsed.scheme!r} is not supported: use http(s)://, a data: URL or file:// (under "
         "--allowed-local-media-path)"
@@ -91,21 +129,43 @@ def _read_local(path: str, where: str, allowed: str) -> bytes:
         return f.read(MAX_IMAGE_BYTES + 1)
 
 
-class ChatMedia:
-    """A conversation's images, decoded in order as the chat renderer meets them; each image part renders as the
-    model's placeholder (string content) or an {"type": "image"} part (templates that loop over parts)."""
+class MediaPart:
+    """Where a chat image or video part stands: `type` for templates that loop over parts, `text` (the model's
+    placeholder) for string content."""
 
-    def __init__(self, placeholder: str, allowed_local_media_path: str = "") -> None:
+    def __init__(self, type: str, text: str) -> None:
+        self.type = type
+        self.text = text
+
+
+class ChatMedia:
+    """A conversation's images and videos, decoded in order as the chat renderer meets them; each part renders as
+    the model's placeholder (string content) or an {"type": "image"} / {"type": "video"} part."""
+
+    def __init__(self, placeholder: str, allowed_local_media_path: str = "", video_placeholder: str = "") -> None:
         self.placeholder = placeholder
+        self.video_placeholder = video_placeholder  # "": the model takes no videos
         self.allowed_local_media_path = allowed_local_media_path
         self.images: list = []
+        self.videos: list = []
 
-    def add(self, kind: str, part: dict, where: str) -> None:
+    def add(self, kind: str, part: dict, where: str) -> MediaPart:
         if kind == "image_url":
             value = part.get("image_url")
             url = value.get("url") if isinstance(value, dict) else value
             self.images.append(load_image_url(url, f"{where}.image_url", self.allowed_local_media_path))
         elif kind == "image_pil" and part.get("image_pil") is not None:
             self.images.append(part["image_pil"])
+        elif kind == "video_url" and self.video_placeholder:
+            value = part.get("video_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            self.videos.append(load_video_url(url, f"{where}.video_url", self.allowed_local_media_path))
+            return MediaPart("video", self.video_placeholder)
         else:
-            raise ValueError(f"{where}: a {kind!r} part is not supported; images come as 'image_url' parts")
+            takes = "'image_url' and 'video_url'" if self.video_placeholder else "'image_url'"
+            raise ValueError(f"{where}: a {kind!r} part is not supported; media come as {takes} parts")
+        return MediaPart("image", self.placeholder)
+
+    def mm_data(self) -> dict:
+        """The conversation's items as multi_modal_data ({} for none)."""
+        return {k: v for k, v in (("image", self.images), ("video", self.videos)) if v}

@@ -20,16 +20,34 @@ _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 def check_placeholders(token_ids: list[int], features: list[MultiModalFeature], hf_config: Any) -> None:
     """A prompt's image tokens must be exactly its items' placeholder spans: an image token with no image (typed
     into a text prompt, or given as token ids) would run as a plain embedding."""
-    token_id = getattr(hf_config, "image_token_index", None) or getattr(hf_config, "image_token_id", None)
-    if token_id is None:
-        return
-    found = sum(1 for t in token_ids if t == token_id)
-    expected = sum(f.length for f in features if f.modality == "image")
-    if found != expected:
-        raise ValueError(
-            f"prompt: {found} image placeholder tokens (id {token_id}) but {expected} from its images; give images "
-            "through multi_modal_data with one placeholder per image"
-        )
+    image_id = getattr(hf_config, "image_token_index", None) or getattr(hf_config, "image_token_id", None)
+    for modality, token_id in (("image", image_id), ("video", getattr(hf_config, "video_token_id", None))):
+        if token_id is None:
+            continue
+        found = sum(1 for t in token_ids if t == token_id)
+        expected = sum(f.length for f in features if f.modality == modality)
+        if found != expected:
+            raise ValueError(
+                f"prompt: {found} {modality} placeholder tokens (id {token_id}) but {expected} from its "
+                f"{modality}s; give {modality}s through multi_modal_data with one placeholder per {modality}"
+            )
+
+
+def check_item_size(width: int, height: int, where: str) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"{where} is {width}x{height} pixels, more than the allowed {MAX_IMAGE_PIXELS}")
+
+
+def make_processor(architecture: str, model_path: str, hf_config: Any, mm_config: MultiModalConfig, trust: bool):
+    """The model's multimodal processor: Qwen2-VL's own (qwen2_vl_processor.py), else the transformers one."""
+    from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
+
+    modalities = MULTIMODAL_ARCHITECTURES[architecture]
+    if architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        from pagedllm.multimodal.qwen2_vl_processor import Qwen2VLProcessor
+
+        return Qwen2VLProcessor(model_path, hf_config, modalities, mm_config, trust)
+    return MultiModalProcessor(model_path, hf_config, modalities, mm_config, trust)
 
 
 def is_image(item: Any) -> bool:
@@ -75,11 +93,7 @@ class MultiModalProcessor:
                         "expected a PIL.Image or an [H, W, C] numpy array"
                     )
                 width, height = item.size if is_image(item) else item.shape[1::-1]
-                if width * height > MAX_IMAGE_PIXELS:
-                    raise ValueError(
-                        f"{where}.multi_modal_data[{modality!r}][{j}] is {width}x{height} pixels, more than the "
-                        f"allowed {MAX_IMAGE_PIXELS}"
-                    )
+                check_item_size(width, height, f"{where}.multi_modal_data[{modality!r}][{j}]")
             limit = self.config.limit_per_prompt.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(

@@ -266,13 +266,16 @@ class ModelRunner:
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
         mm = None if self.mm is None else self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens)
-        graph_bs = None  # a step with image tokens runs eagerly (the graphs take token ids only)
-        if self.graphs is not None and num_tokens == num_reqs and mm is None:
+        # M-RoPE positions of a step with multimodal requests (Qwen2-VL): [3, num_tokens] or [num_tokens], else None
+        mrope = None if self.mm is None else self.mm.step_positions(flat.req_ids, flat.query_start_loc, flat.positions)
+        positions = flat.positions if mrope is None else mrope
+        graph_bs = None  # a step with image tokens or 3D positions runs eagerly (the graphs take 1D positions)
+        if self.graphs is not None and num_tokens == num_reqs and mm is None and positions.ndim == 1:
             graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None:
             lora_slots = self.lora.token_slots(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
             self.graphs.load_inputs(
-                graph_bs, flat.input_ids, flat.positions, flat.slots, flat.seq_lens, flat.block_table, late, lora_slots
+                graph_bs, flat.input_ids, positions, flat.slots, flat.seq_lens, flat.block_table, late, lora_slots
             )
             return self.graphs.replay(graph_bs, num_tokens)
         layout = BatchLayout(
@@ -289,7 +292,7 @@ class ModelRunner:
             input_ids.index_copy_(0, *late)
         lora = self.lora.mapping(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
         with forward_context(meta, lora):
-            return self.forward(input_ids, self._to_device(flat.positions), mm)
+            return self.forward(input_ids, self._to_device(positions), mm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> torch.Tensor | None:
         """The model over the step's tokens (inside its forward context): hidden [num_tokens, hidden]; with

@@ -10,3 +10,11 @@ from tiny_llava import save_tiny_llava
 def tiny_llava(tmp_path_factory):
     """(HF model, its processor, the checkpoint folder)."""
     return save_tiny_llava(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "q25"])
+def tiny_qwen2_vl(request, tmp_path_factory):
+    """Qwen2-VL, then Qwen2.5-VL: (HF model, its processor, the checkpoint folder)."""
+    from tiny_qwen2_vl import save_tiny_qwen2_vl
+
+    return save_tiny_qwen2_vl(tmp_path_factory, request.param)

@@ -114,8 +114,8 @@ def render_chat(
             )
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed to render them: {e}") from None
-        if media is not None and media.images:
-            mm = {"image": media.images}
+        if media is not None and media.mm_data():
+            mm = media.mm_data()
             ids, features = engine.process_multimodal(text, mm, mm_processor_kwargs, add_special_tokens, "messages")
             return [ProcessedPair(text, ids, features)]
         if add_special_tokens:
