@@ -52,6 +52,8 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
+    tokenizer_revision: str | None = None  # unset: `revision`
+    download_dir: str | None = None  # the HF cache directory for downloaded models (unset: HF's default)
     dtype: str | torch.dtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -113,9 +115,7 @@ class EngineArgs:
     scheduler_delay_factor: float = 0.0
     swap_space: float = 4
     max_parallel_loading_workers: int | None = None
-    download_dir: str | None = None
     code_revision: str | None = None
-    tokenizer_revision: str | None = None
     enable_chunked_prefill: bool | None = None
     preemption_mode: str | None = None
     tokenizer_mode: str = "auto"
@@ -162,7 +162,10 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
         pooling_default = self.model is None and wants_pooling(self.task, self.runner, self.convert)
-        path = default_embedding_model_path() if pooling_default else resolve_model(self.model, self.revision)
+        if pooling_default:
+            path = default_embedding_model_path()
+        else:
+            path = resolve_model(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides, self.rope_scaling, self.rope_theta)
         check_rope_keywords(hf_config, self.rope_scaling, self.rope_theta)
         archs = getattr(hf_config, "architectures", None) or []

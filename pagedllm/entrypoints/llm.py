@@ -97,7 +97,9 @@ class LLM(PoolingAPI):
         self.data_parallel = start_replicas(self.engine_args, config)  # None: one replica
         tok = None
         if not skip_tokenizer_init:
-            tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code, revision)
+            args = self.engine_args
+            tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code,
+                                args.tokenizer_revision or revision, args.download_dir)  # fmt: skip
         engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
         if self.data_parallel is None:
             self.llm_engine = engine_cls(config, tok)
