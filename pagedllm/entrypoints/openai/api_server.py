@@ -180,12 +180,14 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
     async def get_version() -> dict:
         return {"version": version}
 
-    def card(name: str) -> dict:
+    def card(name: str) -> dict:  # root: the model as the server was given it (vLLM's card)
         return {
             "id": name,
             "object": "model",
             "created": now(),
             "owned_by": "pagedllm",
+            "root": state.llm.llm_engine.config.model.model,
+            "parent": None,
             "max_model_len": state.max_model_len,
         }
 
