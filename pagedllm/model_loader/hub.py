@@ -52,15 +52,23 @@ def _gguf_file(path: str, patterns: list[str]) -> str:
 
 
 def download_model(
-    repo_id: str, revision: str | None, download_dir: str | None, quant: str | None = None, tokenizer_only=False
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    quant: str | None = None,
+    tokenizer_only: bool = False,
+    token: str | bool | None = None,
+    ignore_patterns: str | list[str] | None = None,
 ) -> str:
-    """The local path of `repo_id` after downloading what the engine needs; ValueError with the reason if not."""
+    """The local path of `repo_id` after downloading what the engine needs; ValueError with the reason if not.
+    token: the Hub token (unset: HF_TOKEN, else a saved login); ignore_patterns: files not to download."""
     if envs.use_modelscope():
         return _from_modelscope(repo_id, revision, download_dir, quant, tokenizer_only)
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-    endpoint, token = envs.hf_endpoint(), envs.hf_token()
+    endpoint, token = envs.hf_endpoint(), token if token is not None else envs.hf_token()
+    ignore = IGNORE_PATTERNS + ([ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or []))
     where = endpoint or "https://huggingface.co"
     try:
         files = HfApi(endpoint=endpoint, token=token).list_repo_files(repo_id, revision=revision)
@@ -70,7 +78,7 @@ def download_model(
             revision=revision,
             cache_dir=download_dir,
             allow_patterns=patterns,
-            ignore_patterns=IGNORE_PATTERNS,
+            ignore_patterns=ignore,
             endpoint=endpoint,
             token=token,
         )

@@ -84,11 +84,16 @@ def _local_dir(model: str, path: str, quant: str | None = None) -> str:
 
 
 def resolve_model(
-    model: str | None, revision: str | None = None, download_dir: str | None = None, tokenizer_only: bool = False
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    tokenizer_only: bool = False,
+    **hub_options,
 ) -> str:
     """A local path (directory or .gguf file) for `model`: a local path, a repo id in the HF cache (`download_dir`
     when given), or a repo id downloaded from the Hub (`org/name`, `org/name:Q4_K_M` for one GGUF quantization);
-    a clear ValueError when there is none. `tokenizer_only`: a repo without weights will do."""
+    a clear ValueError when there is none. `tokenizer_only`: a repo without weights will do. hub_options: `token`
+    and `ignore_patterns` of the download."""
     if model is None:
         return default_model_path()
     if not isinstance(model, str) or not model:
@@ -116,4 +121,4 @@ def resolve_model(
         )
     from pagedllm.model_loader.hub import download_model
 
-    return download_model(repo_id, revision, download_dir, quant or None, tokenizer_only)
+    return download_model(repo_id, revision, download_dir, quant or None, tokenizer_only, **hub_options)

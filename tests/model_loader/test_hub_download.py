@@ -70,11 +70,13 @@ def test_download_then_offline(repos, hub, tmp_path, monkeypatch):
         resolve_model("org/other", download_dir=cache)
 
 
-def test_revision_gguf_quant_and_tokenizer_only(hub):
+def test_revision_gguf_quant_and_tokenizer_only(hub, tmp_path):
     v2 = resolve_model("org/tiny", revision="v2")
     assert v2.endswith(FakeHub.commit("v2")) and open(os.path.join(v2, "model.safetensors")).read() == "v2"
     tok = resolve_model("org/tiny", tokenizer_only=True)  # main, without weights
     assert sorted(os.listdir(tok)) == ["config.json", "generation_config.json"]
+    skipped = resolve_model("org/tiny", download_dir=str(tmp_path), ignore_patterns="generation_*")
+    assert sorted(os.listdir(skipped)) == ["config.json", "model.safetensors"]
     q8 = resolve_model("org/tiny-GGUF:Q8_0")
     assert q8.endswith("tiny.Q8_0.gguf") and os.listdir(os.path.dirname(q8)) == ["tiny.Q8_0.gguf"]
     with pytest.raises(ValueError, match=r"holds 2 GGUF files.*'org/tiny-GGUF:<QUANT>'"):
@@ -88,10 +90,11 @@ def test_missing_repo_revision_token_and_modelscope(repos, tmp_path, monkeypatch
         monkeypatch.delenv("HF_TOKEN", raising=False)
         with pytest.raises(ValueError, match=r"'org/tiny' was not found.*not on the Hub.*HF_TOKEN"):
             LLM("org/tiny", download_dir=str(tmp_path))
-        monkeypatch.setenv("HF_TOKEN", "secret")
         with pytest.raises(ValueError, match="'org/tiny' has no revision 'v3'"):
-            resolve_model("org/tiny", revision="v3", download_dir=str(tmp_path))
+            resolve_model("org/tiny", revision="v3", download_dir=str(tmp_path), token="secret")  # hf_token=
         assert hub.requests[-1][2] == "Bearer secret"
+        monkeypatch.setenv("HF_TOKEN", "secret")
+        assert resolve_model("org/tiny", download_dir=str(tmp_path)).startswith(str(tmp_path))
     import httpx2
 
     def unreachable(*args, **kwargs):
@@ -99,7 +102,7 @@ def test_missing_repo_revision_token_and_modelscope(repos, tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", unreachable)
     with pytest.raises(ValueError, match=r"'org/tiny' was not found locally and the Hub .* is not reachable"):
-        resolve_model("org/tiny", download_dir=str(tmp_path))
+        resolve_model("org/tiny", download_dir=str(tmp_path / "empty"))
     monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")
     monkeypatch.setitem(__import__("sys").modules, "modelscope", None)  # not installed
     with pytest.raises(ValueError, match="VLLM_USE_MODELSCOPE=1 .* `modelscope` package"):

@@ -149,8 +149,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
-def build_app(state: ServerState, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
-    """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check."""
+def build_app(state: ServerState, api_key: str | None = None, cors: dict | None = None, openapi=True) -> FastAPI:
+    """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check; openapi:
+    serve /openapi.json."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -159,7 +160,10 @@ def build_app(state: ServerState, api_key: str | None = None, cors: dict | None 
 
     from pagedllm import __version__
 
-    app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
+    schema = "/openapi.json" if openapi else None
+    app = FastAPI(
+        title="pagedllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=schema, lifespan=lifespan
+    )
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
     if cors is not None:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, **cors)

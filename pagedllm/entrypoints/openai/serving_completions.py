@@ -97,6 +97,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     model = state.check_model(req.model)
     state.require_generate()
     items = _check(state, req)
+    state.apply_defaults(req)
     echo_only = bool(req.echo) and req.max_tokens == 0
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
