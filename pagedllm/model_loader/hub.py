@@ -115,7 +115,8 @@ def _from_modelscope(repo_id, revision, download_dir, quant, tokenizer_only) -> 
             "pip install modelscope"
         ) from None
     try:
-        files = [f["Path"] for f in HubApi().get_model_files(repo_id, revision=revision or "master", recursive=True)]
+        listing = HubApi().get_model_files(repo_id, revision=revision or "master", recursive=True)
+        files = [f["Path"] for f in listing if f.get("Type", "blob") == "blob"]  # files, not folders
         patterns = download_patterns(repo_id, files, quant, tokenizer_only)
         path = snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns)
     except ValueError:
