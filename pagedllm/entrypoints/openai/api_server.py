@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import sys
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,26 @@ async def _send_json(send, status: int, body: dict) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
+
+
+class RequestIdMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class GuardMiddleware:
@@ -149,9 +170,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
-def build_app(state: ServerState, api_key: str | None = None, cors: dict | None = None, openapi=True) -> FastAPI:
+def build_app(
+    state: ServerState, api_key: str | None = None, cors: dict | None = None, openapi=True, request_id_headers=False
+) -> FastAPI:
     """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check; openapi:
-    serve /openapi.json."""
+    serve /openapi.json; request_id_headers: X-Request-Id on every response."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -165,6 +188,8 @@ def build_app(state: ServerState, api_key: str | None = None, cors: dict | None 
         title="pagedllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=schema, lifespan=lifespan
     )
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    if request_id_headers:  # outside the guard: its refusals carry the id too
+        app.add_middleware(RequestIdMiddleware)
     if cors is not None:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, **cors)
     _add_error_handlers(app)

@@ -117,7 +117,9 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         allow_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
     )
-    app = build_app(state, resolve_api_key(args.api_key), cors, openapi=not args.disable_fastapi_docs)
+    app = build_app(
+        state, resolve_api_key(args.api_key), cors, not args.disable_fastapi_docs, args.enable_request_id_headers
+    )
     engine.start()
     config = uvicorn.Config(
         app,

@@ -1,8 +1,10 @@
 """vLLM's server flags and request fields: several served names, --response-role, --return-tokens-as-token-ids
-(a request may turn it off), --enable-force-include-usage, --disable-fastapi-docs, and `priority` (only 0)."""
+(a request may turn it off), --enable-force-include-usage, --disable-fastapi-docs, and `priority` (only 0),
+--enable-request-id-headers."""
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -17,7 +19,7 @@ def flag_server(smollm2):
         [smollm2, "--served-model-name", "first", "second", "--max-model-len", "128", "--dtype", "float32"]
         + ["--kv-cache-memory-bytes", str(16 << 20), "--response-role", "bot", "--return-tokens-as-token-ids"]
         + ["--enable-force-include-usage", "--disable-fastapi-docs", "--disable-uvicorn-access-log"]
-        + ["--enable-prompt-tokens-details", "--tokenizer-pool-size", "2"],
+        + ["--enable-prompt-tokens-details", "--tokenizer-pool-size", "2", "--enable-request-id-headers"],
         model="first",
     )
     try:
@@ -46,6 +48,15 @@ def test_usage_forced_docs_off_and_priority(flag_server):
     assert status == 200 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
     assert flag_server.request("GET", "/openapi.json")[0] == 404
+    conn = http.client.HTTPConnection("127.0.0.1", flag_server.port, timeout=30)
+    ids = []
+    for headers in ({"X-Request-Id": "abc-1"}, {}):
+        conn.request("GET", "/v1/models", headers=headers)
+        response = conn.getresponse()
+        response.read()
+        ids.append(response.getheader("x-request-id"))
+    conn.close()
+    assert ids[0] == "abc-1" and len(ids[1]) == 32  # the client's, else a new one
     assert flag_server.request("POST", "/v1/chat/completions", {**CHAT, "priority": 0})[0] == 200
     status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 3})
     assert status == 400 and body["error"]["param"] == "priority" and "priority=3" in body["error"]["message"]
