@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from pagedllm.benchmarks.datasets import add_dataset_args, random_requests, sample_requests
@@ -96,22 +95,13 @@ def _latency(args: argparse.Namespace) -> int:
 
 def _profile(run) -> int:
     """One run under the torch profiler; the trace goes to VLLM_TORCH_PROFILER_DIR, as vLLM's --profile."""
-    import torch
+    from pagedllm.profiler import profiler_from_env
 
-    from pagedllm import envs
-
-    folder = envs.torch_profiler_dir()
-    if folder is None:
-        raise ValueError("--profile writes its trace to VLLM_TORCH_PROFILER_DIR, which is not set")
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        run()
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "latency_trace.json")
-    prof.export_chrome_trace(path)
-    print(json.dumps({"profile": path}), flush=True)
+    profiler = profiler_from_env()
+    profiler.start()
+    run()
+    profiler.stop()
+    print(json.dumps({"profile": profiler.trace_dir}), flush=True)
     return 0
 
 

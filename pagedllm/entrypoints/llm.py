@@ -158,6 +158,20 @@ class LLM(PoolingAPI):
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """vLLM's LLM.start_profile(): the torch profiler runs until stop_profile(), which writes the trace into
+        VLLM_TORCH_PROFILER_DIR (a ValueError when it is unset)."""
+        from pagedllm.profiler import profiler_from_env
+
+        if getattr(self, "_profiler", None) is None:
+            self._profiler = profiler_from_env()
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        if getattr(self, "_profiler", None) is None:
+            raise ValueError("the profiler is not running: start it first (start_profile)")
+        self._profiler.stop()
+
     def get_metrics(self) -> list[Metric]:
         """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. vllm:prefix_cache_hits_total)."""
         return self.llm_engine.get_metrics()

@@ -4,6 +4,7 @@ datasets (random lengths, shared prefix, ShareGPT sampling)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
@@ -70,3 +71,27 @@ def test_datasets(tmp_path):
     assert [(r.prompt, r.prompt_len, r.output_len) for r in reqs] == [("a b c d e", 5, 4)]
     fixed = sharegpt_requests(str(tmp_path / "sg.json"), _WordTokenizer(), 5, 7, 0)
     assert sorted(r.prompt_len for r in fixed) == [2, 5] and {r.output_len for r in fixed} == {7}
+
+
+def _traces(folder) -> list[str]:
+    return [f for f in os.listdir(folder) if f.endswith(".pt.trace.json")]
+
+
+def test_llm_and_latency_profiles(tiny, capsys, tmp_path, monkeypatch):
+    from pagedllm import LLM, SamplingParams
+
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    llm = LLM(tiny, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)
+    with pytest.raises(ValueError, match="VLLM_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "llm"))
+    llm.start_profile()
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.stop_profile()
+    assert len(_traces(tmp_path / "llm")) == 1
+    with pytest.raises(ValueError, match="not running"):
+        llm.stop_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "bench"))
+    out = _run(capsys, "latency", "--model", tiny, *ENGINE, "--input-len", "4", "--output-len", "2",
+               "--batch-size", "1", "--num-iters-warmup", "0", "--profile")  # fmt: skip
+    assert out == {"profile": str(tmp_path / "bench")} and len(_traces(tmp_path / "bench")) == 1
