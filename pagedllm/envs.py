@@ -27,7 +27,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: allow a max_model_len above the model's (a warning, not an error)"),
     "VLLM_CACHE_ROOT": ("$XDG_CACHE_HOME/pagedllm", "where compiled CPU kernels and GGUF tokenizers are cached"),
     "VLLM_LOG_STATS_INTERVAL": ("10", "seconds between the server's stats lines"),
-    "VLLM_TORCH_PROFILER_DIR": ("unset", "enables the server's /start_profile and /stop_profile; traces go here"),
+    "VLLM_TORCH_PROFILER_DIR": (
+        "unset",
+        "enables LLM.start_profile / stop_profile and the server's /start_profile, /stop_profile; traces go here",
+    ),
     "HF_HUB_OFFLINE": ("0", "1: models only from local paths and the local Hugging Face cache (no download)"),
     "HF_ENDPOINT": ("https://huggingface.co", "the Hugging Face Hub that models are downloaded from"),
     "HF_TOKEN": ("unset", "the Hub token for private and gated models"),

@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestStream
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
 from pagedllm.entrypoints.openai.serving_tools import Reply, ReplyPlan, plan_tools
@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_utils import (
     check_limit,
     context_check,
     prompt_logprobs_json,
+    response_id,
     sampling_params,
     sse_stream,
     unless_disconnected,
@@ -181,7 +182,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         check_chars=req.truncate_prompt_tokens is None,
         mm_processor_kwargs=req.mm_processor_kwargs,
     )
-    job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer(), plan, state.response_role)
+    job = _Job(req, model, response_id("chatcmpl", req), now(), state.llm.get_tokenizer(), plan, state.response_role)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
     field = structured_outputs(req)[1] if constrained else "tools"  # a forced tool call's grammar: from the tools
     check = grammar_check(state.engine.engine, params, field, check)

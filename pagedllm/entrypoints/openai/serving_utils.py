@@ -14,7 +14,7 @@ from fastapi import Request
 
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.openai.limits import ServerLimits
-from pagedllm.entrypoints.openai.protocol import APIError, StreamOptions, error_body, from_value_error
+from pagedllm.entrypoints.openai.protocol import APIError, StreamOptions, error_body, from_value_error, random_id
 from pagedllm.entrypoints.openai.serving_structured import structured_outputs
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
@@ -116,6 +116,12 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 
 
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def response_id(prefix: str, req: Any) -> str:
+    """The id of a response (and of its engine requests): `<prefix>-<request_id>` when the request names one
+    (vLLM's field; one still running with the same id is a 400), else a random one."""
+    return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)
 
 
 def refuse_unsupported(req: Any) -> None:

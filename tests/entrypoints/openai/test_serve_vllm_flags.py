@@ -1,6 +1,6 @@
 """vLLM's server flags and request fields: several served names, --response-role, --return-tokens-as-token-ids
 (a request may turn it off), --enable-force-include-usage, --disable-fastapi-docs, and `priority` (only 0),
---enable-request-id-headers."""
+`request_id` (the response's id), --enable-request-id-headers."""
 
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ def test_usage_forced_docs_off_and_priority(flag_server):
         ids.append(response.getheader("x-request-id"))
     conn.close()
     assert ids[0] == "abc-1" and len(ids[1]) == 32  # the client's, else a new one
-    assert flag_server.request("POST", "/v1/chat/completions", {**CHAT, "priority": 0})[0] == 200
+    status, body = flag_server.request("POST", "/v1/chat/completions", {**CHAT, "priority": 0, "request_id": "r-7"})
+    assert status == 200 and body["id"] == "chatcmpl-r-7"
+    status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "request_id": ""})
+    assert status == 400 and body["error"]["param"] == "request_id"
     status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 3})
     assert status == 400 and body["error"]["param"] == "priority" and "priority=3" in body["error"]["message"]
