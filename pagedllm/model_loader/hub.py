@@ -29,9 +29,9 @@ def _pick_gguf(repo_id: str, files: list[str], quant: str | None) -> str:
 
 
 def download_patterns(repo_id: str, files: list[str], quant: str | None, tokenizer_only: bool) -> list[str]:
-    """The allow_patterns for a repo with `files`: configs, tokenizer and one weight format, or one GGUF file."""
-    has_config = "config.json" in files
-    if not has_config and any(f.endswith(".gguf") for f in files):
+    """The allow_patterns for a repo with `files`: configs, tokenizer and one weight format, or one GGUF file (the
+    one `quant` names, or the only one of a repo without config.json)."""
+    if quant or ("config.json" not in files and any(f.endswith(".gguf") for f in files)):
         return [_pick_gguf(repo_id, files, quant)]
     if tokenizer_only:
         return CONFIG_PATTERNS

@@ -72,14 +72,17 @@ def _has_weights(path: str) -> bool:
 
 
 def _local_dir(model: str, path: str, quant: str | None = None) -> str:
-    """A model directory: itself when it holds config.json, else its one .gguf file (`quant` picks among several)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
+    """A model directory: itself when it holds config.json, else its one .gguf file (`quant` picks among several,
+    and picks a .gguf file even beside a config.json)."""
+    if not quant and os.path.isfile(os.path.join(path, "config.json")):
         return os.path.abspath(path)
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if quant:
         ggufs = [f for f in ggufs if quant.lower() in f.lower()]
     if len(ggufs) == 1:
         return os.path.abspath(os.path.join(path, ggufs[0]))
+    if quant:
+        raise ValueError(f"model={model!r}: no .gguf file matching {quant!r} in {path}")
     raise ValueError(f"model={model!r} is a directory without config.json (or a single .gguf file)")
 
 
@@ -112,7 +115,11 @@ def resolve_model(
     cached = _from_hf_cache(repo_id, revision, cache_dir)
     offline = envs.hf_hub_offline()
     if cached is not None and (offline or tokenizer_only or _has_weights(cached)):
-        return _local_dir(model, cached, quant)
+        try:
+            return _local_dir(model, cached, quant)
+        except ValueError:  # e.g. another quantization's GGUF is cached: download this one
+            if offline:
+                raise
     if offline:
         raise ValueError(
             f"model {model!r} was not found: it is not a local directory or .gguf file and not in the local "

@@ -79,6 +79,9 @@ def test_revision_gguf_quant_and_tokenizer_only(hub, tmp_path):
     assert sorted(os.listdir(skipped)) == ["config.json", "model.safetensors"]
     q8 = resolve_model("org/tiny-GGUF:Q8_0")
     assert q8.endswith("tiny.Q8_0.gguf") and os.listdir(os.path.dirname(q8)) == ["tiny.Q8_0.gguf"]
+    q4 = resolve_model("org/tiny-GGUF:q4_k_m")  # Q8_0 is cached: Q4_K_M is downloaded beside it
+    assert q4.endswith("tiny.Q4_K_M.gguf") and sorted(os.listdir(os.path.dirname(q4))) == sorted(hub.files(
+        hub.repos["org/tiny-GGUF"]["main"]))  # fmt: skip
     with pytest.raises(ValueError, match=r"holds 2 GGUF files.*'org/tiny-GGUF:<QUANT>'"):
         resolve_model("org/tiny-GGUF")
 
