@@ -75,8 +75,12 @@ async def run_requests(client, model: str, requests: list[BenchRequest], args: a
     """All requests, sent at their arrival times, at most max_concurrency at once; (results, seconds)."""
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     extra = {"temperature": args.temperature}
-    if args.ignore_eos:
-        extra["extra_body"] = {"ignore_eos": True}
+    if args.top_p is not None:
+        extra["top_p"] = args.top_p
+    vllm_fields = {"ignore_eos": True} if args.ignore_eos else {}
+    vllm_fields |= {k: getattr(args, k) for k in ("top_k", "min_p") if getattr(args, k) is not None}
+    if vllm_fields:
+        extra["extra_body"] = vllm_fields
 
     async def one(req: BenchRequest) -> RequestResult:
         prompt = req.prompt
@@ -176,7 +180,13 @@ async def _benchmark(args: argparse.Namespace) -> dict:
     info = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "model_id": model}
     info |= {"tokenizer_id": tokenizer_id, "num_prompts": len(requests), "request_rate": rate}
     info |= {"burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
-    return info | summarize(results, duration, args.metric_percentiles, args.percentile_metrics)
+    info |= ({"label": args.label} if args.label else {}) | dict(args.metadata or [])
+    info |= summarize(results, duration, args.metric_percentiles, args.percentile_metrics)
+    if args.save_detailed:  # per request, in the order sent
+        info |= {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results]}
+        info |= {"ttfts": [r.ttft for r in results], "itls": [r.itl for r in results]}
+        info["errors"] = [r.error for r in results]
+    return info
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -194,6 +204,13 @@ def _serve(args: argparse.Namespace) -> int:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
     return 0 if result["completed"] else 1
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: KEY=VALUE")
+    return key, value
 
 
 def _metric_list(text: str) -> list[str]:
@@ -230,10 +247,18 @@ def add_serve_bench_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--ignore-eos", action="store_true", help="every request makes its full output length")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--percentile-metrics", type=_metric_list, default=["ttft", "tpot", "itl"])
     p.add_argument("--metric-percentiles", type=_float_list, default=[99.0], help="e.g. 50,90,99")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
     p.add_argument("--save-result", action="store_true", help="also write the result to a JSON file")
+    p.add_argument("--save-detailed", action="store_true", help="with per-request lengths, TTFTs, ITLs and errors")
+    p.add_argument("--label", default=None, help="a name for this run, in the result")
+    p.add_argument(
+        "--metadata", nargs="*", type=_key_value, default=None, metavar="KEY=VALUE", help="kept in the result"
+    )
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
     p.set_defaults(func=_serve)

@@ -37,8 +37,10 @@ def test_sharegpt_chat(server, smollm2, capsys, monkeypatch, tmp_path):
     (tmp_path / "sg.json").write_text(json.dumps(convs))
     res = _bench(capsys, monkeypatch, server, "--endpoint", "/v1/chat/completions", "--tokenizer", smollm2,
                  "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sg.json"), "--sharegpt-output-len",
-                 "2", "--num-prompts", "2", "--ignore-eos")  # fmt: skip
+                 "2", "--num-prompts", "2", "--ignore-eos", "--save-detailed", "--top-k", "1", "--label", "sg",
+                 "--metadata", "gpu=none")  # fmt: skip
     assert (res["completed"], res["total_output_tokens"]) == (2, 4)
+    assert res["output_lens"] == [2, 2] and len(res["ttfts"]) == 2 and (res["label"], res["gpu"]) == ("sg", "none")
 
 
 def test_no_server_is_an_error(capsys):
