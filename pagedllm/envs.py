@@ -24,6 +24,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "VLLM_LOGGING_LEVEL": ("INFO", "level of pagedllm's log (DEBUG, INFO, WARNING, ERROR)"),
     "VLLM_CONFIGURE_LOGGING": ("1", "0: leave the `pagedllm` logger to the application (no handler is added)"),
+    "VLLM_LOGGING_CONFIG_PATH": ("unset", "a JSON file of `logging.config.dictConfig` used instead of the default"),
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: allow a max_model_len above the model's (a warning, not an error)"),
     "VLLM_CACHE_ROOT": ("$XDG_CACHE_HOME/pagedllm", "where compiled CPU kernels and GGUF tokenizers are cached"),
     "VLLM_LOG_STATS_INTERVAL": ("10", "seconds between the server's stats lines"),
@@ -118,6 +119,11 @@ def logging_level(environ: Mapping[str, str] | None = None) -> str:
 
 def configure_logging(environ: Mapping[str, str] | None = None) -> bool:
     return _flag("VLLM_CONFIGURE_LOGGING", True, environ)
+
+
+def logging_config_path(environ: Mapping[str, str] | None = None) -> str | None:
+    found = get("VLLM_LOGGING_CONFIG_PATH", environ)
+    return None if found is None else os.path.expanduser(found[1])
 
 
 def allow_long_max_model_len(environ: Mapping[str, str] | None = None) -> str | None:

@@ -4,6 +4,7 @@ VLLM_LOGGING_LEVEL / VLLM_CONFIGURE_LOGGING, kernels cached under VLLM_CACHE_ROO
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -125,6 +126,22 @@ def test_logging_follows_the_variables():
     assert quiet.stderr == ""
     left = _python(code + "; print(logging.getLogger('pagedllm').handlers)", VLLM_CONFIGURE_LOGGING="0")
     assert left.stdout.strip() == "[]" and "inf" not in left.stderr
+
+
+def test_logging_config_file(tmp_path):
+    log_file = tmp_path / "out.log"
+    config = {
+        "version": 1,
+        "formatters": {"f": {"format": "custom|%(name)s|%(message)s"}},
+        "handlers": {"h": {"class": "logging.FileHandler", "filename": str(log_file), "formatter": "f"}},
+        "loggers": {"pagedllm": {"handlers": ["h"], "level": "INFO", "propagate": False}},
+    }
+    (tmp_path / "log.json").write_text(json.dumps(config))
+    code = "import logging, pagedllm; logging.getLogger('pagedllm.t').info('hello')"
+    proc = _python(code, VLLM_LOGGING_CONFIG_PATH=str(tmp_path / "log.json"))
+    assert proc.returncode == 0 and log_file.read_text() == "custom|pagedllm.t|hello\n" and "hello" not in proc.stderr
+    bad = _python(code, VLLM_LOGGING_CONFIG_PATH=str(tmp_path / "missing.json"))
+    assert bad.returncode == 1 and "VLLM_LOGGING_CONFIG_PATH=" in bad.stderr and "not a readable JSON" in bad.stderr
 
 
 def test_kernel_cache_under_cache_root(monkeypatch, tmp_path):
