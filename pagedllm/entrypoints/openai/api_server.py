@@ -54,6 +54,23 @@ async def _send_json(send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
+class LoadMiddleware:
+    """--enable-server-load-tracking: counts the POST requests in flight (a stream until its last chunk), which
+    GET /load reports as {"server_load": N} (vLLM's, for load balancers)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
 class RequestIdMiddleware:
     """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one."""
 
@@ -190,6 +207,13 @@ def build_app(
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
     if request_id_headers:  # outside the guard: its refusals carry the id too
         app.add_middleware(RequestIdMiddleware)
+    if state.server_load is not None:
+        app.add_middleware(LoadMiddleware, state=state)
+
+        @app.get("/load")
+        async def load() -> dict:
+            return {"server_load": state.server_load}
+
     if cors is not None:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, **cors)
     _add_error_handlers(app)

@@ -127,6 +127,7 @@ def _add_response_flags(serve: argparse.ArgumentParser) -> None:
         help="log each request (the default here; --disable-log-requests turns it off)",
     )
     out.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log, even at debug level")
+    out.add_argument("--enable-server-load-tracking", action="store_true", help="GET /load: the requests in flight")
     out.add_argument(
         "--enable-request-id-headers", action="store_true", help="X-Request-Id on every response (the client's or new)"
     )

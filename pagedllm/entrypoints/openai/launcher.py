@@ -111,6 +111,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     state.metrics_prefixes = tuple(args.metrics_prefix)
     state.response_role, state.return_tokens_as_token_ids = args.response_role, args.return_tokens_as_token_ids
     state.force_include_usage = args.enable_force_include_usage
+    state.server_load = 0 if args.enable_server_load_tracking else None
     cors = dict(
         allow_origins=args.allowed_origins,
         allow_methods=args.allowed_methods,

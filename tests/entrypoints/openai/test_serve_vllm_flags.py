@@ -19,7 +19,8 @@ def flag_server(smollm2):
         [smollm2, "--served-model-name", "first", "second", "--max-model-len", "128", "--dtype", "float32"]
         + ["--kv-cache-memory-bytes", str(16 << 20), "--response-role", "bot", "--return-tokens-as-token-ids"]
         + ["--enable-force-include-usage", "--disable-fastapi-docs", "--disable-uvicorn-access-log"]
-        + ["--enable-prompt-tokens-details", "--tokenizer-pool-size", "2", "--enable-request-id-headers"],
+        + ["--enable-prompt-tokens-details", "--tokenizer-pool-size", "2", "--enable-request-id-headers"]
+        + ["--enable-server-load-tracking"],
         model="first",
     )
     try:
@@ -57,6 +58,12 @@ def test_usage_forced_docs_off_and_priority(flag_server):
         ids.append(response.getheader("x-request-id"))
     conn.close()
     assert ids[0] == "abc-1" and len(ids[1]) == 32  # the client's, else a new one
+    stream = flag_server.client().completions.create(
+        model="first", prompt="Hi", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))  # the first chunk came: the request is in flight
+    assert flag_server.request("GET", "/load") == (200, {"server_load": 1})
+    assert len(list(stream)) > 1 and flag_server.request("GET", "/load") == (200, {"server_load": 0})
     status, body = flag_server.request("POST", "/v1/chat/completions", {**CHAT, "priority": 0, "request_id": "r-7"})
     assert status == 200 and body["id"] == "chatcmpl-r-7"
     status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "request_id": ""})
