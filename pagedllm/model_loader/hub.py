@@ -67,6 +67,8 @@ def download_model(
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
+    from pagedllm.model_loader.resolve import hf_cache_dir
+
     endpoint, token = envs.hf_endpoint(), token if token is not None else envs.hf_token()
     ignore = IGNORE_PATTERNS + ([ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or []))
     where = endpoint or "https://huggingface.co"
@@ -76,7 +78,7 @@ def download_model(
         path = snapshot_download(
             repo_id,
             revision=revision,
-            cache_dir=download_dir,
+            cache_dir=download_dir or hf_cache_dir(),  # where resolve_model looks (HF_HUB_CACHE read now)
             allow_patterns=patterns,
             ignore_patterns=ignore,
             endpoint=endpoint,

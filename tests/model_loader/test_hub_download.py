@@ -72,6 +72,7 @@ def test_download_then_offline(repos, hub, tmp_path, monkeypatch):
 
 def test_revision_gguf_quant_and_tokenizer_only(hub, tmp_path):
     v2 = resolve_model("org/tiny", revision="v2")
+    assert v2.startswith(os.environ["HF_HUB_CACHE"])  # the cache the variable names now, not at import
     assert v2.endswith(FakeHub.commit("v2")) and open(os.path.join(v2, "model.safetensors")).read() == "v2"
     tok = resolve_model("org/tiny", tokenizer_only=True)  # main, without weights
     assert sorted(os.listdir(tok)) == ["config.json", "generation_config.json"]
