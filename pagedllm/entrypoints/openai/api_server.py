@@ -188,10 +188,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(
-    state: ServerState, api_key: str | None = None, cors: dict | None = None, openapi=True, request_id_headers=False
+    state: ServerState,
+    api_key: str | None = None,
+    cors: dict | None = None,
+    openapi: bool = True,
+    request_id_headers: bool = False,
+    track_load: bool = False,
 ) -> FastAPI:
     """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check; openapi:
-    serve /openapi.json; request_id_headers: X-Request-Id on every response."""
+    serve /openapi.json; request_id_headers: X-Request-Id on every response; track_load: GET /load."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -207,7 +212,8 @@ def build_app(
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
     if request_id_headers:  # outside the guard: its refusals carry the id too
         app.add_middleware(RequestIdMiddleware)
-    if state.server_load is not None:
+    if track_load:
+        state.server_load = 0
         app.add_middleware(LoadMiddleware, state=state)
 
         @app.get("/load")

@@ -111,7 +111,6 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     state.metrics_prefixes = tuple(args.metrics_prefix)
     state.response_role, state.return_tokens_as_token_ids = args.response_role, args.return_tokens_as_token_ids
     state.force_include_usage = args.enable_force_include_usage
-    state.server_load = 0 if args.enable_server_load_tracking else None
     cors = dict(
         allow_origins=args.allowed_origins,
         allow_methods=args.allowed_methods,
@@ -119,7 +118,12 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         allow_credentials=args.allow_credentials,
     )
     app = build_app(
-        state, resolve_api_key(args.api_key), cors, not args.disable_fastapi_docs, args.enable_request_id_headers
+        state,
+        resolve_api_key(args.api_key),
+        cors,
+        openapi=not args.disable_fastapi_docs,
+        request_id_headers=args.enable_request_id_headers,
+        track_load=args.enable_server_load_tracking,
     )
     engine.start()
     config = uvicorn.Config(
