@@ -111,3 +111,32 @@ def test_missing_repo_revision_token_and_modelscope(repos, tmp_path, monkeypatch
     monkeypatch.setitem(__import__("sys").modules, "modelscope", None)  # not installed
     with pytest.raises(ValueError, match="VLLM_USE_MODELSCOPE=1 .* `modelscope` package"):
         resolve_model("org/elsewhere", download_dir=str(tmp_path))
+
+
+def test_modelscope_download_plumbing(tmp_path, monkeypatch):
+    """VLLM_USE_MODELSCOPE=1 lists the repo with modelscope's HubApi and downloads the same file choice (a stand-in
+    package here: modelscope is not installed)."""
+    import sys
+    import types
+
+    calls = {}
+
+    class HubApi:
+        def get_model_files(self, model_id, revision, recursive):
+            calls["list"] = (model_id, revision, recursive)
+            return [{"Path": p, "Type": "blob"} for p in ("config.json", "model.safetensors", "pytorch_model.bin")]
+
+    def snapshot_download(model_id, revision, cache_dir, allow_patterns):
+        calls["download"] = (model_id, revision, cache_dir, allow_patterns)
+        return str(tmp_path / "ms")
+
+    for name, attrs in (("modelscope", {}), ("modelscope.hub", {}), ("modelscope.hub.api", {"HubApi": HubApi}),
+                        ("modelscope.hub.snapshot_download", {"snapshot_download": snapshot_download})):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+    _online(monkeypatch)
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")
+    assert resolve_model("qwen/Tiny", "v1", download_dir=str(tmp_path / "c")) == str(tmp_path / "ms")
+    assert calls["list"] == ("qwen/Tiny", "v1", True)
+    model_id, revision, cache_dir, patterns = calls["download"]
+    assert (model_id, revision, cache_dir) == ("qwen/Tiny", "v1", str(tmp_path / "c"))
+    assert "*.safetensors" in patterns and "*.bin" not in patterns and "*.json" in patterns
