@@ -54,6 +54,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.benchmarks.offline import timed_generate
+
 try:
     from benchmarks import hf_peers
     from benchmarks.common import BENCH_DIR, REPO_ROOT, emit, git_commit, machine_description, make_record, rounded
@@ -220,13 +222,6 @@ def engine_figures(llm) -> dict:
         "graph_capture_s": rounded(runner.graphs.capture_seconds, 3) if runner.graphs else None,
         "cuda_graphs": runner.graphs is not None,
     }
-
-
-def timed_generate(llm, reqs, params):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(reqs, params, use_tqdm=False)
-    return outs, time.perf_counter() - t0
 
 
 def free() -> None:

@@ -25,10 +25,15 @@ import sys
 import time
 import urllib.request
 
+from pagedllm.benchmarks.offline import percentile
+from pagedllm.benchmarks.serve import stream_request
+
 try:
     from benchmarks.common import REPO_ROOT, emit, git_commit, machine_description, make_record, rounded
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     from common import REPO_ROOT, emit, git_commit, machine_description, make_record, rounded
+
+IGNORE_EOS = {"ignore_eos": True}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,38 +71,6 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start within 600 s")
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-async def one_request(client, model: str, prompt: list[int], max_tokens: int, stats: dict) -> None:
-    start = time.perf_counter()
-    stream = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    last = None
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.usage is not None:
-            stats["tokens"] += chunk.usage.completion_tokens
-        if not chunk.choices or not chunk.choices[0].text:
-            continue
-        if last is None:
-            stats["ttft"].append(now - start)
-        else:
-            stats["itl"].append(now - last)
-        last = now
-
-
 async def run_clients(url: str, num_clients: int, mix: list[tuple[list[int], int]], per_client: int) -> dict:
     from openai import AsyncOpenAI
 
@@ -108,7 +81,12 @@ async def run_clients(url: str, num_clients: int, mix: list[tuple[list[int], int
     async def worker(c: int) -> None:
         for r in range(per_client):
             prompt, max_tokens = mix[(c * per_client + r) % len(mix)]
-            await one_request(client, model, prompt, max_tokens, stats)
+            result = await stream_request(client, model, prompt, max_tokens, temperature=0, extra_body=IGNORE_EOS)
+            if not result.success:
+                raise RuntimeError(f"a request failed: {result.error}")
+            stats["ttft"].append(result.ttft)
+            stats["itl"].extend(result.itl)
+            stats["tokens"] += result.output_tokens
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in range(num_clients)))

@@ -1,5 +1,6 @@
 """The `pagedllm` command: `pagedllm generate [PROMPT ...] [--model M] [--max-tokens N] ...`, `pagedllm chat ...`,
-`pagedllm serve [MODEL] ...`, `pagedllm run-batch -i IN.jsonl -o OUT.jsonl [MODEL] ...`."""
+`pagedllm serve [MODEL] ...`, `pagedllm run-batch -i IN.jsonl -o OUT.jsonl [MODEL] ...`,
+`pagedllm bench latency | throughput | serve ...`."""
 
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.collect_env import add_collect_env_parser
 
     add_collect_env_parser(sub)
+    from pagedllm.benchmarks import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -52,6 +52,10 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
+    tokenizer_revision: str | None = None  # unset: `revision`
+    download_dir: str | None = None  # the HF cache directory for downloaded models (unset: HF's default)
+    hf_token: str | bool | None = None  # the Hub token of downloads (unset: HF_TOKEN; True: the saved login)
+    ignore_patterns: str | list[str] | None = None  # files a download skips (besides original/*)
     dtype: str | torch.dtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -113,9 +117,7 @@ class EngineArgs:
     scheduler_delay_factor: float = 0.0
     swap_space: float = 4
     max_parallel_loading_workers: int | None = None
-    download_dir: str | None = None
     code_revision: str | None = None
-    tokenizer_revision: str | None = None
     enable_chunked_prefill: bool | None = None
     preemption_mode: str | None = None
     tokenizer_mode: str = "auto"
@@ -124,6 +126,17 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     enable_sleep_mode: bool = False
     otlp_traces_endpoint: str | None = None
+    tokenizer_pool_size: int = 0
+    num_lookahead_slots: int = 0
+    disable_cascade_attn: bool = False
+    collect_detailed_traces: str | None = None
+    enable_expert_parallel: bool = False
+    calculate_kv_scales: bool = False
+    enable_prompt_embeds: bool = False
+    kv_transfer_config: dict | None = None
+    worker_cls: str = "auto"
+    model_loader_extra_config: dict | None = None
+    additional_config: dict | None = None
     guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
 
     @classmethod
@@ -163,7 +176,11 @@ class EngineArgs:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} must be one of {(*LOAD_FORMATS, 'bitsandbytes')}")
         pooling_default = self.model is None and wants_pooling(self.task, self.runner, self.convert)
-        path = default_embedding_model_path() if pooling_default else resolve_model(self.model, self.revision)
+        if pooling_default:
+            path = default_embedding_model_path()
+        else:
+            hub = {"token": self.hf_token, "ignore_patterns": self.ignore_patterns}
+            path = resolve_model(self.model, self.revision, self.download_dir, **hub)
         hf_config = load_hf_config(path, self.trust_remote_code, self.hf_overrides, self.rope_scaling, self.rope_theta)
         check_rope_keywords(hf_config, self.rope_scaling, self.rope_theta)
         archs = getattr(hf_config, "architectures", None) or []

@@ -18,9 +18,10 @@ COMPAT_ARGS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "scheduler_delay_factor": ("no-op", lambda v: True, "requests are scheduled as soon as they come"),
     "swap_space": ("no-op", lambda v: True, "no CPU swap: preempted requests are recomputed"),
     "max_parallel_loading_workers": ("no-op", lambda v: True, "weights load in one pass"),
-    "download_dir": ("no-op", lambda v: True, "models are read from local paths and the local HF cache"),
     "code_revision": ("no-op", lambda v: True, "no remote code is downloaded"),
-    "tokenizer_revision": ("no-op", lambda v: True, "the tokenizer is read from the model's local files"),
+    "tokenizer_pool_size": ("no-op", lambda v: True, "the server tokenizes in its preparation threads"),
+    "num_lookahead_slots": ("no-op", lambda v: True, "speculative decoding reserves the slots its drafts need"),
+    "disable_cascade_attn": ("no-op", lambda v: True, "no cascade attention: shared prefixes use the prefix cache"),
     "enable_chunked_prefill": ("only", lambda v: v in (None, True), "always on: long prompts are cut into chunks"),
     "preemption_mode": ("only", lambda v: v in (None, "recompute"), "preemption recomputes; no swapping"),
     "tokenizer_mode": ("only", lambda v: v in ("auto", "hf"), "Hugging Face tokenizers only ('auto')"),
@@ -29,6 +30,14 @@ COMPAT_ARGS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "scheduling_policy": ("only", lambda v: v == "fcfs", "requests are served first come, first served"),
     "enable_sleep_mode": ("only", lambda v: not v, "no sleep mode"),
     "otlp_traces_endpoint": ("only", lambda v: v is None, "no OpenTelemetry tracing"),
+    "collect_detailed_traces": ("only", lambda v: not v, "no OpenTelemetry tracing"),
+    "enable_expert_parallel": ("only", lambda v: not v, "MoE experts are split by tensor parallelism"),
+    "calculate_kv_scales": ("only", lambda v: not v, "FP8 KV-cache scales are not computed at run time"),
+    "enable_prompt_embeds": ("only", lambda v: not v, "prompts are text or token ids, not embeddings"),
+    "kv_transfer_config": ("only", lambda v: not v, "no disaggregated prefill (KV transfer between engines)"),
+    "worker_cls": ("only", lambda v: v == "auto", "the worker class follows the device"),
+    "model_loader_extra_config": ("only", lambda v: not v, "the loaders take no extra options"),
+    "additional_config": ("only", lambda v: not v, "no platform plugins read it"),
 }
 
 

@@ -24,11 +24,18 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "VLLM_LOGGING_LEVEL": ("INFO", "level of pagedllm's log (DEBUG, INFO, WARNING, ERROR)"),
     "VLLM_CONFIGURE_LOGGING": ("1", "0: leave the `pagedllm` logger to the application (no handler is added)"),
+    "VLLM_LOGGING_CONFIG_PATH": ("unset", "a JSON file of `logging.config.dictConfig` used instead of the default"),
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: allow a max_model_len above the model's (a warning, not an error)"),
     "VLLM_CACHE_ROOT": ("$XDG_CACHE_HOME/pagedllm", "where compiled CPU kernels and GGUF tokenizers are cached"),
     "VLLM_LOG_STATS_INTERVAL": ("10", "seconds between the server's stats lines"),
-    "VLLM_TORCH_PROFILER_DIR": ("unset", "enables the server's /start_profile and /stop_profile; traces go here"),
-    "HF_HUB_OFFLINE": ("0", "1: models only from local paths and the local Hugging Face cache"),
+    "VLLM_TORCH_PROFILER_DIR": (
+        "unset",
+        "enables LLM.start_profile / stop_profile and the server's /start_profile, /stop_profile; traces go here",
+    ),
+    "HF_HUB_OFFLINE": ("0", "1: models only from local paths and the local Hugging Face cache (no download)"),
+    "HF_ENDPOINT": ("https://huggingface.co", "the Hugging Face Hub that models are downloaded from"),
+    "HF_TOKEN": ("unset", "the Hub token for private and gated models"),
+    "VLLM_USE_MODELSCOPE": ("0", "1: download models from ModelScope (needs `pip install modelscope`)"),
 }
 
 
@@ -114,6 +121,11 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> bool:
     return _flag("VLLM_CONFIGURE_LOGGING", True, environ)
 
 
+def logging_config_path(environ: Mapping[str, str] | None = None) -> str | None:
+    found = get("VLLM_LOGGING_CONFIG_PATH", environ)
+    return None if found is None else os.path.expanduser(found[1])
+
+
 def allow_long_max_model_len(environ: Mapping[str, str] | None = None) -> str | None:
     """The name of the variable that allows a max_model_len above the model's, None if none does."""
     if not _flag("VLLM_ALLOW_LONG_MAX_MODEL_LEN", False, environ):
@@ -138,6 +150,22 @@ def torch_profiler_dir(environ: Mapping[str, str] | None = None) -> str | None:
 
 def hf_hub_offline(environ: Mapping[str, str] | None = None) -> bool:
     return _flag("HF_HUB_OFFLINE", False, environ)
+
+
+def use_modelscope(environ: Mapping[str, str] | None = None) -> bool:
+    return _flag("VLLM_USE_MODELSCOPE", False, environ)
+
+
+def hf_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
+    """HF_ENDPOINT without a trailing slash; None when unset (huggingface_hub's default)."""
+    found = get("HF_ENDPOINT", environ)
+    return None if found is None else found[1].rstrip("/")
+
+
+def hf_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """HF_TOKEN; None when unset (huggingface_hub then looks for a saved login)."""
+    found = get("HF_TOKEN", environ)
+    return None if found is None else found[1]
 
 
 def log_stats_interval(environ: Mapping[str, str] | None = None) -> float:

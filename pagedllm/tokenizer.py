@@ -10,9 +10,15 @@ from pagedllm.model_loader.resolve import resolve_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def get_tokenizer(model_path: str, tokenizer: str | None, trust_remote_code: bool, revision: str | None = None):
-    """`tokenizer` overrides where the tokenizer comes from (a directory, a .gguf file or a cached repo id); a
-    directory needs tokenizer files only, no model."""
+def get_tokenizer(
+    model_path: str,
+    tokenizer: str | None,
+    trust_remote_code: bool,
+    revision: str | None = None,
+    download_dir: str | None = None,
+):
+    """`tokenizer` overrides where the tokenizer comes from (a directory, a .gguf file or a repo id, downloaded
+    without weights at `revision`); a directory needs tokenizer files only, no model."""
     if tokenizer is not None and os.path.isdir(os.path.expanduser(tokenizer)):
         path = os.path.abspath(os.path.expanduser(tokenizer))
         if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
@@ -20,8 +26,10 @@ def get_tokenizer(model_path: str, tokenizer: str | None, trust_remote_code: boo
                 f"tokenizer={tokenizer!r} is a directory without tokenizer files: "
                 f"expected one of {list(TOKENIZER_FILES)}"
             )
+    elif tokenizer is not None:
+        path = resolve_model(tokenizer, revision, download_dir, tokenizer_only=True)
     else:
-        path = resolve_model(tokenizer, revision) if tokenizer is not None else model_path
+        path = model_path
     if path.endswith(".gguf"):
         from pagedllm.model_loader.gguf_loader import gguf_tokenizer
 

@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     # Triton reads TRITON_INTERPRET when a kernel is decorated: set before any test module imports a kernel module
     # (some imports reach Triton early: transformers' model classes import it), so tests/kernels run them interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests never reach the internet: a repo id that is not cached fails at once (tests of downloads unset it)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pagedllm.kernels import cpu_kernels  # noqa: E402
 

@@ -73,7 +73,8 @@ def test_compat_options_no_ops_and_refusals(tmp_path_factory):
     base = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20, dtype="float32")
     no_ops = dict(use_v2_block_manager=False, num_scheduler_steps=8, disable_custom_all_reduce=True,
                   max_seq_len_to_capture=32, swap_space=0, enable_chunked_prefill=True, preemption_mode="recompute",
-                  disable_async_output_proc=True, download_dir="/nowhere")  # fmt: skip
+                  disable_async_output_proc=True, tokenizer_pool_size=4, num_lookahead_slots=2,
+                  disable_cascade_attn=True)  # fmt: skip
     llm = LLM(path, **base, **no_ops)
     reference = LLM(path, **base)
     from pagedllm import SamplingParams
@@ -83,7 +84,9 @@ def test_compat_options_no_ops_and_refusals(tmp_path_factory):
     got = llm.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == reference.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids  # no effect
     for name, value in (("enable_chunked_prefill", False), ("preemption_mode", "swap"), ("cpu_offload_gb", 4),
-                        ("scheduling_policy", "priority"), ("tokenizer_mode", "mistral")):  # fmt: skip
+                        ("scheduling_policy", "priority"), ("tokenizer_mode", "mistral"),
+                        ("enable_expert_parallel", True), ("kv_transfer_config", {"kv_role": "kv_both"}),
+                        ("worker_cls", "my.Worker")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"{name}={value!r} is not supported: "):
             LLM(path, **base, **{name: value})
     args = EngineArgs.from_cli_args(_parser().parse_args(["--num-scheduler-steps", "8", "--use-v2-block-manager"]))
@@ -102,6 +105,9 @@ LAUNCH_LINES = [
     "serve /models/bge --task embed --max-model-len 512",
     "serve --model /models/llama --max-seq-len-to-capture 8192 --disable-async-output-proc --preemption-mode recompute",
     "run-batch -i in.jsonl -o out.jsonl --model /models/llama --disable-log-stats",
+    "serve /models/llama --response-role bot --return-tokens-as-token-ids --enable-force-include-usage "
+    "--enable-prompt-tokens-details --disable-uvicorn-access-log --disable-fastapi-docs --enable-log-requests "
+    "--tokenizer-pool-size 0 --disable-cascade-attn --hf-token hf_x --ignore-patterns *.pt --download-dir /hf",
 ]
 
 

@@ -267,8 +267,9 @@ class LLMEngine:
         tokenizer = None
         if not engine_args.skip_tokenizer_init:
             model = config.model
-            tokenizer = get_tokenizer(model.model_path, engine_args.tokenizer, model.trust_remote_code,
-                                      engine_args.revision)  # fmt: skip
+            revision = engine_args.tokenizer_revision or engine_args.revision
+            tokenizer = get_tokenizer(model.model_path, engine_args.tokenizer, model.trust_remote_code, revision,
+                                      engine_args.download_dir)  # fmt: skip
         return cls(config, tokenizer)
 
     def get_num_unfinished_requests(self) -> int:

@@ -39,7 +39,7 @@ def collect() -> dict[str, str]:
     for name in envs.ENV_VARS:
         found = envs.get(name)
         if found is not None:
-            info[found[0]] = "(set)" if "API_KEY" in name else found[1]  # never print a secret
+            info[found[0]] = "(set)" if name.endswith(("API_KEY", "TOKEN")) else found[1]  # never print a secret
     return info
 
 

@@ -97,7 +97,9 @@ class LLM(PoolingAPI):
         self.data_parallel = start_replicas(self.engine_args, config)  # None: one replica
         tok = None
         if not skip_tokenizer_init:
-            tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code, revision)
+            args = self.engine_args
+            tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code,
+                                args.tokenizer_revision or revision, args.download_dir)  # fmt: skip
         engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
         if self.data_parallel is None:
             self.llm_engine = engine_cls(config, tok)
@@ -155,6 +157,20 @@ class LLM(PoolingAPI):
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """vLLM's LLM.start_profile(): the torch profiler runs until stop_profile(), which writes the trace into
+        VLLM_TORCH_PROFILER_DIR (a ValueError when it is unset)."""
+        from pagedllm.profiler import profiler_from_env
+
+        if getattr(self, "_profiler", None) is None:
+            self._profiler = profiler_from_env()
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        if getattr(self, "_profiler", None) is None:
+            raise ValueError("the profiler is not running: start it first (start_profile)")
+        self._profiler.stop()
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. vllm:prefix_cache_hits_total)."""

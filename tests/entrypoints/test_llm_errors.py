@@ -132,6 +132,6 @@ def test_tensor_parallel_needs_divisible_heads(smollm2):
         LLM(smollm2, tensor_parallel_size=2)
 
 
-def test_missing_model_says_hub_is_not_reachable():
-    with pytest.raises(ValueError, match=r"some-org/missing-model.*not reachable"):
+def test_missing_model_names_the_offline_variable():
+    with pytest.raises(ValueError, match=r"some-org/missing-model.*not found.*HF_HUB_OFFLINE is set"):
         LLM("some-org/missing-model")

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import sys
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,43 @@ async def _send_json(send, status: int, body: dict) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
+
+
+class LoadMiddleware:
+    """--enable-server-load-tracking: counts the POST requests in flight (a stream until its last chunk), which
+    GET /load reports as {"server_load": N} (vLLM's, for load balancers)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
+class RequestIdMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class GuardMiddleware:
@@ -149,8 +187,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
-def build_app(state: ServerState, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
-    """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check."""
+def build_app(
+    state: ServerState,
+    api_key: str | None = None,
+    cors: dict | None = None,
+    openapi: bool = True,
+    request_id_headers: bool = False,
+    track_load: bool = False,
+) -> FastAPI:
+    """The app; `cors` (CORSMiddleware's keywords) answers CORS preflights before the API-key check; openapi:
+    serve /openapi.json; request_id_headers: X-Request-Id on every response; track_load: GET /load."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -159,8 +205,21 @@ def build_app(state: ServerState, api_key: str | None = None, cors: dict | None 
 
     from pagedllm import __version__
 
-    app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
+    schema = "/openapi.json" if openapi else None
+    app = FastAPI(
+        title="pagedllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=schema, lifespan=lifespan
+    )
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    if request_id_headers:  # outside the guard: its refusals carry the id too
+        app.add_middleware(RequestIdMiddleware)
+    if track_load:
+        state.server_load = 0
+        app.add_middleware(LoadMiddleware, state=state)
+
+        @app.get("/load")
+        async def load() -> dict:
+            return {"server_load": state.server_load}
+
     if cors is not None:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, **cors)
     _add_error_handlers(app)
@@ -180,12 +239,14 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
     async def get_version() -> dict:
         return {"version": version}
 
-    def card(name: str) -> dict:
+    def card(name: str) -> dict:  # root: the model as the server was given it (vLLM's card)
         return {
             "id": name,
             "object": "model",
             "created": now(),
             "owned_by": "pagedllm",
+            "root": state.llm.llm_engine.config.model.model,
+            "parent": None,
             "max_model_len": state.max_model_len,
         }
 

@@ -51,6 +51,7 @@ def add_serve_parser(sub: Any) -> None:
     )
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file (default: the model's)")
     serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"])
+    _add_response_flags(serve)
     _add_tool_flags(serve)
     limits = serve.add_argument_group("limits", "requests beyond these get HTTP 400")
     limits.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest n / best_of (default: %(default)s)")
@@ -100,6 +101,37 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+
+
+def _add_response_flags(serve: argparse.ArgumentParser) -> None:
+    out = serve.add_argument_group("responses and logs (vLLM's flags)")
+    out.add_argument("--response-role", default="assistant", help="the reply's role with add_generation_prompt")
+    out.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name tokens as "token_id:N" unless a request sets return_tokens_as_token_ids',
+    )
+    out.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streams end with a usage chunk even without stream_options.include_usage",
+    )
+    out.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens (always reported here; accepted for vLLM's launch lines)",
+    )
+    out.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request (the default here; --disable-log-requests turns it off)",
+    )
+    out.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log, even at debug level")
+    out.add_argument("--enable-server-load-tracking", action="store_true", help="GET /load: the requests in flight")
+    out.add_argument(
+        "--enable-request-id-headers", action="store_true", help="X-Request-Id on every response (the client's or new)"
+    )
+    out.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (/docs is never served)")
 
 
 def _add_tool_flags(serve: argparse.ArgumentParser) -> None:
@@ -155,6 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} differ: give one")
     args.model = args.model or args.model_flag
     engine_kwargs = EngineArgs.cli_kwargs(args)
+    if args.enable_log_requests and engine_kwargs.get("disable_log_requests"):
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one")
     if engine_kwargs.get("data_parallel_size", 1) != 1:
         raise ValueError(
             f"--data-parallel-size={engine_kwargs['data_parallel_size']}: the server runs one engine (allowed: 1); "

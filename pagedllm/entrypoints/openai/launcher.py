@@ -109,13 +109,22 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         markers = reasoning_markers(get_reasoning_parser(args.reasoning_parser), llm.get_tokenizer())
         llm.llm_engine.reasoning_markers = markers  # a structured output's grammar starts after the reasoning
     state.metrics_prefixes = tuple(args.metrics_prefix)
+    state.response_role, state.return_tokens_as_token_ids = args.response_role, args.return_tokens_as_token_ids
+    state.force_include_usage = args.enable_force_include_usage
     cors = dict(
         allow_origins=args.allowed_origins,
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
     )
-    app = build_app(state, resolve_api_key(args.api_key), cors)
+    app = build_app(
+        state,
+        resolve_api_key(args.api_key),
+        cors,
+        openapi=not args.disable_fastapi_docs,
+        request_id_headers=args.enable_request_id_headers,
+        track_load=args.enable_server_load_tracking,
+    )
     engine.start()
     config = uvicorn.Config(
         app,
@@ -124,7 +133,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         http=HalfCloseProtocol,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
-        access_log=args.uvicorn_log_level == "debug",
+        access_log=args.uvicorn_log_level == "debug" and not args.disable_uvicorn_access_log,
         root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,

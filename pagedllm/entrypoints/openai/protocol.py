@@ -99,7 +99,9 @@ class _SamplingFields(_Request):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
+    priority: int = 0  # vLLM's priority scheduling; requests here are served first come, first served: only 0
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id is <kind>-<it>
     # beam search (best_of beams, the n best returned); the other two apply only with it
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestStream
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, from_value_error, now
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
 from pagedllm.entrypoints.openai.serving_tools import Reply, ReplyPlan, plan_tools
@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_utils import (
     check_limit,
     context_check,
     prompt_logprobs_json,
+    response_id,
     sampling_params,
     sse_stream,
     unless_disconnected,
@@ -44,10 +45,11 @@ class _Job:
     created: int
     tokenizer: object
     plan: ReplyPlan
+    response_role: str = "assistant"
 
     @property
     def role(self) -> str:
-        return "assistant" if self.req.add_generation_prompt else str(self.req.messages[-1].get("role"))
+        return self.response_role if self.req.add_generation_prompt else str(self.req.messages[-1].get("role"))
 
     def echo_text(self) -> str:
         """What echo puts in front of the reply: the last message's content if its role is the reply's."""
@@ -159,6 +161,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     model = state.check_model(req.model)
     state.require_generate()
     _check(state, req)
+    state.apply_defaults(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
@@ -179,7 +182,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         check_chars=req.truncate_prompt_tokens is None,
         mm_processor_kwargs=req.mm_processor_kwargs,
     )
-    job = _Job(req, model, random_id("chatcmpl"), now(), state.llm.get_tokenizer(), plan)
+    job = _Job(req, model, response_id("chatcmpl", req), now(), state.llm.get_tokenizer(), plan, state.response_role)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
     field = structured_outputs(req)[1] if constrained else "tools"  # a forced tool call's grammar: from the tools
     check = grammar_check(state.engine.engine, params, field, check)

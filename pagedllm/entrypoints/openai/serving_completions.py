@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.async_engine import RequestStream
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, from_value_error, now, random_id
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, from_value_error, now
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
 from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
 from pagedllm.entrypoints.openai.serving_utils import (
@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.serving_utils import (
     context_check,
     legacy_logprobs,
     prompt_logprobs_json,
+    response_id,
     sampling_params,
     sse_stream,
     unless_disconnected,
@@ -97,6 +98,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     model = state.check_model(req.model)
     state.require_generate()
     items = _check(state, req)
+    state.apply_defaults(req)
     echo_only = bool(req.echo) and req.max_tokens == 0
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
@@ -105,7 +107,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
-    job = _Job(req, model, random_id("cmpl"), now(), state.llm.get_tokenizer(), echo_only)
+    job = _Job(req, model, response_id("cmpl", req), now(), state.llm.get_tokenizer(), echo_only)
     make_prompts = _tokenize(state, job.tokenizer, items, req)
     check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
     check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)

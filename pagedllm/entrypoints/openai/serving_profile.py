@@ -4,40 +4,12 @@ runs on the engine's thread between the two calls, and /stop_profile writes its 
 
 from __future__ import annotations
 
-import logging
-
-import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
 
 from pagedllm import envs
 from pagedllm.entrypoints.openai.serving_utils import ServerState, bad
-
-logger = logging.getLogger(__name__)
-
-
-class EngineProfiler:
-    def __init__(self, trace_dir: str) -> None:
-        self.trace_dir = trace_dir
-        self.profiler: torch.profiler.profile | None = None
-
-    def start(self) -> None:
-        if self.profiler is not None:
-            raise ValueError("the profiler is already running: POST /stop_profile first")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        handler = torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name="pagedllm")
-        self.profiler = torch.profiler.profile(activities=activities, on_trace_ready=handler, with_stack=False)
-        self.profiler.start()
-        logger.info("profiler started; traces go to %s", self.trace_dir)
-
-    def stop(self) -> None:
-        if self.profiler is None:
-            raise ValueError("the profiler is not running: POST /start_profile first")
-        profiler, self.profiler = self.profiler, None
-        profiler.stop()  # the trace handler writes the trace file
-        logger.info("profiler stopped; trace written to %s", self.trace_dir)
+from pagedllm.profiler import EngineProfiler
 
 
 def add_profile_routes(app: FastAPI, state: ServerState) -> None:

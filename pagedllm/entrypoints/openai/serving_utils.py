@@ -14,7 +14,7 @@ from fastapi import Request
 
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.openai.limits import ServerLimits
-from pagedllm.entrypoints.openai.protocol import APIError, error_body, from_value_error
+from pagedllm.entrypoints.openai.protocol import APIError, StreamOptions, error_body, from_value_error, random_id
 from pagedllm.entrypoints.openai.serving_structured import structured_outputs
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
@@ -34,6 +34,10 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser: the <think> section goes to reasoning_content
     lora_modules: dict = field(default_factory=dict)  # served name -> LoRARequest (--lora-modules)
     metrics_prefixes: tuple[str, ...] = ()  # /metrics also shows each family under these prefixes (--metrics-prefix)
+    response_role: str = "assistant"  # the reply's role with add_generation_prompt (--response-role)
+    return_tokens_as_token_ids: bool = False  # the default of the request field (--return-tokens-as-token-ids)
+    force_include_usage: bool = False  # streams end with usage without stream_options (--enable-force-include-usage)
+    server_load: int | None = None  # POST requests in flight; None: not counted (--enable-server-load-tracking)
     _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 
     @property
@@ -57,6 +61,16 @@ class ServerState:
                 f"{param}: {num_chars} characters are far more than max_model_len={self.max_model_len} tokens can "
                 f"hold (at most {limit} characters on this model)"
             )
+
+    def apply_defaults(self, req: Any) -> None:
+        """The server-wide defaults of a completions / chat request: --return-tokens-as-token-ids, and with
+        --enable-force-include-usage a usage chunk at the end of every stream."""
+        if req.return_tokens_as_token_ids is None:
+            req.return_tokens_as_token_ids = self.return_tokens_as_token_ids
+        options = req.stream_options
+        if self.force_include_usage and req.stream and not (options and options.include_usage):
+            continuous = bool(options and options.continuous_usage_stats)
+            req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=continuous)
 
     @property
     def llm(self):
@@ -105,9 +119,21 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def response_id(prefix: str, req: Any) -> str:
+    """The id of a response (and of its engine requests): `<prefix>-<request_id>` when the request names one
+    (vLLM's field; one still running with the same id is a 400), else a random one."""
+    return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)
+
+
 def refuse_unsupported(req: Any) -> None:
     """Fields this server knows but does not honour in this combination: a 400 naming the field, never a 200 that
     ignores it."""
+    if req.priority != 0:
+        raise bad(
+            f"priority={req.priority!r} is not supported: requests are served first come, first served "
+            "(vLLM's --scheduling-policy fcfs); only 0 is allowed",
+            "priority",
+        )
     if not req.use_beam_search:
         for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
             if getattr(req, name) != default:
