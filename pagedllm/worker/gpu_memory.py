@@ -96,16 +96,23 @@ def _peak_of(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-@torch.inference_mode()
-def profile_peak_memory(runner) -> tuple[int, int]:
-    """(peak bytes of a forward at max_num_batched_tokens + sampling at max_num_seqs rows,
-    peak bytes of an eager decode forward at the largest CUDA-graph size, 0 without graphs)."""
+def profile_batch(runner) -> tuple[np.ndarray, int]:
+    """The profile's prompts: (lengths [num_reqs] summing to max_num_batched_tokens (at most max_num_seqs x
+    max_model_len), the blocks of the longest)."""
     sched = runner.config.scheduler
     num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * runner.max_model_len)
     num_reqs = min(sched.max_num_seqs, num_tokens)
     lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)  # [num_reqs]
     lens[: num_tokens % num_reqs] += 1
-    num_blocks = -(-int(lens.max()) // runner.block_size)
+    return lens, -(-int(lens.max()) // runner.block_size)
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner) -> tuple[int, int]:
+    """(peak bytes of a forward at max_num_batched_tokens + sampling at max_num_seqs rows,
+    peak bytes of an eager decode forward at the largest CUDA-graph size, 0 without graphs)."""
+    sched = runner.config.scheduler
+    lens, num_blocks = profile_batch(runner)
     with _temporary_kv_cache(runner, num_blocks):
         peak = _peak_of(lambda: _dummy_sample(runner, _dummy_prefill(runner, lens, num_blocks), sched.max_num_seqs))
         graph_peak = 0
