@@ -1,0 +1,40 @@
+"""benchmarks/cold_start.py on the CPU: a tiny Llama started twice in fresh interpreters, one JSON line per run with
+the start-up split (the GPU runs are the benchmark's own)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import cold_start  # noqa: E402
+
+CPU_ARGS = ["--model-shape", "tiny", "--device", "cpu", "--max-num-seqs", "4", "--kv-cache-memory-bytes", "4194304"]
+
+
+@pytest.mark.slow
+def test_cold_start_prints_one_line_per_run_with_the_split(capsys):
+    assert cold_start.main([*CPU_ARGS, "--no-append"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["run"] for r in lines] == ["fresh", "second"]
+    for r in lines:
+        assert r["workload"] == "cold-start" and r["model_shape"] == "tiny"
+        parts = r["import_s"] + r["llm_init_s"] + r["first_token_s"]
+        assert r["seconds"] == pytest.approx(parts, abs=0.01)
+        assert r["process_s"] >= r["seconds"]
+        split = r["split"]
+        for phase in ("import", "config", "weights", "compile", "kv_cache", "graph_capture", "engine_other"):
+            assert split[phase] >= 0.0
+        assert split["total"] <= r["llm_init_s"] + 0.01  # LLM()'s phases, within its wall time
+        assert split["import"] <= r["import_s"] + 0.01
+
+
+def test_cold_start_refuses_a_fresh_run_over_a_filled_cache(tmp_path):
+    (tmp_path / "kernel.cubin").write_bytes(b"x")
+    with pytest.raises(SystemExit, match="is not empty"):
+        cold_start.main([*CPU_ARGS, "--no-append", "--runs", "fresh", "--triton-cache-dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        cold_start.parse_args(["--runs", "warm"])
