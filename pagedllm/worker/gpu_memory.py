@@ -58,12 +58,16 @@ def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
     tables of counts), top-k and top-p (its scratch lists of candidates) and the most logprobs on every row."""
     if hidden is None:  # a later pipeline stage: the first stage computes the logits
         return
-    dev = runner.device
-    rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
+    rows = torch.arange(num_rows, device=runner.device) % hidden.shape[0]  # [num_rows]
     logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32
     torch.log_softmax(logits, dim=-1)
-    flat = torch.randn_like(logits)  # no token stands out: top-p's nucleus is wide
-    vocab = logits.shape[1]
+    _sample_rules(runner, torch.randn_like(logits))  # no token stands out: top-p's nucleus is wide
+
+
+def _sample_rules(runner, flat: torch.Tensor) -> None:
+    """The sampler over logits [num_rows, vocab] float32 with penalties on every row, top-k, top-p and the most
+    logprobs."""
+    dev, (num_rows, vocab) = runner.device, flat.shape
     one = np.ones(num_rows, dtype=np.float32)
     meta = SamplingMetadata.build(
         one,

@@ -1,14 +1,16 @@
-"""GPU start-up: the Triton kernels of the engine's first steps compiled in parallel, before the memory profile.
+"""GPU start-up: the Triton kernels of the engine's first steps compiled in parallel, while the weights load.
 
 Each kernel would otherwise compile when first launched, one after another (seconds each on a fresh machine: the
-sampling kernel alone takes several). Here one pass runs the steps the start-up and the first requests launch (the
-profile's prefill at max_num_batched_tokens and its sampling in float32 with penalties and logprobs, sampling of the
-model's-dtype logits, the decode forward at every CUDA-graph size, or an eager decode) with Triton's jit_cache_hook
-recording each new specialization and skipping it (neither compiled nor launched: that pass computes nothing that
-is read, its outputs are left as they are). Then a thread pool compiles the recorded specializations at once
-(Triton's AsyncCompileMode: its compiler releases the GIL, ptxas is a process of its own), each exactly as a launch
-would have, into the kernel's cache (and Triton's disk cache, so a second start reads them back in parallel too).
-Anything the pass missed compiles on first launch as before."""
+sampling kernel alone takes several). Here passes run the launches of the start-up and of the first requests with
+Triton's jit_cache_hook recording each new specialization and skipping it (neither compiled nor launched: a pass
+computes nothing that is read). A thread pool compiles each recorded specialization as soon as it is found (Triton's
+AsyncCompileMode: its compiler releases the GIL, ptxas is a process of its own), exactly as a launch would have, into
+the kernel's cache and Triton's disk cache (a second start reads them back in parallel too). The passes:
+sampler_steps, before the model is built (the sampling kernel in float32 with penalties and logprobs, and in the
+model's dtype: the longest compiles, under way while the weights load), then first_steps once it is built (the
+profile's prefill at max_num_batched_tokens and its sampling, the decode forward at every CUDA-graph size or an
+eager decode). The runner waits for the pool before the memory profile. Anything the passes missed compiles on
+first launch as before."""
 
 from __future__ import annotations
 
@@ -23,25 +25,63 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def compile_kernels(runner, threads: int) -> int:
-    """On CUDA with one rank (every rank would have to fail alike in the pass), threads > 0: compiles the
-    specializations the first steps launch; returns how many (0: none or skipped)."""
-    if not runner.on_cuda or threads <= 0 or runner.groups.info.world_size > 1:
-        return 0
-    import triton
+class KernelPrecompile:
+    """Compiles recorded specializations on a thread pool as they are found; `finish()` returns once all are in their
+    kernel's cache. While it runs, a launch of a specialization being compiled waits for it (Triton's
+    AsyncCompileMode), so the engine may go on (load weights) meanwhile. Off (every method a no-op) on the CPU, with
+    several ranks (every rank would have to fail alike in the passes), with threads 0, or a Triton without
+    AsyncCompileMode (< 3.4)."""
 
-    if not hasattr(triton, "AsyncCompileMode"):  # Triton < 3.4: kernels compile when first launched
-        return 0
-    start = time.perf_counter()
-    specs = record_specializations(lambda: first_steps(runner))
-    compile_in_parallel(specs, threads)
-    logger.info(
-        "compiled %d Triton kernel specializations on %d threads in %.2f s",
-        len(specs),
-        threads,
-        time.perf_counter() - start,
-    )
-    return len(specs)
+    def __init__(self, runner, threads: int) -> None:
+        self.runner, self.threads = runner, threads
+        self.submitted: set[tuple[int, str]] = set()  # (kernel, specialization data) of each compile started
+        self.pool = self.mode = None
+        if runner.device.type != "cuda" or threads <= 0 or runner.groups.info.world_size > 1:
+            return
+        import triton
+
+        if not hasattr(triton, "AsyncCompileMode"):
+            return
+        self.start = time.perf_counter()
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="triton-compile")
+        mode = triton.AsyncCompileMode(self.pool, ignore_errors=True)  # a failed compile fails at its launch
+        try:
+            mode.__enter__()
+        except RuntimeError:  # one is active in this thread already (an engine built inside another's start)
+            self.pool.shutdown()
+            return
+        self.mode = mode
+
+    def __enter__(self) -> KernelPrecompile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+    def record(self, passes: Callable[[object], None]) -> None:
+        """Records the specializations passes(runner) launches and starts compiling them."""
+        if self.mode is None:
+            return
+        for fn, data in record_specializations(lambda: passes(self.runner)):
+            if (id(fn), data) not in self.submitted:  # (recorded again while being compiled)
+                self.submitted.add((id(fn), data))
+                fn.preload(data)
+
+    def finish(self) -> None:
+        """Waits until every submitted specialization is compiled and in its kernel's cache (once)."""
+        if self.mode is None:
+            return
+        mode, self.mode = self.mode, None
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            self.pool.shutdown()
+        logger.info(
+            "compiled %d Triton kernel specializations on %d threads, %.2f s after the first was found",
+            len(self.submitted),
+            self.threads,
+            time.perf_counter() - self.start,
+        )
 
 
 def record_specializations(passes: Callable[[], None]) -> list[tuple[object, str]]:
@@ -81,6 +121,19 @@ def compile_in_parallel(specs: list[tuple[object, str]], threads: int) -> None:
 
 
 @torch.inference_mode()
+def sampler_steps(runner) -> None:
+    """The sampling kernel's variants (the longest compiles), from the model's config alone, before the model is
+    built: logits in float32 with penalties and logprobs (what the profile and such requests run), and in the
+    model's dtype without them (plain requests)."""
+    from pagedllm.worker.gpu_memory import _sample_rules
+
+    n, vocab = runner.config.scheduler.max_num_seqs, runner.config.model.vocab_size
+    logits = torch.zeros(n, vocab, dtype=runner.config.model.dtype, device=runner.device)  # [n, vocab]
+    _sample_rules(runner, logits.float())
+    _plain_sample(runner, logits)
+
+
+@torch.inference_mode()
 def first_steps(runner) -> None:
     """The launches of the start-up and of the first steps: the memory profile's prefill and sampling, sampling
     of the model's-dtype logits (rows without penalties or logprobs), and the decode forwards."""
@@ -91,7 +144,7 @@ def first_steps(runner) -> None:
     with _temporary_kv_cache(runner, num_blocks):
         hidden = _dummy_prefill(runner, lens, num_blocks)  # [num_tokens, hidden]
         _dummy_sample(runner, hidden, sched.max_num_seqs)
-        _plain_sample(runner, hidden[: min(len(hidden), sched.max_num_seqs)])
+        _plain_sample(runner, runner.model.compute_logits(hidden[: sched.max_num_seqs], False))
         if runner.graphs is not None:
             for bs in runner.graphs.sizes:
                 runner.graphs.clear_inputs()
@@ -100,12 +153,11 @@ def first_steps(runner) -> None:
             _dummy_prefill(runner, np.ones(sched.max_num_seqs, dtype=np.int64), num_blocks)  # decodes: 1 token each
 
 
-def _plain_sample(runner, hidden: torch.Tensor) -> None:
-    """Temperature 1 without filters, penalties or logprobs: the logits stay in the model's dtype."""
+def _plain_sample(runner, logits: torch.Tensor) -> None:
+    """Temperature 1 without filters, penalties or logprobs: logits [n, vocab] stay in the model's dtype."""
     from pagedllm.sample.metadata import SamplingMetadata
 
-    n = hidden.shape[0]
-    logits = runner.model.compute_logits(hidden, False)  # [n, vocab]
+    n = logits.shape[0]
     zeros = np.zeros(n, dtype=np.float32)
     meta = SamplingMetadata.build(
         np.ones(n, dtype=np.float32),

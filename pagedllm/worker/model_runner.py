@@ -27,7 +27,7 @@ from pagedllm.spec_decode.draft_model import make_drafter
 from pagedllm.startup import StartupTimer
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kernel_warmup import compile_kernels
+from pagedllm.worker.kernel_warmup import KernelPrecompile, first_steps, sampler_steps
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -61,17 +61,27 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(config.model.num_kv_heads, self.groups.info.tp_size)
         self.kv_cache_dtype = config.cache.kv_cache_dtype(config.model.dtype)  # FP8 halves the bytes per block
         self.startup = StartupTimer()  # seconds per start-up phase (pagedllm/startup.py)
-        with self.startup.phase("weights"):
-            self.model = get_model(config.model, self.device, self.groups.build_context())
-        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
-        with self.startup.phase("compile"):  # (the CPU's C kernels build here, once per machine)
-            self.backend = get_backend(config.device.attention_backend, self.device)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.on_cuda = self.device.type == "cuda"
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
-        with self.startup.phase("compile"):
+        with self.startup.phase("compile"):  # (the CPU's C kernels build here, once per machine)
             self.sampler = StepSampler(self.batch, self.device, config.model.seed)
+        # GPU: the first steps' Triton kernels compile on a thread pool while the model is built (kernel_warmup)
+        with KernelPrecompile(self, config.compilation.compile_threads) as precompile:
+            precompile.record(sampler_steps)
+            self._build_model(max_blocks)
+            precompile.record(first_steps)
+            with self.startup.phase("compile"):
+                precompile.finish()
+
+    def _build_model(self, max_blocks: int) -> None:
+        config = self.config
+        with self.startup.phase("weights"):
+            self.model = get_model(config.model, self.device, self.groups.build_context())
+        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
+        with self.startup.phase("compile"):
+            self.backend = get_backend(config.device.attention_backend, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # req_id -> the request's logits processors: callables stay in the engine's process (registered there),
         # the step message carries none
         self.logits_processors: dict[str, list[Callable]] = {}
@@ -82,8 +92,6 @@ class ModelRunner:
         with self.startup.phase("weights"):
             self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
             self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
-        with self.startup.phase("compile"):  # GPU: the Triton kernels of the first steps, in parallel
-            compile_kernels(self, config.compilation.compile_threads)
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""

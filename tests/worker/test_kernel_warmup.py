@@ -94,3 +94,29 @@ def test_a_failing_pass_keeps_what_it_recorded(sm90):
     specs = record_specializations(passes)
     assert len(specs) == 1 and specs[0][0] is kernel
     assert knobs.runtime.jit_cache_hook is None
+
+
+def test_precompile_compiles_while_the_caller_goes_on(sm90):
+    from types import SimpleNamespace
+
+    from triton.runtime._async_compile import active_mode
+
+    from pagedllm.worker.kernel_warmup import KernelPrecompile
+
+    kernel = JITFunction(_scale)
+    x = torch.randn(256, dtype=torch.float32)
+    runner = SimpleNamespace(device=torch.device("cuda"), groups=SimpleNamespace(info=SimpleNamespace(world_size=1)))
+    with KernelPrecompile(runner, threads=2) as precompile:
+        precompile.record(lambda r: _launch(kernel, x, False))  # compiling from here on
+        assert active_mode.get() is not None
+        nested = KernelPrecompile(runner, threads=2)  # an engine started inside this one's start: off
+        assert nested.mode is None
+        nested.finish()
+        precompile.record(lambda r: (_launch(kernel, x, False), _launch(kernel, x, True)))  # the first: submitted
+        precompile.finish()
+        assert active_mode.get() is None
+        assert len(kernel.device_caches[0][0]) == len(precompile.submitted) == 2
+    assert active_mode.get() is None
+    several = SimpleNamespace(device=runner.device, groups=SimpleNamespace(info=SimpleNamespace(world_size=2)))
+    assert KernelPrecompile(several, threads=2).mode is None
+    assert KernelPrecompile(SimpleNamespace(device=torch.device("cpu")), threads=2).mode is None
