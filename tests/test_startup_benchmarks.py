@@ -1,5 +1,6 @@
-"""benchmarks/cold_start.py on the CPU: a tiny Llama started twice in fresh interpreters, one JSON line per run with
-the start-up split (the GPU runs are the benchmark's own)."""
+"""benchmarks/cold_start.py and benchmarks/prefix_ttft.py on the CPU with a tiny Llama: cold_start starts it twice in
+fresh interpreters, one JSON line per run with the start-up split; prefix_ttft times the first tokens of requests
+sharing a system prompt with prefix caching off and on. (The GPU runs are the benchmarks' own.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import cold_start  # noqa: E402
+from benchmarks import cold_start, prefix_ttft  # noqa: E402
 
 CPU_ARGS = ["--model-shape", "tiny", "--device", "cpu", "--max-num-seqs", "4", "--kv-cache-memory-bytes", "4194304"]
 
@@ -38,3 +39,18 @@ def test_cold_start_refuses_a_fresh_run_over_a_filled_cache(tmp_path):
         cold_start.main([*CPU_ARGS, "--no-append", "--runs", "fresh", "--triton-cache-dir", str(tmp_path)])
     with pytest.raises(SystemExit):
         cold_start.parse_args(["--runs", "warm"])
+
+
+@pytest.mark.slow
+def test_prefix_ttft_reports_both_modes(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(cold_start.TINY), encoding="utf-8")
+    argv = ["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--prefix-tokens", "64",
+            "--requests", "4", "--repeats", "1", "--kv-cache-memory-bytes", "4194304", "--no-append"]  # fmt: skip
+    assert prefix_ttft.main(argv) == 0
+    record = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
+    assert record["workload"] == "prefix-ttft" and record["requests"] == 4
+    assert record["cached_prompt_tokens_off"] == 0
+    assert record["cached_prompt_tokens_on"] == 4 * 64  # the system prompt's 4 full blocks of 16, per request
+    assert record["first_tokens_equal"] is True
+    for mode in ("off", "on"):
+        assert 0 < record[f"ttft_p50_s_{mode}"] <= record[f"ttft_p99_s_{mode}"] <= record[f"wall_s_{mode}"]
