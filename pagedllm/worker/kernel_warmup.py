@@ -63,9 +63,13 @@ class KernelPrecompile:
         if self.mode is None:
             return
         for fn, data in record_specializations(lambda: passes(self.runner)):
-            if (id(fn), data) not in self.submitted:  # (recorded again while being compiled)
-                self.submitted.add((id(fn), data))
+            if (id(fn), data) in self.submitted:  # (recorded again while being compiled)
+                continue
+            self.submitted.add((id(fn), data))
+            try:
                 fn.preload(data)
+            except Exception as e:  # it compiles at its first launch instead (and reports there)
+                logger.debug("kernel pre-compile: %s not submitted (%s: %s)", fn, type(e).__name__, e)
 
     def finish(self) -> None:
         """Waits until every submitted specialization is compiled and in its kernel's cache (once)."""
