@@ -12,6 +12,8 @@ logger = logging.getLogger(__name__)
 
 _IMPORT_START = time.perf_counter()  # this module is the first that `import pagedllm` runs
 IMPORT_SECONDS: float | None = None  # set when `import pagedllm` ends
+PHASES = ("import", "config", "tokenizer", "weights", "compile", "kv_profile", "kv_cache", "graph_capture",
+          "engine_other", "total")  # fmt: skip
 
 
 def mark_imported() -> None:
@@ -57,7 +59,8 @@ def startup_split(timer: StartupTimer, engine) -> dict[str, float]:
     split.update(runner)
     split["engine_other"] = max(0.0, engine_seconds - sum(runner.values()))
     split["total"] = sum(v for k, v in split.items() if k != "import")
-    return split
+    rank = {name: i for i, name in enumerate(PHASES)}  # the order they happen in (others after)
+    return dict(sorted(split.items(), key=lambda item: rank.get(item[0], len(PHASES))))
 
 
 def log_split(split: dict[str, float]) -> None:

@@ -34,6 +34,8 @@ def test_startup_split_sums_to_the_wall_time(tiny_config_dir, caplog):
     for phase in ("import", "config", "weights", "compile", "kv_cache", "graph_capture", "engine_other", "total"):
         assert phase in split and split[phase] >= 0.0, (phase, split)
     assert "tokenizer" not in split  # skip_tokenizer_init: no tokenizer phase ran
+    assert list(split)[0] == "import" and list(split)[-1] == "total"
+    assert list(split).index("weights") < list(split).index("compile") < list(split).index("graph_capture")
     assert split["import"] > 0.0  # `import pagedllm` ran in this process
     parts = sum(v for k, v in split.items() if k not in ("import", "total"))
     assert split["total"] == pytest.approx(parts)
