@@ -30,7 +30,7 @@ class KernelPrecompile:
     kernel's cache. While it runs, a launch of a specialization being compiled waits for it (Triton's
     AsyncCompileMode), so the engine may go on (load weights) meanwhile. Off (every method a no-op) on the CPU, with
     several ranks (every rank would have to fail alike in the passes), with threads 0, or a Triton without
-    AsyncCompileMode (< 3.4)."""
+    AsyncCompileMode (< 3.4) or none."""
 
     def __init__(self, runner, threads: int) -> None:
         self.runner, self.threads = runner, threads
@@ -38,8 +38,10 @@ class KernelPrecompile:
         self.pool = self.mode = None
         if runner.device.type != "cuda" or threads <= 0 or runner.groups.info.world_size > 1:
             return
-        import triton
-
+        try:
+            import triton
+        except ImportError:  # the torch backend and ops: nothing to compile
+            return
         if not hasattr(triton, "AsyncCompileMode"):
             return
         self.start = time.perf_counter()
