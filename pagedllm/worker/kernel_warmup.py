@@ -113,19 +113,6 @@ def record_specializations(passes: Callable[[], None]) -> list[tuple[object, str
     return list(recorded.values())
 
 
-def compile_in_parallel(specs: list[tuple[object, str]], threads: int) -> None:
-    """Compiles (or reads from Triton's disk cache) each specialization on a pool of threads; returns when all are
-    in their kernel's cache. One that fails to compile is left out (its launch compiles it and reports the error)."""
-    import triton
-
-    if not specs:
-        return
-    with ThreadPoolExecutor(max_workers=min(threads, len(specs))) as pool:
-        with triton.AsyncCompileMode(pool, ignore_errors=True):
-            for fn, data in specs:
-                fn.preload(data)
-
-
 @torch.inference_mode()
 def sampler_steps(runner) -> None:
     """The sampling kernel's variants (the longest compiles), from the model's config alone, before the model is

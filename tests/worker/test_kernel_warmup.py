@@ -6,6 +6,7 @@ TRITON_INTERPRET=1 on CPU), so the engine's kernels keep no entry compiled for t
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from pagedllm.worker.kernel_warmup import compile_in_parallel, record_specializations  # noqa: E402
+from pagedllm.worker.kernel_warmup import KernelPrecompile, record_specializations  # noqa: E402
 
 
 def _scale(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
@@ -53,6 +54,13 @@ def sm90(monkeypatch, tmp_path):
         driver._active = previous
 
 
+def _runner(world_size: int = 1, device: str = "cuda") -> SimpleNamespace:
+    """What KernelPrecompile reads of a model runner."""
+    return SimpleNamespace(
+        device=torch.device(device), groups=SimpleNamespace(info=SimpleNamespace(world_size=world_size))
+    )
+
+
 def _launch(kernel, x: torch.Tensor, square: bool, factor: float = 2.0) -> None:
     out = torch.empty_like(x)
     kernel[(triton.cdiv(x.numel(), 64),)](x, out, x.numel(), factor, BLOCK=64, SQUARE=square)
@@ -75,7 +83,8 @@ def test_recorded_specializations_compile_into_the_kernel_cache(sm90):
     assert len(set(keys)) == 3
     cache = kernel.device_caches[0][0]
     assert not cache  # recording compiled nothing and launched nothing
-    compile_in_parallel(specs, threads=3)
+    with KernelPrecompile(_runner(), threads=3) as precompile:
+        precompile.record(lambda runner: passes())  # records them again (nothing compiled yet) and compiles them
     assert sorted(cache) == sorted(keys)  # the keys a launch looks up: it finds them compiled
     for key in keys:
         assert cache[key].asm["cubin"]
@@ -97,15 +106,11 @@ def test_a_failing_pass_keeps_what_it_recorded(sm90):
 
 
 def test_precompile_compiles_while_the_caller_goes_on(sm90):
-    from types import SimpleNamespace
-
     from triton.runtime._async_compile import active_mode
-
-    from pagedllm.worker.kernel_warmup import KernelPrecompile
 
     kernel = JITFunction(_scale)
     x = torch.randn(256, dtype=torch.float32)
-    runner = SimpleNamespace(device=torch.device("cuda"), groups=SimpleNamespace(info=SimpleNamespace(world_size=1)))
+    runner = _runner()
     with KernelPrecompile(runner, threads=2) as precompile:
         precompile.record(lambda r: _launch(kernel, x, False))  # compiling from here on
         assert active_mode.get() is not None
@@ -117,6 +122,6 @@ def test_precompile_compiles_while_the_caller_goes_on(sm90):
         assert active_mode.get() is None
         assert len(kernel.device_caches[0][0]) == len(precompile.submitted) == 2
     assert active_mode.get() is None
-    several = SimpleNamespace(device=runner.device, groups=SimpleNamespace(info=SimpleNamespace(world_size=2)))
-    assert KernelPrecompile(several, threads=2).mode is None
-    assert KernelPrecompile(SimpleNamespace(device=torch.device("cpu")), threads=2).mode is None
+    assert KernelPrecompile(_runner(world_size=2), threads=2).mode is None
+    assert KernelPrecompile(_runner(device="cpu"), threads=2).mode is None
+    assert KernelPrecompile(runner, threads=0).mode is None
