@@ -3,6 +3,7 @@
 from pagedllm import LLM, SamplingParams
 """
 
+from pagedllm import startup  # first: it times the import
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
@@ -29,6 +30,7 @@ from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, Struc
 
 __version__ = "0.1.0"
 
+startup.mark_imported()
 configure_logging()  # vLLM's log handler and level (VLLM_CONFIGURE_LOGGING=0: left to the application)
 
 __all__ = [

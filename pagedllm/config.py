@@ -6,6 +6,7 @@ Each component receives the sub-config it needs (model, cache, scheduler, parall
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +45,25 @@ class CompilationLevel(enum.IntEnum):
 class CompilationConfig:
     level: int = CompilationLevel.NO_COMPILATION
     cudagraph_capture_sizes: list[int] | None = None
+    # GPU start-up: threads that compile the Triton kernels of the first steps at once (0: each kernel compiles
+    # when first launched; None: up to 8, one per CPU core)
+    compile_threads: int | None = None
+    # capture the decode graphs of batch sizes <= 8 and of the largest size at start, the others when first used
+    lazy_cudagraph_capture: bool = False
 
     def __post_init__(self) -> None:
         if int(self.level) not in {lvl.value for lvl in CompilationLevel}:
             raise ValueError(f"compilation_config.level={self.level!r} is not one of 0, 1, 2, 3")
+        if self.compile_threads is None:
+            self.compile_threads = min(8, os.cpu_count() or 1)
+        if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int):
+            raise TypeError(f"compilation_config.compile_threads={self.compile_threads!r} must be an integer")
+        if not 0 <= self.compile_threads <= 64:
+            raise ValueError(f"compilation_config.compile_threads={self.compile_threads} must be in [0, 64]")
+        if not isinstance(self.lazy_cudagraph_capture, bool):
+            raise TypeError(
+                f"compilation_config.lazy_cudagraph_capture={self.lazy_cudagraph_capture!r} must be True or False"
+            )
         if self.cudagraph_capture_sizes is not None:
             sizes = list(self.cudagraph_capture_sizes)
             if any(not isinstance(s, int) or s < 1 for s in sizes):
@@ -63,12 +79,17 @@ class CompilationConfig:
         if isinstance(value, int):
             return cls(level=value)
         if isinstance(value, dict):
-            known = {"level", "mode", "cudagraph_capture_sizes"}
+            known = {"level", "mode", "cudagraph_capture_sizes", "compile_threads", "lazy_cudagraph_capture"}
             unknown = set(value) - known
             if unknown:
                 raise TypeError(f"compilation_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
             level = value.get("level", value.get("mode", CompilationLevel.NO_COMPILATION))
-            return cls(level=level, cudagraph_capture_sizes=value.get("cudagraph_capture_sizes"))
+            return cls(
+                level=level,
+                cudagraph_capture_sizes=value.get("cudagraph_capture_sizes"),
+                compile_threads=value.get("compile_threads"),
+                lazy_cudagraph_capture=value.get("lazy_cudagraph_capture", False),
+            )
         raise TypeError(f"compilation_config must be an int, a dict or a CompilationConfig, got {type(value).__name__}")
 
 

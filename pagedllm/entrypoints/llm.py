@@ -21,6 +21,7 @@ from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.startup import StartupTimer, log_split, startup_split
 from pagedllm.tokenizer import get_tokenizer
 
 
@@ -90,21 +91,29 @@ class LLM(PoolingAPI):
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
         args = {k: v for k, v in locals().items() if k in EngineArgs.names()} | kwargs
-        self.engine_args = EngineArgs(**args)
-        config = self.engine_args.create_engine_config()
+        timer = StartupTimer()
+        with timer.phase("config"):
+            self.engine_args = EngineArgs(**args)
+            config = self.engine_args.create_engine_config()
         from pagedllm.entrypoints.data_parallel import start_replicas  # here: it is also the replicas' __main__
 
-        self.data_parallel = start_replicas(self.engine_args, config)  # None: one replica
+        with timer.phase("engine"):
+            self.data_parallel = start_replicas(self.engine_args, config)  # None: one replica
         tok = None
         if not skip_tokenizer_init:
             args = self.engine_args
-            tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code,
-                                args.tokenizer_revision or revision, args.download_dir)  # fmt: skip
+            with timer.phase("tokenizer"):
+                tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code,
+                                    args.tokenizer_revision or revision, args.download_dir)  # fmt: skip
         engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
-        if self.data_parallel is None:
-            self.llm_engine = engine_cls(config, tok)
-        else:
-            self.llm_engine = self.data_parallel.build_local(lambda: engine_cls(config, tok))
+        with timer.phase("engine"):
+            if self.data_parallel is None:
+                self.llm_engine = engine_cls(config, tok)
+            else:
+                self.llm_engine = self.data_parallel.build_local(lambda: engine_cls(config, tok))
+        # seconds per start-up phase (pagedllm/startup.py), for benchmarks; logged in one line
+        self.startup_seconds = startup_split(timer, self.llm_engine)
+        log_split(self.startup_seconds)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

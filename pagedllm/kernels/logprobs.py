@@ -107,7 +107,8 @@ def row_logprobs(
         tl.store(out_lp + 4 + num_top + at, v - lse, mask=keep)
 
 
-@triton.jit
+# num_top changes from step to step: one compiled variant for every count (1 and multiples of 16 would each compile)
+@triton.jit(do_not_specialize=["num_top"])
 def logprobs_kernel(
     logits_ptr,  # [rows, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary
     chosen_ptr,  # [rows] int64: the tokens whose logprob and rank are wanted

@@ -266,9 +266,12 @@ def _race_listed(vals_ptr, ids_ptr, n, key, floor, TILE: tl.constexpr):
 
 
 # the ints that vary from step to step are plain values: Triton would compile this large kernel again (seconds, while
-# the engine waits) for each new mix of them equal to 1 or divisible by 16
+# the engine waits) for each new mix of them equal to 1 or divisible by 16. Likewise the 16-byte alignment of the int
+# buffers read and written at row offsets it cannot know (scalar loads, rows of 13 words): the state and step words
+# may be views at any offset (one upload of both), and the alignment would only choose another variant of the same code
 @triton.jit(
-    do_not_specialize=["batch", "num_pen", "tokens_at", "token_cap", "num_top", "copied", "advance", "step_key"]
+    do_not_specialize=["batch", "num_pen", "tokens_at", "token_cap", "num_top", "copied", "advance", "step_key"],
+    do_not_specialize_on_alignment=["state_ptr", "step_ptr", "out_ptr", "lp_ptr"],
 )
 def sample_kernel(
     logits_ptr,  # [batch, vocab] float32 / bfloat16 / float16, unit stride along the vocabulary

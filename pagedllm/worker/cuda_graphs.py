@@ -6,7 +6,11 @@ their outputs are ignored. The attention metadata is built once per captured siz
 split-K count fixed for that size, so the capture and every replay launch the same kernels. All graphs share one
 memory pool and are captured largest first, so the smaller ones reuse its blocks. With LoRA the graphs are captured
 with the adapter path on over a static mapping (`lora`; padded rows and base rows: slot -1, no term), so a batch
-mixing adapters replays them too."""
+mixing adapters replays them too.
+
+Lazy capture (compilation_config lazy_cudagraph_capture): the start captures the sizes up to LAZY_START_MAX and the
+largest (which sizes the pool); any other size is captured the first time a step pads to it (a pause of one capture,
+tens of milliseconds, on that step only), so the first token comes sooner and sizes never used cost nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +23,15 @@ from torch import nn
 from pagedllm.forward_context import forward_context
 
 logger = logging.getLogger(__name__)
+
+LAZY_START_MAX = 8  # with lazy capture, sizes up to this one are captured at start (and the largest)
+
+
+def start_sizes(sizes: list[int], lazy: bool) -> list[int]:
+    """The sizes captured at start: all, or with lazy capture those up to LAZY_START_MAX and the largest."""
+    if not lazy or not sizes:
+        return list(sizes)
+    return [s for s in sizes if s <= LAZY_START_MAX or s == max(sizes)]
 
 
 def capture_sizes(max_num_seqs: int, user_sizes: list[int] | None) -> list[int]:
@@ -44,9 +57,11 @@ class CudaGraphRunner:
         num_kv_heads: int,
         device: torch.device,
         lora=None,
+        lazy: bool = False,
     ) -> None:
         self.model, self.backend, self.sizes = model, backend, sorted(sizes)
         self.lora = lora  # StaticLoRAMapping (lora/mapping.py) of max_size tokens; None: LoRA is off
+        self.lazy = lazy  # sizes outside start_sizes are captured when first used
         self.max_size, self.max_blocks, self.device = self.sizes[-1], max_blocks, device
         n = self.max_size
         # int64 rows: input ids, positions, cache slots; pinned host staging and its device twin
@@ -80,10 +95,18 @@ class CudaGraphRunner:
         )
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest captured size that holds num_reqs decodes (None: run eagerly)."""
+        """The smallest capture size that holds num_reqs decodes (None: run eagerly); with lazy capture, a size
+        not captured yet is captured now."""
         if num_reqs > self.max_size or not self.graphs:
             return None
-        return next(s for s in self.sizes if s >= num_reqs)
+        bs = next(s for s in self.sizes if s >= num_reqs)
+        if bs not in self.graphs:
+            start = time.perf_counter()
+            self._capture_one(bs)
+            torch.cuda.synchronize(self.device)
+            self.capture_seconds += time.perf_counter() - start
+            logger.debug("captured the CUDA graph of decode batch size %d on first use", bs)
+        return bs
 
     def clear_inputs(self) -> None:
         """Inputs that write no KV (slot -1) and read no key (sequence length 0): for warm-ups and profiling."""
@@ -99,20 +122,27 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Captures every size, largest first, into one pool; returns the seconds it took."""
+        """Captures the start sizes (every size unless lazy), largest first, into one pool; returns the seconds it
+        took."""
         start = time.perf_counter()
-        self.clear_inputs()  # warm-up and capture write no KV
         self.pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):
-            self.forward_eager(bs)  # compiles the Triton variants and sets up cuBLAS outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self.forward_eager(bs)
-            self.graphs[bs] = graph
+        sizes = start_sizes(self.sizes, self.lazy)
+        for bs in reversed(sizes):
+            self._capture_one(bs)
         torch.cuda.synchronize(self.device)
         seconds = self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.2f s", len(self.sizes), self.sizes, seconds)
+        later = f", {len(self.sizes) - len(sizes)} more when first used" if self.lazy else ""
+        logger.info("captured %d CUDA graphs (decode batch sizes %s%s) in %.2f s", len(sizes), sizes, later, seconds)
         return seconds
+
+    @torch.inference_mode()
+    def _capture_one(self, bs: int) -> None:
+        self.clear_inputs()  # warm-up and capture write no KV
+        self.forward_eager(bs)  # compiles the Triton variants and sets up cuBLAS outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[bs] = self.forward_eager(bs)
+        self.graphs[bs] = graph
 
     def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table, late=None, lora_slots=None):
         """Host arrays of n <= bs decodes into the static buffers, rows n..bs as padding; one copy per dtype.

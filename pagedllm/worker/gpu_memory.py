@@ -58,12 +58,16 @@ def _dummy_sample(runner, hidden: torch.Tensor, num_rows: int) -> None:
     tables of counts), top-k and top-p (its scratch lists of candidates) and the most logprobs on every row."""
     if hidden is None:  # a later pipeline stage: the first stage computes the logits
         return
-    dev = runner.device
-    rows = torch.arange(num_rows, device=dev) % hidden.shape[0]  # [num_rows]
+    rows = torch.arange(num_rows, device=runner.device) % hidden.shape[0]  # [num_rows]
     logits = runner.model.compute_logits(hidden[rows])  # [num_rows, vocab] float32
     torch.log_softmax(logits, dim=-1)
-    flat = torch.randn_like(logits)  # no token stands out: top-p's nucleus is wide
-    vocab = logits.shape[1]
+    _sample_rules(runner, torch.randn_like(logits))  # no token stands out: top-p's nucleus is wide
+
+
+def _sample_rules(runner, flat: torch.Tensor) -> None:
+    """The sampler over logits [num_rows, vocab] float32 with penalties on every row, top-k, top-p and the most
+    logprobs."""
+    dev, (num_rows, vocab) = runner.device, flat.shape
     one = np.ones(num_rows, dtype=np.float32)
     meta = SamplingMetadata.build(
         one,
@@ -96,16 +100,23 @@ def _peak_of(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-@torch.inference_mode()
-def profile_peak_memory(runner) -> tuple[int, int]:
-    """(peak bytes of a forward at max_num_batched_tokens + sampling at max_num_seqs rows,
-    peak bytes of an eager decode forward at the largest CUDA-graph size, 0 without graphs)."""
+def profile_batch(runner) -> tuple[np.ndarray, int]:
+    """The profile's prompts: (lengths [num_reqs] summing to max_num_batched_tokens (at most max_num_seqs x
+    max_model_len), the blocks of the longest)."""
     sched = runner.config.scheduler
     num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * runner.max_model_len)
     num_reqs = min(sched.max_num_seqs, num_tokens)
     lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)  # [num_reqs]
     lens[: num_tokens % num_reqs] += 1
-    num_blocks = -(-int(lens.max()) // runner.block_size)
+    return lens, -(-int(lens.max()) // runner.block_size)
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner) -> tuple[int, int]:
+    """(peak bytes of a forward at max_num_batched_tokens + sampling at max_num_seqs rows,
+    peak bytes of an eager decode forward at the largest CUDA-graph size, 0 without graphs)."""
+    sched = runner.config.scheduler
+    lens, num_blocks = profile_batch(runner)
     with _temporary_kv_cache(runner, num_blocks):
         peak = _peak_of(lambda: _dummy_sample(runner, _dummy_prefill(runner, lens, num_blocks), sched.max_num_seqs))
         graph_peak = 0

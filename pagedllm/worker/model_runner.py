@@ -25,8 +25,10 @@ from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
 from pagedllm.spec_decode.draft_model import make_drafter
+from pagedllm.startup import StartupTimer
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kernel_warmup import KernelPrecompile, first_steps, sampler_steps
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -59,14 +61,28 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len
         self.num_kv_heads = kv_heads_per_rank(config.model.num_kv_heads, self.groups.info.tp_size)
         self.kv_cache_dtype = config.cache.kv_cache_dtype(config.model.dtype)  # FP8 halves the bytes per block
-        self.model = get_model(config.model, self.device, self.groups.build_context())
-        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
-        self.backend = get_backend(config.device.attention_backend, self.device)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.startup = StartupTimer()  # seconds per start-up phase (pagedllm/startup.py)
         self.on_cuda = self.device.type == "cuda"
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
-        self.sampler = StepSampler(self.batch, self.device, config.model.seed)
+        with self.startup.phase("compile"):  # (the CPU's C kernels build here, once per machine)
+            self.sampler = StepSampler(self.batch, self.device, config.model.seed)
+        # GPU: the first steps' Triton kernels compile on a thread pool while the model is built (kernel_warmup)
+        with KernelPrecompile(self, config.compilation.compile_threads) as precompile:
+            precompile.record(sampler_steps)
+            self._build_model(max_blocks)
+            precompile.record(first_steps)
+            with self.startup.phase("compile"):
+                precompile.finish()
+
+    def _build_model(self, max_blocks: int) -> None:
+        config = self.config
+        with self.startup.phase("weights"):
+            self.model = get_model(config.model, self.device, self.groups.build_context())
+        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
+        with self.startup.phase("compile"):
+            self.backend = get_backend(config.device.attention_backend, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # req_id -> the request's logits processors: callables stay in the engine's process (registered there),
         # the step message carries none
         self.logits_processors: dict[str, list[Callable]] = {}
@@ -74,8 +90,9 @@ class ModelRunner:
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
         self.last_step: StepFuture | None = None  # the newest launched step that samples
         self.host_copies = HostCopies()  # pinned buffers the steps' sampled tokens and logprobs come back through
-        self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
-        self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
+        with self.startup.phase("weights"):
+            self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
+            self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
@@ -96,6 +113,7 @@ class ModelRunner:
             self.num_kv_heads,
             self.device,
             lora,
+            self.config.compilation.lazy_cudagraph_capture,
         )
 
     def kv_bytes_per_block(self) -> int:
@@ -105,6 +123,10 @@ class ModelRunner:
         return per_layer * len(self.attn_layers) + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        with self.startup.phase("kv_cache"):
+            self._allocate_kv_cache(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         for layer in self.attn_layers:  # each backend lays its cache out in memory as its kernels read it best
             if (layer.num_kv_heads, layer.head_dim) != (self.num_kv_heads, m.head_dim):  # too small corrupts memory
@@ -121,8 +143,9 @@ class ModelRunner:
 
     def capture_cudagraphs(self) -> float:
         """Captures the decode graphs over the allocated KV cache (CUDA only); returns the seconds it took."""
-        seconds = self.graphs.capture() if self.graphs is not None else 0.0
-        return seconds + (self.drafter.capture_cudagraphs() if self.drafter is not None else 0.0)
+        with self.startup.phase("graph_capture"):
+            seconds = self.graphs.capture() if self.graphs is not None else 0.0
+            return seconds + (self.drafter.capture_cudagraphs() if self.drafter is not None else 0.0)
 
     def available_kv_cache_bytes(self) -> int | None:
         """On CUDA: the KV-cache budget found by profiling one forward (see gpu_memory); None elsewhere."""
@@ -130,7 +153,8 @@ class ModelRunner:
             return None
         from pagedllm.worker.gpu_memory import available_kv_cache_bytes
 
-        return available_kv_cache_bytes(self)
+        with self.startup.phase("kv_profile"):
+            return available_kv_cache_bytes(self)
 
     def add_lora(self, request) -> bool:
         """Reads and checks a LoRA adapter (ValueError) and keeps its host copy; False if it was known."""

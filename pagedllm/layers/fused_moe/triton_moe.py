@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# num_pairs (tokens x top_k) only marks padding: one compiled variant for every batch size
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_gemm_kernel(
     a_ptr,  # [rows, K]: tokens (GEMM 1, A_ROW_DIV = top_k) or pairs (GEMM 2, A_ROW_DIV = 1)
     b_ptr,  # [E, N (x2 when GATED: gate rows then up rows), K]

@@ -13,7 +13,7 @@ from pagedllm.layers.quantization.fp8_ops import quantize_per_token, triton
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # M only bounds masks: one variant per BLOCK_M for every batch size
     def block_fp8_matmul_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, group_n,
         stride_am, stride_bn, stride_cm, stride_as_m, stride_bs_n,

@@ -25,7 +25,9 @@ NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # M (the decode batch) only bounds masks: one compiled variant for every batch size instead of three (M = 1,
+    # M = 16, others)
+    @triton.jit(do_not_specialize=["M"])
     def fp8_gemv_kernel(
         x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, k_split,
         stride_xm, stride_wn, stride_os, stride_om,

@@ -64,7 +64,9 @@ if triton is not None:
                 z = (1 << (BITS - 1)) * 1.0
         return tl.where(mask, (q - z) * s, 0.0)
 
-    @triton.jit
+    # M only bounds masks: one compiled variant per BLOCK_M for every batch size (M = 1 and multiples of 16 would
+    # each compile apart)
+    @triton.jit(do_not_specialize=["M"])
     def wna16_gemm_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, N, K, group_size, k_split,
         stride_xm, stride_os, stride_om,
