@@ -15,6 +15,10 @@ import llguidance
 import torch
 
 from pagedllm.sampling_params import GuidedDecodingParams
+from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE
+
+# free whitespace between JSON tokens, bounded as xgrammar's max_whitespace_cnt bounds it
+_WHITESPACE = rf"[\x20\x0A\x0D\x09]{{1,{MAX_JSON_WHITESPACE}}}"
 
 
 def _message(text: str) -> str:
@@ -69,9 +73,10 @@ def parse(params: GuidedDecodingParams, spec: str, field: str) -> str:
 def _grammar(params: GuidedDecodingParams, spec: str) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+        if params.disable_any_whitespace:  # xgrammar's separators, so both backends write the same text
+            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        else:
+            options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern or _WHITESPACE}
         schema = json.dumps(_strict(json.loads(spec))) if kind == "json" else '{"type": "object"}'
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
