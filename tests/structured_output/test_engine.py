@@ -219,6 +219,22 @@ def test_bad_constraints_fail_fast_and_the_engine_lives(tiny_llm, constraint, me
     assert out[0].outputs[0].text == "fine"
 
 
+@pytest.mark.parametrize("regex", [r"(a+)+b", r"((a{100}){100}){100}", r"(a|aa)*c", r"[a-z]{1,65535}"])
+def test_pathological_regexes_do_not_hang(tiny_llm, regex):
+    """Regexes that blow up a backtracking matcher or a naive automaton compile and run at once (both backends
+    build automata lazily); the output is a full match, or a prefix of one when max_tokens cuts it; the engine lives."""
+    for backend in ("xgrammar", "guidance"):
+        start = time.monotonic()
+        params = constrained({"max_tokens": 8}, regex=regex, backend=backend)
+        out = tiny_llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+        assert time.monotonic() - start < 10.0
+        # abort: llguidance's lexer outgrew its limits on the nested repeats; only that request ends
+        assert (
+            re.fullmatch(regex, out.text) if out.finish_reason == "stop" else out.finish_reason in ("length", "abort")
+        )
+    assert tiny_llm.generate(["x"], constrained(choice=["fine"]), use_tqdm=False)[0].outputs[0].text == "fine"
+
+
 def test_needs_a_tokenizer(tiny_char_model):
     llm = _engine(tiny_char_model, skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
     with pytest.raises(ValueError, match="structured_outputs need a tokenizer"):
