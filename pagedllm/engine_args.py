@@ -138,6 +138,7 @@ class EngineArgs:
     model_loader_extra_config: dict | None = None
     additional_config: dict | None = None
     guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
+    structured_outputs_config: dict | None = None  # vLLM's current form: {"backend": ...} (overrides the above)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -157,6 +158,8 @@ class EngineArgs:
                 group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=SUPPRESS)
             else:
                 group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
+        # vLLM's dotted form of one config key
+        group.add_argument("--structured-outputs-config.backend", dest="guided_decoding_backend", default=SUPPRESS)
         return parser
 
     @classmethod
@@ -306,6 +309,13 @@ class EngineArgs:
     def _guided_decoding_backend(self) -> str:
         from pagedllm.structured_output.manager import check_backend
 
+        config = self.structured_outputs_config
+        if config is not None:
+            if not isinstance(config, dict) or set(config) - {"backend"}:
+                raise ValueError(f"structured_outputs_config={config!r}: a dict with the one key 'backend'")
+            backend = config.get("backend", "auto")
+            check_backend(backend, "structured_outputs_config.backend")
+            return backend
         check_backend(self.guided_decoding_backend, "guided_decoding_backend")
         return self.guided_decoding_backend
 

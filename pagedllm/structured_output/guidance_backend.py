@@ -10,11 +10,17 @@ listed are not allowed unless the schema says so), so "auto" gives the same outp
 from __future__ import annotations
 
 import json
+import logging
 
 import llguidance
 import torch
 
 from pagedllm.sampling_params import GuidedDecodingParams
+from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE
+
+logger = logging.getLogger(__name__)
+# free whitespace between JSON tokens, bounded as xgrammar's max_whitespace_cnt bounds it
+_WHITESPACE = rf"[\x20\x0A\x0D\x09]{{1,{MAX_JSON_WHITESPACE}}}"
 
 
 def _message(text: str) -> str:
@@ -69,9 +75,10 @@ def parse(params: GuidedDecodingParams, spec: str, field: str) -> str:
 def _grammar(params: GuidedDecodingParams, spec: str) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+        if params.disable_any_whitespace:  # xgrammar's separators, so both backends write the same text
+            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        else:
+            options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern or _WHITESPACE}
         schema = json.dumps(_strict(json.loads(spec))) if kind == "json" else '{"type": "object"}'
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
@@ -156,7 +163,9 @@ class GuidanceState:
         tokens = list(token_ids)
         num_valid = self.matcher.validate_tokens(tokens)
         if num_valid and not self.matcher.consume_tokens(tokens[:num_valid]):
-            raise RuntimeError(f"llguidance refused tokens it validated: {_message(self.matcher.get_error())}")
+            # the matcher failed (e.g. its lexer outgrew llguidance's limits): refused, so only this request ends
+            logger.warning("llguidance matcher failed: %s", _message(self.matcher.get_error()))
+            return 0
         rest = tokens[num_valid:]
         if rest and rest[0] in self.stop_token_ids and self.matcher.is_stopped() and not self.matcher.is_error():
             self.final_stop = True

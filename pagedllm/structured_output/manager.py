@@ -27,6 +27,9 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all c
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema's objects and arrays
 MAX_CHOICES = 1024
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped)
+# free JSON whitespace: at most this many characters between two tokens of the JSON (pretty-printing to depth 4 at
+# indent 4 fits); unbounded, a model can emit newlines until max_tokens and never finish the object
+MAX_JSON_WHITESPACE = 16
 BACKENDS = ("auto", "xgrammar", "guidance")
 _PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 

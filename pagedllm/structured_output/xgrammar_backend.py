@@ -11,6 +11,7 @@ import torch
 import xgrammar as xgr
 
 from pagedllm.sampling_params import GuidedDecodingParams
+from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE
 
 # where xgrammar's error text starts: its messages begin with "[time] /path/file.cc:line: "
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")
@@ -41,11 +42,14 @@ class XgrammarBackend:
         """The constraint as a Grammar (fast; no tokenizer work). Raises ValueError naming the field."""
         kind = params.kind
         try:
-            if kind == "json":
-                return xgr.Grammar.from_json_schema(spec, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any JSON value)
+            if kind in ("json", "json_object"):  # json_object: any object (the builtin JSON grammar takes any value)
+                schema, strict = (spec, True) if kind == "json" else ('{"type": "object"}', False)
+                flexible = not params.disable_any_whitespace  # else the separators ", " and ": " only
                 return xgr.Grammar.from_json_schema(
-                    '{"type": "object"}', strict_mode=False, any_whitespace=not params.disable_any_whitespace
+                    schema,
+                    strict_mode=strict,
+                    any_whitespace=flexible,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE if flexible else None,
                 )
             if kind == "regex":
                 return xgr.Grammar.from_regex(spec)

@@ -219,6 +219,22 @@ def test_bad_constraints_fail_fast_and_the_engine_lives(tiny_llm, constraint, me
     assert out[0].outputs[0].text == "fine"
 
 
+@pytest.mark.parametrize("regex", [r"(a+)+b", r"((a{100}){100}){100}", r"(a|aa)*c", r"[a-z]{1,65535}"])
+def test_pathological_regexes_do_not_hang(tiny_llm, regex):
+    """Regexes that blow up a backtracking matcher or a naive automaton compile and run at once (both backends
+    build automata lazily); the output is a full match, or a prefix of one when max_tokens cuts it; the engine lives."""
+    for backend in ("xgrammar", "guidance"):
+        start = time.monotonic()
+        params = constrained({"max_tokens": 8}, regex=regex, backend=backend)
+        out = tiny_llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+        assert time.monotonic() - start < 10.0
+        # abort: llguidance's lexer outgrew its limits on the nested repeats; only that request ends
+        assert (
+            re.fullmatch(regex, out.text) if out.finish_reason == "stop" else out.finish_reason in ("length", "abort")
+        )
+    assert tiny_llm.generate(["x"], constrained(choice=["fine"]), use_tqdm=False)[0].outputs[0].text == "fine"
+
+
 def test_needs_a_tokenizer(tiny_char_model):
     llm = _engine(tiny_char_model, skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
     with pytest.raises(ValueError, match="structured_outputs need a tokenizer"):
@@ -245,3 +261,23 @@ def test_structural_tags(tiny_llm):
     tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "exactly this"}}
     out = tiny_llm.generate(["x"], constrained(structural_tag=json.dumps(tag)), use_tqdm=False)[0].outputs[0]
     assert out.text == "exactly this" and out.finish_reason == "stop"
+
+
+def test_speculative_decoding_keeps_the_constrained_outputs(tiny_llm, tiny_char_model):
+    """An engine with n-gram speculation (it drafts for the free requests) keeps constrained requests' greedy
+    outputs token for token: a constrained request does not speculate (Request.can_speculate)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(tiny_char_model, dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=spec)
+    prompts = ["abcabcabc", '{"a": {"a": {"a', "1, 2, 1, 2, 1, 2"]
+    for constraint in (
+        {"json": SCHEMAS["array of objects"], "disable_any_whitespace": True},
+        {"regex": r"(abc|[0-9], ){2,6}"},
+    ):
+        params = constrained({"temperature": 0, "max_tokens": 40}, **constraint)
+        expected = [c.token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        got = [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        assert got == expected
+    scheduler = llm.llm_engine.core.scheduler
+    assert scheduler.num_draft_tokens == 0
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert scheduler.num_draft_tokens > 0  # the engine does speculate for free requests

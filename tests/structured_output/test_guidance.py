@@ -175,3 +175,22 @@ def test_auto_without_xgrammar(monkeypatch):
     for _ in range(2):  # the second time from the remembered failure
         with pytest.raises(ValueError, match=r"needs the xgrammar package: pip install 'pagedllm\[structured\]'"):
             manager.grammar(StructuredOutputsParams(regex="[0-9]+", backend="xgrammar"))
+
+
+def test_structured_outputs_config_forms(tiny_char_model):
+    """vLLM's structured_outputs_config (keyword, JSON flag, dotted flag) chooses the engine's default backend."""
+    import argparse
+
+    config = EngineArgs(model=tiny_char_model, structured_outputs_config={"backend": "guidance"}).create_engine_config()
+    assert config.guided_decoding_backend == "guidance"
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flags in (
+        ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+        ["--structured-outputs-config.backend", "xgrammar"],
+        ["--guided-decoding-backend", "xgrammar"],
+    ):
+        args = EngineArgs(model=tiny_char_model, **EngineArgs.cli_kwargs(parser.parse_args(flags)))
+        assert args.create_engine_config().guided_decoding_backend == "xgrammar", flags
+    for bad in ({"backend": "outlines"}, {"backend": "xgrammar", "nope": 1}):
+        with pytest.raises(ValueError, match="structured_outputs_config"):
+            EngineArgs(model=tiny_char_model, structured_outputs_config=bad).create_engine_config()

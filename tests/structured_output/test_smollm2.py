@@ -71,3 +71,41 @@ def test_choice_of_the_free_answer_is_the_free_answer(llm):
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
         assert out.token_ids[:-1] == prompt_out.outputs[0].token_ids and out.text == text
         assert out.finish_reason == "stop"
+
+
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "City",
+        "description": "A city and its facts.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "population": {"type": "integer", "minimum": 0},
+                "capital": {"type": "boolean"},
+            },
+            "required": ["name", "population", "capital"],
+        },
+    },
+}
+
+
+def test_forced_tool_call_never_runs_on_whitespace(llm):
+    """A named tool_choice on a prompt that asks for no tool: with unbounded JSON whitespace the model wrote
+    newlines until max_tokens; compact, the call completes and parses."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.serving_tools import plan_tools
+
+    server = SimpleNamespace(reasoning_parser=None, enable_auto_tools=False, tool_parser=None)
+    request = SimpleNamespace(
+        tools=[CITY_TOOL], tool_choice={"type": "function", "function": {"name": "City"}}, parallel_tool_calls=None
+    )
+    params = SamplingParams(temperature=0, max_tokens=100)
+    plan = plan_tools(server, request, params)
+    out = llm.chat([{"role": "user", "content": "Hi"}], params, tools=[CITY_TOOL], use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    (call,) = plan.reply(None).message(out.text)["tool_calls"]
+    assert call["function"]["name"] == "City"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), CITY_TOOL["function"]["parameters"])

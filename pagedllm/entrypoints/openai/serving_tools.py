@@ -2,7 +2,8 @@
 
 `tools` and `tool_choice` ("none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}) become
 a ReplyPlan: "required" and a named function are guaranteed by a JSON-schema grammar built from the tools'
-parameter schemas (an array of {name, parameters} calls, or the named function's arguments); "auto" reads the reply
+parameter schemas (an array of {name, parameters} calls, or the named function's arguments), written as compact
+JSON; "auto" reads the reply
 with the server's tool parser (--tool-call-parser, with --enable-auto-tool-choice). With --reasoning-parser the
 reply's <think> section goes to `reasoning_content` first. A Reply reads one choice, whole or streamed."""
 
@@ -151,7 +152,9 @@ def plan_tools(state: Any, req: Any, params: SamplingParams) -> ReplyPlan:
     else:
         schema, plan.tool_parser = functions[choice].get("parameters") or {"type": "object"}, named_parser(choice)
     try:
-        params.structured_outputs = params.guided_decoding = StructuredOutputsParams(json=schema)
+        # compact JSON (", " and ": " only): with free whitespace a small model may write newlines until max_tokens
+        forced = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        params.structured_outputs = params.guided_decoding = forced
     except (ValueError, TypeError) as e:
         raise _bad(f"tools: {e}", "tools") from None
     return plan

@@ -96,3 +96,21 @@ def test_openai_client_response_format(client):
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_openai_client_parse_pydantic(client):
+    """The openai client's parse (response_format=PydanticModel, sent as a strict json_schema) and its streamed
+    form: the reply is the model object, validated by pydantic."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=20)
+        population: int = Field(ge=0)
+        capital: bool
+
+    kwargs = dict(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=80, temperature=0, response_format=City)
+    parsed = client.chat.completions.parse(**kwargs).choices[0].message.parsed
+    assert isinstance(parsed, City)
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0].message.parsed
+    assert streamed == parsed

@@ -121,6 +121,23 @@ def test_auto_reads_hermes_calls(tool_server):
     assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "C"}
 
 
+def test_parallel_calls_whole_and_streamed(tool_server):
+    """Two hermes calls in one reply: two tool_calls (ids apart), streamed as index 0 then index 1."""
+    reply = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    )
+    body = {**CHAT, "tool_choice": "auto", "guided_choice": [reply], "max_tokens": 120, **NO_THINKING}
+    message = _post(tool_server, body)["choices"][0]["message"]
+    expected = [
+        {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "C"})},
+        {"name": "get_time", "arguments": json.dumps({"zone": "UTC"})},
+    ]
+    assert _calls(message) == expected and len({c["id"] for c in message["tool_calls"]}) == 2
+    streamed, finish = _stream(tool_server, body)
+    assert finish == "tool_calls" and streamed["tool_calls"] == expected
+
+
 def test_reasoning_content_and_grammar_after_it(tool_server):
     base = {"model": MODEL_NAME, "messages": ASK, "temperature": 0, "max_tokens": 12}
     thought = _post(tool_server, base)["choices"][0]["message"]
