@@ -50,3 +50,22 @@ def test_quant_linear_refuses_a_wrong_input():
         cpu_quant.quant_linear(torch.randn(1, 32), w)
     with pytest.raises(ValueError, match="float16"):
         cpu_quant.quant_linear(torch.randn(1, 64).half(), w)
+
+
+def test_a_q8_lm_head_reads_its_8bit_rows():
+    """A tied LM head whose embedding came from a GGUF Q8_0 table (the loader's `gguf_q8`) computes the logits of a
+    decode batch from the 8-bit rows: the product of the exact dequantized weight, not of its bfloat16 copy."""
+    from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randint(-128, 128, (40, 64), generator=gen, dtype=torch.int8)
+    scale = torch.rand(40, 2, generator=gen) / 64
+    dense = q.float() * scale.repeat_interleave(32, 1)  # [vocab, hidden] as the loader dequantizes it
+    dense.gguf_q8 = (q, scale)
+    embedding, head = VocabParallelEmbedding(40, 64), ParallelLMHead(40, 64)
+    embedding.weight.weight_loader(embedding.weight, dense)
+    head.tie(embedding)
+    head.process_weights_after_loading()
+    assert head.q8_weight is not None
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(head.compute_logits(x).double(), x.double() @ dense.double().t(), rtol=1e-5, atol=1e-5)
