@@ -1,6 +1,7 @@
 """C kernels for the CPU path: decode attention over the torch backend's paged cache, the cache write, and the
 decoder layers' element-wise ops (RMSNorm with its residual add, SiLU-and-mul, rotary of q and k) in cpu_kernels.c;
-bfloat16 linear layers on AMX tiles in cpu_matmul.c; the sampler's draw, logprobs and penalties in cpu_sampling.c
+bfloat16 linear layers on AMX tiles in cpu_matmul.c; GGUF-quantized linear layers in cpu_quant.c (wrapped by
+cpu_quant.py); the sampler's draw, logprobs and penalties in cpu_sampling.c
 (wrapped by cpu_sampling.py).
 
 Built on first use with the system C compiler (`cc -O3 -march=native`, with OpenMP when the compiler has it) into a
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.c", "cpu_matmul.c", "cpu_sampling.c", "cpu_logprobs.c", "cpu_logits.c")
+    for name in ("cpu_kernels.c", "cpu_matmul.c", "cpu_sampling.c", "cpu_logprobs.c", "cpu_logits.c", "cpu_quant.c")
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vectors.h", "cpu_rows.h"))  # part of the build's key
 # OpenMP for threads and for the `omp simd` reductions; without it, the simd pragmas alone; where -march=native is

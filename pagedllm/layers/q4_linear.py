@@ -1,9 +1,11 @@
-"""4-bit grouped weights kept packed (GGUF Q4_0 / Q4_1) and multiplied by torch's int4 CPU kernel.
+"""4-bit grouped weights kept packed (GGUF Q4_0 / Q4_1), multiplied by the project's C kernel (cpu_quant.c) or,
+without a C compiler, torch's int4 CPU kernel.
 
 A Q4 group of 32 weights is w = (q - 8) * scale + zero with q in 0..15, which is the layout of
-`torch.ops.aten._weight_int4pack_mm_for_cpu`. Small batches are bound by memory bandwidth, and the int4 kernel
-reads a quarter of the bytes of bf16 weights; but it costs time per row, so past MAX_ROWS rows (measured crossover
-about 24 on an AVX512-BF16 CPU) the dense half-precision copy, kept beside it, is faster."""
+`torch.ops.aten._weight_int4pack_mm_for_cpu`. Small batches are bound by memory bandwidth, and the 4-bit kernels
+read about a third of the bytes of bf16 weights; but they cost time per row, so past MAX_ROWS rows (measured
+crossover about 24 for torch's kernel on an AVX512-BF16 CPU) the dense half-precision copy, kept beside it, is
+faster."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.kernels import cpu_quant
 
 GROUP = 32
 MAX_ROWS = 16  # batches of up to this many tokens use the int4 kernel
@@ -63,13 +67,16 @@ class Q4Accumulator:
         self.zero[start : start + n] = part.zero
         self.packed_rows[start : start + n] = True
 
-    def finish(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Writes the 4-bit rows into the dense `weight`; returns (packed weight, scales_and_zeros) for the int4
-        kernel when every row is 4-bit and the kernel takes this shape, else None."""
+    def finish(self, weight: torch.Tensor) -> cpu_quant.QuantWeight | tuple[torch.Tensor, torch.Tensor] | None:
+        """Writes the 4-bit rows into the dense `weight`; when every row is 4-bit returns the C kernel's packing
+        (a QuantWeight), else without the C kernels torch's int4 packing (packed weight, scales_and_zeros) where
+        torch takes this shape; otherwise None."""
         rows = self.packed_rows.nonzero().squeeze(1)
         weight.data[rows] = PackedQ4(self.q[rows], self.scale[rows], self.zero[rows]).dequantize().to(weight.dtype)
         if not bool(self.packed_rows.all()):
             return None
+        if weight.device.type == "cpu" and cpu_quant.available():
+            return cpu_quant.pack_q4(self.q, self.scale, self.zero)
         try:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), 1)
         except RuntimeError:

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import cpu_quant
 from pagedllm.layers.build_context import current_build_context
 from pagedllm.layers.linear import default_weight_loader, pack_for_cpu, packed_linear
+from pagedllm.layers.q4_linear import MAX_ROWS
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,6 +32,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         if self.tp_group is None:
             default_weight_loader(param, loaded)
+            if hasattr(loaded, "gguf_q8"):  # a GGUF Q8_0 table: its 8-bit form, for the LM head's kernel
+                param.gguf_q8 = loaded.gguf_q8
             return
         if loaded.shape[0] != self.vocab_size:
             raise ValueError(f"checkpoint embedding has {loaded.shape[0]} rows, the vocabulary {self.vocab_size}")
@@ -50,6 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.cpu_weight: torch.Tensor | None = None  # reordered for oneDNN (a copy when tied to the embedding)
+        self.q8_weight: cpu_quant.QuantWeight | None = None  # a GGUF Q8_0 head kept 8-bit (CPU)
         self.tied = False
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
@@ -57,6 +62,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
+        q8 = getattr(self.weight, "gguf_q8", None)
+        if q8 is not None and self.weight.device.type == "cpu" and cpu_quant.available():
+            self.q8_weight = cpu_quant.pack_q8(*q8)  # batches of decode size read the 8-bit rows
+            del self.weight.gguf_q8
         self.cpu_weight = pack_for_cpu(self.weight)
         if self.cpu_weight is not None and not self.tied:
             self.weight = None
@@ -65,7 +74,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[n, hidden] -> [n, vocab] logits, float32 unless upcast=False (then in the model dtype: the argmax and
         the GPU sampling kernel read them as they are, exactly, without a float32 copy). With several ranks every
         rank gets the whole vocabulary's logits."""
-        if self.cpu_weight is not None:
+        if self.q8_weight is not None and hidden.shape[0] <= MAX_ROWS and cpu_quant.runs(hidden):
+            logits = cpu_quant.quant_linear(hidden, self.q8_weight)
+        elif self.cpu_weight is not None:
             logits = packed_linear(hidden, self.cpu_weight, None)
         else:
             logits = F.linear(hidden, self.weight)

@@ -224,3 +224,11 @@ def unpack_q4(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tup
         raise ValueError(f"{ggml_type.name} cannot be kept packed as 4-bit groups")
     groups = cols // GROUP
     return q.reshape(rows, cols), scale.reshape(rows, groups), zero.reshape(rows, groups)
+
+
+def unpack_q8(data: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks of a 2-D tensor, kept 8-bit: (q int8 [rows, cols], scale float32 [rows, cols / 32]), w = q * d."""
+    rows, cols = shape
+    blocks = _as_torch_bytes(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).reshape(-1, 34)  # (n, 2 + 32)
+    q = blocks[:, 2:].contiguous().view(torch.int8)
+    return q.reshape(rows, cols), _f16(blocks[:, :2]).reshape(rows, cols // 32)

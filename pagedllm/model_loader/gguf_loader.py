@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from pagedllm.layers.q4_linear import PackedQ4
-from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q4
+from pagedllm.model_loader.gguf_dequant import PACKABLE_Q4, dequantize, unpack_q4, unpack_q8
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ _ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
+_Q8_HEADS = frozenset({"token_embd.weight", "output.weight"})  # possible LM heads: Q8_0 ones keep their 8 bits
 # Architectures whose converter interleaved the rotary halves of the Q/K rows.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -393,10 +394,9 @@ def _qk_heads(reader: gguf.GGUFReader, arch: str, part: str) -> int:
 
 
 def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterator[tuple[str, Any]]:
-    """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file.
-
-    With keep_q4, Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values and per-32 scale/zero) instead, except
-    where HF's layout is transposed (GPT-2's Conv1D): those are dequantized."""
+    """Yield (HF parameter name, float32 tensor in HF layout) for every tensor of a .gguf file. With keep_q4,
+    Q4_0/Q4_1 linear weights come as PackedQ4 (4-bit values, per-32 scale/zero), except where HF's layout is
+    transposed (GPT-2's Conv1D), and a Q8_0 LM head / tied embedding carries its 8-bit form as `gguf_q8`."""
     reader = _reader(path)
     arch = _architecture(reader)
     for tensor in reader.tensors:
@@ -410,6 +410,8 @@ def gguf_weights(path: str | os.PathLike[str], keep_q4: bool = False) -> Iterato
             weight = PackedQ4(*unpack_q4(tensor.data, tensor.tensor_type, shape))
         else:
             weight = dequantize(tensor.data, tensor.tensor_type, shape)
+            if keep_q4 and tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and tensor.name in _Q8_HEADS:
+                weight.gguf_q8 = unpack_q8(tensor.data, shape)
         if transposed:
             weight = weight.t()  # [out, in] -> HF's Conv1D [in, out]
         if arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):

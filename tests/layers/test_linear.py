@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import transformers
 from tiny_models import TINY_DECODER
 
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, cpu_quant
 from pagedllm.layers import linear as L
 from pagedllm.layers.build_context import BuildContext, building
 from pagedllm.layers.q4_linear import GROUP, MAX_ROWS, PackedQ4, q4_kernel_available
@@ -182,12 +182,18 @@ def _q4_qkv(dense_v: bool, gen: torch.Generator):
     return layer, w, bias
 
 
-@pytest.mark.skipif(not q4_kernel_available(), reason="torch has no int4 CPU kernel")
-def test_gguf_q4_takes_the_int4_kernel_up_to_max_rows(monkeypatch):
+@pytest.mark.skipif(not (q4_kernel_available() or cpu_quant.available()), reason="no 4-bit CPU kernel")
+def test_gguf_q4_takes_the_4bit_kernel_up_to_max_rows(monkeypatch):
     layer, w, bias = _q4_qkv(False, torch.Generator().manual_seed(0))
     assert isinstance(layer.quant_method, G.Q4KernelMethod) and layer.q4 is None
-    calls, q4_matmul = [], G.q4_matmul
-    monkeypatch.setattr(G, "q4_matmul", lambda x, *a: calls.append(x.shape) or q4_matmul(x, *a))
+    calls = []
+    if cpu_quant.available():  # the C kernel where it builds, else torch's
+        assert isinstance(layer.q4_weight, cpu_quant.QuantWeight)
+        kernel = cpu_quant.quant_linear
+        monkeypatch.setattr(cpu_quant, "quant_linear", lambda x, *a: calls.append(x.shape) or kernel(x, *a))
+    else:
+        q4_matmul = G.q4_matmul
+        monkeypatch.setattr(G, "q4_matmul", lambda x, *a: calls.append(x.shape) or q4_matmul(x, *a))
     for rows in (1, MAX_ROWS, MAX_ROWS + 1, 80):
         calls.clear()
         x = torch.randn(rows, 64).bfloat16()

@@ -1,7 +1,8 @@
 """GGUF checkpoints with their Q4_0/Q4_1 linear weights kept 4-bit (the loader yields them as PackedQ4).
 
-Torch's int4 CPU kernel takes batches of up to MAX_ROWS tokens; the dense weight kept beside it (the 4-bit rows
-dequantized into it, with the rows that came dense) takes larger batches, packed as the dense method packs it."""
+The C kernel of cpu_quant (without a C compiler, torch's int4 CPU kernel) takes batches of up to MAX_ROWS tokens; the
+dense weight kept beside it (the 4-bit rows dequantized into it, with the rows that came dense) takes larger batches,
+packed as the dense method packs it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 
 import torch
 
+from pagedllm.kernels import cpu_quant
 from pagedllm.layers.linear import DenseLinearMethod, LinearBase, pack_dense
 from pagedllm.layers.q4_linear import MAX_ROWS, PackedQ4, Q4Accumulator, q4_matmul
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
@@ -42,19 +44,24 @@ class Q4LinearMethod(DenseLinearMethod):
         if q4_weight is None:
             return large
         layer.q4_weight = q4_weight
+        layer.q4_bias = layer.bias.float() if layer.bias is not None else None  # the C kernel adds it in float32
         return Q4KernelMethod(large)
 
 
 class Q4KernelMethod(LinearMethodVariant):
-    """Batches of up to MAX_ROWS tokens through the int4 kernel, larger ones by `large` (the dense packing)."""
+    """Batches of up to MAX_ROWS tokens through a 4-bit kernel (the C one where the weight is a QuantWeight, else
+    torch's int4 kernel), larger ones by `large` (the dense packing)."""
 
     def __init__(self, large: LinearMethod) -> None:
         self.large = large
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= MAX_ROWS * x.shape[-1]:  # rows <= MAX_ROWS (with no input features: no rows)
-            out = q4_matmul(x, *layer.q4_weight)
-            return out + layer.bias if layer.bias is not None else out
+            if not isinstance(layer.q4_weight, cpu_quant.QuantWeight):
+                out = q4_matmul(x, *layer.q4_weight)
+                return out + layer.bias if layer.bias is not None else out
+            if cpu_quant.runs(x):  # (float16 takes the dense weight)
+                return cpu_quant.quant_linear(x, layer.q4_weight, layer.q4_bias)
         return self.large.apply(layer, x)
 
 
