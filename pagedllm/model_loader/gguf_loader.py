@@ -375,11 +375,8 @@ def _hf_name(name: str, arch: str) -> str:
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's rotary interleave of Q/K rows (weights or biases).
-
-    Within each head the converter moved row ``j * (head_dim // 2) + i`` (half j, index i) to row
-    ``2 * i + j``; this maps the rows back to HF's [first half, second half] layout.
-    """
+    """Undo llama.cpp's rotary interleave of Q/K rows (weights or biases): within each head the converter moved row
+    ``j * (head_dim // 2) + i`` (half j, index i) to row ``2 * i + j``; this maps them back to HF's halves."""
     rows = weight.shape[0]
     half = rows // n_heads // 2
     w = weight.reshape(n_heads, half, 2, *weight.shape[1:])  # (heads, head_dim/2, 2, ...) interleaved pairs
