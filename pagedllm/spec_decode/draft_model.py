@@ -84,6 +84,23 @@ def make_drafter(config: EngineConfig, runner) -> DraftModelProposer | None:
     return DraftModelProposer(config, runner)
 
 
+def draft_kv_bytes_per_block(proposer) -> int:
+    """KV bytes of one block over a proposer's attention layers (a draft model's or an EAGLE head's)."""
+    itemsize = proposer.model_config.dtype.itemsize
+    return sum(2 * proposer.block_size * a.num_kv_heads * a.head_dim * itemsize for a in proposer.attn_layers)
+
+
+def allocate_draft_kv_cache(proposer, num_blocks: int, num_rows: int) -> None:
+    """A proposer's own KV cache: the target's num_blocks (same block ids), then scratch_per_row per batch row."""
+    total = num_blocks + proposer.scratch_per_row * num_rows
+    for layer in proposer.attn_layers:
+        layer.kv_cache = proposer.backend.allocate_kv_cache(
+            total, proposer.block_size, layer.num_kv_heads, layer.head_dim, proposer.model_config.dtype, proposer.device
+        )
+        layer.backend = proposer.backend
+    proposer.num_blocks = num_blocks
+
+
 def scratch_block_tables(batch, rows: np.ndarray, num_blocks: int, scratch_per_row: int) -> np.ndarray:
     """The rows' block tables, with the scratch blocks of each (scratch_per_row, by its index here, after the
     num_blocks shared ones) after the blocks it holds. -> [len(rows), max_blocks]"""
@@ -125,17 +142,10 @@ class DraftModelProposer:
         self.seconds = 0.0  # time spent proposing (for the benchmark's step split)
 
     def kv_bytes_per_block(self) -> int:
-        itemsize = self.model_config.dtype.itemsize
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attn_layers)
+        return draft_kv_bytes_per_block(self)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        total = num_blocks + self.scratch_per_row * len(self.valid)
-        for layer in self.attn_layers:
-            layer.kv_cache = self.backend.allocate_kv_cache(
-                total, self.block_size, layer.num_kv_heads, layer.head_dim, self.model_config.dtype, self.device
-            )
-            layer.backend = self.backend
-        self.num_blocks = num_blocks
+        allocate_draft_kv_cache(self, num_blocks, len(self.valid))
 
     def capture_cudagraphs(self) -> float:
         """Graphs of the draft's one-token passes (the runner's rule: CUDA, Triton backend, not enforce_eager)."""

@@ -35,7 +35,7 @@ from pagedllm.model_loader.loader import load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.llama import LlamaModel
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_model import scratch_block_tables
+from pagedllm.spec_decode.draft_model import allocate_draft_kv_cache, draft_kv_bytes_per_block, scratch_block_tables
 from pagedllm.spec_decode.eagle_model import EagleHead, aux_layer_ids
 
 
@@ -147,17 +147,10 @@ class EagleProposer:
         )
 
     def kv_bytes_per_block(self) -> int:
-        itemsize = self.model_config.dtype.itemsize
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attn_layers)
+        return draft_kv_bytes_per_block(self)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        total = num_blocks + self.scratch_per_row * len(self.tail_pos)
-        for layer in self.attn_layers:
-            layer.kv_cache = self.backend.allocate_kv_cache(
-                total, self.block_size, layer.num_kv_heads, layer.head_dim, self.model_config.dtype, self.device
-            )
-            layer.backend = self.backend
-        self.num_blocks = num_blocks
+        allocate_draft_kv_cache(self, num_blocks, len(self.tail_pos))
 
     def capture_cudagraphs(self) -> float:
         return 0.0  # the head's passes run eagerly
