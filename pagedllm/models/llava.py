@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.clip import CLIPVisionTower
 from pagedllm.models.registry import get_model_class
-from pagedllm.models.utils import join_prefix, load_weights
+from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_weights
 
 _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # checkpoint prefixes (transformers' newer layout, and CLIPVisionModel's) -> ours
@@ -100,11 +100,7 @@ class LlavaForConditionalGeneration(nn.Module):
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """mm_embeds: (rows of the flat batch [n], their embeddings [n, hidden]) of image placeholder tokens."""
-        decoder = self.language_model.model
-        x = decoder.embed(input_ids)  # [num_tokens, hidden]
-        if mm_embeds is not None:
-            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
-        return decoder(input_ids, positions, inputs_embeds=x)
+        return forward_with_mm_embeds(self.language_model.model, input_ids, positions, mm_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         return self.language_model.compute_logits(hidden, upcast)

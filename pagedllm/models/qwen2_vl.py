@@ -17,7 +17,7 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rope_config import rope_parameters
 from pagedllm.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from pagedllm.models.qwen2_vl_vision import Qwen2VisionTransformer
-from pagedllm.models.utils import head_dim_of, join_prefix, load_weights
+from pagedllm.models.utils import forward_with_mm_embeds, head_dim_of, join_prefix, load_weights
 
 # checkpoint prefixes (transformers 5's layout, then the original one) -> ours
 _RENAMES = (
@@ -116,11 +116,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """positions [num_tokens] or M-RoPE's [3, num_tokens]; mm_embeds: (rows of the flat batch [n], their
         embeddings [n, hidden]) of image / video placeholder tokens."""
-        decoder = self.language_model.model
-        x = decoder.embed(input_ids)  # [num_tokens, hidden]
-        if mm_embeds is not None:
-            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
-        return decoder(input_ids, positions, inputs_embeds=x)
+        return forward_with_mm_embeds(self.language_model.model, input_ids, positions, mm_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         return self.language_model.compute_logits(hidden, upcast)

@@ -147,3 +147,14 @@ class MissingLayer(nn.Module):
 def missing_prefixes(model: nn.Module) -> tuple[str, ...]:
     """The dotted names ("model.layers.7.") of the model's MissingLayer parts."""
     return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, MissingLayer))
+
+
+def forward_with_mm_embeds(
+    decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, mm_embeds
+) -> torch.Tensor:
+    """A vision-language model's language decoder over the step's tokens, with the embeddings of image / video
+    placeholder tokens replaced: mm_embeds = (rows of the flat batch [n], their embeddings [n, hidden]) or None."""
+    x = decoder.embed(input_ids)  # [num_tokens, hidden]
+    if mm_embeds is not None:
+        x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
+    return decoder(input_ids, positions, inputs_embeds=x)
