@@ -97,14 +97,18 @@ class SymmAllReduce:
         return cls(name, buffer, max_bytes)
 
     def all_reduce(self, x: torch.Tensor) -> bool:
+        """The choice depends only on x's dtype, size and layout, which every rank shares (a rank taking NCCL
+        while another takes the one-shot kernel would wait forever)."""
         nbytes = x.numel() * x.element_size()
-        if x.dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 16 or x.data_ptr() % 16:
-            return False
-        if not x.is_contiguous():
+        if x.dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 16 or not x.is_contiguous():
             return False
         flat = x.view(-1)
         symm = self.buffer[:nbytes].view(x.dtype)  # [numel] this rank's peer-mapped staging
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.name, flat)
+        if x.data_ptr() % 16 == 0:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.name, flat)
+        else:  # the kernel's vector loads and stores need 16-byte alignment: staged through aligned tensors
+            symm.copy_(flat)
+            flat.copy_(torch.ops.symm_mem.one_shot_all_reduce(symm, "sum", self.name))
         return True
 
 
