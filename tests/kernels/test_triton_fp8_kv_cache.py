@@ -57,10 +57,10 @@ def run_fp8(reqs, heads, head_dim, block_size, dtype, fp8, seed=0, **meta_kw):
 
 def _torch_attention(q, k, v, cache, layout, scale):
     """The torch backend in float32 over `cache` (slot-major), writing k/v first."""
-    ref_layout = BatchLayout(
-        layout.query_start_loc, layout.seq_lens, layout.block_table, layout.slot_mapping, layout.block_size, q.device
-    )
-    ref_cache = torch_backend.from_slot_major(cache.to(q.device))
+    cpu = torch.device("cpu")  # the reference runs on the CPU: its metadata too (the C kernels read host memory)
+    tensors = (layout.query_start_loc, layout.seq_lens, layout.block_table, layout.slot_mapping)
+    ref_layout = BatchLayout(*(t.cpu() if torch.is_tensor(t) else t for t in tensors), layout.block_size, cpu)
+    ref_cache = torch_backend.from_slot_major(cache.cpu())
     meta = torch_backend.build_metadata(ref_layout)
     return torch_backend.forward(q.cpu(), k.cpu(), v.cpu(), ref_cache.cpu(), meta, scale).cpu()
 
