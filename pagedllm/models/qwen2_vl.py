@@ -71,9 +71,11 @@ class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
 
 class Qwen2VLForConditionalGeneration(nn.Module):
     """config: the text config the engine runs (see model_loader), carrying the whole Qwen2VLConfig as
-    `vision_language_config`."""
+    `vision_language_config`. Tensor parallelism: the LM shards as Qwen2's; the vision transformer too where its
+    sizes split over the ranks (qwen2_vl_vision.py), else it is replicated."""
 
     uses_mrope = True
+    supports_tensor_parallel = True
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
