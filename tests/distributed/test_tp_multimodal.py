@@ -131,3 +131,29 @@ def test_llava_tower_that_does_not_split_is_replicated(tmp_path_factory):
         ref = hf.model.vision_tower(pixels, output_hidden_states=True).hidden_states[2]
         ours = model.vision_tower(pixels, [2])[0]
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_items_reach_the_ranks_as_plain_data():
+    """The step message pickles an item's tensors as numpy arrays of its own elements (a torch view would carry the
+    whole batch it was cut from); they come back as tensors, bfloat16 ones too."""
+    import pickle
+
+    from pagedllm.multimodal.inputs import MultiModalFeature
+
+    batch = torch.randn(4, 3, 64, 64)  # [images, C, H, W]: 192 KiB
+    items = [
+        MultiModalFeature("image", f"h{i}", 8 * i, 4, {"pixel_values": batch[i : i + 1], "ids": torch.tensor([i])})
+        for i in range(4)
+    ]
+    items[3].data["pixel_values"] = batch[3:].bfloat16()
+    message = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(message) < 4 * 3 * 64 * 64 * 4 + 4096  # each image once, not the whole batch per item
+    for ours, sent in zip(items, pickle.loads(message), strict=True):
+        assert (sent.modality, sent.identifier, sent.offset, sent.length) == (
+            ours.modality,
+            ours.identifier,
+            ours.offset,
+            ours.length,
+        )
+        for key, value in ours.data.items():
+            assert isinstance(sent.data[key], torch.Tensor) and torch.equal(sent.data[key], value)
