@@ -48,9 +48,9 @@ def _prompt(text: str, images: list, video=None) -> dict:
     return {"prompt": text, "multi_modal_data": data} if data else {"prompt": text}
 
 
-def _run(path: str, tp: int, prompts: list[dict]):
+def _run(path: str, tp: int, prompts: list[dict], **engine):
     """(each output's (tokens, logprobs), the repeated prompt's cached tokens, the driver's encoder runs)."""
-    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(path, tensor_parallel_size=tp, **{**ENGINE, **engine})
     try:
         outs = llm.generate(prompts, PARAMS, use_tqdm=False)
         outs += llm.generate(prompts[:1], PARAMS, use_tqdm=False)  # the same image again
@@ -157,3 +157,26 @@ def test_items_reach_the_ranks_as_plain_data():
         )
         for key, value in ours.data.items():
             assert isinstance(sent.data[key], torch.Tensor) and torch.equal(sent.data[key], value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_two_gpus_profile_and_match_one(name, tmp_path_factory):
+    """On two GPUs (NCCL) with the memory profile (each rank runs the encoder's profile, its all-reduces included),
+    CUDA graphs for decode steps: the tokens of one GPU, logprobs within 1e-3."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if name == "llava":
+        _, _, path = tiny_llava.save_tiny_llava(tmp_path_factory, "llava-gpu")
+        cases = LLAVA_PROMPTS
+    else:
+        _, _, path = tiny_qwen2_vl.save_tiny_qwen2_vl(tmp_path_factory, name)
+        cases = QWEN_PROMPTS
+    prompts = [_prompt(text, images) for text, images in cases]
+    gpu = dict(device="cuda", kv_cache_memory_bytes=None, gpu_memory_utilization=0.3)
+    one, _, _ = _run(path, 1, prompts, **gpu)
+    two, cached, _ = _run(path, 2, prompts, **gpu)
+    assert cached > 0
+    for (tokens_1, lps_1), (tokens_2, lps_2) in zip(one, two, strict=True):
+        assert tokens_2 == tokens_1
+        np.testing.assert_allclose(lps_2, lps_1, atol=1e-3, rtol=0)
