@@ -1,9 +1,9 @@
 """The CLIP vision tower (as LLaVA uses it): patch + class embeddings, pre-norm, bidirectional encoder layers. It
 returns the hidden states after a chosen number of layers (LLaVA reads the second to last).
 
-Under tensor parallelism the encoder layers shard as the LM's do: q/k/v column-parallel (each rank its heads),
-out_proj row-parallel, fc1 column- and fc2 row-parallel (one all-reduce each), so every rank ends with the whole
-hidden states. A tower whose sizes do not split over the ranks is replicated instead."""
+Under tensor parallelism the encoder layers shard as the LM's do: q/k/v column-parallel (one matmul, each rank its
+heads), out_proj row-parallel, fc1 column- and fc2 row-parallel (one all-reduce each), so every rank ends with the
+whole hidden states. A tower whose sizes do not split over the ranks is replicated instead."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from pagedllm.layers.build_context import sharded_if_divisible
-from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -37,11 +37,10 @@ class CLIPVisionEmbeddings(nn.Module):
 class CLIPAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        self.head_dim = hidden // config.num_attention_heads
-        self.q_proj = ColumnParallelLinear(hidden, hidden, bias=True)
-        self.k_proj = ColumnParallelLinear(hidden, hidden, bias=True)
-        self.v_proj = ColumnParallelLinear(hidden, hidden, bias=True)
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // heads
+        # the checkpoint's q_proj, k_proj and v_proj in one matmul (loaded as its shards "q", "k", "v")
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=True)
         self.out_proj = RowParallelLinear(hidden, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +49,9 @@ class CLIPAttention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, -1, self.head_dim).transpose(1, 2)  # [batch, heads of this rank, n, head_dim]
 
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        size = self.qkv_proj.q_size
+        q, k, v = self.qkv_proj(x).split([size, size, size], dim=-1)  # each [batch, n, this rank's heads * head_dim]
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 

@@ -28,6 +28,7 @@ _RENAMES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("vision_tower.vision_model.", "vision_tower."),
 )
+_VISION_STACKED = [(".qkv_proj.", f".{p}_proj.", p) for p in "qkv"]  # CLIP's q/k/v in one matmul
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -135,4 +136,4 @@ class LlavaForConditionalGeneration(nn.Module):
         if not self.supports_multimodal:
             return loaded
         ignore = ("position_ids", "post_layernorm", *(f"encoder.layers.{i}." for i in range(max(self.layers), 256)))
-        return loaded | load_weights(self, others, stacked=[], ignore=ignore)
+        return loaded | load_weights(self, others, stacked=_VISION_STACKED, ignore=ignore)

@@ -26,6 +26,7 @@ _RENAMES = (
     ("lm_head.", "language_model.lm_head."),
     ("model.", "language_model.model."),
 )
+_VISION_STACKED = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]  # Qwen2.5's MLPs
 
 
 def mrope_section(config) -> list[int]:
@@ -141,4 +142,4 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
         if not self.supports_multimodal:
             return loaded
-        return loaded | load_weights(self, others, stacked=[], ignore=())
+        return loaded | load_weights(self, others, stacked=_VISION_STACKED, ignore=())

@@ -18,7 +18,12 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from pagedllm.layers.build_context import sharded_if_divisible
-from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 
 class VisionRMSNorm(nn.Module):
@@ -78,13 +83,14 @@ class VisionGatedMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(dim, hidden, bias=True)
-        self.up_proj = ColumnParallelLinear(dim, hidden, bias=True)
+        # the checkpoint's gate_proj and up_proj in one matmul (loaded as its shards 0 and 1)
+        self.gate_up_proj = MergedColumnParallelLinear(dim, [hidden, hidden], bias=True)
         self.down_proj = RowParallelLinear(hidden, dim, bias=True)
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [n, this rank's hidden]
+        return self.down_proj(self.act(gate) * up)
 
 
 class VisionBlock(nn.Module):

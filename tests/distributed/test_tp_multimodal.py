@@ -124,7 +124,7 @@ def test_llava_tower_that_does_not_split_is_replicated(tmp_path_factory):
     hf.save_pretrained(path)
     model = _rank_model(path, 1)
     attn = model.vision_tower.encoder.layers[0].self_attn
-    assert attn.q_proj.output_size_per_partition == 48 and attn.out_proj.tp_size == 1
+    assert attn.qkv_proj.output_size_per_partition == 3 * 48 and attn.out_proj.tp_size == 1
     assert model.multi_modal_projector.linear_1.output_size_per_partition == config.text_config.hidden_size // 2
     pixels = torch.randn(1, 3, 28, 28)
     with torch.no_grad():
