@@ -63,6 +63,7 @@ class LlavaForConditionalGeneration(nn.Module):
     `vision_language_config`."""
 
     supports_tensor_parallel = True
+    lora_skip_prefixes = ("vision_tower.", "multi_modal_projector.")  # LoRA adapts the language model only
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int

@@ -77,6 +77,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     uses_mrope = True
     supports_tensor_parallel = True
+    lora_skip_prefixes = ("visual.",)  # LoRA adapts the language model only
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int

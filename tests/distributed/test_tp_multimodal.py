@@ -180,3 +180,13 @@ def test_two_gpus_profile_and_match_one(name, tmp_path_factory):
     for (tokens_1, lps_1), (tokens_2, lps_2) in zip(one, two, strict=True):
         assert tokens_2 == tokens_1
         np.testing.assert_allclose(lps_2, lps_1, atol=1e-3, rtol=0)
+
+
+def test_lora_leaves_the_vision_tower_alone(tmp_path_factory):
+    """The towers' parallel linears are not LoRA layers (adapters apply to the language model, as before the towers
+    were built from them)."""
+    from pagedllm.lora.model import LoRAModel
+
+    _, _, path = tiny_qwen2_vl.save_tiny_qwen2_vl(tmp_path_factory, "q25")
+    lora = LoRAModel(_rank_model(path, 0), max_loras=1, rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    assert lora.layers and all(name.startswith("language_model.") for name in lora.layers)
