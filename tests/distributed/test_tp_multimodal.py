@@ -1,7 +1,7 @@
 """Vision-language models under tensor parallelism: LLaVA, Qwen2-VL and Qwen2.5-VL split over two CPU processes
-(gloo, float32) give the greedy tokens and logprobs of one process, and HF's tokens, with images (and a Qwen video)
-batched with text-only requests, chunked prefill cutting through an image, and a repeated image (encoder cache and
-prefix cache). The vision towers shard by heads; ones whose sizes do not split over the ranks are replicated."""
+(gloo, float32, async scheduling) give the greedy tokens and logprobs of one process, and HF's tokens, with images
+(and a Qwen video) batched with text-only requests, chunked prefill cutting through an image, and a repeated image
+(encoder cache and prefix cache). The vision towers shard by heads; ones whose sizes do not split are replicated."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_two_ranks_match_one_and_hf(vlm):
         prompts.append(_prompt(f"Clip {VIDEO} then {IMAGE}.", [tiny_qwen2_vl.image(1)], tiny_qwen2_vl.video(5)))
         num_items += 2
     one, cached_one, runs_one = _run(path, 1, prompts)
-    two, cached_two, runs_two = _run(path, 2, prompts)
+    two, cached_two, runs_two = _run(path, 2, prompts, async_scheduling=True)  # (one step in flight)
     gen = tiny_llava.hf_generate if name == "llava" else tiny_qwen2_vl.hf_generate
     expected = [gen(hf, processor, text, images, PARAMS.max_tokens) for text, images in cases]
     assert [tokens for tokens, _ in two[: len(cases)]] == expected
