@@ -60,3 +60,13 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} must be divisible by the tensor-parallel size {denominator}")
     return numerator // denominator
+
+
+def sharded_if_divisible(*sizes: int) -> contextlib.AbstractContextManager:
+    """A block whose layers shard as the current context says when every size (head counts, hidden sizes) splits
+    evenly over its tensor-parallel ranks, else are built whole on every rank (replicated, no collectives): for a
+    part of a model, such as a vision tower, that may run either way."""
+    context = current_build_context()
+    if all(size % context.tp_size == 0 for size in sizes):
+        return contextlib.nullcontext(context)
+    return building(BuildContext())

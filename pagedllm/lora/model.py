@@ -21,8 +21,9 @@ class LoRAModel:
         self.stacked = getattr(model, "stacked", STACKED_PARAMS)
         self.rename = getattr(model, "rename", None)
         self.layers: dict[str, LoRALayerWeights] = {}
+        skip = tuple(getattr(model, "lora_skip_prefixes", ()))  # parts adapters never touch (a vision tower)
         for name, module in model.named_modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, LinearBase) and not name.startswith(skip):
                 module.lora = self.layers[name] = LoRALayerWeights(module, max_loras, rank, dtype, device)
                 module.quant_method = LoRALinearMethod(module.quant_method)
         # the module names an adapter may target (the checkpoint's: q_proj ... as well as ours)

@@ -1,5 +1,9 @@
 """The CLIP vision tower (as LLaVA uses it): patch + class embeddings, pre-norm, bidirectional encoder layers. It
-returns the hidden states after a chosen number of layers (LLaVA reads the second to last)."""
+returns the hidden states after a chosen number of layers (LLaVA reads the second to last).
+
+Under tensor parallelism the encoder layers shard as the LM's do: q/k/v column-parallel (one matmul, each rank its
+heads), out_proj row-parallel, fc1 column- and fc2 row-parallel (one all-reduce each), so every rank ends with the
+whole hidden states. A tower whose sizes do not split over the ranks is replicated instead."""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+
+from pagedllm.layers.build_context import sharded_if_divisible
+from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -30,29 +37,29 @@ class CLIPVisionEmbeddings(nn.Module):
 class CLIPAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.q_proj = nn.Linear(hidden, hidden)
-        self.k_proj = nn.Linear(hidden, hidden)
-        self.v_proj = nn.Linear(hidden, hidden)
-        self.out_proj = nn.Linear(hidden, hidden)
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // heads
+        # the checkpoint's q_proj, k_proj and v_proj in one matmul (loaded as its shards "q", "k", "v")
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=True)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [batch, heads, n, head_dim]
+            return t.view(b, n, -1, self.head_dim).transpose(1, 2)  # [batch, heads of this rank, n, head_dim]
 
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        size = self.qkv_proj.q_size
+        q, k, v = self.qkv_proj(x).split([size, size, size], dim=-1)  # each [batch, n, this rank's heads * head_dim]
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class CLIPMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +93,8 @@ class CLIPVisionTower(nn.Module):
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)  # (HF's spelling)
-        self.encoder = CLIPEncoder(config, num_layers)
+        with sharded_if_divisible(config.num_attention_heads, config.hidden_size, config.intermediate_size):
+            self.encoder = CLIPEncoder(config, num_layers)
 
     def forward(self, pixel_values: torch.Tensor, layers: list[int]) -> list[torch.Tensor]:
         """The hidden states after each count of layers in `layers` (0: the embeddings), [batch, tokens, hidden]."""

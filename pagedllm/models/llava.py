@@ -1,5 +1,9 @@
 """LLaVA: a CLIP vision tower, a two-layer projector and a decoder LM (Llama, Mistral or Qwen2). Each image's
-projected features replace the input embeddings of its placeholder tokens; everything else is the LM's."""
+projected features replace the input embeddings of its placeholder tokens; everything else is the LM's.
+
+Tensor parallelism: the LM shards as a text model; the tower (clip.py) and the projector (linear_1 column-, linear_2
+row-parallel) shard too where their sizes split over the ranks, else are replicated. Either way every rank computes
+the same image embeddings, each rank encoding the items of the step it receives (the same on every rank)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from pagedllm.layers.build_context import sharded_if_divisible
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.clip import CLIPVisionTower
 from pagedllm.models.registry import get_model_class
@@ -22,14 +28,15 @@ _RENAMES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("vision_tower.vision_model.", "vision_tower."),
 )
+_VISION_STACKED = [(".qkv_proj.", f".{p}_proj.", p) for p in "qkv"]  # CLIP's q/k/v in one matmul
 
 
 class LlavaMultiModalProjector(nn.Module):
     def __init__(self, in_size: int, out_size: int, act: str, bias: bool) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_size, out_size, bias=bias)
+        self.linear_1 = ColumnParallelLinear(in_size, out_size, bias=bias)
         self.act = ACT2FN[act]
-        self.linear_2 = nn.Linear(out_size, out_size, bias=bias)
+        self.linear_2 = RowParallelLinear(out_size, out_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
@@ -55,6 +62,9 @@ class LlavaForConditionalGeneration(nn.Module):
     """config: the text config the engine runs (see model_loader), carrying the whole LlavaConfig as
     `vision_language_config`."""
 
+    supports_tensor_parallel = True
+    lora_skip_prefixes = ("vision_tower.", "multi_modal_projector.")  # LoRA adapts the language model only
+
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
@@ -71,9 +81,10 @@ class LlavaForConditionalGeneration(nn.Module):
             self.vision_tower = CLIPVisionTower(vision, max(self.layers))
             bias = getattr(full, "multimodal_projector_bias", True)
             in_size = vision.hidden_size * len(self.layers)
-            self.multi_modal_projector = LlavaMultiModalProjector(
-                in_size, config.hidden_size, full.projector_hidden_act, bias
-            )
+            with sharded_if_divisible(config.hidden_size):
+                self.multi_modal_projector = LlavaMultiModalProjector(
+                    in_size, config.hidden_size, full.projector_hidden_act, bias
+                )
         lm_cls = get_model_class(_TEXT_MODELS[config.model_type])
         self.language_model = lm_cls(
             config, quant_config, join_prefix(prefix, "language_model"), max_position=max_position
@@ -126,4 +137,4 @@ class LlavaForConditionalGeneration(nn.Module):
         if not self.supports_multimodal:
             return loaded
         ignore = ("position_ids", "post_layernorm", *(f"encoder.layers.{i}." for i in range(max(self.layers), 256)))
-        return loaded | load_weights(self, others, stacked=[], ignore=ignore)
+        return loaded | load_weights(self, others, stacked=_VISION_STACKED, ignore=ignore)

@@ -26,6 +26,7 @@ _RENAMES = (
     ("lm_head.", "language_model.lm_head."),
     ("model.", "language_model.model."),
 )
+_VISION_STACKED = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]  # Qwen2.5's MLPs
 
 
 def mrope_section(config) -> list[int]:
@@ -71,9 +72,12 @@ class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
 
 class Qwen2VLForConditionalGeneration(nn.Module):
     """config: the text config the engine runs (see model_loader), carrying the whole Qwen2VLConfig as
-    `vision_language_config`."""
+    `vision_language_config`. Tensor parallelism: the LM shards as Qwen2's; the vision transformer too where its
+    sizes split over the ranks (qwen2_vl_vision.py), else it is replicated."""
 
     uses_mrope = True
+    supports_tensor_parallel = True
+    lora_skip_prefixes = ("visual.",)  # LoRA adapts the language model only
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
@@ -139,4 +143,4 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
         if not self.supports_multimodal:
             return loaded
-        return loaded | load_weights(self, others, stacked=[], ignore=())
+        return loaded | load_weights(self, others, stacked=_VISION_STACKED, ignore=())

@@ -3,7 +3,12 @@ patch embedding, bidirectional blocks with 2D rotary positions (each frame atten
 within windows, except in its full-attention blocks) and the patch merger (2x2 neighbouring patches -> one LM token).
 
 The two generations differ in the block (LayerNorm + GELU MLP vs RMSNorm + gated MLP) and the windows; one
-item (an image or a video) runs per call."""
+item (an image or a video) runs per call.
+
+Under tensor parallelism the blocks and the merger shard as the LM's layers do: qkv column-parallel by heads (the
+checkpoint's fused q|k|v cut per rank), proj row-parallel, the MLPs' first linears column- and last row-parallel (one
+all-reduce each), so every rank ends with the whole output. The patch embedding is replicated; a tower whose sizes do
+not split over the ranks is replicated whole."""
 
 from __future__ import annotations
 
@@ -11,6 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+
+from pagedllm.layers.build_context import sharded_if_divisible
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 
 class VisionRMSNorm(nn.Module):
@@ -36,9 +49,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, dim * 3)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = QKVParallelLinear(dim, dim // num_heads, num_heads, num_heads, bias=True)
+        self.num_heads = self.qkv.num_heads  # this rank's
+        self.proj = RowParallelLinear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [n, dim]; tokens attend within each segment [cu_seqlens[i], cu_seqlens[i+1])."""
@@ -57,9 +70,9 @@ class VisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
+        self.fc1 = ColumnParallelLinear(dim, hidden, bias=True)
         self.act = ACT2FN[act]
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = RowParallelLinear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -70,13 +83,14 @@ class VisionGatedMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden)
-        self.up_proj = nn.Linear(dim, hidden)
-        self.down_proj = nn.Linear(hidden, dim)
+        # the checkpoint's gate_proj and up_proj in one matmul (loaded as its shards 0 and 1)
+        self.gate_up_proj = MergedColumnParallelLinear(dim, [hidden, hidden], bias=True)
+        self.down_proj = RowParallelLinear(hidden, dim, bias=True)
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [n, this rank's hidden]
+        return self.down_proj(self.act(gate) * up)
 
 
 class VisionBlock(nn.Module):
@@ -108,7 +122,11 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = dim * merge_size**2
         self.ln_q = VisionRMSNorm(dim) if rms_norm else nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
+        self.mlp = nn.Sequential(
+            ColumnParallelLinear(self.hidden, self.hidden, bias=True),
+            nn.GELU(),
+            RowParallelLinear(self.hidden, out_dim, bias=True),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))  # [num_patches / merge^2, out_dim]
@@ -155,12 +173,13 @@ class Qwen2VisionTransformer(nn.Module):
         if self.qwen25:
             self.full_blocks = set(config.fullatt_block_indexes)
             self.window = config.window_size // self.merge // config.patch_size
-            mlps = [VisionGatedMLP(dim, config.intermediate_size, config.hidden_act) for _ in range(config.depth)]
-        else:
-            hidden = int(dim * config.mlp_ratio)
-            mlps = [VisionMLP(dim, hidden, config.hidden_act) for _ in range(config.depth)]
-        self.blocks = nn.ModuleList(VisionBlock(dim, num_heads, mlp, self.qwen25) for mlp in mlps)
-        self.merger = PatchMerger(config.out_hidden_size if self.qwen25 else out_dim, dim, self.merge, self.qwen25)
+        hidden = config.intermediate_size if self.qwen25 else int(dim * config.mlp_ratio)
+        mlp_cls = VisionGatedMLP if self.qwen25 else VisionMLP
+        out_size = config.out_hidden_size if self.qwen25 else out_dim
+        with sharded_if_divisible(num_heads, hidden, dim):  # (the merger's hidden is dim * merge^2)
+            mlps = [mlp_cls(dim, hidden, config.hidden_act) for _ in range(config.depth)]
+            self.blocks = nn.ModuleList(VisionBlock(dim, num_heads, mlp, self.qwen25) for mlp in mlps)
+            self.merger = PatchMerger(out_size, dim, self.merge, self.qwen25)
         head_dim = dim // num_heads
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float) / (head_dim // 2)))

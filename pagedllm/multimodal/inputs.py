@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -21,6 +22,29 @@ class MultiModalFeature:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    def __getstate__(self) -> dict:
+        """Pickled (the step message to the other tensor-parallel ranks) with its tensors as numpy arrays: plain
+        data, each only its own elements (a tensor pickles the whole storage it views: an item cut from a batch of
+        images would carry the batch)."""
+        state = self.__dict__.copy()
+        state["data"] = {k: _plain(v) for k, v in self.data.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["data"] = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state["data"].items()}
+        self.__dict__.update(state)
+
+
+def _plain(value):
+    """A CPU tensor as a numpy array; one numpy cannot hold (bfloat16) as a compact copy of its own."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach().cpu()
+    try:
+        return value.numpy()
+    except TypeError:
+        return value.clone()
 
 
 class ProcessedPrompt(dict):
