@@ -32,6 +32,7 @@ MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped
 MAX_JSON_WHITESPACE = 16
 BACKENDS = ("auto", "xgrammar", "guidance")
 _PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+MIN_BATCH_FILL = 4  # constrained rows of one backend from which their bitmasks are filled in parallel
 
 
 def check_backend(value: object, field: str) -> None:
@@ -151,6 +152,11 @@ class RequestGrammar:
         """Whether the tokens so far form a complete output (the grammar may end here)."""
         return self.active and self._state().is_completed()
 
+    def batch_filler(self):
+        """The state's parallel bitmask filler (xgrammar's BatchGrammarMatcher), if the grammar applies now and its
+        backend has one; else None (fill_bitmask fills the row)."""
+        return getattr(self._state(), "batch", None) if self.active else None
+
     def fill_bitmask(self, out, row: int) -> None:
         """The allowed next tokens in out[row]; a fresh row allows all, as it stays while reasoning."""
         if self.active:
@@ -183,8 +189,21 @@ def fill_bitmasks(grammars: dict[str, RequestGrammar]) -> dict[str, np.ndarray]:
     num_words = next(iter(grammars.values())).num_words
     tensor = torch.full((len(grammars), num_words), -1, dtype=torch.int32)  # [num_rows, num_words]; -1: all allowed
     array = tensor.numpy()
+    batches: dict[int, tuple[Any, list, list[int]]] = {}  # id(filler) -> (filler, states, rows)
     for row, grammar in enumerate(grammars.values()):
-        grammar.fill_bitmask(tensor, row)
+        filler = grammar.batch_filler()
+        if filler is None:
+            grammar.fill_bitmask(tensor, row)
+            continue
+        _, states, rows = batches.setdefault(id(filler), (filler, [], []))
+        states.append(grammar.state)
+        rows.append(row)
+    for filler, states, rows in batches.values():
+        if len(rows) >= MIN_BATCH_FILL:
+            filler.fill(states, rows, tensor)
+        else:
+            for state, row in zip(states, rows):
+                state.fill_bitmask(tensor, row)
     return dict(zip(grammars, array))
 
 

@@ -46,6 +46,9 @@ class StandInGrammar:
     def is_completed(self) -> bool:
         return self.is_terminated()
 
+    def batch_filler(self):
+        return None  # filled row by row
+
     def fill_bitmask(self, out, row: int) -> None:
         out[row] = 0
         out[row, 0] = 1 << len(self.accepted)
