@@ -39,7 +39,8 @@ def check_item_size(width: int, height: int, where: str) -> None:
 
 
 def make_processor(architecture: str, model_path: str, hf_config: Any, mm_config: MultiModalConfig, trust: bool):
-    """The model's multimodal processor: Qwen2-VL's own (qwen2_vl_processor.py), else the transformers one."""
+    """The model's multimodal processor: Qwen2-VL's own (qwen2_vl_processor.py), Gemma 3's (gemma3_processor.py),
+    else the transformers one."""
     from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
 
     modalities = MULTIMODAL_ARCHITECTURES[architecture]
@@ -47,6 +48,10 @@ def make_processor(architecture: str, model_path: str, hf_config: Any, mm_config
         from pagedllm.multimodal.qwen2_vl_processor import Qwen2VLProcessor
 
         return Qwen2VLProcessor(model_path, hf_config, modalities, mm_config, trust)
+    if architecture == "Gemma3ForConditionalGeneration":
+        from pagedllm.multimodal.gemma3_processor import Gemma3MultiModalProcessor
+
+        return Gemma3MultiModalProcessor(model_path, hf_config, modalities, mm_config, trust)
     return MultiModalProcessor(model_path, hf_config, modalities, mm_config, trust)
 
 
