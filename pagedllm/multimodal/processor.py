@@ -74,7 +74,10 @@ class MultiModalProcessor:
     ) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        try:
+            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:  # a checkpoint saved without its processor: images cannot be prepared
+            raise ValueError(f"multi_modal_data: the model folder has no usable processor for images: {e}") from None
         self.modalities = modalities
         self.config = mm_config
         self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
