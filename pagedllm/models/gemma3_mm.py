@@ -84,6 +84,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
     `vision_language_config`."""
 
     bidirectional_images = True  # the runner hands each step's ImageSpans with the image embeddings
+    supports_tensor_parallel = True  # the language model is split; each rank runs the whole vision tower
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int

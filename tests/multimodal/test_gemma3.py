@@ -173,3 +173,11 @@ def test_chat_image_url_matches_hf(gemma3, tiny_gemma3):
     out = gemma3.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
     text = "user: Look:<start_of_image>\nassistant:"
     assert tokens([out]) == [hf_generate(hf, processor, text, [image(5)], GREEDY.max_tokens)]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_images(tiny_gemma3, expected):
+    """TP=2 over two CPU processes: the language model split, each rank running the whole vision tower."""
+    llm = make_llm(tiny_gemma3[2], tensor_parallel_size=2, max_num_batched_tokens=6)
+    outputs = llm.generate([as_prompt(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected
