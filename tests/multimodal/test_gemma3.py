@@ -140,6 +140,36 @@ def test_prefix_cache_hits_only_with_the_same_image(tiny_gemma3):
     assert llm.llm_engine.core.executor.runner.mm.num_encoder_runs == 2
 
 
+def test_prefix_cache_hit_ending_inside_an_image(tiny_gemma3):
+    """Blocks of 16: two prompts share 10 characters, the image (at positions 13-16) and what follows it; the hit
+    (one block) ends inside the image, so the second prompt's prefill starts at its last image token."""
+    hf, processor, path = tiny_gemma3
+    llm = make_llm(path, block_size=16)
+    first, second = "0123456789<start_of_image> then this?", "0123456789<start_of_image> or that!"
+    a = llm.generate(as_prompt(first, [image(4)]), GREEDY, use_tqdm=False)[0]
+    b = llm.generate(as_prompt(second, [image(4)]), GREEDY, use_tqdm=False)[0]
+    assert a.prompt_token_ids.index(IMAGE_TOKEN_ID) == 13 and b.num_cached_tokens == 16
+    assert tokens([a]) == [hf_generate(hf, processor, first, [image(4)], GREEDY.max_tokens)]
+    assert tokens([b]) == [hf_generate(hf, processor, second, [image(4)], GREEDY.max_tokens)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_read_kv_reads_the_slots_written(backend):
+    """read_kv in each backend's cache layout gives back the K/V that forward wrote to those slots."""
+    import importlib
+
+    module = importlib.import_module(f"pagedllm.attention.{backend}_backend")
+    torch.manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 2, 8
+    slot_major = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)  # the Triton layout
+    cache = slot_major if backend == "triton" else module.from_slot_major(slot_major)
+    slots = torch.tensor([7, 0, 19, 4, 4])
+    k, v = module.read_kv(cache, slots, head_dim)
+    flat = slot_major.view(2, -1, num_kv_heads, head_dim)
+    torch.testing.assert_close(k, flat[0, slots], rtol=0, atol=0)
+    torch.testing.assert_close(v, flat[1, slots], rtol=0, atol=0)
+
+
 def test_limit_mm_per_prompt(gemma3):
     three = as_prompt("<start_of_image>" * 3, [image(1)] * 3)
     with pytest.raises(ValueError, match=r"has 3 items, more than limit_mm_per_prompt\['image'\]=2"):
