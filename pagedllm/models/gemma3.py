@@ -45,6 +45,8 @@ class Gemma3Model(Gemma2Model):
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
+        if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma: every token attends both ways
+            raise ValueError("use_bidirectional_attention=True (EmbeddingGemma) is not supported; allowed: False")
         super().__init__(config, quant_config, prefix, max_position=max_position)
         local = _rope_for(config, "sliding_attention", "rope_local_base_freq")
         self.rotary_emb_local = RotaryEmbedding(head_dim_of(config), max_position, *local)

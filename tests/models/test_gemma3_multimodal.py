@@ -89,3 +89,12 @@ def test_image_without_a_saved_processor_is_an_error(gemma3_mm) -> None:
         llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2  # the engine still serves
+
+
+def test_bidirectional_text_model_is_refused() -> None:
+    """EmbeddingGemma's all-bidirectional attention is not the causal decoder pagedllm runs: refused, not wrong."""
+    from pagedllm.models.gemma3 import Gemma3ForCausalLM
+
+    config = transformers.Gemma3TextConfig(**TEXT, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=True \(EmbeddingGemma\) is not supported"):
+        Gemma3ForCausalLM(config, max_position=64)
