@@ -211,3 +211,12 @@ def test_tensor_parallel_with_images(tiny_gemma3, expected):
     llm = make_llm(tiny_gemma3[2], tensor_parallel_size=2, max_num_batched_tokens=6)
     outputs = llm.generate([as_prompt(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
     assert tokens(outputs) == expected
+
+
+def test_profile_encoder_input(gemma3):
+    """The memory profile's dummy image is the tower's size and gives one image's tokens."""
+    model = gemma3.llm_engine.core.executor.runner.model
+    data = model.dummy_multimodal_data()
+    assert tuple(data["pixel_values"].shape) == (1, 3, 56, 56)
+    with torch.no_grad():
+        assert tuple(model.embed_multimodal("image", data).shape) == (NUM_IMAGE_TOKENS, 64)
