@@ -27,7 +27,7 @@ NOTES = {
     "FalconForCausalLM": "Falcon: multi-query or GQA, rotary or ALiBi",
     "Gemma2ForCausalLM": "Gemma 2: soft-capping, alternating sliding window",
     "Gemma3ForCausalLM": "Gemma 3 (text): q/k norm, local and global rotary",
-    "Gemma3ForConditionalGeneration": "Gemma 3 image-text checkpoints on text (vision tower skipped)",
+    "Gemma3ForConditionalGeneration": "Gemma 3: SigLIP tower + pooled projector, bidirectional image tokens (images)",
     "LlavaForConditionalGeneration": "LLaVA: CLIP vision tower + projector + Llama/Mistral/Qwen2 (images)",
     "GemmaForCausalLM": "Gemma",
     "GPT2LMHeadModel": "GPT-2: learned positions",

@@ -67,6 +67,13 @@ def _blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     return kv_cache.view(*kv_cache.shape[:3], -1, head_dim)
 
 
+def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached K and V of `slots` [n], each [n, num_kv_heads, head_dim] (copies)."""
+    flat = kv_cache.view(2, kv_cache.shape[1], -1, head_dim)  # [2, num_kv_heads, num_slots, head_dim]
+    kv = flat.index_select(2, slots).transpose(1, 2)  # [2, n, num_kv_heads, head_dim]
+    return kv[0], kv[1]
+
+
 def from_slot_major(kv_cache: torch.Tensor) -> torch.Tensor:
     """This backend's copy of a cache laid out [2, num_blocks, block_size, num_kv_heads, head_dim] (the Triton
     backend's layout), to compare backends on one cache."""

@@ -51,6 +51,12 @@ def allocate_kv_cache(
     return torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
+def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached K and V of `slots` [n], each [n, num_kv_heads, head_dim] (copies; an FP8 cache's stored values)."""
+    kv = kv_cache.flatten(1, 2).index_select(1, slots)  # [2, n, num_kv_heads, head_dim]
+    return kv[0], kv[1]
+
+
 def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
     dev = layout.device
     qsl, seq_lens = layout.query_start_loc, layout.seq_lens

@@ -76,10 +76,7 @@ class LLMEngine:
 
         model = self.config.model
         if model.architecture not in MULTIMODAL_ARCHITECTURES:
-            from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
-
-            what = "runs as a text model" if model.architecture in TEXT_ONLY_MULTIMODAL else "is a text-only model"
-            raise ValueError(f"{where}.multi_modal_data: {model.architecture} {what}; it takes no images")
+            raise ValueError(f"{where}.multi_modal_data: {model.architecture} is a text-only model; it takes no images")
         return self.multimodal_processor().process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
 
     def multimodal_processor(self):
@@ -145,6 +142,13 @@ class LLMEngine:
             from pagedllm.multimodal.processor import check_placeholders
 
             check_placeholders(prompt_token_ids, mm_features or [], vl_config)
+            budget = self.core.scheduler.max_num_batched_tokens
+            long = next((f for f in mm_features or [] if f.bidirectional and f.length > budget), None)
+            if long is not None:
+                raise ValueError(
+                    f"max_num_batched_tokens={budget} is less than an image's {long.length} tokens, which "
+                    "one prefill chunk must hold; allowed: max_num_batched_tokens >= the tokens of one image"
+                )
         vocab = model.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:

@@ -17,7 +17,10 @@ on the device (async scheduling): it takes every other step, the others still ov
 sampled token, and ends it when it terminates.
 
 With LoRA, at most max_loras distinct adapters are among the running requests (the runner's device slots): a waiting
-request of another adapter is passed over, keeping its place, until one of theirs finishes."""
+request of another adapter is passed over, keeping its place, until one of theirs finishes.
+
+A prefill chunk never ends inside an image whose tokens attend to each other both ways (Gemma 3): it stops before the
+image, which then waits for a step with budget for all of it (the engine refuses one over max_num_batched_tokens)."""
 
 from __future__ import annotations
 
@@ -50,6 +53,16 @@ class EngineCoreOutput:
     num_cached_tokens: int
     new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None  # per new token, when asked for
     prompt_logprobs: tuple[int, list] | None = None  # (first prompt position, entries) computed this step
+
+
+def keep_items_whole(req: Request, start: int, n: int) -> int:
+    """n tokens from `start`, cut back so that the chunk does not end inside an item whose tokens attend to each
+    other both ways (Gemma 3's images): it ends before the item, or takes none when it starts inside it."""
+    end = start + n
+    for f in req.mm_features:
+        if f.bidirectional and f.offset < end < f.end:
+            return max(f.offset - start, 0)
+    return n
 
 
 class Scheduler:
@@ -157,7 +170,10 @@ class Scheduler:
             ):  # its last token is still on the device
                 i += 1
                 continue
-            n = min(num_known - req.num_computed_tokens, budget)
+            n = keep_items_whole(req, req.num_computed_tokens, min(num_known - req.num_computed_tokens, budget))
+            if n == 0:  # its next image does not fit in the budget left
+                i += 1
+                continue
             drafts = self._drafts(req, n, budget) if req.spec_token_ids else ()
             lookahead = self._lookahead(req, n + len(drafts))
             new_blocks = self.kv.allocate_slots(req, n + len(drafts) + lookahead) if lookahead else None
@@ -226,8 +242,8 @@ class Scheduler:
                 self._fail(self.waiting.popleft(), req.grammar.error())
                 continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, n, computed_blocks) is None:
+            n = keep_items_whole(req, num_hit, min(req.num_tokens - num_hit, budget))
+            if n == 0 or self.kv.allocate_slots(req, n, computed_blocks) is None:
                 break
             self.waiting.popleft()
             self.kv.record_lookup(req, num_hit)

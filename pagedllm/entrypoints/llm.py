@@ -17,7 +17,6 @@ from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.entrypoints.pooling_api import _as_list as _pooled_items
 from pagedllm.lora.request import lora_list
 from pagedllm.metrics import Metric
-from pagedllm.model_loader.loader import TEXT_ONLY_MULTIMODAL
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -309,8 +308,9 @@ class LLM(PoolingAPI):
             for key in _MULTIMODAL_KEYS if not self._takes_multimodal() else ():
                 if prompt.get(key):
                     arch = self.llm_engine.config.model.architecture
-                    what = "runs as a text model" if arch in TEXT_ONLY_MULTIMODAL else "is a text-only model"
-                    raise ValueError(f"prompts[{index}].{key}: {arch} {what}; multimodal inputs are not supported")
+                    raise ValueError(
+                        f"prompts[{index}].{key}: {arch} is a text-only model; multimodal inputs are not supported"
+                    )
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):

@@ -21,25 +21,19 @@ from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-# image-text checkpoints that run as text models on their text_config (their vision weights are skipped)
-TEXT_ONLY_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})
 # fields a multimodal config sets at its top level that hold for its text model
 _TOP_LEVEL_FIELDS = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "quantization_config")
 
 
 def _text_part(config: Any) -> Any:
-    """The text config of an image-text checkpoint in TEXT_ONLY_MULTIMODAL or MULTIMODAL_ARCHITECTURES, with the
-    top level's fields; else `config` itself. The engine sizes everything (vocab, layers, KV heads, context) from
-    it; a multimodal model finds the whole config in its `vision_language_config`."""
+    """The text config of an image-text checkpoint in MULTIMODAL_ARCHITECTURES, with the top level's fields; else
+    `config` itself. The engine sizes everything (vocab, layers, KV heads, context) from it; the model finds the
+    whole config in its `vision_language_config`."""
     archs = getattr(config, "architectures", None) or []
-    multimodal = bool(archs) and archs[0] in MULTIMODAL_ARCHITECTURES
-    if not archs or (archs[0] not in TEXT_ONLY_MULTIMODAL and not multimodal):
+    if not archs or archs[0] not in MULTIMODAL_ARCHITECTURES or getattr(config, "text_config", None) is None:
         return config
-    if getattr(config, "text_config", None) is None:
-        return config
-    text = copy.copy(config.text_config) if multimodal else config.text_config
-    if multimodal:
-        text.vision_language_config = config
+    text = copy.copy(config.text_config)
+    text.vision_language_config = config
     for key in _TOP_LEVEL_FIELDS:
         value = getattr(config, key, None)
         if value is not None:

@@ -1,6 +1,6 @@
 """Gemma 3 (text): Gemma 2's layers with RMSNorm on each head of q and k before rotary, and separate rotary bases
 for sliding-window (local) and full-attention (global) layers (config.rope_parameters keyed by layer type).
-Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration) run as text models: their language model only."""
+The image-text model (Gemma3ForConditionalGeneration) is in gemma3_mm.py."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ class Gemma3Model(Gemma2Model):
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
     ) -> None:
+        if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma: every token attends both ways
+            raise ValueError("use_bidirectional_attention=True (EmbeddingGemma) is not supported; allowed: False")
         super().__init__(config, quant_config, prefix, max_position=max_position)
         local = _rope_for(config, "sliding_attention", "rope_local_base_freq")
         self.rotary_emb_local = RotaryEmbedding(head_dim_of(config), max_position, *local)
@@ -52,8 +54,12 @@ class Gemma3Model(Gemma2Model):
     def make_rotary(self, config, max_position: int) -> RotaryEmbedding:
         return RotaryEmbedding(head_dim_of(config), max_position, *_rope_for(config, "full_attention", ""))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """inputs_embeds: the input embeddings when the caller made them (with image features), else embedded."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [num_tokens, hidden]
+        residual = None
         rope_global = self.rotary_emb(positions, x.dtype)
         rope_local = self.rotary_emb_local(positions, x.dtype)
         for layer in self.layers:
@@ -65,27 +71,3 @@ class Gemma3Model(Gemma2Model):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_cls = Gemma3Model
     supports_pipeline_parallel = False  # its decoder's forward (two rope tables) is not split into stages yet
-
-
-# the language model's prefix in Gemma3ForConditionalGeneration checkpoints -> Gemma3ForCausalLM's
-_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),  # transformers >= 4.52
-    ("language_model.model.", "model."),  # earlier checkpoints
-    ("language_model.lm_head.", "lm_head."),
-)
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # skipped: images are not supported yet
-
-
-def _text_name(name: str) -> str:
-    for theirs, ours in _TEXT_PREFIXES:
-        if name.startswith(theirs):
-            return ours + name[len(theirs) :]
-    return name
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A Gemma 3 image-text checkpoint as a text model: built from its text_config (the loader hands over
-    `config.text_config`), its language model's weights loaded, the vision tower and projector skipped."""
-
-    rename = staticmethod(_text_name)
-    extra_ignore = _VISION_PARTS

@@ -10,6 +10,7 @@ from typing import Any
 # architecture -> the modalities its prompts take
 MULTIMODAL_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("image",),
+    "Gemma3ForConditionalGeneration": ("image",),
     "Qwen2VLForConditionalGeneration": ("image", "video"),
     "Qwen2_5_VLForConditionalGeneration": ("image", "video"),
 }

@@ -4,7 +4,8 @@ least recently used evicted past its byte budget) and the embeddings of a step's
 Chunked prefill may cut through an item's placeholder span: the encoder runs on the whole item in the first step
 whose chunk reaches into the span, its output stays in the cache, and each chunk takes the rows of its own positions.
 An output evicted before its last chunk ran is computed again (same result, more work), so any chunking is correct;
-the same item in other requests (same hash) is not encoded again while its output is cached."""
+the same item in other requests (same hash) is not encoded again while its output is cached. A model whose image
+tokens attend bidirectionally (Gemma 3) also gets each step's ImageSpans (multimodal/bidirectional.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from pagedllm.multimodal.bidirectional import ImageSpan, step_spans
 from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.multimodal.mrope import mrope_positions
@@ -42,9 +44,22 @@ class EncoderCache:
         self.num_bytes += size
 
 
+class MultiModalEmbeds(tuple):
+    """(rows of the flat batch [n], their embeddings [n, hidden]) of a step's placeholder tokens, carrying `spans`:
+    the ImageSpans of the step's bidirectional items (None: it has none)."""
+
+    def __new__(cls, rows: torch.Tensor, embeds: torch.Tensor, spans: list[ImageSpan] | None) -> MultiModalEmbeds:
+        out = super().__new__(cls, (rows, embeds))
+        out.spans = spans
+        return out
+
+
 class MultiModalRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cache_bytes: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cache_bytes: int, block_size: int = 16
+    ) -> None:
         self.model = model
+        self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.cache = EncoderCache(cache_bytes)
@@ -97,11 +112,16 @@ class MultiModalRunner:
         return out[0] if (out[0] == out[1]).all() and (out[0] == out[2]).all() else out
 
     def step_embeddings(
-        self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self,
+        req_ids: list[str],
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray | None = None,
+    ) -> MultiModalEmbeds | None:
         """(rows of the flat batch [n], their embeddings [n, hidden]) for the step's placeholder tokens; None when
-        the step has none. Request i computes positions [seq_lens[i] - its token count, seq_lens[i])."""
-        rows, embeds = [], []
+        the step has none. Request i computes positions [seq_lens[i] - its token count, seq_lens[i]).
+        block_table [num_reqs, max_blocks]: the requests' blocks (the key slots of bidirectional items)."""
+        rows, embeds, spans = [], [], []
         for i, req_id in enumerate(req_ids):
             features = self.features.get(req_id)
             if not features:
@@ -109,6 +129,8 @@ class MultiModalRunner:
             end = int(seq_lens[i])
             first_row = int(query_start_loc[i])
             start = end - (int(query_start_loc[i + 1]) - first_row)
+            if block_table is not None and getattr(self.model, "bidirectional_images", False):
+                spans += step_spans(features, first_row, start, end, block_table[i], self.block_size)
             for f in features:
                 lo, hi = max(start, f.offset), min(end, f.end)
                 if lo >= hi:
@@ -118,7 +140,9 @@ class MultiModalRunner:
         if not rows:
             return None
         index = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        return index, torch.cat(embeds)
+        dev = self.device
+        spans = [ImageSpan(r, torch.from_numpy(p).to(dev), torch.from_numpy(k).to(dev)) for r, p, k in spans]
+        return MultiModalEmbeds(index, torch.cat(embeds), spans or None)
 
 
 def make_multimodal_runner(model: torch.nn.Module, config) -> MultiModalRunner | None:
@@ -126,4 +150,6 @@ def make_multimodal_runner(model: torch.nn.Module, config) -> MultiModalRunner |
     if not getattr(model, "supports_multimodal", False):
         return None
     mm_config = getattr(config, "multimodal", None) or MultiModalConfig()
-    return MultiModalRunner(model, config.device.device, config.model.dtype, mm_config.encoder_cache_bytes)
+    return MultiModalRunner(
+        model, config.device.device, config.model.dtype, mm_config.encoder_cache_bytes, config.cache.block_size
+    )

@@ -18,6 +18,8 @@ class MultiModalFeature:
     # M-RoPE models (Qwen2-VL): the item's (t, h, w) grid of LM tokens and the temporal position step per t
     grid: tuple[int, int, int] | None = field(default=None)
     time_interval: float = 1.0
+    # its placeholder tokens attend to each other both ways in prefill (Gemma 3): no prefill chunk ends inside it
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:

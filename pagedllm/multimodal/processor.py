@@ -39,7 +39,8 @@ def check_item_size(width: int, height: int, where: str) -> None:
 
 
 def make_processor(architecture: str, model_path: str, hf_config: Any, mm_config: MultiModalConfig, trust: bool):
-    """The model's multimodal processor: Qwen2-VL's own (qwen2_vl_processor.py), else the transformers one."""
+    """The model's multimodal processor: Qwen2-VL's own (qwen2_vl_processor.py), Gemma 3's (gemma3_processor.py),
+    else the transformers one."""
     from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
 
     modalities = MULTIMODAL_ARCHITECTURES[architecture]
@@ -47,6 +48,10 @@ def make_processor(architecture: str, model_path: str, hf_config: Any, mm_config
         from pagedllm.multimodal.qwen2_vl_processor import Qwen2VLProcessor
 
         return Qwen2VLProcessor(model_path, hf_config, modalities, mm_config, trust)
+    if architecture == "Gemma3ForConditionalGeneration":
+        from pagedllm.multimodal.gemma3_processor import Gemma3MultiModalProcessor
+
+        return Gemma3MultiModalProcessor(model_path, hf_config, modalities, mm_config, trust)
     return MultiModalProcessor(model_path, hf_config, modalities, mm_config, trust)
 
 
@@ -69,7 +74,10 @@ class MultiModalProcessor:
     ) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        try:
+            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:  # a checkpoint saved without its processor: images cannot be prepared
+            raise ValueError(f"multi_modal_data: the model folder has no usable processor for images: {e}") from None
         self.modalities = modalities
         self.config = mm_config
         self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)

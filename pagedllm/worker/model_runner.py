@@ -289,7 +289,9 @@ class ModelRunner:
         anything else (prefill chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
-        mm = None if self.mm is None else self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens)
+        mm = None
+        if self.mm is not None:
+            mm = self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens, flat.block_table)
         # M-RoPE positions of a step with multimodal requests (Qwen2-VL): [3, num_tokens] or [num_tokens], else None
         mrope = None if self.mm is None else self.mm.step_positions(flat.req_ids, flat.query_start_loc, flat.positions)
         positions = flat.positions if mrope is None else mrope

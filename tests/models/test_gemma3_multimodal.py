@@ -1,5 +1,6 @@
-"""A Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration) run as a text model: its language model against
-HF's text-only generate, its vision weights skipped, a request with an image a clear error."""
+"""A Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration) with text prompts: its language model against
+HF's text-only generate, its vision weights loaded; an image on a checkpoint saved without a processor is a clear
+error (tests/multimodal/test_gemma3.py runs images)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,14 @@ def gemma3_mm(tmp_path_factory):
     return hf, llm
 
 
-def test_checkpoint_holds_vision_weights(gemma3_mm, tmp_path) -> None:
-    """The saved checkpoint does carry a vision tower: loading skipped it rather than never seeing it."""
+def test_checkpoint_vision_weights_are_loaded(gemma3_mm) -> None:
     hf, llm = gemma3_mm
-    names = [n for n, _ in hf.named_parameters()]
-    assert any("vision_tower." in n for n in names) and any("multi_modal_projector." in n for n in names)
     model = llm.llm_engine.core.executor.runner.model
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"
-    assert not any("vision" in n for n, _ in model.named_parameters())
+    ours = model.vision_tower.encoder.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(ours, hf.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight)
+    projector = hf.model.multi_modal_projector.mm_input_projection_weight
+    torch.testing.assert_close(model.multi_modal_projector.mm_input_projection_weight, projector)
     assert llm.llm_engine.config.model.hf_config.num_hidden_layers == 2
 
 
@@ -80,12 +81,20 @@ def test_greedy_and_logprobs_match_hf_text_only(gemma3_mm) -> None:
         np.testing.assert_allclose(ours, ref_logprobs, atol=1e-4, rtol=0, err_msg=str(prompt))
 
 
-def test_request_with_an_image_is_an_error(gemma3_mm) -> None:
+def test_image_without_a_saved_processor_is_an_error(gemma3_mm) -> None:
     _, llm = gemma3_mm
     image = np.zeros((28, 28, 3), dtype=np.uint8)
-    prompt = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image}}
-    match = r"prompts\[0\]\.multi_modal_data: Gemma3ForConditionalGeneration runs as a text model; multimodal"
-    with pytest.raises(ValueError, match=match):
+    prompt = {"prompt": "<start_of_image>", "multi_modal_data": {"image": image}}
+    with pytest.raises(ValueError, match=r"multi_modal_data: the model folder has no usable processor for images"):
         llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2  # the engine still serves
+
+
+def test_bidirectional_text_model_is_refused() -> None:
+    """EmbeddingGemma's all-bidirectional attention is not the causal decoder pagedllm runs: refused, not wrong."""
+    from pagedllm.models.gemma3 import Gemma3ForCausalLM
+
+    config = transformers.Gemma3TextConfig(**TEXT, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=True \(EmbeddingGemma\) is not supported"):
+        Gemma3ForCausalLM(config, max_position=64)

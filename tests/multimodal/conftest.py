@@ -18,3 +18,11 @@ def tiny_qwen2_vl(request, tmp_path_factory):
     from tiny_qwen2_vl import save_tiny_qwen2_vl
 
     return save_tiny_qwen2_vl(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """Gemma3ForConditionalGeneration: (HF model, its processor, the checkpoint folder)."""
+    from tiny_gemma3 import save_tiny_gemma3
+
+    return save_tiny_gemma3(tmp_path_factory)
