@@ -5,8 +5,13 @@ The weight read dominates (N * K bytes against M * K of activations, whose rows 
 read): each program owns BLOCK_N weight rows and a slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies
 them with the activations' [BLOCK_K, 16] tile on the tensor cores ("swap AB": the weight is the MMA's tall operand),
 summing in float32. When N / 16 programs would not fill the GPU, K is split and a second small kernel sums the
-float32 partials (in a fixed order: deterministic), adds the bias and casts. The activations are quantized first by
-the same per-token kernel the large-M path uses, so both paths see bit-identical fp8 activations."""
+float32 partials (in a fixed order: deterministic), adds the bias and casts.
+
+The activations come in their float dtype and are quantized inside the kernel (no separate launch): every program
+first reads its rows' whole K (a few KB, in L2) for their amax, then rounds each [BLOCK_K, 16] tile to fp8 in
+registers with the per-token kernel's own helpers (fp8_ops.fp8_scale_of, fp8_quantize), so the fp8 activations, and
+the result, are bit-identical to quantizing first. Batches over FUSE_MAX_M rows, and fp8_gemv, take pre-quantized
+activations."""
 
 from __future__ import annotations
 
@@ -17,25 +22,66 @@ import torch
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
+FUSE_MAX_M = 16  # batches of up to this many rows quantize their activations in the GEMV itself
 BLOCK_NS = (64,)  # weight rows per program (an H200 sweep: 64 rows with K split beat narrower tiles)
 BLOCK_K = 128  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
+AMAX_ELEMS = 4096  # activation elements per step of the fused kernel's amax pass (rows x columns)
 PROGRAMS_PER_SM = 1  # programs per SM wanted before settling for one wave, or splitting K
 NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
+# how the kernel gets its activations: fp8 with their scales | float, one static scale | float, a scale per row
+# (amax / 448) | float, one scale per batch (the batch's amax / 448)
+QUANTIZED, STATIC, PER_TOKEN, PER_BATCH = 0, 1, 2, 3
 
 if triton is not None:
     import triton.language as tl
 
+    from pagedllm.layers.quantization.fp8_ops import fp8_quantize, fp8_scale_of
+
+    @triton.jit
+    def activation_scales(
+        x_ptr, xs_ptr, M, K, stride_xm, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+        AMAX_K: tl.constexpr,
+    ):  # fmt: skip
+        """The activations' scales [BLOCK_M] float32: loaded (QUANTIZED, STATIC) or from the amax of x's rows over
+        all of K (PER_TOKEN; PER_BATCH: the largest, for every row). ONE_ROW: M is 1, the scale in every lane."""
+        offs_m = tl.arange(0, BLOCK_M)
+        if QUANT == 0:
+            xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
+        elif QUANT == 1:
+            xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+        elif ONE_ROW:
+            offs_k = tl.arange(0, AMAX_K)
+            amax = tl.zeros((AMAX_K,), dtype=tl.float32)
+            for start in range(0, K, AMAX_K):
+                x = tl.load(x_ptr + start + offs_k, mask=offs_k < K - start, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + fp8_scale_of(tl.max(amax, axis=0))
+        else:
+            offs_k = tl.arange(0, AMAX_K)
+            ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, AMAX_K]
+            amax = tl.zeros((BLOCK_M, AMAX_K), dtype=tl.float32)
+            for start in range(0, K, AMAX_K):
+                mask = (offs_m[:, None] < M) & (offs_k[None, :] < K - start)
+                amax = tl.maximum(amax, tl.abs(tl.load(ptrs + start, mask=mask, other=0.0).to(tl.float32)))
+            row_amax = tl.max(amax, axis=1)  # [BLOCK_M]
+            if QUANT == 3:
+                row_amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.max(row_amax, axis=0)
+            xs = fp8_scale_of(row_amax)
+        return xs
+
     # M (the decode batch) only bounds masks: one compiled variant for every batch size instead of three (M = 1,
-    # M = 16, others)
+    # M = 16, others); ONE_ROW (M == 1 with quantization in the kernel) is the one split, M = 1 being decode-bs1
     @triton.jit(do_not_specialize=["M"])
     def fp8_gemv_kernel(
         x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, k_split,
         stride_xm, stride_wn, stride_os, stride_om,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s): out[s, m, n-block] = sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
-        times xs[m] * ws[n] (+ bias[n] when HAS_BIAS, only with one split). x [M, K] fp8, w [N, K] fp8,
-        xs [M] and ws [N] float32; out [S, M, N] (the result in x's dtype for S = 1, float32 partials otherwise)."""
+        times xs[m] * ws[n] (+ bias[n] when HAS_BIAS, only with one split). x [M, K]: fp8 with scales xs [M]
+        (QUANTIZED) or float, quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K]
+        fp8, ws [N] float32; out [S, M, N] (the result in its dtype for S = 1, float32 partials otherwise)."""
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,16 +89,24 @@ if triton is not None:
         mask_m, mask_n = offs_m < M, offs_n < N
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        xs = activation_scales(x_ptr, xs_ptr, M, K, stride_xm, QUANT, ONE_ROW, BLOCK_M, AMAX_K)  # [BLOCK_M]
+        scale0 = tl.max(xs, axis=0)  # ONE_ROW: the row's scale
         k_lo = pid_s * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for start in range(k_lo, k_hi, BLOCK_K):
             mask_k = offs_k < K - start
-            x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            if QUANT == 0:
+                x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            elif ONE_ROW:  # one row quantized, copied to every column (columns past M are never stored)
+                x_row = tl.load(x_ptr + start + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+                x = tl.broadcast_to(fp8_quantize(x_row, scale0)[:, None], (BLOCK_K, BLOCK_M))
+            else:
+                x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+                x = fp8_quantize(x, xs[None, :])  # [BLOCK_K, BLOCK_M]
             w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             # Hopper's fp8 MMA accumulates with a short mantissa: fold into the float32 sum every 128 products
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
-        xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
         ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
         acc = acc * xs[None, :] * ws[:, None]
         if HAS_BIAS:
@@ -97,23 +151,25 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_n, triton.cdiv(k, k_split), k_split
 
 
-def fp8_gemv(
-    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype: torch.dtype
+def launch(
+    x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype, quant: int
 ) -> torch.Tensor:
-    """xq [M, K] fp8 (1 <= M <= GEMV_MAX_M), xs [M, 1] float32, weight [N, K] fp8, weight_scale [N] float32,
-    bias [N] or None -> [M, N] in dtype."""
-    m, k = xq.shape
+    """fp8_gemv_kernel over x [M, K] (fp8 or float per `quant`; last dim contiguous), xs (per `quant`), weight
+    [N, K] fp8, weight_scale [N] float32, bias [N] or None -> [M, N] in dtype; split-K partials summed after."""
+    m, k = x.shape
     n = weight.shape[0]
-    block_n, splits, k_split = plan(n, k, sm_count(xq.device))
-    out = torch.empty((m, n), dtype=dtype, device=xq.device)  # [M, N]
-    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=xq.device)
+    block_n, splits, k_split = plan(n, k, sm_count(x.device))
+    out = torch.empty((m, n), dtype=dtype, device=x.device)  # [M, N]
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
+    one_row = m == 1 and quant != QUANTIZED
+    amax_k = min(triton.next_power_of_2(max(k, 16)), max(16, AMAX_ELEMS // (1 if one_row else 16)))
     fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        xq, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
-        xq.stride(0), weight.stride(0), m * n, n,
-        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        x, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
+        x.stride(0), weight.stride(0), m * n, n,
+        HAS_BIAS=has_bias and splits == 1, QUANT=quant, ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K, AMAX_K=amax_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
         block = 1024
@@ -121,6 +177,33 @@ def fp8_gemv(
             target, out, bias_arg, m * n, n, splits, HAS_BIAS=has_bias, BLOCK=block
         )
     return out
+
+
+def fp8_gemv(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype: torch.dtype
+) -> torch.Tensor:
+    """xq [M, K] fp8 (1 <= M <= GEMV_MAX_M), xs [M, 1] float32, weight [N, K] fp8, weight_scale [N] float32,
+    bias [N] or None -> [M, N] in dtype."""
+    return launch(xq, xs, weight, weight_scale, bias, dtype, QUANTIZED)
+
+
+def fp8_gemv_fused(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    per_tensor_dynamic: bool = False,
+) -> torch.Tensor:
+    """x2 [M, K] float (1 <= M <= GEMV_MAX_M) -> [M, N] in x2's dtype, quantized inside the kernel by the rule of
+    fp8_ops.quantize_activations: the static input_scale (a scalar), else per token, or per batch."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight_scale = weight_scale.float()
+    if input_scale is not None:
+        return launch(x2, input_scale.float().reshape(1), weight, weight_scale, bias, x2.dtype, STATIC)
+    quant = PER_BATCH if per_tensor_dynamic else PER_TOKEN
+    return launch(x2, weight_scale, weight, weight_scale, bias, x2.dtype, quant)  # xs unused: a dummy
 
 
 def gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -138,6 +221,9 @@ def fp8_gemv_linear(
     bias: torch.Tensor | None,
     per_tensor_dynamic: bool = False,
 ) -> torch.Tensor:
-    """x2 [M, K] -> [M, N] in x2's dtype: the activations quantized as fp8_linear does, then the skinny kernel."""
+    """x2 [M, K] -> [M, N] in x2's dtype: the activations quantized as fp8_linear does (in the kernel for up to
+    FUSE_MAX_M rows, else by the per-token kernel first), then the skinny kernel."""
+    if x2.shape[0] <= FUSE_MAX_M:
+        return fp8_gemv_fused(x2, weight, weight_scale, input_scale, bias, per_tensor_dynamic)
     xq, xs = quantize_activations(x2, input_scale, per_tensor_dynamic)  # [M, K] fp8, [M, 1]
     return fp8_gemv(xq, xs, weight, weight_scale.float(), bias, x2.dtype)
