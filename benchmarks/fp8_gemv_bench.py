@@ -127,8 +127,9 @@ def layer_summary(results: dict, batches) -> None:
         print(f"  M={m:>2}: {cells}")
 
 
-KNOBS = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM", "NUM_WARPS", "AMAX_ELEMS")
-GRID = ((32, 64, 128), (128, 256), (3, 4, 6), (1, 2), (4, 8), (4096,))  # one value per knob, in KNOBS order
+KNOBS = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM", "NUM_WARPS")  # swept, and for --set
+MORE_KNOBS = ("AMAX_ROW", "AMAX_COLS", "AMAX_STAGES", "FUSE_MAX_M")  # for --set
+GRID = ((32, 64, 128), (128, 256), (3, 4, 6), (1, 2), (4, 8))  # the values swept, in KNOBS order
 
 
 def set_knob(name: str, value) -> None:
@@ -157,8 +158,8 @@ def sweep(shapes, batches) -> None:
 
 def parse_set(text: str) -> tuple[str, int]:
     name, _, value = text.partition("=")
-    if name not in KNOBS + ("FUSE_MAX_M",) or not value.isdigit():
-        raise argparse.ArgumentTypeError(f"--set {text!r}: NAME=INT with NAME one of {KNOBS + ('FUSE_MAX_M',)}")
+    if name not in KNOBS + MORE_KNOBS or not value.isdigit():
+        raise argparse.ArgumentTypeError(f"--set {text!r}: NAME=INT with NAME one of {KNOBS + MORE_KNOBS}")
     return name, int(value)
 
 
@@ -175,7 +176,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     for name, value in args.set:
         set_knob(name, value)
-    print(torch.cuda.get_device_name(0), {name: getattr(fp8_gemv, name) for name in KNOBS + ("FUSE_MAX_M",)})
+    print(torch.cuda.get_device_name(0), {name: getattr(fp8_gemv, name) for name in KNOBS + MORE_KNOBS})
     layer_summary(table(shapes, args.batches), args.batches)
     if args.sweep:
         sweep(shapes, args.sweep_m)

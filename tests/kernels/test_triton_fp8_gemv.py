@@ -215,7 +215,8 @@ def test_fused_float32_one_program_over_k(m, mode, monkeypatch):
     """float32 activations and output (every bit of the sum visible), one program over all of K, K past several
     amax steps and a partial weight tile: the same bits as quantizing first."""
     monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", 0)
-    monkeypatch.setattr(gemv, "AMAX_ELEMS", 16 * 64)  # 64-column amax steps for M > 1, 1024 for M = 1
+    monkeypatch.setattr(gemv, "AMAX_COLS", 64)  # amax steps: 64 columns for M > 1, 1024 for M = 1
+    monkeypatch.setattr(gemv, "AMAX_ROW", 1024)
     n, k = 70, 1100
     x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=7 * m)
     x[:, k - 1] = 300.0  # the amax: the last column, in the last, partial step

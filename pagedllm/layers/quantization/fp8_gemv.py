@@ -25,7 +25,9 @@ GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once 
 FUSE_MAX_M = 16  # batches of up to this many rows quantize their activations in the GEMV itself
 BLOCK_NS = (64,)  # weight rows per program (an H200 sweep: 64 rows with K split beat narrower tiles)
 BLOCK_K = 128  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
-AMAX_ELEMS = 4096  # activation elements per step of the fused kernel's amax pass (rows x columns)
+# the fused kernel's amax pass: columns per step (one row: up to AMAX_ROW, the whole row of Llama-3.1-8B's K but
+# the down projection's; 16 rows: AMAX_COLS), steps in flight
+AMAX_ROW, AMAX_COLS, AMAX_STAGES = 8192, 256, 3
 PROGRAMS_PER_SM = 1  # programs per SM wanted before settling for one wave, or splitting K
 NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
 # how the kernel gets its activations: fp8 with their scales | float, one static scale | float, a scale per row
@@ -40,10 +42,11 @@ if triton is not None:
     @triton.jit
     def activation_scales(
         x_ptr, xs_ptr, M, K, stride_xm, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-        AMAX_K: tl.constexpr,
+        AMAX_K: tl.constexpr, AMAX_STAGES: tl.constexpr,
     ):  # fmt: skip
         """The activations' scales [BLOCK_M] float32: loaded (QUANTIZED, STATIC) or from the amax of x's rows over
-        all of K (PER_TOKEN; PER_BATCH: the largest, for every row). ONE_ROW: M is 1, the scale in every lane."""
+        all of K (PER_TOKEN; PER_BATCH: the largest, for every row), AMAX_K columns a step, AMAX_STAGES steps in
+        flight. ONE_ROW: M is 1, the scale in every lane."""
         offs_m = tl.arange(0, BLOCK_M)
         if QUANT == 0:
             xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
@@ -52,7 +55,7 @@ if triton is not None:
         elif ONE_ROW:
             offs_k = tl.arange(0, AMAX_K)
             amax = tl.zeros((AMAX_K,), dtype=tl.float32)
-            for start in range(0, K, AMAX_K):
+            for start in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
                 x = tl.load(x_ptr + start + offs_k, mask=offs_k < K - start, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
             xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + fp8_scale_of(tl.max(amax, axis=0))
@@ -60,7 +63,7 @@ if triton is not None:
             offs_k = tl.arange(0, AMAX_K)
             ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, AMAX_K]
             amax = tl.zeros((BLOCK_M, AMAX_K), dtype=tl.float32)
-            for start in range(0, K, AMAX_K):
+            for start in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
                 mask = (offs_m[:, None] < M) & (offs_k[None, :] < K - start)
                 amax = tl.maximum(amax, tl.abs(tl.load(ptrs + start, mask=mask, other=0.0).to(tl.float32)))
             row_amax = tl.max(amax, axis=1)  # [BLOCK_M]
@@ -76,7 +79,7 @@ if triton is not None:
         x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, k_split,
         stride_xm, stride_wn, stride_os, stride_om,
         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, AMAX_STAGES: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s): out[s, m, n-block] = sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
         times xs[m] * ws[n] (+ bias[n] when HAS_BIAS, only with one split). x [M, K]: fp8 with scales xs [M]
@@ -89,8 +92,8 @@ if triton is not None:
         mask_m, mask_n = offs_m < M, offs_n < N
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        xs = activation_scales(x_ptr, xs_ptr, M, K, stride_xm, QUANT, ONE_ROW, BLOCK_M, AMAX_K)  # [BLOCK_M]
-        scale0 = tl.max(xs, axis=0)  # ONE_ROW: the row's scale
+        xs = activation_scales(x_ptr, xs_ptr, M, K, stride_xm, QUANT, ONE_ROW, BLOCK_M, AMAX_K, AMAX_STAGES)
+        scale0 = tl.max(xs, axis=0)  # xs [BLOCK_M]; ONE_ROW: the row's scale
         k_lo = pid_s * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -164,12 +167,12 @@ def launch(
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
     one_row = m == 1 and quant != QUANTIZED
-    amax_k = min(triton.next_power_of_2(max(k, 16)), max(16, AMAX_ELEMS // (1 if one_row else 16)))
+    amax_k = min(triton.next_power_of_2(max(k, 16)), AMAX_ROW if one_row else AMAX_COLS)
     fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         x, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
         x.stride(0), weight.stride(0), m * n, n,
         HAS_BIAS=has_bias and splits == 1, QUANT=quant, ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, AMAX_K=amax_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_K=BLOCK_K, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
         block = 1024
