@@ -233,6 +233,19 @@ def ct_config(weights=None, acts="default", fmt="float-quantized", **top):
         (ct_config(kv_cache_scheme={"num_bits": 4, "type": "int"}), r"kv_cache_scheme=.*not supported.*FP8 KV"),
         (ct_config(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "head"}), r"strategy='tensor'"),
         ({"quant_method": "compressed-tensors", "config_groups": {}}, r"config_groups=\{\} must name"),
+        (  # NVFP4: 4-bit float weights
+            ct_config(weights={"num_bits": 4, "strategy": "tensor_group", "group_size": 16}),
+            r"weights: num_bits=4 type='float' is not supported \(supported: num_bits=8 type='float', FP8 e4m3\)",
+        ),
+        (ct_config(fmt="nvfp4-pack-quantized"), r"format='nvfp4-pack-quantized' is not supported \(supported: "),
+        (
+            ct_config(acts={"num_bits": 16, "type": "float", "strategy": "token", "dynamic": True}),
+            r"input_activations: num_bits=16 type='float' is not supported \(supported: num_bits=8",
+        ),
+        (
+            ct_config(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+            r"sparsity_config=.* is not supported yet \(supported: dense quantized weights",
+        ),
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\] must be two positive"),
         ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size=\[128, 0\] must be two"),
         (
