@@ -1,14 +1,14 @@
 """FP8 decode linears on the GPU at Llama-3.1-8B shapes, in one run: the skinny Triton kernel quantizing its activations
-itself (fused), the same kernel after the separate per-token quantization launch (unfused), the kernel alone on pre-
-quantized activations, torch._scaled_mm plus the quantization launch, and the bf16 F.linear. Each op is captured 20
-times into a CUDA graph (no launch overhead, and a check that the op is capturable) cycling over enough weight copies
-to miss the L2 cache; printed: the median time per call over CUDA events and GB/s = (weight + activation + output
-bytes) / time.
+itself (fused; fused_1launch: its split K summed in the kernel, not by a second launch), the same kernel after the
+separate per-token quantization launch (unfused), the kernel alone on pre-quantized activations, torch._scaled_mm plus
+the quantization launch, and the bf16 F.linear. Each op is captured 20 times into a CUDA graph (no launch overhead,
+and a check that the op is capturable) cycling over enough weight copies to miss the L2 cache; printed: the median
+time per call over CUDA events and GB/s = (weight + activation + output bytes) / time.
 
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py             # the table
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep     # also the fused kernel's knobs at M=1 (minutes)
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep --sweep-m 1 16 --shapes 4096x4096 28672x4096
-    PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --set BLOCK_NS=128 --set NUM_WARPS=8   # the table, other knobs
+    PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --set BLOCK_NS=128 --set SPLIT_IN_KERNEL=1  # other knobs
 """
 
 from __future__ import annotations
@@ -62,8 +62,17 @@ def ops_for(m: int, n: int, k: int) -> dict:
     xq, xs = quantize_per_token_triton(x)
     io = m * k * 2 + m * n * 2
 
-    def fused(w):
-        return lambda: fp8_gemv.fp8_gemv_fused(x, w, ws, None, None)
+    def fused(w, split_in_kernel=None):
+        def run():
+            saved = fp8_gemv.SPLIT_IN_KERNEL
+            if split_in_kernel is not None:
+                fp8_gemv.SPLIT_IN_KERNEL = split_in_kernel
+            try:
+                return fp8_gemv.fp8_gemv_fused(x, w, ws, None, None)
+            finally:
+                fp8_gemv.SPLIT_IN_KERNEL = saved
+
+        return run
 
     def unfused(w):
         def run():
@@ -84,6 +93,7 @@ def ops_for(m: int, n: int, k: int) -> dict:
 
     return {
         "fused": ([fused(w) for w in w8], n * k + io),
+        "fused_1launch": ([fused(w, True) for w in w8], n * k + io),
         "unfused": ([unfused(w) for w in w8], n * k + io),
         "gemv_kernel_only": ([gemv_only(w) for w in w8], n * k + io),
         "scaled_mm+quant": ([scaled_mm(w) for w in w8], n * k + io),
@@ -91,7 +101,7 @@ def ops_for(m: int, n: int, k: int) -> dict:
     }
 
 
-NAMES = ["fused", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
+NAMES = ["fused", "fused_1launch", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
 
 
 def table(shapes, batches) -> dict:
@@ -102,8 +112,10 @@ def table(shapes, batches) -> dict:
     for n, k in shapes:
         for m in batches:
             ops = ops_for(m, n, k)
-            if not torch.equal(ops["fused"][0][0](), ops["unfused"][0][0]()):
-                raise SystemExit(f"N={n} K={k} M={m}: the fused kernel's result differs from quantizing first")
+            want = ops["unfused"][0][0]()
+            for name in ("fused", "fused_1launch"):
+                if not torch.equal(ops[name][0][0](), want):
+                    raise SystemExit(f"N={n} K={k} M={m}: {name}'s result differs from quantizing first")
             us = results[n, k, m] = {name: time_us(ops[name][0]) for name in NAMES}
             cells = " ".join(f"{us[name]:>15.1f} ({ops[name][1] / us[name] / 1e3:>7.0f})" for name in NAMES)
             f = us["fused"]
@@ -127,9 +139,9 @@ def layer_summary(results: dict, batches) -> None:
         print(f"  M={m:>2}: {cells}")
 
 
-KNOBS = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM", "NUM_WARPS")  # swept, and for --set
+KNOBS = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM", "NUM_WARPS", "SPLIT_IN_KERNEL")  # swept, --set
 MORE_KNOBS = ("AMAX_ROW", "AMAX_COLS", "AMAX_STAGES", "FUSE_MAX_M")  # for --set
-GRID = ((32, 64, 128), (128, 256), (3, 4, 6), (1, 2), (4, 8))  # the values swept, in KNOBS order
+GRID = ((32, 64, 128), (128, 256), (3, 4, 6), (1, 2), (4, 8), (0, 1))  # the values swept, in KNOBS order
 
 
 def set_knob(name: str, value) -> None:

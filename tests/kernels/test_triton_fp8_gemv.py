@@ -163,8 +163,10 @@ def test_scaled_mm_method_dispatch(m):
 
 
 @pytest.mark.gpu
-def test_gemv_in_cuda_graph():
+@pytest.mark.parametrize("split_in_kernel", [False, True])
+def test_gemv_in_cuda_graph(split_in_kernel, monkeypatch):
     """Captured once, replayed on new activations: no host sync, no allocation that changes between calls."""
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
     n, k = 1024, 4096  # split K: the partials buffer and the reduce kernel are captured too
     _, qw, ws, bias = make_case(4, n, k, per_tensor=False, seed=3)
     qw, ws, bias = qw.cuda(), ws.cuda(), bias.cuda().to(torch.bfloat16)
@@ -173,9 +175,10 @@ def test_gemv_in_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gemv.fp8_gemv_linear(x, qw, ws, None, bias)
-    x.copy_(3 * torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, gemv.fp8_gemv_linear(x, qw, ws, None, bias), rtol=0, atol=0)
+    for scale in (3, -2):  # twice: each replay leaves the split-K counters ready for the next
+        x.copy_(scale * torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, gemv.fp8_gemv_linear(x, qw, ws, None, bias), rtol=0, atol=0)
 
 
 # The fused kernel: float activations quantized inside the GEMV. "Unfused" is the path it replaces: the per-token
@@ -251,17 +254,39 @@ def test_fused_reads_strided_rows():
     assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, None), want)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 300), (5, 130, 520), (16, 37, 261)])
+def test_split_k_summed_by_the_last_program(m, n, k, with_bias, monkeypatch):
+    """SPLIT_IN_KERNEL: each n-block's last program sums the split-K partials (no reduce launch): the same bits as
+    the reduce kernel, twice in a row (the counters are left zeroed), fused or on fp8 activations."""
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=n + k)
+    x, qw, ws = x.to(torch.bfloat16).to(DEVICE), qw.to(DEVICE), ws.to(DEVICE)
+    bias = bias.to(torch.bfloat16).to(DEVICE) if with_bias else None
+    assert gemv.plan(n, k, 132)[1] > 1  # K split
+    xq, xs = ops.quantize_per_token_triton(x)
+    want = gemv.fp8_gemv_fused(x, qw, ws, None, bias)
+    want_q = gemv.fp8_gemv(xq, xs, qw, ws, bias, torch.float32)
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", True)
+    for _ in range(2):
+        assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, bias).view(torch.int16), want.view(torch.int16))
+        assert torch.equal(gemv.fp8_gemv(xq, xs, qw, ws, bias, torch.float32), want_q)
+        assert not gemv._counters[x.device].any()
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_in_kernel", [False, True])
 @pytest.mark.parametrize("mode", SCALE_MODES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16])
 @pytest.mark.parametrize("n,k", LLAMA_8B)
-def test_fused_equals_unfused_llama_shapes(n, k, m, mode):
-    """Llama-3.1-8B shapes on the GPU: the fused kernel against the Triton quantization kernel plus the GEMV."""
+def test_fused_equals_unfused_llama_shapes(n, k, m, mode, split_in_kernel, monkeypatch):
+    """Llama-3.1-8B shapes on the GPU: the fused kernel against the Triton quantization kernel plus the GEMV (whose
+    split K the reduce kernel sums), the fused kernel's split K summed by the reduce kernel or in the kernel."""
     torch.manual_seed(m + n + k)
     x = 4 * torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ws = torch.rand(n, device="cuda") / 100 + 1e-3
     qw = (torch.randn(n, k, device="cuda") / ws[:, None]).clamp(-448, 448).to(FP8)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want, static = unfused(x, qw, ws, bias, mode)
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
     out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))

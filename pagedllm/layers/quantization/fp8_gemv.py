@@ -5,7 +5,10 @@ The weight read dominates (N * K bytes against M * K of activations, whose rows 
 read): each program owns BLOCK_N weight rows and a slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies
 them with the activations' [BLOCK_K, 16] tile on the tensor cores ("swap AB": the weight is the MMA's tall operand),
 summing in float32. When N / 16 programs would not fill the GPU, K is split and a second small kernel sums the
-float32 partials (in a fixed order: deterministic), adds the bias and casts.
+float32 partials (in a fixed order: deterministic), adds the bias and casts; with SPLIT_IN_KERNEL each n-block's
+last program to finish does that sum instead (same order, same bits, one launch fewer), counting finished programs
+in a per-device int32 buffer that every launch leaves zeroed (so launches on one device must not overlap: one
+stream).
 
 The activations come in their float dtype and are quantized inside the kernel (no separate launch): every program
 first reads its rows' whole K (a few KB, in L2) for their amax, then rounds each [BLOCK_K, 16] tile to fp8 in
@@ -76,15 +79,16 @@ if triton is not None:
     # M = 16, others); ONE_ROW (M == 1 with quantization in the kernel) is the one split, M = 1 being decode-bs1
     @triton.jit(do_not_specialize=["M"])
     def fp8_gemv_kernel(
-        x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, k_split,
-        stride_xm, stride_wn, stride_os, stride_om,
-        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, AMAX_STAGES: tl.constexpr,
+        x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, S, k_split,
+        stride_xm, stride_wn, stride_om,
+        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
+        AMAX_STAGES: tl.constexpr,
     ):  # fmt: skip
-        """Program (n, s): out[s, m, n-block] = sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
-        times xs[m] * ws[n] (+ bias[n] when HAS_BIAS, only with one split). x [M, K]: fp8 with scales xs [M]
-        (QUANTIZED) or float, quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K]
-        fp8, ws [N] float32; out [S, M, N] (the result in its dtype for S = 1, float32 partials otherwise)."""
+        """Program (n, s) of S: the n-block's sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
+        times xs[m] * ws[n], stored by store_result (SPLIT). x [M, K]: fp8 with scales xs [M] (QUANTIZED) or float,
+        quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K] fp8, ws [N] float32;
+        out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K."""
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,10 +116,35 @@ if triton is not None:
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
         ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
         acc = acc * xs[None, :] * ws[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        offs = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M] into [M, N]
+        mask = mask_n[:, None] & mask_m[None, :]
+        if SPLIT == 0:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + pid_s * M * N + offs, acc, mask=mask)
+            if SPLIT == 2:
+                bias_ptrs = bias_ptr + offs_n
+                split_k_last_program(
+                    out_ptr, part_ptr, cnt_ptr, bias_ptrs, mask_n, pid_n, M * N, S, offs, mask, HAS_BIAS
+                )
+
+    @triton.jit
+    def split_k_last_program(out_ptr, part_ptr, cnt_ptr, bias_ptrs, mask_n, pid_n, MN, S, offs, mask, HAS_BIAS):
+        """The n-block's last program to store its partial sums part [S, M, N] in order s = 0, 1, ... (as
+        split_k_reduce_kernel does: the same bits) + bias into out, and zeroes the n-block's counter for the next
+        launch: split K without a second launch, still deterministic."""
+        tl.debug_barrier()  # every thread's partials stored before the program counts itself done
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")  # release ours, acquire the others'
+        if done == S - 1:
+            total = tl.zeros(offs.shape, dtype=tl.float32)
+            for s in range(0, S):
+                total += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @triton.jit
     def split_k_reduce_kernel(
@@ -154,6 +183,22 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_n, triton.cdiv(k, k_split), k_split
 
 
+SPLIT_ONE, SPLIT_REDUCE_KERNEL, SPLIT_LAST_PROGRAM = 0, 1, 2  # fp8_gemv_kernel's SPLIT: how split K is summed
+SPLIT_IN_KERNEL = False  # split K summed by each n-block's last program (no second launch), not a reduce kernel
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per n-block (at least n), kept per device and left zeroed by every launch; None
+    while a CUDA graph is being captured and the buffer would have to grow (the reduce kernel then sums)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def launch(
     x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype, quant: int
 ) -> torch.Tensor:
@@ -162,22 +207,25 @@ def launch(
     m, k = x.shape
     n = weight.shape[0]
     block_n, splits, k_split = plan(n, k, sm_count(x.device))
+    grid_n = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=dtype, device=x.device)  # [M, N]
-    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    counters = split_counters(x.device, grid_n) if splits > 1 and SPLIT_IN_KERNEL else None
+    split = SPLIT_ONE if splits == 1 else SPLIT_LAST_PROGRAM if counters is not None else SPLIT_REDUCE_KERNEL
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
     one_row = m == 1 and quant != QUANTIZED
     amax_k = min(triton.next_power_of_2(max(k, 16)), AMAX_ROW if one_row else AMAX_COLS)
-    fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        x, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
-        x.stride(0), weight.stride(0), m * n, n,
-        HAS_BIAS=has_bias and splits == 1, QUANT=quant, ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=block_n,
+    fp8_gemv_kernel[(grid_n, splits)](
+        x, weight, out, part, counters if counters is not None else weight_scale, xs, weight_scale, bias_arg,
+        m, n, k, splits, k_split, x.stride(0), weight.stride(0), n,
+        HAS_BIAS=has_bias, QUANT=quant, ONE_ROW=one_row, SPLIT=split, BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
-    if splits > 1:
+    if split == SPLIT_REDUCE_KERNEL:
         block = 1024
         split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, out, bias_arg, m * n, n, splits, HAS_BIAS=has_bias, BLOCK=block
+            part, out, bias_arg, m * n, n, splits, HAS_BIAS=has_bias, BLOCK=block
         )
     return out
 
