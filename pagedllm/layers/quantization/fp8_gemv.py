@@ -203,7 +203,8 @@ def launch(
     x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype, quant: int
 ) -> torch.Tensor:
     """fp8_gemv_kernel over x [M, K] (fp8 or float per `quant`; last dim contiguous), xs (per `quant`), weight
-    [N, K] fp8, weight_scale [N] float32, bias [N] or None -> [M, N] in dtype; split-K partials summed after."""
+    [N, K] fp8, weight_scale [N] float32, bias [N] or None -> [M, N] in dtype; split-K partials summed by the
+    kernel's last programs (SPLIT_IN_KERNEL) or by split_k_reduce_kernel after it."""
     m, k = x.shape
     n = weight.shape[0]
     block_n, splits, k_split = plan(n, k, sm_count(x.device))
