@@ -1,13 +1,15 @@
 """FP8 decode linears on the GPU at Llama-3.1-8B shapes, in one run: the skinny Triton kernel quantizing its activations
-itself (fused; fused_1launch: its split K summed in the kernel, not by a second launch), the same kernel after the
-separate per-token quantization launch (unfused), the kernel alone on pre-quantized activations, torch._scaled_mm plus
-the quantization launch, and the bf16 F.linear. Each op is captured 20 times into a CUDA graph (no launch overhead,
-and a check that the op is capturable) cycling over enough weight copies to miss the L2 cache; printed: the median
-time per call over CUDA events and GB/s = (weight + activation + output bytes) / time.
+itself (fused; fused_1launch: its split K summed in the kernel, not by a second launch; fused_1launch_tma: also its
+weight tiles read by the TMA unit), the same kernel after the separate per-token quantization launch (unfused), the
+kernel alone on pre-quantized activations, torch._scaled_mm plus the quantization launch, and the bf16 F.linear. Each
+op is captured 20 times into a CUDA graph (no launch overhead, and a check that the op is capturable) cycling over
+enough weight copies to miss the L2 cache; printed: the median time per call over CUDA events and GB/s = (weight +
+activation + output bytes) / time.
 
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py             # the table
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep     # also the fused kernel's knobs at M=1 (minutes)
-    PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep --sweep-m 1 16 --shapes 4096x4096 28672x4096
+    PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep --sweep-m 1 16 --shapes 4096x4096 28672x4096 \
+        --grid NUM_WARPS=4,8 --grid SPLIT_IN_KERNEL=0,1
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --set BLOCK_NS=128 --set SPLIT_IN_KERNEL=1  # other knobs
 """
 
@@ -62,15 +64,16 @@ def ops_for(m: int, n: int, k: int) -> dict:
     xq, xs = quantize_per_token_triton(x)
     io = m * k * 2 + m * n * 2
 
-    def fused(w, split_in_kernel=None):
+    def fused(w, **knobs):  # knobs: fp8_gemv module settings for this op only
         def run():
-            saved = fp8_gemv.SPLIT_IN_KERNEL
-            if split_in_kernel is not None:
-                fp8_gemv.SPLIT_IN_KERNEL = split_in_kernel
+            saved = {name: getattr(fp8_gemv, name) for name in knobs}
+            for name, value in knobs.items():
+                setattr(fp8_gemv, name, value)
             try:
                 return fp8_gemv.fp8_gemv_fused(x, w, ws, None, None)
             finally:
-                fp8_gemv.SPLIT_IN_KERNEL = saved
+                for name, value in saved.items():
+                    setattr(fp8_gemv, name, value)
 
         return run
 
@@ -93,7 +96,8 @@ def ops_for(m: int, n: int, k: int) -> dict:
 
     return {
         "fused": ([fused(w) for w in w8], n * k + io),
-        "fused_1launch": ([fused(w, True) for w in w8], n * k + io),
+        "fused_1launch": ([fused(w, SPLIT_IN_KERNEL=True) for w in w8], n * k + io),
+        "fused_1launch_tma": ([fused(w, SPLIT_IN_KERNEL=True, W_TMA=True) for w in w8], n * k + io),
         "unfused": ([unfused(w) for w in w8], n * k + io),
         "gemv_kernel_only": ([gemv_only(w) for w in w8], n * k + io),
         "scaled_mm+quant": ([scaled_mm(w) for w in w8], n * k + io),
@@ -101,7 +105,7 @@ def ops_for(m: int, n: int, k: int) -> dict:
     }
 
 
-NAMES = ["fused", "fused_1launch", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
+NAMES = ["fused", "fused_1launch", "fused_1launch_tma", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
 
 
 def table(shapes, batches) -> dict:
@@ -113,7 +117,7 @@ def table(shapes, batches) -> dict:
         for m in batches:
             ops = ops_for(m, n, k)
             want = ops["unfused"][0][0]()
-            for name in ("fused", "fused_1launch"):
+            for name in ("fused", "fused_1launch", "fused_1launch_tma"):
                 if not torch.equal(ops[name][0][0](), want):
                     raise SystemExit(f"N={n} K={k} M={m}: {name}'s result differs from quantizing first")
             us = results[n, k, m] = {name: time_us(ops[name][0]) for name in NAMES}
@@ -139,13 +143,21 @@ def layer_summary(results: dict, batches) -> None:
         print(f"  M={m:>2}: {cells}")
 
 
-KNOBS = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM", "NUM_WARPS", "SPLIT_IN_KERNEL")  # swept, --set
-MORE_KNOBS = ("AMAX_ROW", "AMAX_COLS", "AMAX_STAGES", "FUSE_MAX_M")  # for --set
-GRID = ((32, 64, 128), (128, 256), (3, 4, 6), (1, 2), (4, 8), (0, 1))  # the values swept, in KNOBS order
+KNOBS = ("BLOCK_NS", "BLOCK_K", "NUM_STAGES", "PROGRAMS_PER_SM", "NUM_WARPS", "SPLIT_IN_KERNEL", "W_TMA")
+MORE_KNOBS = ("AMAX_ROW", "AMAX_COLS", "AMAX_STAGES", "FUSE_MAX_M")  # for --set only
+# the values swept, in KNOBS order (--grid NAME=V1,V2 replaces one)
+GRID = [(32, 64, 128), (128, 256), (3, 4, 6), (1, 2), (4,), (1,), (0, 1)]
 
 
 def set_knob(name: str, value) -> None:
     setattr(fp8_gemv, name, (value,) if name == "BLOCK_NS" else value)
+
+
+def parse_grid(text: str) -> tuple[str, tuple[int, ...]]:
+    name, _, values = text.partition("=")
+    if name not in KNOBS or not all(v.isdigit() for v in values.split(",")):
+        raise argparse.ArgumentTypeError(f"--grid {text!r}: NAME=INT,INT,... with NAME one of {KNOBS}")
+    return name, tuple(int(v) for v in values.split(","))
 
 
 def sweep(shapes, batches) -> None:
@@ -182,12 +194,15 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK weights")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="batch sizes of the table")
     parser.add_argument("--set", type=parse_set, action="append", default=[], help="a knob for the whole run")
+    parser.add_argument("--grid", type=parse_grid, action="append", default=[], help="a knob's values to sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fp8_gemv_bench needs a CUDA GPU")
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     for name, value in args.set:
         set_knob(name, value)
+    for name, values in args.grid:
+        GRID[KNOBS.index(name)] = values
     print(torch.cuda.get_device_name(0), {name: getattr(fp8_gemv, name) for name in KNOBS + MORE_KNOBS})
     layer_summary(table(shapes, args.batches), args.batches)
     if args.sweep:

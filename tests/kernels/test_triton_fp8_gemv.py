@@ -273,6 +273,37 @@ def test_split_k_summed_by_the_last_program(m, n, k, with_bias, monkeypatch):
         assert not gemv._counters[x.device].any()
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 70, 304), (5, 130, 512), (16, 37, 272)])
+def test_weight_tiles_through_tma(m, n, k, monkeypatch):
+    """W_TMA: the weight read through a tensor descriptor (zeros past N and K) gives the same bits, split or not."""
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=m + k)
+    x, qw, ws, bias = x.to(torch.bfloat16).to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), bias.to(DEVICE)
+    for programs_per_sm in (1, 0):  # K split, one program over K
+        monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", programs_per_sm)
+        monkeypatch.setattr(gemv, "W_TMA", False)
+        want = gemv.fp8_gemv_fused(x, qw, ws, None, bias)
+        monkeypatch.setattr(gemv, "W_TMA", True)
+        assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, bias).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_tma", [False, True])
+@pytest.mark.parametrize("split_in_kernel", [False, True])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+def test_fused_variants_llama_shapes(n, k, m, split_in_kernel, w_tma, monkeypatch):
+    """The tuning variants (split K summed in the kernel, weight tiles through TMA) at Llama-3.1-8B shapes: the
+    same bits as the plain kernel after the quantization launch."""
+    torch.manual_seed(m * n + k)
+    x = 4 * torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = torch.rand(n, device="cuda") / 100 + 1e-3
+    qw = (torch.randn(n, k, device="cuda") / ws[:, None]).clamp(-448, 448).to(FP8)
+    want, _ = unfused(x, qw, ws, None, "token")
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
+    monkeypatch.setattr(gemv, "W_TMA", w_tma)
+    assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, None).view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_in_kernel", [False, True])
 @pytest.mark.parametrize("mode", SCALE_MODES)

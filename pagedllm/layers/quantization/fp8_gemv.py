@@ -39,6 +39,7 @@ QUANTIZED, STATIC, PER_TOKEN, PER_BATCH = 0, 1, 2, 3
 
 if triton is not None:
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from pagedllm.layers.quantization.fp8_ops import fp8_quantize, fp8_scale_of
 
@@ -81,13 +82,14 @@ if triton is not None:
     def fp8_gemv_kernel(
         x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, S, k_split,
         stride_xm, stride_wn, stride_om,
-        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT: tl.constexpr, W_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
         AMAX_STAGES: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s) of S: the n-block's sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
         times xs[m] * ws[n], stored by store_result (SPLIT). x [M, K]: fp8 with scales xs [M] (QUANTIZED) or float,
-        quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K] fp8, ws [N] float32;
+        quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K] fp8 (W_TMA: its
+        tensor descriptor of [BLOCK_N, BLOCK_K] blocks, read by the TMA unit), ws [N] float32;
         out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K."""
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -95,7 +97,8 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         mask_m, mask_n = offs_m < M, offs_n < N
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        if not W_TMA:
+            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         xs = activation_scales(x_ptr, xs_ptr, M, K, stride_xm, QUANT, ONE_ROW, BLOCK_M, AMAX_K, AMAX_STAGES)
         scale0 = tl.max(xs, axis=0)  # xs [BLOCK_M]; ONE_ROW: the row's scale
         k_lo = pid_s * k_split
@@ -111,7 +114,10 @@ if triton is not None:
             else:
                 x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
                 x = fp8_quantize(x, xs[None, :])  # [BLOCK_K, BLOCK_M]
-            w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            if W_TMA:  # past N and K: zeros
+                w = w_ptr.load([pid_n * BLOCK_N, start])
+            else:
+                w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             # Hopper's fp8 MMA accumulates with a short mantissa: fold into the float32 sum every 128 products
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
         ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
@@ -183,6 +189,7 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_n, triton.cdiv(k, k_split), k_split
 
 
+W_TMA = False  # weight tiles read through a TMA tensor descriptor (K a multiple of 16, BLOCK_K <= 256)
 SPLIT_ONE, SPLIT_REDUCE_KERNEL, SPLIT_LAST_PROGRAM = 0, 1, 2  # fp8_gemv_kernel's SPLIT: how split K is summed
 SPLIT_IN_KERNEL = False  # split K summed by each n-block's last program (no second launch), not a reduce kernel
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -216,11 +223,13 @@ def launch(
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
     one_row = m == 1 and quant != QUANTIZED
+    w_tma = W_TMA and k % 16 == 0 and weight.data_ptr() % 16 == 0 and BLOCK_K <= 256 and block_n <= 256
+    w_arg = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K]) if w_tma else weight
     amax_k = min(triton.next_power_of_2(max(k, 16)), AMAX_ROW if one_row else AMAX_COLS)
     fp8_gemv_kernel[(grid_n, splits)](
-        x, weight, out, part, counters if counters is not None else weight_scale, xs, weight_scale, bias_arg,
+        x, w_arg, out, part, counters if counters is not None else weight_scale, xs, weight_scale, bias_arg,
         m, n, k, splits, k_split, x.stride(0), weight.stride(0), n,
-        HAS_BIAS=has_bias, QUANT=quant, ONE_ROW=one_row, SPLIT=split, BLOCK_M=16, BLOCK_N=block_n,
+        HAS_BIAS=has_bias, QUANT=quant, ONE_ROW=one_row, SPLIT=split, W_TMA=w_tma, BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if split == SPLIT_REDUCE_KERNEL:
