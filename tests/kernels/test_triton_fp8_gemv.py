@@ -227,8 +227,6 @@ def test_fused_float32_one_program_over_k(m, mode, monkeypatch):
     want, static = unfused(x, qw, ws, bias, mode)
     out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
-    assert_float32_close(out.cpu(), gemm_reference(*ops.quantize_activations(x.cpu(), static, mode == "batch"),
-                                                   qw.cpu(), ws.cpu(), bias.cpu()))  # fmt: skip
 
 
 def test_gemv_linear_skips_the_quantization_launch(monkeypatch):
