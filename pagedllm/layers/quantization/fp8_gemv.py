@@ -104,12 +104,17 @@ if triton is not None:
         k_lo = pid_s * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # ONE_ROW: the row's next chunk loaded an iteration ahead (a [BLOCK_K] load is too narrow per thread for
+        # the compiler's async pipelining, and would otherwise wait out an L2 round trip every iteration)
+        if ONE_ROW:
+            x_next = tl.load(x_ptr + k_lo + offs_k, mask=offs_k < K - k_lo, other=0.0)
         for start in range(k_lo, k_hi, BLOCK_K):
             mask_k = offs_k < K - start
             if QUANT == 0:
                 x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
             elif ONE_ROW:  # one row quantized, copied to every column (columns past M are never stored)
-                x_row = tl.load(x_ptr + start + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+                x_row = x_next.to(tl.float32)  # [BLOCK_K]
+                x_next = tl.load(x_ptr + start + BLOCK_K + offs_k, mask=offs_k < K - start - BLOCK_K, other=0.0)
                 x = tl.broadcast_to(fp8_quantize(x_row, scale0)[:, None], (BLOCK_K, BLOCK_M))
             else:
                 x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
