@@ -1,8 +1,9 @@
 """The small-M FP8 skinny GEMM against the float32 GEMM of its dequantized operands (the activations quantized per
 token by the torch rule, bit-checked against the Triton quantization the kernel path uses), split-K or not, per-channel
 and per-tensor weight scales, static and dynamic activation scales, with and without bias; and, on a GPU, against
-torch._scaled_mm on the same quantized inputs at Llama-3.1-8B shapes. Without CUDA it runs in Triton's interpreter
-(see conftest.py)."""
+torch._scaled_mm on the same quantized inputs at Llama-3.1-8B shapes. The fused kernel (float activations quantized
+inside it) against quantizing first: bit for bit, M 1..16, per-token, per-batch and static scales. Without CUDA it
+runs in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -162,8 +163,10 @@ def test_scaled_mm_method_dispatch(m):
 
 
 @pytest.mark.gpu
-def test_gemv_in_cuda_graph():
+@pytest.mark.parametrize("split_in_kernel", [False, True])
+def test_gemv_in_cuda_graph(split_in_kernel, monkeypatch):
     """Captured once, replayed on new activations: no host sync, no allocation that changes between calls."""
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
     n, k = 1024, 4096  # split K: the partials buffer and the reduce kernel are captured too
     _, qw, ws, bias = make_case(4, n, k, per_tensor=False, seed=3)
     qw, ws, bias = qw.cuda(), ws.cuda(), bias.cuda().to(torch.bfloat16)
@@ -172,6 +175,147 @@ def test_gemv_in_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gemv.fp8_gemv_linear(x, qw, ws, None, bias)
-    x.copy_(3 * torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, gemv.fp8_gemv_linear(x, qw, ws, None, bias), rtol=0, atol=0)
+    for scale in (3, -2):  # twice: each replay leaves the split-K counters ready for the next
+        x.copy_(scale * torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, gemv.fp8_gemv_linear(x, qw, ws, None, bias), rtol=0, atol=0)
+
+
+# The fused kernel: float activations quantized inside the GEMV. "Unfused" is the path it replaces: the per-token
+# Triton quantization kernel (or, per batch, the scale computed by torch first), then the kernel on fp8 activations.
+SCALE_MODES = ("token", "batch", "static")
+
+
+def unfused(x, qw, ws, bias, mode):
+    static = torch.tensor(0.03, device=x.device) if mode == "static" else None
+    xq, xs = ops.quantize_activations(x, static, mode == "batch")
+    ref_q, ref_s = ops.quantize_per_token_torch(x.cpu(), None if static is None else static.cpu())
+    if mode != "batch":  # the kernel path's quantization is torch's rule, bit for bit
+        assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(xs.cpu(), ref_s)
+    return gemv.fp8_gemv(xq, xs, qw, ws, bias, x.dtype), static
+
+
+@pytest.mark.parametrize("mode", SCALE_MODES)
+@pytest.mark.parametrize("m", range(1, 17))
+def test_fused_equals_unfused_bit_for_bit(m, mode):
+    """Every batch size 1..16, odd N and K (K split into 3 programs), bfloat16 activations (a zero row: the scale
+    floor), per-channel weight scales for odd M, per-tensor for even M, bias on every other M: the same bits."""
+    n, k = 37, 261
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=m % 2 == 0, seed=100 + m)
+    x = x.to(torch.bfloat16).to(DEVICE)
+    x[m // 2] = 0.0
+    bias = bias.to(torch.bfloat16).to(DEVICE) if m % 3 else None
+    qw, ws = qw.to(DEVICE), ws.to(DEVICE)
+    want, static = unfused(x, qw, ws, bias, mode)
+    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("mode", SCALE_MODES)
+@pytest.mark.parametrize("m", [1, 6])
+def test_fused_float32_one_program_over_k(m, mode, monkeypatch):
+    """float32 activations and output (every bit of the sum visible), one program over all of K, K past several
+    amax steps and a partial weight tile: the same bits as quantizing first."""
+    monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(gemv, "AMAX_COLS", 64)  # amax steps: 64 columns for M > 1, 1024 for M = 1
+    monkeypatch.setattr(gemv, "AMAX_ROW", 1024)
+    n, k = 70, 1100
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=7 * m)
+    x[:, k - 1] = 300.0  # the amax: the last column, in the last, partial step
+    x, qw, ws, bias = x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), bias.to(DEVICE)
+    want, static = unfused(x, qw, ws, bias, mode)
+    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+def test_gemv_linear_skips_the_quantization_launch(monkeypatch):
+    """fp8_gemv_linear quantizes separately only for batches over FUSE_MAX_M rows."""
+    calls = []
+    real = gemv.quantize_activations
+    monkeypatch.setattr(gemv, "quantize_activations", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x, qw, ws, bias = make_case(3, 20, 48, per_tensor=False, seed=5)
+    x, qw, ws = x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE)
+    fused = gemv.fp8_gemv_linear(x, qw, ws, None, None)
+    assert calls == []
+    monkeypatch.setattr(gemv, "FUSE_MAX_M", 2)
+    assert torch.equal(gemv.fp8_gemv_linear(x, qw, ws, None, None), fused) and calls == [3]
+
+
+def test_fused_reads_strided_rows():
+    """A [M, K] view with a row stride past K (a slice of a wider activation): the rows, not the padding."""
+    wide = 4 * torch.randn(4, 200, generator=torch.Generator().manual_seed(2))
+    x = wide[:, :150]
+    _, qw, ws, _ = make_case(4, 24, 150, per_tensor=False, seed=9)
+    x, qw, ws = x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE)
+    want, _ = unfused(x.contiguous(), qw, ws, None, "token")
+    assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, None), want)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 300), (5, 130, 520), (16, 37, 261)])
+def test_split_k_summed_by_the_last_program(m, n, k, with_bias, monkeypatch):
+    """SPLIT_IN_KERNEL: each n-block's last program sums the split-K partials (no reduce launch): the same bits as
+    the reduce kernel, twice in a row (the counters are left zeroed), fused or on fp8 activations."""
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=n + k)
+    x, qw, ws = x.to(torch.bfloat16).to(DEVICE), qw.to(DEVICE), ws.to(DEVICE)
+    bias = bias.to(torch.bfloat16).to(DEVICE) if with_bias else None
+    assert gemv.plan(n, k, 132)[1] > 1  # K split
+    xq, xs = ops.quantize_per_token_triton(x)
+    want = gemv.fp8_gemv_fused(x, qw, ws, None, bias)
+    want_q = gemv.fp8_gemv(xq, xs, qw, ws, bias, torch.float32)
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", True)
+    for _ in range(2):
+        assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, bias).view(torch.int16), want.view(torch.int16))
+        assert torch.equal(gemv.fp8_gemv(xq, xs, qw, ws, bias, torch.float32), want_q)
+        assert not gemv._counters[x.device].any()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 70, 304), (5, 130, 512), (16, 37, 272)])
+def test_weight_tiles_through_tma(m, n, k, monkeypatch):
+    """W_TMA: the weight read through a tensor descriptor (zeros past N and K) gives the same bits, split or not."""
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=m + k)
+    x, qw, ws, bias = x.to(torch.bfloat16).to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), bias.to(DEVICE)
+    for programs_per_sm in (1, 0):  # K split, one program over K
+        monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", programs_per_sm)
+        monkeypatch.setattr(gemv, "W_TMA", False)
+        want = gemv.fp8_gemv_fused(x, qw, ws, None, bias)
+        monkeypatch.setattr(gemv, "W_TMA", True)
+        assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, bias).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_tma", [False, True])
+@pytest.mark.parametrize("split_in_kernel", [False, True])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+def test_fused_variants_llama_shapes(n, k, m, split_in_kernel, w_tma, monkeypatch):
+    """The tuning variants (split K summed in the kernel, weight tiles through TMA) at Llama-3.1-8B shapes: the
+    same bits as the plain kernel after the quantization launch."""
+    torch.manual_seed(m * n + k)
+    x = 4 * torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = torch.rand(n, device="cuda") / 100 + 1e-3
+    qw = (torch.randn(n, k, device="cuda") / ws[:, None]).clamp(-448, 448).to(FP8)
+    want, _ = unfused(x, qw, ws, None, "token")
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
+    monkeypatch.setattr(gemv, "W_TMA", w_tma)
+    assert torch.equal(gemv.fp8_gemv_fused(x, qw, ws, None, None).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_in_kernel", [False, True])
+@pytest.mark.parametrize("mode", SCALE_MODES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+def test_fused_equals_unfused_llama_shapes(n, k, m, mode, split_in_kernel, monkeypatch):
+    """Llama-3.1-8B shapes on the GPU: the fused kernel against the Triton quantization kernel plus the GEMV (whose
+    split K the reduce kernel sums), the fused kernel's split K summed by the reduce kernel or in the kernel."""
+    torch.manual_seed(m + n + k)
+    x = 4 * torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = torch.rand(n, device="cuda") / 100 + 1e-3
+    qw = (torch.randn(n, k, device="cuda") / ws[:, None]).clamp(-448, 448).to(FP8)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want, static = unfused(x, qw, ws, bias, mode)
+    monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
+    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))

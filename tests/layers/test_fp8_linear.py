@@ -233,6 +233,19 @@ def ct_config(weights=None, acts="default", fmt="float-quantized", **top):
         (ct_config(kv_cache_scheme={"num_bits": 4, "type": "int"}), r"kv_cache_scheme=.*not supported.*FP8 KV"),
         (ct_config(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "head"}), r"strategy='tensor'"),
         ({"quant_method": "compressed-tensors", "config_groups": {}}, r"config_groups=\{\} must name"),
+        (  # NVFP4: 4-bit float weights
+            ct_config(weights={"num_bits": 4, "strategy": "tensor_group", "group_size": 16}),
+            r"weights: num_bits=4 type='float' is not supported \(supported: num_bits=8 type='float', FP8 e4m3\)",
+        ),
+        (ct_config(fmt="nvfp4-pack-quantized"), r"format='nvfp4-pack-quantized' is not supported \(supported: "),
+        (
+            ct_config(acts={"num_bits": 16, "type": "float", "strategy": "token", "dynamic": True}),
+            r"input_activations: num_bits=16 type='float' is not supported \(supported: num_bits=8",
+        ),
+        (
+            ct_config(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+            r"sparsity_config=.* is not supported yet \(supported: dense quantized weights",
+        ),
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\] must be two positive"),
         ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size=\[128, 0\] must be two"),
         (
@@ -299,3 +312,36 @@ def test_cuda_layer_keeps_fp8_weights():
         ref_activations(x.cpu(), "dynamic", None), layer.weight.float().cpu() * layer.weight_scale.cpu()[:, None]
     )
     torch.testing.assert_close(layer(x).float().cpu(), ref, atol=0.05, rtol=0.02)
+
+
+def decode_layer(strategy: str, activations: str, device: str):
+    """A [4096 -> 1000] fp8 layer with bias on `device`, weights quantized per row or per tensor, static scale 0.02."""
+    with torch.device(device):
+        layer = L.ColumnParallelLinear(4096, 1000, True, OneMethod(Fp8LinearMethod(strategy, activations)), "proj")
+    g = torch.Generator().manual_seed(1)
+    q, scale = quantized(torch.randn(1000, 4096, generator=g), per_row=strategy == "channel")
+    layer.weight.weight_loader(layer.weight, q)
+    layer.weight_scale.weight_loader(layer.weight_scale, scale)
+    if activations == "static":
+        layer.input_scale.weight_loader(layer.input_scale, torch.tensor([0.02]))
+    layer.bias.data.copy_(torch.randn(1000, generator=g))
+    layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["dynamic", "static", "dynamic-tensor"])
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_cuda_decode_rows_quantize_in_the_gemv(strategy, activations):
+    """Batches of 1..16 rows: the layer quantizes its activations inside the GEMV, bit-identical to quantizing first
+    (the per-token Triton kernel, the static scale or the batch's) and then the GEMV on fp8 activations."""
+    from pagedllm.layers.quantization.fp8_gemv import fp8_gemv
+    from pagedllm.layers.quantization.fp8_ops import quantize_activations
+
+    layer = decode_layer(strategy, activations, "cuda")
+    assert type(layer.quant_method).__name__ == "Fp8ScaledMMMethod"
+    for rows in range(1, 17):
+        x = 3 * torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        xq, xs = quantize_activations(x, layer.input_scale, activations == "dynamic-tensor")
+        want = fp8_gemv(xq, xs, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+        assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16)), rows

@@ -63,12 +63,19 @@ def get_quantization_config(name: str) -> type[QuantizationConfig]:
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:
-    """The quant_method a checkpoint's config.json names (None: not quantized)."""
+    """The quant_method a checkpoint's config.json names (None: not quantized). A quantization_config that names
+    none (empty, not a mapping, no quant_method) is a ValueError naming the supported formats."""
     raw = getattr(hf_config, "quantization_config", None)
-    if not raw:
+    if raw is None:
         return None
     method = raw.get("quant_method") if isinstance(raw, dict) else getattr(raw, "quant_method", None)
-    return getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if method is None:
+        raise ValueError(
+            f"config.json quantization_config={raw!r} names no quant_method: a quantized checkpoint names its format "
+            f"there (supported: {supported_quantizations()}); an unquantized one has no quantization_config"
+        )
+    return method
 
 
 def bnb_load_format(load_format: Any, quantization: Any) -> tuple[Any, Any]:
@@ -107,12 +114,13 @@ def resolve_quantization(requested: Any, hf_config: Any, is_gguf: bool = False) 
 
 def quantization_config_from_hf(hf_config: Any) -> QuantizationConfig | None:
     """The config named by a checkpoint's `quantization_config` (config.json), or None when it has none."""
-    raw = getattr(hf_config, "quantization_config", None)
-    if raw is None:
+    method = checkpoint_quantization(hf_config)
+    if method is None:
         return None
-    if not isinstance(raw, dict):
-        raw = raw.to_dict()  # transformers' QuantizationConfigMixin
-    method = raw.get("quant_method")
     if not isinstance(method, str):
-        raise ValueError(f"quantization_config.quant_method={method!r} must name a quantization")
-    return get_quantization_config(method).from_config(raw)
+        raise ValueError(
+            f"quantization_config.quant_method={method!r} must name a quantization (supported: "
+            f"{supported_quantizations()})"
+        )
+    raw = hf_config.quantization_config
+    return get_quantization_config(method).from_config(raw if isinstance(raw, dict) else raw.to_dict())

@@ -160,7 +160,10 @@ class CompressedTensorsConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
         for key in ("sparsity_config", "transform_config"):
             if config.get(key):
-                raise ValueError(f"quantization_config.{key}={config[key]!r} is not supported yet")
+                raise ValueError(
+                    f"compressed-tensors: quantization_config.{key}={config[key]!r} is not supported yet (supported: "
+                    "dense quantized weights, with no sparsity_config or transform_config)"
+                )
         _check_kv_cache_scheme(config.get("kv_cache_scheme"))
         groups_raw = config.get("config_groups")
         if not isinstance(groups_raw, dict) or not groups_raw:

@@ -4,8 +4,8 @@
 activations per token on the fly).
 
 On CUDA the weights stay fp8 and each matmul runs through the scaled FP8 GEMM with the activations quantized first
-(fp8_ops.fp8_linear; batches of up to 16 rows: the skinny Triton GEMM of fp8_gemv.py; block-wise weights: the Triton
-GEMM of fp8_block.py). Elsewhere the fp8 weights are dequantized
+(fp8_ops.fp8_linear; batches of up to 16 rows: the skinny Triton GEMM of fp8_gemv.py, which quantizes the activations
+itself; block-wise weights: the Triton GEMM of fp8_block.py). Elsewhere the fp8 weights are dequantized
 to the compute dtype once, at load, and take the dense path, with the activations rounded to their fp8 values first:
 the same numbers the GEMM computes with (and that transformers computes with on a compressed-tensors checkpoint)."""
 
@@ -208,7 +208,7 @@ class Fp8LinearMethod(LinearMethod):
 
 class Fp8ScaledMMMethod(LinearMethodVariant):
     """CUDA: activations quantized to fp8 (per token, or the static / per-batch scale), then the scaled FP8 GEMM, or
-    the skinny Triton GEMM for batches of up to GEMV_MAX_M rows."""
+    the skinny Triton GEMM (quantizing in the same launch) for batches of up to GEMV_MAX_M rows."""
 
     def __init__(self, per_tensor_dynamic: bool = False) -> None:
         self.per_tensor_dynamic = per_tensor_dynamic

@@ -5,8 +5,16 @@ The weight read dominates (N * K bytes against M * K of activations, whose rows 
 read): each program owns BLOCK_N weight rows and a slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies
 them with the activations' [BLOCK_K, 16] tile on the tensor cores ("swap AB": the weight is the MMA's tall operand),
 summing in float32. When N / 16 programs would not fill the GPU, K is split and a second small kernel sums the
-float32 partials (in a fixed order: deterministic), adds the bias and casts. The activations are quantized first by
-the same per-token kernel the large-M path uses, so both paths see bit-identical fp8 activations."""
+float32 partials (in a fixed order: deterministic), adds the bias and casts; with SPLIT_IN_KERNEL each n-block's
+last program to finish does that sum instead (same order, same bits, one launch fewer), counting finished programs
+in a per-device int32 buffer that every launch leaves zeroed (so launches on one device must not overlap: one
+stream).
+
+The activations come in their float dtype and are quantized inside the kernel (no separate launch): every program
+first reads its rows' whole K (a few KB, in L2) for their amax, then rounds each [BLOCK_K, 16] tile to fp8 in
+registers with the per-token kernel's own helpers (fp8_ops.fp8_scale_of, fp8_quantize), so the fp8 activations, and
+the result, are bit-identical to quantizing first. Batches over FUSE_MAX_M rows, and fp8_gemv, take pre-quantized
+activations."""
 
 from __future__ import annotations
 
@@ -17,48 +25,137 @@ import torch
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
+FUSE_MAX_M = 16  # batches of up to this many rows quantize their activations in the GEMV itself
 BLOCK_NS = (64,)  # weight rows per program (an H200 sweep: 64 rows with K split beat narrower tiles)
 BLOCK_K = 128  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
+# the fused kernel's amax pass: columns per step (one row: up to AMAX_ROW, the whole row of Llama-3.1-8B's K but
+# the down projection's; 16 rows: AMAX_COLS), steps in flight
+AMAX_ROW, AMAX_COLS, AMAX_STAGES = 8192, 256, 3
 PROGRAMS_PER_SM = 1  # programs per SM wanted before settling for one wave, or splitting K
 NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
+# how the kernel gets its activations: fp8 with their scales | float, one static scale | float, a scale per row
+# (amax / 448) | float, one scale per batch (the batch's amax / 448)
+QUANTIZED, STATIC, PER_TOKEN, PER_BATCH = 0, 1, 2, 3
 
 if triton is not None:
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from pagedllm.layers.quantization.fp8_ops import fp8_quantize, fp8_scale_of
+
+    @triton.jit
+    def activation_scales(
+        x_ptr, xs_ptr, M, K, stride_xm, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+        AMAX_K: tl.constexpr, AMAX_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """The activations' scales [BLOCK_M] float32: loaded (QUANTIZED, STATIC) or from the amax of x's rows over
+        all of K (PER_TOKEN; PER_BATCH: the largest, for every row), AMAX_K columns a step, AMAX_STAGES steps in
+        flight. ONE_ROW: M is 1, the scale in every lane."""
+        offs_m = tl.arange(0, BLOCK_M)
+        if QUANT == 0:
+            xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
+        elif QUANT == 1:
+            xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+        elif ONE_ROW:
+            offs_k = tl.arange(0, AMAX_K)
+            amax = tl.zeros((AMAX_K,), dtype=tl.float32)
+            for start in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
+                x = tl.load(x_ptr + start + offs_k, mask=offs_k < K - start, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + fp8_scale_of(tl.max(amax, axis=0))
+        else:
+            offs_k = tl.arange(0, AMAX_K)
+            ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, AMAX_K]
+            amax = tl.zeros((BLOCK_M, AMAX_K), dtype=tl.float32)
+            for start in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
+                mask = (offs_m[:, None] < M) & (offs_k[None, :] < K - start)
+                amax = tl.maximum(amax, tl.abs(tl.load(ptrs + start, mask=mask, other=0.0).to(tl.float32)))
+            row_amax = tl.max(amax, axis=1)  # [BLOCK_M]
+            if QUANT == 3:
+                row_amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.max(row_amax, axis=0)
+            xs = fp8_scale_of(row_amax)
+        return xs
 
     # M (the decode batch) only bounds masks: one compiled variant for every batch size instead of three (M = 1,
-    # M = 16, others)
+    # M = 16, others); ONE_ROW (M == 1 with quantization in the kernel) is the one split, M = 1 being decode-bs1
     @triton.jit(do_not_specialize=["M"])
     def fp8_gemv_kernel(
-        x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, k_split,
-        stride_xm, stride_wn, stride_os, stride_om,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, S, k_split,
+        stride_xm, stride_wn, stride_om,
+        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT: tl.constexpr, W_TMA: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
+        AMAX_STAGES: tl.constexpr,
     ):  # fmt: skip
-        """Program (n, s): out[s, m, n-block] = sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
-        times xs[m] * ws[n] (+ bias[n] when HAS_BIAS, only with one split). x [M, K] fp8, w [N, K] fp8,
-        xs [M] and ws [N] float32; out [S, M, N] (the result in x's dtype for S = 1, float32 partials otherwise)."""
+        """Program (n, s) of S: the n-block's sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
+        times xs[m] * ws[n], stored by store_result (SPLIT). x [M, K]: fp8 with scales xs [M] (QUANTIZED) or float,
+        quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K] fp8 (W_TMA: its
+        tensor descriptor of [BLOCK_N, BLOCK_K] blocks, read by the TMA unit), ws [N] float32;
+        out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K."""
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m, mask_n = offs_m < M, offs_n < N
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        if not W_TMA:
+            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        xs = activation_scales(x_ptr, xs_ptr, M, K, stride_xm, QUANT, ONE_ROW, BLOCK_M, AMAX_K, AMAX_STAGES)
+        scale0 = tl.max(xs, axis=0)  # xs [BLOCK_M]; ONE_ROW: the row's scale
         k_lo = pid_s * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # ONE_ROW: the row's next chunk loaded an iteration ahead (a [BLOCK_K] load is too narrow per thread for
+        # the compiler's async pipelining, and would otherwise wait out an L2 round trip every iteration)
+        if ONE_ROW:
+            x_next = tl.load(x_ptr + k_lo + offs_k, mask=offs_k < K - k_lo, other=0.0)
         for start in range(k_lo, k_hi, BLOCK_K):
             mask_k = offs_k < K - start
-            x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-            w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            if QUANT == 0:
+                x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            elif ONE_ROW:  # one row quantized, copied to every column (columns past M are never stored)
+                x_row = x_next.to(tl.float32)  # [BLOCK_K]
+                x_next = tl.load(x_ptr + start + BLOCK_K + offs_k, mask=offs_k < K - start - BLOCK_K, other=0.0)
+                x = tl.broadcast_to(fp8_quantize(x_row, scale0)[:, None], (BLOCK_K, BLOCK_M))
+            else:
+                x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+                x = fp8_quantize(x, xs[None, :])  # [BLOCK_K, BLOCK_M]
+            if W_TMA:  # past N and K: zeros
+                w = w_ptr.load([pid_n * BLOCK_N, start])
+            else:
+                w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             # Hopper's fp8 MMA accumulates with a short mantissa: fold into the float32 sum every 128 products
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
-        xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
         ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
         acc = acc * xs[None, :] * ws[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        offs = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M] into [M, N]
+        mask = mask_n[:, None] & mask_m[None, :]
+        if SPLIT == 0:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + pid_s * M * N + offs, acc, mask=mask)
+            if SPLIT == 2:
+                bias_ptrs = bias_ptr + offs_n
+                split_k_last_program(
+                    out_ptr, part_ptr, cnt_ptr, bias_ptrs, mask_n, pid_n, M * N, S, offs, mask, HAS_BIAS
+                )
+
+    @triton.jit
+    def split_k_last_program(out_ptr, part_ptr, cnt_ptr, bias_ptrs, mask_n, pid_n, MN, S, offs, mask, HAS_BIAS):
+        """The n-block's last program to store its partial sums part [S, M, N] in order s = 0, 1, ... (as
+        split_k_reduce_kernel does: the same bits) + bias into out, and zeroes the n-block's counter for the next
+        launch: split K without a second launch, still deterministic."""
+        tl.debug_barrier()  # every thread's partials stored before the program counts itself done
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")  # release ours, acquire the others'
+        if done == S - 1:
+            total = tl.zeros(offs.shape, dtype=tl.float32)
+            for s in range(0, S):
+                total += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
     @triton.jit
     def split_k_reduce_kernel(
@@ -97,30 +194,82 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_n, triton.cdiv(k, k_split), k_split
 
 
+W_TMA = False  # weight tiles read through a TMA tensor descriptor (K a multiple of 16, BLOCK_K <= 256)
+SPLIT_ONE, SPLIT_REDUCE_KERNEL, SPLIT_LAST_PROGRAM = 0, 1, 2  # fp8_gemv_kernel's SPLIT: how split K is summed
+SPLIT_IN_KERNEL = False  # split K summed by each n-block's last program (no second launch), not a reduce kernel
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per n-block (at least n), kept per device and left zeroed by every launch; None
+    while a CUDA graph is being captured and the buffer would have to grow (the reduce kernel then sums)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def launch(
+    x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype, quant: int
+) -> torch.Tensor:
+    """fp8_gemv_kernel over x [M, K] (fp8 or float per `quant`; last dim contiguous), xs (per `quant`), weight
+    [N, K] fp8, weight_scale [N] float32, bias [N] or None -> [M, N] in dtype; split-K partials summed by the
+    kernel's last programs (SPLIT_IN_KERNEL) or by split_k_reduce_kernel after it."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, splits, k_split = plan(n, k, sm_count(x.device))
+    grid_n = triton.cdiv(n, block_n)
+    out = torch.empty((m, n), dtype=dtype, device=x.device)  # [M, N]
+    part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    counters = split_counters(x.device, grid_n) if splits > 1 and SPLIT_IN_KERNEL else None
+    split = SPLIT_ONE if splits == 1 else SPLIT_LAST_PROGRAM if counters is not None else SPLIT_REDUCE_KERNEL
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight_scale
+    one_row = m == 1 and quant != QUANTIZED
+    w_tma = W_TMA and k % 16 == 0 and weight.data_ptr() % 16 == 0 and BLOCK_K <= 256 and block_n <= 256
+    w_arg = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K]) if w_tma else weight
+    amax_k = min(triton.next_power_of_2(max(k, 16)), AMAX_ROW if one_row else AMAX_COLS)
+    fp8_gemv_kernel[(grid_n, splits)](
+        x, w_arg, out, part, counters if counters is not None else weight_scale, xs, weight_scale, bias_arg,
+        m, n, k, splits, k_split, x.stride(0), weight.stride(0), n,
+        HAS_BIAS=has_bias, QUANT=quant, ONE_ROW=one_row, SPLIT=split, W_TMA=w_tma, BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if split == SPLIT_REDUCE_KERNEL:
+        block = 1024
+        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, out, bias_arg, m * n, n, splits, HAS_BIAS=has_bias, BLOCK=block
+        )
+    return out
+
+
 def fp8_gemv(
     xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, dtype: torch.dtype
 ) -> torch.Tensor:
     """xq [M, K] fp8 (1 <= M <= GEMV_MAX_M), xs [M, 1] float32, weight [N, K] fp8, weight_scale [N] float32,
     bias [N] or None -> [M, N] in dtype."""
-    m, k = xq.shape
-    n = weight.shape[0]
-    block_n, splits, k_split = plan(n, k, sm_count(xq.device))
-    out = torch.empty((m, n), dtype=dtype, device=xq.device)  # [M, N]
-    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=xq.device)
-    has_bias = bias is not None
-    bias_arg = bias if has_bias else weight_scale
-    fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        xq, weight, target, xs, weight_scale, bias_arg, m, n, k, k_split,
-        xq.stride(0), weight.stride(0), m * n, n,
-        HAS_BIAS=has_bias and splits == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
-    if splits > 1:
-        block = 1024
-        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, out, bias_arg, m * n, n, splits, HAS_BIAS=has_bias, BLOCK=block
-        )
-    return out
+    return launch(xq, xs, weight, weight_scale, bias, dtype, QUANTIZED)
+
+
+def fp8_gemv_fused(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    per_tensor_dynamic: bool = False,
+) -> torch.Tensor:
+    """x2 [M, K] float (1 <= M <= GEMV_MAX_M) -> [M, N] in x2's dtype, quantized inside the kernel by the rule of
+    fp8_ops.quantize_activations: the static input_scale (a scalar), else per token, or per batch."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight_scale = weight_scale.float()
+    if input_scale is not None:
+        return launch(x2, input_scale.float().reshape(1), weight, weight_scale, bias, x2.dtype, STATIC)
+    quant = PER_BATCH if per_tensor_dynamic else PER_TOKEN
+    return launch(x2, weight_scale, weight, weight_scale, bias, x2.dtype, quant)  # xs unused: a dummy
 
 
 def gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -138,6 +287,9 @@ def fp8_gemv_linear(
     bias: torch.Tensor | None,
     per_tensor_dynamic: bool = False,
 ) -> torch.Tensor:
-    """x2 [M, K] -> [M, N] in x2's dtype: the activations quantized as fp8_linear does, then the skinny kernel."""
+    """x2 [M, K] -> [M, N] in x2's dtype: the activations quantized as fp8_linear does (in the kernel for up to
+    FUSE_MAX_M rows, else by the per-token kernel first), then the skinny kernel."""
+    if x2.shape[0] <= FUSE_MAX_M:
+        return fp8_gemv_fused(x2, weight, weight_scale, input_scale, bias, per_tensor_dynamic)
     xq, xs = quantize_activations(x2, input_scale, per_tensor_dynamic)  # [M, K] fp8, [M, 1]
     return fp8_gemv(xq, xs, weight, weight_scale.float(), bias, x2.dtype)

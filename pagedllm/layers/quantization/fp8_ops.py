@@ -25,6 +25,16 @@ except ImportError:  # the CPU engine runs without Triton
 if triton is not None:
 
     @triton.jit
+    def fp8_scale_of(amax):
+        """A row's scale from its float32 amax: max(amax / 448, 1 / (448 * 512)), IEEE-rounded as torch divides."""
+        return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+
+    @triton.jit
+    def fp8_quantize(x, scale):
+        """float32 x / scale clamped to the e4m3 range, as fp8 (IEEE division: torch's rounding to fp8)."""
+        return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
+
+    @triton.jit
     def per_token_quant_kernel(
         x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x, stride_q, HAS_STATIC: tl.constexpr, BLOCK: tl.constexpr
     ):
@@ -39,13 +49,12 @@ if triton is not None:
                 cols = start + tl.arange(0, BLOCK)
                 x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+            scale = fp8_scale_of(tl.max(amax, axis=0))
         tl.store(scale_ptr + row, scale)
         for start in range(0, K, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)  # IEEE division: torch's rounding to fp8
-            tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+            tl.store(q_ptr + row * stride_q + cols, fp8_quantize(x, scale), mask=cols < K)
 
 
 def quantize_per_token_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None):
