@@ -15,6 +15,8 @@ from transformers.activations import ACT2FN
 from pagedllm.layers.build_context import sharded_if_divisible
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
+CLIP_STACKED = [(".qkv_proj.", f".{p}_proj.", p) for p in "qkv"]  # the checkpoint's q/k/v -> qkv_proj's shards
+
 
 class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, config) -> None:

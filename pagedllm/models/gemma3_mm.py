@@ -17,6 +17,7 @@ from torch import nn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.models.clip import CLIP_STACKED
 from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3Model
 from pagedllm.models.siglip import SiglipVisionTower
 from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_weights, sliding_window_for_layer
@@ -144,4 +145,4 @@ class Gemma3ForConditionalGeneration(nn.Module):
         loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
         if not self.supports_multimodal:
             return loaded
-        return loaded | load_weights(self, others, stacked=[], ignore=("position_ids", "vision_tower.head."))
+        return loaded | load_weights(self, others, stacked=CLIP_STACKED, ignore=("position_ids", "vision_tower.head."))

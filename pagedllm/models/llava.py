@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from pagedllm.layers.build_context import sharded_if_divisible
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.models.clip import CLIPVisionTower
+from pagedllm.models.clip import CLIP_STACKED, CLIPVisionTower
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_weights
 
@@ -28,7 +28,6 @@ _RENAMES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("vision_tower.vision_model.", "vision_tower."),
 )
-_VISION_STACKED = [(".qkv_proj.", f".{p}_proj.", p) for p in "qkv"]  # CLIP's q/k/v in one matmul
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -137,4 +136,4 @@ class LlavaForConditionalGeneration(nn.Module):
         if not self.supports_multimodal:
             return loaded
         ignore = ("position_ids", "post_layernorm", *(f"encoder.layers.{i}." for i in range(max(self.layers), 256)))
-        return loaded | load_weights(self, others, stacked=_VISION_STACKED, ignore=ignore)
+        return loaded | load_weights(self, others, stacked=CLIP_STACKED, ignore=ignore)

@@ -60,8 +60,12 @@ def test_checkpoint_vision_weights_are_loaded(gemma3_mm) -> None:
     hf, llm = gemma3_mm
     model = llm.llm_engine.core.executor.runner.model
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"
-    ours = model.vision_tower.encoder.layers[0].self_attn.q_proj.weight
-    torch.testing.assert_close(ours, hf.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight)
+    qkv = model.vision_tower.encoder.layers[0].self_attn.qkv_proj  # the checkpoint's q, k, v in one matmul
+    theirs = [getattr(hf.model.vision_tower.encoder.layers[0].self_attn, f"{p}_proj") for p in "qkv"]
+    x = torch.randn(3, theirs[0].in_features)
+    expected = torch.cat([proj(x) for proj in theirs], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(qkv(x), expected, atol=1e-5, rtol=1e-5)
     projector = hf.model.multi_modal_projector.mm_input_projection_weight
     torch.testing.assert_close(model.multi_modal_projector.mm_input_projection_weight, projector)
     assert llm.llm_engine.config.model.hf_config.num_hidden_layers == 2
