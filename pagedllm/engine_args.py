@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 from argparse import SUPPRESS
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from pagedllm.config import (
     SchedulerConfig,
     parse_dtype,
 )
-from pagedllm.engine_compat import check_compat_args
+from pagedllm.engine_compat import SERVER_FLAGS, CompatArgs, check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import bnb_load_format, resolve_quantization
 from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
@@ -35,6 +35,7 @@ from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.spec_decode.draft_model import draft_model_config
 from pagedllm.worker.cpu_threads import bind_cpu_threads
+from pagedllm.worker.cuda_graphs import capture_sizes
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _SHORT_FLAGS = {
@@ -43,12 +44,15 @@ _SHORT_FLAGS = {
     "data_parallel_size": ("-dp",),
     "quantization": ("-q",),
 }
-_NOT_CLI_FLAGS = ("model",)  # commands take the model as MODEL (and --model) themselves
+# commands take the model as MODEL (and --model) and define the server-side names themselves
+_NOT_CLI_FLAGS = ("model", *SERVER_FLAGS)
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(CompatArgs):
+    """vLLM's engine keywords; the compatibility ones (no-ops, or one supported value) come from CompatArgs."""
+
     model: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
@@ -81,8 +85,12 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 (CUDA, Triton attention)
     enable_prefix_caching: bool = True
     compilation_config: Any = None
+    cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes captured as CUDA graphs (compilation_config)
+    cuda_graph_sizes: list[int] | None = None  # vLLM's older name of cudagraph_capture_sizes
+    max_cudagraph_capture_size: int | None = None  # capture the default sizes up to this one only
     device: str | None = None
     generation_config: str = "auto"
+    override_generation_config: dict | None = None  # sampling defaults over generation_config's, e.g. {"top_k": 5}
     attention_backend: str = "auto"
     task: str = "auto"  # auto | generate | embed | classify | score (vLLM's older name for runner + convert)
     runner: str = "auto"  # auto | generate | pooling
@@ -107,36 +115,6 @@ class EngineArgs:
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
     disable_custom_all_reduce: bool = False  # GPU all-reduces all through NCCL (no one-shot kernel for small ones)
-    # vLLM's options kept for compatibility (engine_compat.COMPAT_ARGS: no-ops, or one supported value)
-    use_v2_block_manager: bool = True
-    num_scheduler_steps: int = 1
-    max_seq_len_to_capture: int = 8192
-    max_context_len_to_capture: int | None = None
-    disable_async_output_proc: bool = False
-    multi_step_stream_outputs: bool = True
-    scheduler_delay_factor: float = 0.0
-    swap_space: float = 4
-    max_parallel_loading_workers: int | None = None
-    code_revision: str | None = None
-    enable_chunked_prefill: bool | None = None
-    preemption_mode: str | None = None
-    tokenizer_mode: str = "auto"
-    cpu_offload_gb: float = 0
-    disable_sliding_window: bool = False
-    scheduling_policy: str = "fcfs"
-    enable_sleep_mode: bool = False
-    otlp_traces_endpoint: str | None = None
-    tokenizer_pool_size: int = 0
-    num_lookahead_slots: int = 0
-    disable_cascade_attn: bool = False
-    collect_detailed_traces: str | None = None
-    enable_expert_parallel: bool = False
-    calculate_kv_scales: bool = False
-    enable_prompt_embeds: bool = False
-    kv_transfer_config: dict | None = None
-    worker_cls: str = "auto"
-    model_loader_extra_config: dict | None = None
-    additional_config: dict | None = None
     guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
     structured_outputs_config: dict | None = None  # vLLM's current form: {"backend": ...} (overrides the above)
 
@@ -156,6 +134,8 @@ class EngineArgs:
             kind = _flag_type(f.type)
             if kind is bool:
                 group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=SUPPRESS)
+            elif isinstance(kind, list):  # list[int] -> --flag 1 2 4 (vLLM's form)
+                group.add_argument(*flags, dest=f.name, type=kind[0], nargs="+", default=SUPPRESS)
             else:
                 group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
         # vLLM's dotted form of one config key
@@ -233,6 +213,7 @@ class EngineArgs:
             keep_q4=keep_q4,
             quantization=quantization,
             generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
             runner=runner,
             pooler=pooler,
             model_impl=model_impl,
@@ -246,7 +227,7 @@ class EngineArgs:
             self.distributed_executor_backend,
             disable_custom_all_reduce=self.disable_custom_all_reduce,
         )
-        compilation = CompilationConfig.from_user(self.compilation_config)
+        compilation = self._compilation_config()
         device = self._device()
         speculative = SpeculativeConfig.from_user(
             self.speculative_config,
@@ -305,6 +286,23 @@ class EngineArgs:
             multimodal=multimodal,
             guided_decoding_backend=self._guided_decoding_backend(),
         )
+
+    def _compilation_config(self) -> CompilationConfig:
+        """compilation_config, with the CUDA-graph sizes of the top-level keywords (vLLM's two spellings)."""
+        compilation = CompilationConfig.from_user(self.compilation_config)
+        sizes = self.cudagraph_capture_sizes if self.cudagraph_capture_sizes is not None else self.cuda_graph_sizes
+        if sizes is not None and self.cuda_graph_sizes is not None and self.cuda_graph_sizes != sizes:
+            raise ValueError(f"cudagraph_capture_sizes={sizes!r} and cuda_graph_sizes={self.cuda_graph_sizes!r} "
+                             "differ: give one")  # fmt: skip
+        cap = self.max_cudagraph_capture_size
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_cudagraph_capture_size={cap!r} must be a positive integer")
+        if sizes is not None:
+            compilation = replace(compilation, cudagraph_capture_sizes=list(sizes))
+        if cap is not None:
+            chosen = compilation.cudagraph_capture_sizes or capture_sizes(self.max_num_seqs, None)
+            compilation = replace(compilation, cudagraph_capture_sizes=[s for s in chosen if s <= cap] or [cap])
+        return compilation
 
     def _guided_decoding_backend(self) -> str:
         from pagedllm.structured_output.manager import check_backend
@@ -443,6 +441,10 @@ def _json_flag(text: str) -> Any:
 
 
 def _flag_type(annotation: Any) -> Any:
-    """The argparse type of a field from its annotation (a string here): the first type that is not None."""
+    """The argparse type of a field from its annotation (a string here): the first type that is not None; a list
+    of scalars is [type] (several values after the flag)."""
     first = next(p.strip() for p in str(annotation).split("|") if p.strip() != "None")
-    return {"bool": bool, "int": int, "float": float, "str": str}.get(first, _json_flag)
+    scalars = {"bool": bool, "int": int, "float": float, "str": str}
+    if first.startswith("list[") and first[5:-1] in scalars:
+        return [scalars[first[5:-1]]]
+    return scalars.get(first, _json_flag)

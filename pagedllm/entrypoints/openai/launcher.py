@@ -91,6 +91,10 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         args.max_word_chars,
     )
     template = load_chat_template(args.chat_template) if args.chat_template else None
+    if args.log_config_file:
+        from pagedllm.logger import apply_config_file
+
+        apply_config_file(args.log_config_file)  # pagedllm's loggers; uvicorn's read it too (log_config)
     llm = LLM(args.model, **engine_kwargs)
     engine = AsyncEngine(llm)
     if not llm.engine_args.disable_log_requests:
@@ -111,6 +115,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     state.metrics_prefixes = tuple(args.metrics_prefix)
     state.response_role, state.return_tokens_as_token_ids = args.response_role, args.return_tokens_as_token_ids
     state.force_include_usage = args.enable_force_include_usage
+    state.default_chat_template_kwargs = args.default_chat_template_kwargs or {}
     cors = dict(
         allow_origins=args.allowed_origins,
         allow_methods=args.allowed_methods,
@@ -139,6 +144,10 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
+        **({"ssl_ciphers": args.ssl_ciphers} if args.ssl_ciphers else {}),
+        uds=args.uds,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        **({"log_config": args.log_config_file} if args.log_config_file else {}),
     )
     _Server(config).run()
     if stop_stats is not None:
