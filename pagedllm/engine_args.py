@@ -91,7 +91,7 @@ class EngineArgs(CompatArgs):
     device: str | None = None
     generation_config: str = "auto"
     override_generation_config: dict | None = None  # sampling defaults over generation_config's, e.g. {"top_k": 5}
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | triton, or vLLM's names (FLASH_ATTN, TORCH_SDPA, ...)
     task: str = "auto"  # auto | generate | embed | classify | score (vLLM's older name for runner + convert)
     runner: str = "auto"  # auto | generate | pooling
     convert: str = "auto"  # auto | none | embed | classify
@@ -123,14 +123,20 @@ class EngineArgs(CompatArgs):
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def add_cli_args(cls, parser: argparse.ArgumentParser | Any) -> argparse.ArgumentParser:
         """One --flag-name per field (vLLM's spelling and short forms -tp, -pp, -q), typed from the field's
-        annotation: booleans as --flag / --no-flag, dicts and Any as JSON. Absent flags keep the defaults."""
-        group = parser.add_argument_group("engine", "the engine's arguments (EngineArgs, LLM's keywords)")
+        annotation: booleans as --flag / --no-flag, lists as several values, dicts and Any as JSON. Absent flags
+        keep the defaults. A flag the parser already has is the command's own (serve's MODEL / --model,
+        --served-model-name, ...) and is left to it. `parser` may be an argument group."""
+        taken = set(parser._option_string_actions)
+        group = parser
+        if not isinstance(parser, argparse._ArgumentGroup):
+            group = parser.add_argument_group("engine", "the engine's arguments (EngineArgs, LLM's keywords)")
         for f in fields(cls):
-            if f.name in _NOT_CLI_FLAGS:
+            flag = "--" + f.name.replace("_", "-")
+            if flag in taken:
                 continue
-            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+            flags = [flag, *(o for o in _SHORT_FLAGS.get(f.name, ()) if o not in taken)]
             kind = _flag_type(f.type)
             if kind is bool:
                 group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=SUPPRESS)
@@ -138,17 +144,19 @@ class EngineArgs(CompatArgs):
                 group.add_argument(*flags, dest=f.name, type=kind[0], nargs="+", default=SUPPRESS)
             else:
                 group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
-        # vLLM's dotted form of one config key
-        group.add_argument("--structured-outputs-config.backend", dest="guided_decoding_backend", default=SUPPRESS)
+        if "--structured-outputs-config.backend" not in taken:  # vLLM's dotted form of one config key
+            group.add_argument("--structured-outputs-config.backend", dest="guided_decoding_backend", default=SUPPRESS)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**cls.cli_kwargs(args))
+        """EngineArgs of every field the namespace holds (vLLM's form: scripts that parse add_cli_args' flags)."""
+        return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)})
 
     @classmethod
     def cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
-        """The engine keywords the command line gave (the fields add_cli_args made flags for)."""
+        """The engine keywords a pagedllm command's line gave: the fields add_cli_args made flags for, less the
+        ones the command defines itself (MODEL, --served-model-name, ...)."""
         return {name: getattr(args, name) for name in cls.names() if name not in _NOT_CLI_FLAGS and hasattr(args, name)}
 
     def _device(self) -> torch.device:
@@ -253,7 +261,8 @@ class EngineArgs(CompatArgs):
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
         )
-        _check_kv_cache_dtype(cache.cache_dtype, device, self.attention_backend, model.runner)
+        attention = attention_backend(self.attention_backend, device)
+        _check_kv_cache_dtype(cache.cache_dtype, device, attention, model.runner)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -277,7 +286,7 @@ class EngineArgs(CompatArgs):
             scheduler,
             parallel,
             # the fallback runs eagerly: HF forwards are not checked to be CUDA-graph safe (host syncs, masks)
-            DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", self.attention_backend),
+            DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", attention),
             compilation,
             # a draft model runs in the model runner: the engine core proposes through the executor
             speculative_proposer=NgramProposer(speculative) if speculative and speculative.method == "ngram" else None,
@@ -362,6 +371,26 @@ def parse_device(device: str | torch.device | None) -> torch.device:
                 f"device={device!r}: this machine has {count} CUDA GPU(s): allowed cuda:0 to cuda:{count - 1}"
             )
     return dev
+
+
+# vLLM's attention backend names: its GPU kernels are pagedllm's Triton kernels, its CPU ones the torch backend
+_VLLM_ATTENTION = {
+    **dict.fromkeys(("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "XFORMERS", "FLEX_ATTENTION"), "triton"),
+    **dict.fromkeys(("TORCH_SDPA", "CPU_ATTN"), "torch"),
+}
+
+
+def attention_backend(name: str, device: torch.device) -> str:
+    """pagedllm's backend (auto | torch | triton) for attention_backend, which may be one of vLLM's names."""
+    ours = _VLLM_ATTENTION.get(str(name).upper())
+    if ours is None:
+        return name
+    if ours == "triton" and device.type != "cuda":
+        raise ValueError(
+            f"attention_backend={name!r} is a GPU backend (pagedllm's 'triton' kernels) and device={str(device)!r} "
+            "is not a CUDA device: use 'auto' or 'torch'"
+        )
+    return ours
 
 
 def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_backend: str, runner: str) -> None:

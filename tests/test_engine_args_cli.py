@@ -12,7 +12,7 @@ import transformers
 from tiny_models import TINY_DECODER, save_tiny_decoder
 
 from pagedllm import LLM
-from pagedllm.engine_args import _NOT_CLI_FLAGS, EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
 
@@ -24,7 +24,7 @@ def test_every_field_is_a_flag_and_defaults_stay():
     parser = _parser()
     flags = {opt for action in parser._actions for opt in action.option_strings}
     for f in fields(EngineArgs):
-        assert (f"--{f.name.replace('_', '-')}" in flags) == (f.name not in _NOT_CLI_FLAGS), f.name
+        assert f"--{f.name.replace('_', '-')}" in flags, f.name
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
 
 
@@ -51,7 +51,7 @@ def test_serve_takes_the_engine_flags():
     add_serve_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "m", "--disable-log-requests", "-tp", "1", "--api-key", "k", "--seed", "3"])
     assert EngineArgs.cli_kwargs(args) == {"disable_log_requests": True, "tensor_parallel_size": 1, "seed": 3}
-    assert args.api_key == "k" and args.model == "m"
+    assert args.api_key == ["k"] and args.model == "m"
 
 
 def test_llm_takes_every_field(tmp_path_factory):

@@ -149,3 +149,16 @@ def test_cuda_graph_sizes_reach_the_compilation_config():
         EngineArgs(cudagraph_capture_sizes=[1], cuda_graph_sizes=[2])._compilation_config()
     with pytest.raises(ValueError, match="max_cudagraph_capture_size=0 must be a positive integer"):
         EngineArgs(max_cudagraph_capture_size=0)._compilation_config()
+
+
+def test_vllm_attention_backend_names():
+    import torch
+
+    from pagedllm.engine_args import attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [attention_backend(n, cuda) for n in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "auto")] == [
+        "triton", "triton", "triton", "auto"]  # fmt: skip
+    assert attention_backend("TORCH_SDPA", cpu) == "torch" and attention_backend("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match=r"attention_backend='FLASH_ATTN' is a GPU backend .* use 'auto' or 'torch'"):
+        attention_backend("FLASH_ATTN", cpu)

@@ -37,9 +37,10 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer KEY' (not on /health, /metrics); default: $PAGEDLLM_API_KEY, else "
-        "$VLLM_API_KEY, else no key",
+        help="require 'Authorization: Bearer KEY' (not on /health, /metrics); several keys: any one of them "
+        "(rotation); default: $PAGEDLLM_API_KEY, else $VLLM_API_KEY, else no key",
     )
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
     serve.add_argument(

@@ -22,8 +22,9 @@ from pagedllm.entrypoints.openai.server_logging import RequestLogger, start_stat
 from pagedllm.entrypoints.openai.serving_utils import ServerState
 
 
-def resolve_api_key(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """--api-key, else $PAGEDLLM_API_KEY, else $VLLM_API_KEY (envs), else None (no key required)."""
+def resolve_api_key(flag: str | list[str] | None, environ: Mapping[str, str] | None = None) -> str | list[str] | None:
+    """--api-key (one key or several, any of which is accepted), else $PAGEDLLM_API_KEY, else $VLLM_API_KEY
+    (envs), else None (no key required)."""
     return flag or envs.api_key(environ)
 
 
