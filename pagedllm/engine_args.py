@@ -22,7 +22,7 @@ from pagedllm.config import (
     SchedulerConfig,
     parse_dtype,
 )
-from pagedllm.engine_compat import SERVER_FLAGS, CompatArgs, check_compat_args
+from pagedllm.engine_compat import SERVER_FLAGS, CompatArgs, attention_backend, check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import bnb_load_format, resolve_quantization
 from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
@@ -371,26 +371,6 @@ def parse_device(device: str | torch.device | None) -> torch.device:
                 f"device={device!r}: this machine has {count} CUDA GPU(s): allowed cuda:0 to cuda:{count - 1}"
             )
     return dev
-
-
-# vLLM's attention backend names: its GPU kernels are pagedllm's Triton kernels, its CPU ones the torch backend
-_VLLM_ATTENTION = {
-    **dict.fromkeys(("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "XFORMERS", "FLEX_ATTENTION"), "triton"),
-    **dict.fromkeys(("TORCH_SDPA", "CPU_ATTN"), "torch"),
-}
-
-
-def attention_backend(name: str, device: torch.device) -> str:
-    """pagedllm's backend (auto | torch | triton) for attention_backend, which may be one of vLLM's names."""
-    ours = _VLLM_ATTENTION.get(str(name).upper())
-    if ours is None:
-        return name
-    if ours == "triton" and device.type != "cuda":
-        raise ValueError(
-            f"attention_backend={name!r} is a GPU backend (pagedllm's 'triton' kernels) and device={str(device)!r} "
-            "is not a CUDA device: use 'auto' or 'torch'"
-        )
-    return ours
 
 
 def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_backend: str, runner: str) -> None:

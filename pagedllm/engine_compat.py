@@ -9,6 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
+from pagedllm import envs
+from pagedllm.config import ATTENTION_BACKENDS
+
 _UNSET = (None, "", {}, [])  # what "not given" looks like in a keyword, a flag or a config file
 
 
@@ -115,7 +120,7 @@ class CompatArgs:
     io_processor_plugin: str | None = _only(None, "no input/output processor plugins")
     video_pruning_rate: float = _only(0.0, "no video token pruning")
     enable_multimodal_encoder_data_parallel: bool = _only(False, "the vision encoder runs with tensor parallelism")
-    allowed_media_domains: list[str] | None = _only(None, "media come from data: URLs and allowed_local_media_path")
+    allowed_media_domains: list[str] | None = _only(None, "no domain allow-list for media URLs")
     hf_config_path: str | None = _only(None, "the config is read from the model's directory")
     kv_transfer_config: dict | None = _only(None, "no disaggregated prefill (KV transfer between engines)")
     kv_events_config: dict | None = _only(None, "no KV-cache event publishing")
@@ -168,3 +173,32 @@ def check_compat_args(values: dict[str, Any]) -> None:
         value = values.get(name)
         if name in values and kind == "only" and not accepts(value):
             raise ValueError(f"{name}={value!r} is not supported: {why}")
+
+
+# vLLM's attention backend names: its GPU kernels are pagedllm's Triton kernels, its CPU ones the torch backend
+_VLLM_ATTENTION = {
+    **dict.fromkeys(("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "XFORMERS", "FLEX_ATTENTION"), "triton"),
+    **dict.fromkeys(("TORCH_SDPA", "CPU_ATTN"), "torch"),
+}
+
+
+def attention_backend(name: str, device: torch.device) -> str:
+    """pagedllm's backend (auto | torch | triton) for attention_backend, which may be one of vLLM's names; `auto`
+    takes VLLM_ATTENTION_BACKEND when that is set."""
+    source = "attention_backend"
+    found = envs.attention_backend() if name == "auto" else None
+    if found is not None:
+        source, name = found
+    ours = _VLLM_ATTENTION.get(str(name).upper())
+    if ours is None:
+        if found is not None and name not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"{source}={name!r} is not an attention backend: allowed {ATTENTION_BACKENDS + tuple(_VLLM_ATTENTION)}"
+            )
+        return name  # pagedllm's own names: DeviceConfig checks them
+    if ours == "triton" and device.type != "cuda":
+        raise ValueError(
+            f"{source}={name!r} is a GPU backend (pagedllm's Triton kernels) and device={str(device)!r} is not a "
+            "CUDA device: use 'auto' or 'torch'"
+        )
+    return ours

@@ -103,6 +103,12 @@ def environment_table() -> str:
     return "\n".join(["| Variable (pagedllm's spelling) | Default | Meaning |", "| --- | --- | --- |", *rows])
 
 
+def ignored_environment_table() -> str:
+    """vLLM's documented variables that pagedllm accepts and ignores (envs.IGNORED_ENV_VARS)."""
+    rows = [f"| `{name}` | {why} |" for name, why in envs.IGNORED_ENV_VARS.items()]
+    return "\n".join(["| Variable | Why it has no effect |", "| --- | --- |", *rows])
+
+
 def engine_args_table() -> str:
     """Every EngineArgs field (an LLM keyword and a flag): works, a no-op, or supported at one value only; the ones
     that work first, each group in definition order."""
@@ -136,6 +142,7 @@ def serve_compat_table() -> str:
 TABLES = {
     "architectures": architectures_table,
     "environment": environment_table,
+    "environment-ignored": ignored_environment_table,
     "engine-args": engine_args_table,
     "serve-compat": serve_compat_table,
 }

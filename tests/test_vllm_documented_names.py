@@ -154,7 +154,7 @@ def test_cuda_graph_sizes_reach_the_compilation_config():
 def test_vllm_attention_backend_names():
     import torch
 
-    from pagedllm.engine_args import attention_backend
+    from pagedllm.engine_compat import attention_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [attention_backend(n, cuda) for n in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "auto")] == [
@@ -162,3 +162,51 @@ def test_vllm_attention_backend_names():
     assert attention_backend("TORCH_SDPA", cpu) == "torch" and attention_backend("torch", cpu) == "torch"
     with pytest.raises(ValueError, match=r"attention_backend='FLASH_ATTN' is a GPU backend .* use 'auto' or 'torch'"):
         attention_backend("FLASH_ATTN", cpu)
+
+
+def test_vllm_attention_backend_variable(monkeypatch):
+    import torch
+
+    from pagedllm.engine_compat import attention_backend
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
+    assert attention_backend("auto", cpu) == "torch"
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
+    assert attention_backend("torch", cpu) == "torch"  # the keyword wins over the variable
+    with pytest.raises(ValueError, match=r"^VLLM_ATTENTION_BACKEND='FLASH_ATTN' is a GPU backend"):
+        attention_backend("auto", cpu)
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match=r"^PAGEDLLM_ATTENTION_BACKEND='bogus' is not an attention backend"):
+        attention_backend("auto", cpu)
+
+
+def test_server_variables():
+    from pagedllm import envs
+
+    assert envs.http_timeout_keep_alive({}) == 5.0
+    assert envs.http_timeout_keep_alive({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"}) == 30.0
+    with pytest.raises(ValueError, match=r"VLLM_HTTP_TIMEOUT_KEEP_ALIVE='-1' is out of range"):
+        envs.http_timeout_keep_alive({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "-1"})
+    assert envs.allow_runtime_lora_updating({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    assert not envs.allow_runtime_lora_updating({})
+    with pytest.raises(ValueError, match=r"VLLM_ALLOW_RUNTIME_LORA_UPDATING='maybe' is not a boolean"):
+        envs.allow_runtime_lora_updating({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "maybe"})
+
+
+def test_ignored_vllm_variables_are_accepted(monkeypatch, tmp_path_factory):
+    """vLLM's documented variables that pagedllm has no use for change nothing (set all at once, a model runs)."""
+    import transformers
+    from tiny_models import TINY_DECODER, save_tiny_decoder
+
+    from pagedllm import LLM, SamplingParams, envs
+
+    assert not set(envs.IGNORED_ENV_VARS) & set(envs.ENV_VARS)
+    path = save_tiny_decoder("ignored-env", transformers.LlamaConfig, transformers.LlamaForCausalLM, TINY_DECODER,
+                             tmp_path_factory)[1]  # fmt: skip
+    kwargs = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20, dtype="float32")
+    params, ids = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), {"prompt_token_ids": [1, 2, 3]}
+    before = LLM(path, **kwargs).generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
+    for name in envs.IGNORED_ENV_VARS:
+        monkeypatch.setenv(name, "1")
+    assert LLM(path, **kwargs).generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids == before

@@ -139,6 +139,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         http=HalfCloseProtocol,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=envs.http_timeout_keep_alive(),
         access_log=args.uvicorn_log_level == "debug" and not args.disable_uvicorn_access_log,
         root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile,
