@@ -143,6 +143,7 @@ class EngineArgs(CompatArgs):
             elif isinstance(kind, list):  # list[int] -> --flag 1 2 4 (vLLM's form)
                 group.add_argument(*flags, dest=f.name, type=kind[0], nargs="+", default=SUPPRESS)
             else:
+                kind = human_readable_int if f.name in _HUMAN_READABLE_INTS else kind
                 group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
         if "--structured-outputs-config.backend" not in taken:  # vLLM's dotted form of one config key
             group.add_argument("--structured-outputs-config.backend", dest="guided_decoding_backend", default=SUPPRESS)
@@ -440,6 +441,29 @@ def _check_max_model_len(max_len: int, longest: int) -> None:
         "fail. To allow it anyway, set the environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or "
         "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
     )
+
+
+_HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
+_DECIMAL, _BINARY = (
+    {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12},
+    {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40},
+)
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes on the command line: 2048, 25.6k (decimal: k m g t, fractions allowed), 32K (binary: K M G T,
+    whole numbers only)."""
+    text = text.strip()
+    try:
+        if text[-1:] in _DECIMAL:
+            return int(float(text[:-1]) * _DECIMAL[text[-1]])
+        if text[-1:] in _BINARY:
+            return int(text[:-1]) * _BINARY[text[-1]]
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number: e.g. 2048, 25.6k (decimal k, m, g, t) or 32K (binary K, M, G, T)"
+        ) from None
 
 
 def _json_flag(text: str) -> Any:

@@ -210,3 +210,14 @@ def test_ignored_vllm_variables_are_accepted(monkeypatch, tmp_path_factory):
     for name in envs.IGNORED_ENV_VARS:
         monkeypatch.setenv(name, "1")
     assert LLM(path, **kwargs).generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_human_readable_sizes():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    argv = ["--max-model-len", "32K", "--max-num-batched-tokens", "25.6k", "--kv-cache-memory-bytes", "1G"]
+    args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (32768, 25600, 1 << 30)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "4096"])).max_model_len == 4096
+    for bad in ("1.5K", "lots", "12x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-len", bad])
