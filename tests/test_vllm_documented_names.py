@@ -221,3 +221,13 @@ def test_human_readable_sizes():
     for bad in ("1.5K", "lots", "12x"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-model-len", bad])
+
+
+def test_underscored_flag_names(capsys):
+    from pagedllm.entrypoints.cli_config import expand_config
+
+    argv = expand_config(["serve", "m", "--max_model_len", "64", "--enable_prefix_caching=false", "--served_model_name",
+                          "x", "--chat-template", "a_b.jinja"])  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert (args.max_model_len, args.enable_prefix_caching, args.served_model_name) == (64, False, ["x"])
+    assert args.chat_template == "a_b.jinja"  # values keep their underscores

@@ -56,7 +56,8 @@ def _given(argv: list[str]) -> set[str]:
 
 
 def bool_values(argv: list[str]) -> list[str]:
-    """vLLM's older `--enable-prefix-caching=false` form of a boolean engine flag, as --flag / --no-flag."""
+    """Flag names with underscores as dashes (`--max_model_len`), and vLLM's older `--enable-prefix-caching=false`
+    form of a boolean engine flag as --flag / --no-flag."""
     from dataclasses import fields
 
     from pagedllm.engine_args import EngineArgs, _flag_type
@@ -64,6 +65,9 @@ def bool_values(argv: list[str]) -> list[str]:
     booleans = {f.name.replace("_", "-") for f in fields(EngineArgs) if _flag_type(f.type) is bool}
     out = []
     for arg in argv:
+        if arg.startswith("--"):  # vLLM also reads --max_model_len: the flag's name with dashes
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("_", "-") + eq + value
         name, eq, value = arg[2:].partition("=")
         if arg.startswith("--") and eq and name in booleans and value.lower() in ("true", "false"):
             arg = f"--{name}" if value.lower() == "true" else f"--no-{name}"
