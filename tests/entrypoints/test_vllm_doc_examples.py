@@ -1,10 +1,12 @@
 """vLLM's documented usage, run with only the import (or the command name) changed: the quickstart's offline
-batch and chat, the offline examples' command-line scripts (EngineArgs.add_cli_args on an argument group with
-FlexibleArgumentParser, `LLM(**vars(args))`, `get_default_sampling_params()` edited in place), the LLMEngine and
-AsyncLLMEngine loops and embeddings (the server launch lines: openai/test_serve_doc_launch_lines.py).
+batch and chat, the generative-models page (generate, beam_search, chat, load_chat_template), the offline examples'
+command-line scripts (EngineArgs.add_cli_args on an argument group with FlexibleArgumentParser, `LLM(**vars(args))`,
+`get_default_sampling_params()` edited in place), the LLMEngine and AsyncLLMEngine loops and embeddings (the server
+launch lines: openai/test_serve_doc_launch_lines.py).
 
-Each script below is written against vLLM (`from vllm import ...`, hub model names); the test swaps `vllm` for
-`pagedllm` in the imports and the hub names for the bundled models, and runs it. Nothing else changes."""
+Each script below makes the documents' calls against vLLM (`from vllm import ...`, hub model names; fewer prompts
+and shorter generations, for CPU test time); the test swaps `vllm` for `pagedllm` in the imports and the hub names
+for the bundled models, and runs it. Nothing else changes."""
 
 from __future__ import annotations
 
@@ -119,6 +121,28 @@ for prompt, output in zip(prompts, outputs):
     embeds = output.outputs.embedding
     print(f"Prompt: {prompt!r} | Embeddings: {embeds[:4]!r} (size={len(embeds)})")
 """
+# the generative-models page: generate with and without SamplingParams, beam_search, chat, a loaded chat template
+GENERATIVE_PAGE = """
+from vllm import LLM, SamplingParams
+from vllm.entrypoints.chat_utils import load_chat_template
+from vllm.sampling_params import BeamSearchParams
+
+llm = LLM(model="facebook/opt-125m")
+for params in (None, SamplingParams(temperature=0)):
+    outputs = llm.generate("Hello, my name is") if params is None else llm.generate("Hello, my name is", params)
+    for output in outputs:
+        print(f"Prompt: {output.prompt!r}, Generated text: {output.outputs[0].text!r}")
+params = BeamSearchParams(beam_width=3, max_tokens=8)
+outputs = llm.beam_search([{"prompt": "Hello, my name is "}], params)
+for output in outputs:
+    print(f"Generated text: {output.sequences[0].text!r}")
+conversation = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": "Hello"}]
+outputs = llm.chat(conversation)
+print(f"Chat: {outputs[0].outputs[0].text!r}")
+custom_template = load_chat_template(chat_template=TEMPLATE_PATH)
+outputs = llm.chat(conversation, chat_template=custom_template)
+print(f"Prompt: {outputs[0].prompt!r}")
+"""
 GENERATIVE_HUB_NAMES = ("facebook/opt-125m", "meta-llama/Llama-3.2-1B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct")
 
 
@@ -164,6 +188,15 @@ def test_example_scripts_with_engine_flags(smollm2, small_cache):
 def test_async_engine(smollm2, small_cache):
     out = _run(ASYNC_ENGINE, dict.fromkeys(GENERATIVE_HUB_NAMES, smollm2))
     assert out.strip().endswith("True")
+
+
+def test_generative_models_page(smollm2, small_cache, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    script = GENERATIVE_PAGE.replace("TEMPLATE_PATH", repr(str(template)))  # the page's "<path_to_template>"
+    out = _run(script, dict.fromkeys(GENERATIVE_HUB_NAMES, smollm2))
+    assert out.count("Generated text: ") == 3 and "Chat: " in out
+    assert "Prompt: '[system] You are a helpful assistant\\n[user] Hello\\n'" in out
 
 
 def test_embed(minilm, small_cache):
