@@ -111,6 +111,7 @@ class ModelConfig:
     keep_q4: bool = False  # GGUF Q4_0/Q4_1 weights stay 4-bit for the int4 kernel (CPU, half-precision compute)
     quantization: str | None = None  # the checkpoint's quant_method, or one applied at load ("fp8", "bitsandbytes")
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a path
+    override_generation_config: dict | None = None  # generation_config keys over the chosen source's
     runner: str = "generate"  # "generate" | "pooling" (embeddings, classifiers: no KV cache, no sampler)
     pooler: Any = None  # pooling.config.PoolingSpec of a pooling model
     model_impl: str = "pagedllm"  # resolved: "pagedllm" (native class) | "transformers" (the fallback)

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 from argparse import SUPPRESS
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from pagedllm.config import (
     SchedulerConfig,
     parse_dtype,
 )
-from pagedllm.engine_compat import check_compat_args
+from pagedllm.engine_compat import SERVER_FLAGS, CompatArgs, attention_backend, check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import bnb_load_format, resolve_quantization
 from pagedllm.layers.rope_config import check_rope_keywords, rope_max_len
@@ -35,6 +35,7 @@ from pagedllm.pooling.config import resolve_pooling, wants_pooling
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.spec_decode.draft_model import draft_model_config
 from pagedllm.worker.cpu_threads import bind_cpu_threads
+from pagedllm.worker.cuda_graphs import capture_sizes
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _SHORT_FLAGS = {
@@ -43,12 +44,15 @@ _SHORT_FLAGS = {
     "data_parallel_size": ("-dp",),
     "quantization": ("-q",),
 }
-_NOT_CLI_FLAGS = ("model",)  # commands take the model as MODEL (and --model) themselves
+# commands take the model as MODEL (and --model) and define the server-side names themselves
+_NOT_CLI_FLAGS = ("model", *SERVER_FLAGS)
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(CompatArgs):
+    """vLLM's engine keywords; the compatibility ones (no-ops, or one supported value) come from CompatArgs."""
+
     model: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
@@ -81,9 +85,13 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 (CUDA, Triton attention)
     enable_prefix_caching: bool = True
     compilation_config: Any = None
+    cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes captured as CUDA graphs (compilation_config)
+    cuda_graph_sizes: list[int] | None = None  # vLLM's older name of cudagraph_capture_sizes
+    max_cudagraph_capture_size: int | None = None  # capture the default sizes up to this one only
     device: str | None = None
     generation_config: str = "auto"
-    attention_backend: str = "auto"
+    override_generation_config: dict | None = None  # sampling defaults over generation_config's, e.g. {"top_k": 5}
+    attention_backend: str = "auto"  # auto | torch | triton, or vLLM's names (FLASH_ATTN, TORCH_SDPA, ...)
     task: str = "auto"  # auto | generate | embed | classify | score (vLLM's older name for runner + convert)
     runner: str = "auto"  # auto | generate | pooling
     convert: str = "auto"  # auto | none | embed | classify
@@ -107,36 +115,6 @@ class EngineArgs:
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
     disable_custom_all_reduce: bool = False  # GPU all-reduces all through NCCL (no one-shot kernel for small ones)
-    # vLLM's options kept for compatibility (engine_compat.COMPAT_ARGS: no-ops, or one supported value)
-    use_v2_block_manager: bool = True
-    num_scheduler_steps: int = 1
-    max_seq_len_to_capture: int = 8192
-    max_context_len_to_capture: int | None = None
-    disable_async_output_proc: bool = False
-    multi_step_stream_outputs: bool = True
-    scheduler_delay_factor: float = 0.0
-    swap_space: float = 4
-    max_parallel_loading_workers: int | None = None
-    code_revision: str | None = None
-    enable_chunked_prefill: bool | None = None
-    preemption_mode: str | None = None
-    tokenizer_mode: str = "auto"
-    cpu_offload_gb: float = 0
-    disable_sliding_window: bool = False
-    scheduling_policy: str = "fcfs"
-    enable_sleep_mode: bool = False
-    otlp_traces_endpoint: str | None = None
-    tokenizer_pool_size: int = 0
-    num_lookahead_slots: int = 0
-    disable_cascade_attn: bool = False
-    collect_detailed_traces: str | None = None
-    enable_expert_parallel: bool = False
-    calculate_kv_scales: bool = False
-    enable_prompt_embeds: bool = False
-    kv_transfer_config: dict | None = None
-    worker_cls: str = "auto"
-    model_loader_extra_config: dict | None = None
-    additional_config: dict | None = None
     guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
     structured_outputs_config: dict | None = None  # vLLM's current form: {"backend": ...} (overrides the above)
 
@@ -145,30 +123,41 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def add_cli_args(cls, parser: argparse.ArgumentParser | Any) -> argparse.ArgumentParser:
         """One --flag-name per field (vLLM's spelling and short forms -tp, -pp, -q), typed from the field's
-        annotation: booleans as --flag / --no-flag, dicts and Any as JSON. Absent flags keep the defaults."""
-        group = parser.add_argument_group("engine", "the engine's arguments (EngineArgs, LLM's keywords)")
+        annotation: booleans as --flag / --no-flag, lists as several values, dicts and Any as JSON. Absent flags
+        keep the defaults. A flag the parser already has is the command's own (serve's MODEL / --model,
+        --served-model-name, ...) and is left to it. `parser` may be an argument group."""
+        taken = set(parser._option_string_actions)
+        group = parser
+        if not isinstance(parser, argparse._ArgumentGroup):
+            group = parser.add_argument_group("engine", "the engine's arguments (EngineArgs, LLM's keywords)")
         for f in fields(cls):
-            if f.name in _NOT_CLI_FLAGS:
+            flag = "--" + f.name.replace("_", "-")
+            if flag in taken:
                 continue
-            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+            flags = [flag, *(o for o in _SHORT_FLAGS.get(f.name, ()) if o not in taken)]
             kind = _flag_type(f.type)
             if kind is bool:
                 group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=SUPPRESS)
+            elif isinstance(kind, list):  # list[int] -> --flag 1 2 4 (vLLM's form)
+                group.add_argument(*flags, dest=f.name, type=kind[0], nargs="+", default=SUPPRESS)
             else:
+                kind = human_readable_int if f.name in _HUMAN_READABLE_INTS else kind
                 group.add_argument(*flags, dest=f.name, type=kind, default=SUPPRESS)
-        # vLLM's dotted form of one config key
-        group.add_argument("--structured-outputs-config.backend", dest="guided_decoding_backend", default=SUPPRESS)
+        if "--structured-outputs-config.backend" not in taken:  # vLLM's dotted form of one config key
+            group.add_argument("--structured-outputs-config.backend", dest="guided_decoding_backend", default=SUPPRESS)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**cls.cli_kwargs(args))
+        """EngineArgs of every field the namespace holds (vLLM's form: scripts that parse add_cli_args' flags)."""
+        return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)})
 
     @classmethod
     def cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
-        """The engine keywords the command line gave (the fields add_cli_args made flags for)."""
+        """The engine keywords a pagedllm command's line gave: the fields add_cli_args made flags for, less the
+        ones the command defines itself (MODEL, --served-model-name, ...)."""
         return {name: getattr(args, name) for name in cls.names() if name not in _NOT_CLI_FLAGS and hasattr(args, name)}
 
     def _device(self) -> torch.device:
@@ -233,6 +222,7 @@ class EngineArgs:
             keep_q4=keep_q4,
             quantization=quantization,
             generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
             runner=runner,
             pooler=pooler,
             model_impl=model_impl,
@@ -246,7 +236,7 @@ class EngineArgs:
             self.distributed_executor_backend,
             disable_custom_all_reduce=self.disable_custom_all_reduce,
         )
-        compilation = CompilationConfig.from_user(self.compilation_config)
+        compilation = self._compilation_config()
         device = self._device()
         speculative = SpeculativeConfig.from_user(
             self.speculative_config,
@@ -272,7 +262,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
         )
-        _check_kv_cache_dtype(cache.cache_dtype, device, self.attention_backend, model.runner)
+        attention = attention_backend(self.attention_backend, device)
+        _check_kv_cache_dtype(cache.cache_dtype, device, attention, model.runner)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -296,7 +287,7 @@ class EngineArgs:
             scheduler,
             parallel,
             # the fallback runs eagerly: HF forwards are not checked to be CUDA-graph safe (host syncs, masks)
-            DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", self.attention_backend),
+            DeviceConfig(device, self.enforce_eager or model.model_impl == "transformers", attention),
             compilation,
             # a draft model runs in the model runner: the engine core proposes through the executor
             speculative_proposer=NgramProposer(speculative) if speculative and speculative.method == "ngram" else None,
@@ -305,6 +296,23 @@ class EngineArgs:
             multimodal=multimodal,
             guided_decoding_backend=self._guided_decoding_backend(),
         )
+
+    def _compilation_config(self) -> CompilationConfig:
+        """compilation_config, with the CUDA-graph sizes of the top-level keywords (vLLM's two spellings)."""
+        compilation = CompilationConfig.from_user(self.compilation_config)
+        sizes = self.cudagraph_capture_sizes if self.cudagraph_capture_sizes is not None else self.cuda_graph_sizes
+        if sizes is not None and self.cuda_graph_sizes is not None and self.cuda_graph_sizes != sizes:
+            raise ValueError(f"cudagraph_capture_sizes={sizes!r} and cuda_graph_sizes={self.cuda_graph_sizes!r} "
+                             "differ: give one")  # fmt: skip
+        cap = self.max_cudagraph_capture_size
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_cudagraph_capture_size={cap!r} must be a positive integer")
+        if sizes is not None:
+            compilation = replace(compilation, cudagraph_capture_sizes=list(sizes))
+        if cap is not None:
+            chosen = compilation.cudagraph_capture_sizes or capture_sizes(self.max_num_seqs, None)
+            compilation = replace(compilation, cudagraph_capture_sizes=[s for s in chosen if s <= cap] or [cap])
+        return compilation
 
     def _guided_decoding_backend(self) -> str:
         from pagedllm.structured_output.manager import check_backend
@@ -435,6 +443,29 @@ def _check_max_model_len(max_len: int, longest: int) -> None:
     )
 
 
+_HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
+_DECIMAL, _BINARY = (
+    {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12},
+    {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40},
+)
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes on the command line: 2048, 25.6k (decimal: k m g t, fractions allowed), 32K (binary: K M G T,
+    whole numbers only)."""
+    text = text.strip()
+    try:
+        if text[-1:] in _DECIMAL:
+            return int(float(text[:-1]) * _DECIMAL[text[-1]])
+        if text[-1:] in _BINARY:
+            return int(text[:-1]) * _BINARY[text[-1]]
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number: e.g. 2048, 25.6k (decimal k, m, g, t) or 32K (binary K, M, G, T)"
+        ) from None
+
+
 def _json_flag(text: str) -> Any:
     try:
         return json.loads(text)
@@ -443,6 +474,10 @@ def _json_flag(text: str) -> Any:
 
 
 def _flag_type(annotation: Any) -> Any:
-    """The argparse type of a field from its annotation (a string here): the first type that is not None."""
+    """The argparse type of a field from its annotation (a string here): the first type that is not None; a list
+    of scalars is [type] (several values after the flag)."""
     first = next(p.strip() for p in str(annotation).split("|") if p.strip() != "None")
-    return {"bool": bool, "int": int, "float": float, "str": str}.get(first, _json_flag)
+    scalars = {"bool": bool, "int": int, "float": float, "str": str}
+    if first.startswith("list[") and first[5:-1] in scalars:
+        return [scalars[first[5:-1]]]
+    return scalars.get(first, _json_flag)

@@ -36,6 +36,56 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "HF_ENDPOINT": ("https://huggingface.co", "the Hugging Face Hub that models are downloaded from"),
     "HF_TOKEN": ("unset", "the Hub token for private and gated models"),
     "VLLM_USE_MODELSCOPE": ("0", "1: download models from ModelScope (needs `pip install modelscope`)"),
+    "VLLM_ATTENTION_BACKEND": (
+        "unset",
+        "attention_backend when it is `auto`: vLLM's names (FLASH_ATTN, FLASHINFER, TRITON_ATTN: the Triton kernels, "
+        "CUDA only; TORCH_SDPA: torch) or `auto`, `torch`, `triton`",
+    ),
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ("0", "1: the server's /v1/load_lora_adapter and /v1/unload_lora_adapter"),
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": ("5", "seconds the server keeps an idle HTTP connection open"),
+}
+
+_ONE_PROCESS = "the engine runs in the server's (or LLM's) process"
+_NO_STATS = "pagedllm collects no usage statistics"
+_BUILD = "pagedllm has no build step (Python, Triton and a small C kernel compiled at first use)"
+# vLLM's documented variables that pagedllm accepts and ignores (its design makes them moot): name -> why.
+# The README's table is written from this.
+IGNORED_ENV_VARS: dict[str, str] = {
+    "VLLM_USE_V1": "one engine (no V0 / V1 choice)",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": _ONE_PROCESS,
+    "VLLM_WORKER_MULTIPROC_METHOD": "tensor-parallel workers are always spawned",
+    "VLLM_HOST_IP": "no multi-node setup to address: distributed ranks run on one host (or through Ray)",
+    "VLLM_PORT": "the workers' ports are picked free at start",
+    "VLLM_RPC_BASE_PATH": _ONE_PROCESS,
+    "VLLM_RPC_TIMEOUT": _ONE_PROCESS,
+    "VLLM_ENGINE_ITERATION_TIMEOUT_S": "an engine step is not timed out",
+    "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "a failed request fails alone; the engine keeps running",
+    "VLLM_NO_USAGE_STATS": _NO_STATS,
+    "VLLM_DO_NOT_TRACK": _NO_STATS,
+    "VLLM_USAGE_SOURCE": _NO_STATS,
+    "VLLM_SERVER_DEV_MODE": "no development endpoints",
+    "VLLM_TRACE_FUNCTION": "no function tracing",
+    "VLLM_NO_DEPRECATION_WARNING": "no deprecation warnings to silence",
+    "VLLM_USE_TRITON_FLASH_ATTN": "GPU attention is always Triton (VLLM_ATTENTION_BACKEND chooses the backend)",
+    "VLLM_USE_FLASHINFER_SAMPLER": "sampling runs in torch on the device",
+    "VLLM_DISABLE_COMPILE_CACHE": "Triton caches its own kernels",
+    "VLLM_CONFIG_ROOT": "no configuration files are read from a root folder",
+    "VLLM_ASSETS_CACHE": "no assets are downloaded",
+    "VLLM_XLA_CACHE_PATH": "no TPU / XLA support",
+    "VLLM_CPU_MOE_PREPACK": "CPU MoE weights are used as loaded",
+    "VLLM_FUSED_MOE_CHUNK_SIZE": "MoE layers are not chunked",
+    "VLLM_LOGITS_PROCESSOR_THREADS": "logits processors run on the engine's thread",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "nothing is unpickled from a socket",
+    "VLLM_SKIP_P2P_CHECK": "no peer-to-peer check at start",
+    "VLLM_NCCL_SO_PATH": "NCCL comes with torch",
+    "VLLM_CUDART_SO_PATH": "the CUDA runtime comes with torch",
+    "VLLM_USE_RAY_SPMD_WORKER": "Ray workers are actors driven by the executor",
+    "VLLM_USE_RAY_COMPILED_DAG": "Ray workers are actors driven by the executor",
+    "VLLM_TARGET_DEVICE": _BUILD,
+    "VLLM_MAIN_CUDA_VERSION": _BUILD,
+    "VLLM_USE_PRECOMPILED": _BUILD,
+    "MAX_JOBS": _BUILD,
+    "NVCC_THREADS": _BUILD,
 }
 
 
@@ -179,4 +229,27 @@ def log_stats_interval(environ: Mapping[str, str] | None = None) -> float:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
         raise ValueError(f"{key}={value!r} is out of range: a positive number of seconds")
+    return seconds
+
+
+def attention_backend() -> tuple[str, str] | None:
+    """(the variable's name as set, its value) of VLLM_ATTENTION_BACKEND; None when unset."""
+    return get("VLLM_ATTENTION_BACKEND")
+
+
+def allow_runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:
+    return _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False, environ)
+
+
+def http_timeout_keep_alive(environ: Mapping[str, str] | None = None) -> float:
+    found = get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", environ)
+    if found is None:
+        return 5.0
+    key, value = found
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{key}={value!r} is out of range: a number of seconds >= 0")
     return seconds

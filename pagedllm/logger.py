@@ -26,7 +26,7 @@ def configure_logging() -> None:
             raise ValueError("VLLM_LOGGING_CONFIG_PATH is set but VLLM_CONFIGURE_LOGGING=0: unset one of them")
         return
     if config_path is not None:
-        _apply_config_file(config_path)
+        apply_config_file(config_path)
         return
     logger = logging.getLogger("pagedllm")
     if any(h.get_name() == _HANDLER_NAME for h in logger.handlers):
@@ -39,7 +39,7 @@ def configure_logging() -> None:
     logger.propagate = False  # as vLLM's: one line per record, whatever the root logger has
 
 
-def _apply_config_file(path: str) -> None:
+def apply_config_file(path: str) -> None:
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)

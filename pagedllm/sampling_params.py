@@ -268,3 +268,13 @@ class SamplingParams:
         params = copy.copy(self)
         params.logits_processors = None
         return params
+
+
+def __getattr__(name: str):
+    """`from pagedllm.sampling_params import BeamSearchParams`, where vLLM's documents import it from (lazily:
+    beam_search imports this module)."""
+    if name == "BeamSearchParams":
+        from pagedllm.beam_search import BeamSearchParams
+
+        return BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

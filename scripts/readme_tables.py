@@ -103,23 +103,49 @@ def environment_table() -> str:
     return "\n".join(["| Variable (pagedllm's spelling) | Default | Meaning |", "| --- | --- | --- |", *rows])
 
 
+def ignored_environment_table() -> str:
+    """vLLM's documented variables that pagedllm accepts and ignores (envs.IGNORED_ENV_VARS)."""
+    rows = [f"| `{name}` | {why} |" for name, why in envs.IGNORED_ENV_VARS.items()]
+    return "\n".join(["| Variable | Why it has no effect |", "| --- | --- |", *rows])
+
+
 def engine_args_table() -> str:
-    """Every EngineArgs field (an LLM keyword and a flag): works, a no-op, or supported at one value only."""
+    """Every EngineArgs field (an LLM keyword and a flag): works, a no-op, or supported at one value only; the ones
+    that work first, each group in definition order."""
     from dataclasses import fields
 
     from pagedllm.engine_args import EngineArgs
-    from pagedllm.engine_compat import COMPAT_ARGS
+    from pagedllm.engine_compat import COMPAT_ARGS, SERVER_FLAGS
 
     rows = []
-    for f in fields(EngineArgs):
+    for f in sorted(fields(EngineArgs), key=lambda f: f.name in COMPAT_ARGS):
         flag = "MODEL / `--model`" if f.name == "model" else f"`--{f.name.replace('_', '-')}`"
+        if f.name in SERVER_FLAGS:
+            flag += " (server)"
         kind, _, why = COMPAT_ARGS.get(f.name, ("works", None, ""))
         status = {"no-op": "accepted, no effect", "only": "default only (else an error)"}.get(kind, "works")
         rows.append(f"| `{f.name}` | {flag} | {status} | {why} |")
     return "\n".join(["| Keyword | Flag | Status | Why |", "| --- | --- | --- | --- |", *rows])
 
 
-TABLES = {"architectures": architectures_table, "environment": environment_table, "engine-args": engine_args_table}
+def serve_compat_table() -> str:
+    """vLLM's server flags that pagedllm accepts for compatibility only (entrypoints/openai/serve_compat.py)."""
+    from pagedllm.entrypoints.openai.serve_compat import SERVE_COMPAT
+
+    rows = []
+    for name, (kind, _, why) in SERVE_COMPAT.items():
+        status = "accepted, no effect" if kind == "no-op" else "default only (else an error)"
+        rows.append(f"| `--{name.replace('_', '-')}` | {status} | {why} |")
+    return "\n".join(["| Flag | Status | Why |", "| --- | --- | --- |", *rows])
+
+
+TABLES = {
+    "architectures": architectures_table,
+    "environment": environment_table,
+    "environment-ignored": ignored_environment_table,
+    "engine-args": engine_args_table,
+    "serve-compat": serve_compat_table,
+}
 
 
 def rewrite(text: str) -> str:

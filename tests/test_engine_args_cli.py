@@ -24,7 +24,7 @@ def test_every_field_is_a_flag_and_defaults_stay():
     parser = _parser()
     flags = {opt for action in parser._actions for opt in action.option_strings}
     for f in fields(EngineArgs):
-        assert (f"--{f.name.replace('_', '-')}" in flags) == (f.name != "model"), f.name
+        assert f"--{f.name.replace('_', '-')}" in flags, f.name
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
 
 
@@ -51,7 +51,7 @@ def test_serve_takes_the_engine_flags():
     add_serve_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "m", "--disable-log-requests", "-tp", "1", "--api-key", "k", "--seed", "3"])
     assert EngineArgs.cli_kwargs(args) == {"disable_log_requests": True, "tensor_parallel_size": 1, "seed": 3}
-    assert args.api_key == "k" and args.model == "m"
+    assert args.api_key == ["k"] and args.model == "m"
 
 
 def test_llm_takes_every_field(tmp_path_factory):
@@ -108,15 +108,36 @@ LAUNCH_LINES = [
     "serve /models/llama --response-role bot --return-tokens-as-token-ids --enable-force-include-usage "
     "--enable-prompt-tokens-details --disable-uvicorn-access-log --disable-fastapi-docs --enable-log-requests "
     "--tokenizer-pool-size 0 --disable-cascade-attn --hf-token hf_x --ignore-patterns *.pt --download-dir /hf",
+    "serve /models/r1 --enable-reasoning --reasoning-parser deepseek_r1 --disable-log-requests --swap-space 0 "
+    "--gpu-memory-utilization 0.95 --disable-frontend-multiprocessing --seed 42",
+    "serve --model=/models/llama --served-model-name=llama -tp 1 --max-num-seqs=8 --max-model-len=2048 "
+    "--disable-frontend-multiprocessing --enable-prefix-caching=false --port=8080",
+    "serve /models/llama --cuda-graph-sizes 1 2 4 8 --max-logprobs 20 --override-generation-config "
+    '{"temperature":0.5} --default-chat-template-kwargs {"enable_thinking":false} --api-server-count 1',
 ]
 
 
 def test_documented_launch_lines_parse_and_validate():
     from pagedllm.cli import build_parser
     from pagedllm.engine_compat import check_compat_args
+    from pagedllm.entrypoints.cli_config import expand_config
+    from pagedllm.entrypoints.openai.serve_compat import check_serve_compat
 
     for line in LAUNCH_LINES:
-        args = build_parser().parse_args(line.split())
+        args = build_parser().parse_args(expand_config(line.split()))
         engine = EngineArgs.from_cli_args(args)
         check_compat_args(vars(engine))  # no compatibility option at an unsupported value
+        if args.command == "serve":
+            check_serve_compat(args)
         assert (args.model or args.model_flag).startswith("/models/"), line
+
+
+def test_override_generation_config(tmp_path_factory):
+    path = save_tiny_decoder("gen", transformers.LlamaConfig, transformers.LlamaForCausalLM, TINY_DECODER,
+                             tmp_path_factory)[1]  # fmt: skip
+    base = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20, dtype="float32")
+    llm = LLM(path, **base, override_generation_config={"temperature": 0.3, "max_new_tokens": 7})
+    params = llm.get_default_sampling_params()
+    assert params.temperature == 0.3 and params.max_tokens == 7
+    with pytest.raises(ValueError, match=r"override_generation_config=\{'temp': 1\} must be a dict of the keys"):
+        LLM(path, **base, override_generation_config={"temp": 1})

@@ -1,4 +1,5 @@
-"""`pagedllm bench latency | throughput | serve`: vLLM's benchmarks with vLLM's flags and result fields."""
+"""`pagedllm bench latency | throughput | serve`: vLLM's benchmarks with vLLM's flags and result fields;
+`pagedllm bench plot`: saved serving results against request rate, as a PNG."""
 
 from __future__ import annotations
 
@@ -11,3 +12,6 @@ def add_bench_parser(sub) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_offline_parsers(kinds)
     add_serve_bench_parser(kinds)
+    from pagedllm.benchmarks.plot import add_plot_parser
+
+    add_plot_parser(kinds)

@@ -190,20 +190,40 @@ async def _benchmark(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if not args.request_rate > 0:
-        raise ValueError(f"--request-rate={args.request_rate} must be positive (inf: all at once)")
+    """One run per --request-rate (one JSON line each); --plot draws them all."""
+    rates = args.request_rate
+    if not all(r > 0 for r in rates):
+        raise ValueError(f"--request-rate={rates} must be positive (inf: all at once)")
     if not args.burstiness > 0:
         raise ValueError(f"--burstiness={args.burstiness} must be positive")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency={args.max_concurrency} must be at least 1")
-    result = asyncio.run(_benchmark(args))
-    print(json.dumps(result), flush=True)
-    if args.save_result:
-        name = args.result_filename or f"{args.backend}-{result['request_rate']}qps-{result['date']}.json"
-        path = os.path.join(args.result_dir or ".", name)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0 if result["completed"] else 1
+    if args.plot:
+        from pagedllm.benchmarks.plot import require_matplotlib
+
+        require_matplotlib()  # before the runs, not after them
+    results = []
+    for rate in rates:
+        args.request_rate = rate
+        result = asyncio.run(_benchmark(args))
+        print(json.dumps(result), flush=True)
+        if args.save_result:
+            _save(args, result, several=len(rates) > 1)
+        results.append(result)
+    if args.plot:
+        from pagedllm.benchmarks.plot import plot_serving
+
+        plot_serving(results, args.plot, args.label)
+    return 0 if all(r["completed"] for r in results) else 1
+
+
+def _save(args: argparse.Namespace, result: dict, several: bool) -> None:
+    name = args.result_filename or f"{args.backend}-{result['request_rate']}qps-{result['date']}.json"
+    if args.result_filename and several:  # one file per rate: r.json -> r-4qps.json
+        stem, dot, ext = name.rpartition(".")
+        name = f"{stem}-{result['request_rate']}qps.{ext}" if dot else f"{name}-{result['request_rate']}qps"
+    with open(os.path.join(args.result_dir or ".", name), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -242,7 +262,14 @@ def add_serve_bench_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer of the dataset (default: the model's)")
     p.add_argument("--trust-remote-code", action="store_true")
     add_dataset_args(p, input_len=1024, output_len=128, num_prompts=1000)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="requests per second (inf: at once); several rates: one run each",
+    )
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot latency and throughput against request rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--ignore-eos", action="store_true", help="every request makes its full output length")

@@ -33,6 +33,7 @@ class LLMEngine:
         generation = (
             model_generation if source == "auto" else {} if source == "vllm" else read_generation_config(source)
         )
+        generation = {**generation, **_checked_override(config.model.override_generation_config)}
         # the sampling defaults the model's authors chose, used when a caller gives no SamplingParams (as vLLM)
         self.default_sampling_fields = {
             ours: generation[theirs]
@@ -356,6 +357,17 @@ _SAMPLING_DEFAULTS = {  # generation_config.json key -> SamplingParams field
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
+
+
+def _checked_override(override: dict | None) -> dict:
+    """override_generation_config: generation_config.json keys that replace the model's sampling defaults."""
+    if override is None:
+        return {}
+    if not isinstance(override, dict) or set(override) - set(_SAMPLING_DEFAULTS):
+        raise ValueError(
+            f"override_generation_config={override!r} must be a dict of the keys {sorted(_SAMPLING_DEFAULTS)}"
+        )
+    return override
 
 
 def read_generation_config(path: str) -> dict:

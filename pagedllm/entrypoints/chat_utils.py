@@ -12,7 +12,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pagedllm.entrypoints.chat_template import detect_content_format, render, resolve_chat_template
+from pagedllm.entrypoints.chat_template import (
+    detect_content_format,
+    load_chat_template,  # noqa: F401  (vLLM imports it from here)
+    render,
+    resolve_chat_template,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}

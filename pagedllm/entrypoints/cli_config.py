@@ -55,8 +55,30 @@ def _given(argv: list[str]) -> set[str]:
     return names
 
 
+def bool_values(argv: list[str]) -> list[str]:
+    """Flag names with underscores as dashes (`--max_model_len`), and vLLM's older `--enable-prefix-caching=false`
+    form of a boolean engine flag as --flag / --no-flag."""
+    from dataclasses import fields
+
+    from pagedllm.engine_args import EngineArgs, _flag_type
+
+    booleans = {f.name.replace("_", "-") for f in fields(EngineArgs) if _flag_type(f.type) is bool}
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):  # vLLM also reads --max_model_len: the flag's name with dashes
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("_", "-") + eq + value
+        name, eq, value = arg[2:].partition("=")
+        if arg.startswith("--") and eq and name in booleans and value.lower() in ("true", "false"):
+            arg = f"--{name}" if value.lower() == "true" else f"--no-{name}"
+        out.append(arg)
+    return out
+
+
 def expand_config(argv: list[str]) -> list[str]:
-    """argv with `--config FILE` replaced by the file's flags (after the command line's own, minus those it gives)."""
+    """argv with `--config FILE` replaced by the file's flags (after the command line's own, minus those it gives),
+    and `--flag=true|false` of a boolean engine flag as --flag / --no-flag."""
+    argv = bool_values(argv)
     if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
         return argv
     rest, path, i = [], None, 0

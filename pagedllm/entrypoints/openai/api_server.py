@@ -95,14 +95,16 @@ class GuardMiddleware:
     """Checks the API key (constant-time) on every path but PUBLIC_PATHS, and refuses bodies over the cap, nested
     too deep or holding lone surrogates before the app parses them (the body is read here, then handed on)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | list[str] | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        # any one of several keys (vLLM's --api-key K1 K2, for key rotation); None: no key required
+        self.expected = [f"Bearer {k}".encode() for k in keys if k] or None
         self.max_body_bytes = max_body_bytes
 
     def _authorized(self, scope) -> bool:
         given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        return any([hmac.compare_digest(given, key) for key in self.expected])  # every key compared: constant time
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -189,7 +191,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def build_app(
     state: ServerState,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     cors: dict | None = None,
     openapi: bool = True,
     request_id_headers: bool = False,

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_STOP,
     DEFAULT_MAX_WORD_CHARS,
 )
+from pagedllm.entrypoints.openai.serve_compat import add_serve_compat_flags, check_serve_compat, json_object
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -36,9 +37,10 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer KEY' (not on /health, /metrics); default: $PAGEDLLM_API_KEY, else "
-        "$VLLM_API_KEY, else no key",
+        help="require 'Authorization: Bearer KEY' (not on /health, /metrics); several keys: any one of them "
+        "(rotation); default: $PAGEDLLM_API_KEY, else $VLLM_API_KEY, else no key",
     )
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
     serve.add_argument(
@@ -51,6 +53,13 @@ def add_serve_parser(sub: Any) -> None:
     )
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file (default: the model's)")
     serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"])
+    serve.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        default=None,
+        help="chat_template_kwargs every chat request starts from (JSON, e.g. '{\"enable_thinking\": false}'); "
+        "a request's own keys win",
+    )
     _add_response_flags(serve)
     _add_tool_flags(serve)
     limits = serve.add_argument_group("limits", "requests beyond these get HTTP 400")
@@ -100,6 +109,7 @@ def add_serve_parser(sub: Any) -> None:
     )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(serve)
+    add_serve_compat_flags(serve)
     serve.set_defaults(func=_serve)
 
 
@@ -132,6 +142,11 @@ def _add_response_flags(serve: argparse.ArgumentParser) -> None:
         "--enable-request-id-headers", action="store_true", help="X-Request-Id on every response (the client's or new)"
     )
     out.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (/docs is never served)")
+    out.add_argument(
+        "--log-config-file",
+        default=None,
+        help="a JSON logging dictConfig for pagedllm's and uvicorn's logs (default: $VLLM_LOGGING_CONFIG_PATH)",
+    )
 
 
 def _add_tool_flags(serve: argparse.ArgumentParser) -> None:
@@ -178,9 +193,18 @@ def _add_http_flags(serve: argparse.ArgumentParser) -> None:
     http.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
     http.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with")
     http.add_argument("--ssl-cert-reqs", type=int, default=0, help="client certificate: 0 none, 1 optional, 2 required")
+    http.add_argument("--ssl-ciphers", default=None, help="TLS cipher suites (TLS 1.2 and below), OpenSSL's syntax")
+    http.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host / --port")
+    http.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=4 << 20,
+        help="largest incomplete HTTP event (header block or body part) in bytes (default: 4 MiB)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
+    check_serve_compat(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:

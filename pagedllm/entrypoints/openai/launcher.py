@@ -22,8 +22,9 @@ from pagedllm.entrypoints.openai.server_logging import RequestLogger, start_stat
 from pagedllm.entrypoints.openai.serving_utils import ServerState
 
 
-def resolve_api_key(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """--api-key, else $PAGEDLLM_API_KEY, else $VLLM_API_KEY (envs), else None (no key required)."""
+def resolve_api_key(flag: str | list[str] | None, environ: Mapping[str, str] | None = None) -> str | list[str] | None:
+    """--api-key (one key or several, any of which is accepted), else $PAGEDLLM_API_KEY, else $VLLM_API_KEY
+    (envs), else None (no key required)."""
     return flag or envs.api_key(environ)
 
 
@@ -91,6 +92,10 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         args.max_word_chars,
     )
     template = load_chat_template(args.chat_template) if args.chat_template else None
+    if args.log_config_file:
+        from pagedllm.logger import apply_config_file
+
+        apply_config_file(args.log_config_file)  # pagedllm's loggers; uvicorn's read it too (log_config)
     llm = LLM(args.model, **engine_kwargs)
     engine = AsyncEngine(llm)
     if not llm.engine_args.disable_log_requests:
@@ -111,6 +116,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     state.metrics_prefixes = tuple(args.metrics_prefix)
     state.response_role, state.return_tokens_as_token_ids = args.response_role, args.return_tokens_as_token_ids
     state.force_include_usage = args.enable_force_include_usage
+    state.default_chat_template_kwargs = args.default_chat_template_kwargs or {}
     cors = dict(
         allow_origins=args.allowed_origins,
         allow_methods=args.allowed_methods,
@@ -133,12 +139,17 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         http=HalfCloseProtocol,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=envs.http_timeout_keep_alive(),
         access_log=args.uvicorn_log_level == "debug" and not args.disable_uvicorn_access_log,
         root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
+        **({"ssl_ciphers": args.ssl_ciphers} if args.ssl_ciphers else {}),
+        uds=args.uds,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        **({"log_config": args.log_config_file} if args.log_config_file else {}),
     )
     _Server(config).run()
     if stop_stats is not None:

@@ -150,11 +150,13 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> None:
         raise bad("documents: given twice (also in chat_template_kwargs); give it once", "documents")
 
 
-def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
-    """chat_template_kwargs, with `documents` (retrieval-augmented templates read that variable) added."""
-    if req.documents is None:
-        return req.chat_template_kwargs
-    return {**(req.chat_template_kwargs or {}), "documents": req.documents}
+def _template_kwargs(state: ServerState, req: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs over the server's defaults, with `documents` (retrieval-augmented templates read that
+    variable) added."""
+    kwargs = {**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    return kwargs or req.chat_template_kwargs
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
@@ -177,7 +179,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         tools=req.tools,
-        chat_template_kwargs=_template_kwargs(req),
+        chat_template_kwargs=_template_kwargs(state, req),
         add_special_tokens=req.add_special_tokens,
         check_chars=req.truncate_prompt_tokens is None,
         mm_processor_kwargs=req.mm_processor_kwargs,

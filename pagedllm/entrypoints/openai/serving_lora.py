@@ -1,18 +1,15 @@
 """Adapters loaded and unloaded while the server runs (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).
 They read folders named in requests, so the routes exist only when VLLM_ALLOW_RUNTIME_LORA_UPDATING (or
-PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING) is set to 1/true, as in vLLM."""
+PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING) is set to 1/true (pagedllm/envs.py), as in vLLM."""
 
 from __future__ import annotations
-
-import os
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.protocol import APIError, _Request, from_value_error
 from pagedllm.entrypoints.openai.serving_utils import ServerState, bad
-
-ALLOW_RUNTIME_LORA = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 class LoadLoRAAdapterRequest(_Request):
@@ -25,12 +22,8 @@ class UnloadLoRAAdapterRequest(_Request):
     lora_int_id: int | None = None
 
 
-def runtime_lora_updating() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true") for v in ALLOW_RUNTIME_LORA)
-
-
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
-    if not runtime_lora_updating():
+    if not envs.allow_runtime_lora_updating():
         return
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)

@@ -37,6 +37,7 @@ class ServerState:
     response_role: str = "assistant"  # the reply's role with add_generation_prompt (--response-role)
     return_tokens_as_token_ids: bool = False  # the default of the request field (--return-tokens-as-token-ids)
     force_include_usage: bool = False  # streams end with usage without stream_options (--enable-force-include-usage)
+    default_chat_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
     server_load: int | None = None  # POST requests in flight; None: not counted (--enable-server-load-tracking)
     _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 

@@ -171,7 +171,8 @@ def test_documents_reach_the_chat_template():
     state = ServerState(engine, ["fake"], chat_template=template)
     messages = [{"role": "user", "content": "Q?"}]
     req = ChatCompletionRequest(messages=messages, documents=[{"title": "t", "text": "body"}])
-    make_prompts = render_chat(state, messages, chat_template_kwargs=_template_kwargs(req), add_generation_prompt=False)
+    make_prompts = render_chat(state, messages, chat_template_kwargs=_template_kwargs(state, req),
+                               add_generation_prompt=False)  # fmt: skip
     assert make_prompts()[0][0] == "[t: body]Q?"
 
 

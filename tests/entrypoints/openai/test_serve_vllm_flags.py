@@ -20,7 +20,8 @@ def flag_server(smollm2):
         + ["--kv-cache-memory-bytes", str(16 << 20), "--response-role", "bot", "--return-tokens-as-token-ids"]
         + ["--enable-force-include-usage", "--disable-fastapi-docs", "--disable-uvicorn-access-log"]
         + ["--enable-prompt-tokens-details", "--tokenizer-pool-size", "2", "--enable-request-id-headers"]
-        + ["--enable-server-load-tracking"],
+        + ["--enable-server-load-tracking", "--disable-frontend-multiprocessing", "--enable-chunked-prefill=true"]
+        + ["--h11-max-incomplete-event-size", str(8 << 20), "--default-chat-template-kwargs", '{"unused": 1}'],
         model="first",
     )
     try:
@@ -70,3 +71,18 @@ def test_usage_forced_docs_off_and_priority(flag_server):
     assert status == 400 and body["error"]["param"] == "request_id"
     status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 3})
     assert status == 400 and body["error"]["param"] == "priority" and "priority=3" in body["error"]["message"]
+
+
+def test_default_chat_template_kwargs_under_the_request_ones():
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_chat import _template_kwargs
+
+    state = SimpleNamespace(default_chat_template_kwargs={"enable_thinking": False, "lang": "en"})
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], chat_template_kwargs={"lang": "fr"})
+    assert _template_kwargs(state, req) == {"enable_thinking": False, "lang": "fr"}
+    docs = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], documents=[{"text": "d"}])
+    assert _template_kwargs(SimpleNamespace(default_chat_template_kwargs={}), docs) == {"documents": [{"text": "d"}]}
+    plain = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
+    assert _template_kwargs(SimpleNamespace(default_chat_template_kwargs={}), plain) is None
