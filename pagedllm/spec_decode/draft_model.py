@@ -245,7 +245,7 @@ class DraftModelProposer:
         np.cumsum(take, out=cu[1:])
         req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
         positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
-        hidden = self._forward(self._to_device(b.token_ids[rows[req_idx], positions]), positions, cu, seq_lens, table)
+        hidden = self._forward(b.token_ids[rows[req_idx], positions], positions, cu, seq_lens, table)
         self.valid[rows] = np.minimum(seq_lens, b.num_blocks[rows] * self.block_size)
         if not proposing.any():
             return None
@@ -264,9 +264,10 @@ class DraftModelProposer:
             drafts.append(token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token))
         return torch.stack(drafts, dim=1)
 
-    def _forward(self, input_ids: torch.Tensor, positions, cu, seq_lens, table) -> torch.Tensor:
-        """The draft over one flat batch; input_ids on the device, the rest host arrays. -> hidden [num_tokens, h].
-        One token per row replays a decode graph, at most K + 1 a first-pass graph; anything else runs eagerly."""
+    def _forward(self, input_ids: torch.Tensor | np.ndarray, positions, cu, seq_lens, table) -> torch.Tensor:
+        """The draft over one flat batch; input_ids on the device or the host, the rest host arrays. -> hidden
+        [num_tokens, h]. One token per row replays a decode graph, at most K + 1 a first-pass graph; anything else
+        runs eagerly."""
         b = self.block_size
         req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
         slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
@@ -274,11 +275,13 @@ class DraftModelProposer:
         picked = pick_graph(self.graphs, self.first_graphs, np.diff(cu))
         if picked is not None:
             graphs, bs, query_lens = picked
-            late = (torch.arange(n, device=self.device), input_ids)  # (the inputs are on the device)
-            graphs.load_inputs(
-                bs, np.zeros(n, dtype=np.int64), positions, slots, seq_lens, table, late, None, query_lens
-            )
+            host = isinstance(input_ids, np.ndarray)
+            late = None if host else (torch.arange(n, device=self.device), input_ids)  # (inputs on the device)
+            ids = input_ids if host else np.zeros(n, dtype=np.int64)
+            graphs.load_inputs(bs, ids, positions, slots, seq_lens, table, late, None, query_lens)
             return graphs.replay(bs, n)
+        if isinstance(input_ids, np.ndarray):
+            input_ids = self._to_device(input_ids)
         layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), b, self.device)
         with forward_context(self.backend.build_metadata(layout)):
             return self.model(input_ids, self._to_device(positions))
