@@ -340,8 +340,9 @@ def test_bad_heads_are_refused(target, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_graph_steps_feed_the_head_as_eager_ones(method, target, tmp_path):
-    """On a GPU (float32): decode steps replayed from CUDA graphs (the EAGLE-3 layers' copy is in the graph) give
-    the head what eager steps give: the same proposals; outputs equal those without speculation."""
+    """On a GPU (float32): decode and verify steps replayed from CUDA graphs (the EAGLE-3 layers' copy is in the
+    graph, in its padded row order) give the head what eager steps give, and the head's own passes replay graphs:
+    the same proposals; outputs equal those without speculation."""
     path = str(tmp_path / method)
     save_head(path, method == "eagle3")
     spec = {"method": method, "model": path, "num_speculative_tokens": K}
@@ -358,6 +359,9 @@ def test_gpu_graph_steps_feed_the_head_as_eager_ones(method, target, tmp_path):
         reference, _ = run(llm, PROMPTS, params, speculate=False)
         outputs, (num_drafts, _) = run(llm, PROMPTS, params, speculate=True)
         assert exact(outputs) == exact(reference) and num_drafts > 0
+        if not eager:  # verify steps and the head's passes replayed graphs
+            assert runner.verify_graphs.num_replays > 0 and runner.drafter.graphs.num_replays > 0
+            assert runner.drafter.first_graphs.num_replays > 0
         proposals.append(calls)
         del llm, runner
         gc.collect()
