@@ -12,8 +12,10 @@ import pytest
 import torch
 from test_spec_decode_runner import PROMPTS, Requests, hf_greedy
 
+from pagedllm import LLM
 from pagedllm.attention import triton_backend
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import proposer_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.verify_graphs import pick_graph, verify_sizes
@@ -37,9 +39,9 @@ K = 3  # drafts per row: verify graphs of K + 1 tokens per row
 
 
 def graph_runner(runner: ModelRunner, q_len: int) -> CudaGraphRunner:
-    m = runner.config.model
-    args = (runner.model, triton_backend, [1, 2, 4], BLOCKS_PER_REQ, BLOCK, m.max_model_len, runner.num_kv_heads)
-    return CudaGraphRunner(*args, runner.device, q_len=q_len)
+    max_blocks = -(-runner.max_model_len // runner.block_size)
+    args = (runner.model, triton_backend, [1, 2, 4], max_blocks, runner.block_size, runner.max_model_len)
+    return CudaGraphRunner(*args, runner.num_kv_heads, runner.device, q_len=q_len)
 
 
 def triton_runner(config, static: bool) -> ModelRunner:
@@ -114,3 +116,40 @@ def test_verify_steps_through_static_buffers_equal_eager_and_hf(tiny, config):
     a, b = truth["a"][0], truth["b"][0]
     assert [o.sampled_token_ids["a"] for o in outs] == [a[:1], a[1:5], a[5:6], a[6:7]]
     assert [o.sampled_token_ids["b"] for o in outs] == [b[:1], b[1:3], b[3:7], b[7:8]]
+
+
+def static_draft_llm(path: str) -> LLM:
+    """A CPU engine whose target and draft model (the same tiny model) run every step they can over the graph
+    runners' static buffers (Triton attention, interpreted)."""
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, speculative_config=spec)
+    runner = llm.llm_engine.core.executor.runner
+    runner.backend = runner.drafter.backend = triton_backend
+    runner.allocate_kv_cache(llm.llm_engine.config.cache.num_blocks)  # (the draft's too) in the Triton layout
+    runner.graphs, runner.verify_graphs = graph_runner(runner, 1), graph_runner(runner, K + 1)
+    num_kv_heads = runner.drafter.attn_layers[0].num_kv_heads
+    runner.drafter.graphs, runner.drafter.first_graphs = proposer_graphs(runner.drafter, runner.graphs, num_kv_heads)
+    return llm
+
+
+def test_draft_model_speculation_through_static_buffers_keeps_outputs(tiny):
+    """Outputs with a draft model, target verify steps and draft passes over the static buffers, equal the outputs
+    without speculation (and the drafts, the target's own greedy tokens, are accepted)."""
+    llm = static_draft_llm(tiny[1])
+    runner = llm.llm_engine.core.executor.runner
+    config, sched = llm.llm_engine.config, llm.llm_engine.core.scheduler
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS.values()]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    proposer, config.speculative_proposer = config.speculative_proposer, None
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    config.speculative_proposer = proposer
+    counts = [
+        runner.verify_graphs.num_replays,
+        runner.drafter.graphs.num_replays,
+        runner.drafter.first_graphs.num_replays,
+    ]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs == reference
+    assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
+    assert runner.verify_graphs.num_replays > counts[0] and runner.drafter.graphs.num_replays > counts[1]
+    assert runner.drafter.first_graphs.num_replays > counts[2]
