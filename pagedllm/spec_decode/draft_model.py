@@ -115,11 +115,14 @@ def scratch_block_tables(batch, rows: np.ndarray, num_blocks: int, scratch_per_r
 
 
 def proposer_graphs(proposer, target: CudaGraphRunner, num_kv_heads: int, extra=None):
-    """A proposer's graph runners (the target's sizes and lazy capture): one token per row, and up to K + 1 per row
-    (extra: the model's third input, (width, dtype))."""
-    args = (proposer.model, proposer.backend, target.sizes, target.max_blocks, proposer.block_size)
-    args += (proposer.max_model_len, num_kv_heads, proposer.device, None, target.lazy)
-    return CudaGraphRunner(*args, 1, extra), CudaGraphRunner(*args, proposer.k + 1, extra)
+    """A proposer's graph runners (lazy capture as the target's): one token per row (the target's decode sizes), and
+    up to K + 1 per row (its verify sizes: no drafts above them). extra: the model's third input, (width, dtype)."""
+    verify = getattr(proposer.runner, "verify_graphs", None)
+    runners = []
+    for sizes, q_len in ((target.sizes, 1), (verify.sizes if verify is not None else target.sizes, proposer.k + 1)):
+        args = (proposer.model, proposer.backend, sizes, target.max_blocks, proposer.block_size, proposer.max_model_len)
+        runners.append(CudaGraphRunner(*args, num_kv_heads, proposer.device, None, target.lazy, q_len, extra))
+    return tuple(runners)
 
 
 class DraftModelProposer:
