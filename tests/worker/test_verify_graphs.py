@@ -10,38 +10,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from static_graphs import graph_runner, make_static
 from test_spec_decode_runner import PROMPTS, Requests, hf_greedy
 
 from pagedllm import LLM
 from pagedllm.attention import triton_backend
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.draft_model import proposer_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.verify_graphs import pick_graph, verify_sizes
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available():  # as tests/kernels/conftest.py: the interpreter's scalars index via .item()
-    import triton.runtime.interpreter as _interpreter
-
-    _patch = _interpreter._patch_lang_tensor
-    if not getattr(_patch, "item_index", False):
-
-        def _patch_lang_tensor_item(tensor, scope):
-            _patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        _patch_lang_tensor_item.item_index = True
-        _interpreter._patch_lang_tensor = _patch_lang_tensor_item
-
 BLOCK, BLOCKS_PER_REQ = 4, 16
 K = 3  # drafts per row: verify graphs of K + 1 tokens per row
-
-
-def graph_runner(runner: ModelRunner, q_len: int) -> CudaGraphRunner:
-    max_blocks = -(-runner.max_model_len // runner.block_size)
-    args = (runner.model, triton_backend, [1, 2, 4], max_blocks, runner.block_size, runner.max_model_len)
-    return CudaGraphRunner(*args, runner.num_kv_heads, runner.device, q_len=q_len)
 
 
 def triton_runner(config, static: bool) -> ModelRunner:
@@ -123,12 +104,7 @@ def static_draft_llm(path: str) -> LLM:
     runners' static buffers (Triton attention, interpreted)."""
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, speculative_config=spec)
-    runner = llm.llm_engine.core.executor.runner
-    runner.backend = runner.drafter.backend = triton_backend
-    runner.allocate_kv_cache(llm.llm_engine.config.cache.num_blocks)  # (the draft's too) in the Triton layout
-    runner.graphs, runner.verify_graphs = graph_runner(runner, 1), graph_runner(runner, K + 1)
-    num_kv_heads = runner.drafter.attn_layers[0].num_kv_heads
-    runner.drafter.graphs, runner.drafter.first_graphs = proposer_graphs(runner.drafter, runner.graphs, num_kv_heads)
+    make_static(llm)
     return llm
 
 
