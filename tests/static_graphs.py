@@ -30,7 +30,9 @@ def graph_runner(runner, q_len: int) -> CudaGraphRunner:
     """A runner's graph runner of q_len tokens per row, sizes SIZES, on the Triton backend."""
     max_blocks = -(-runner.max_model_len // runner.block_size)
     args = (runner.model, triton_backend, SIZES, max_blocks, runner.block_size, runner.max_model_len)
-    return CudaGraphRunner(*args, runner.num_kv_heads, runner.device, q_len=q_len)
+    graphs = CudaGraphRunner(*args, runner.num_kv_heads, runner.device, q_len=q_len)
+    graphs.capture_graphs = False  # (on a GPU too: the static buffers, no capture)
+    return graphs
 
 
 def make_static(llm) -> None:
@@ -51,3 +53,4 @@ def make_static(llm) -> None:
             extra = (drafter.model_config.hf_config.hidden_size, drafter.model_config.dtype)
         num_kv_heads = drafter.attn_layers[0].num_kv_heads
         drafter.graphs, drafter.first_graphs = proposer_graphs(drafter, runner.graphs, num_kv_heads, extra)
+        drafter.graphs.capture_graphs = drafter.first_graphs.capture_graphs = False

@@ -2,8 +2,8 @@
 
 Without a GPU the runner runs the model eagerly over its static buffers (no capture), with the Triton attention
 kernels in Triton's interpreter: the same inputs, metadata and left padding a replay reads. A verify step through that
-path must give the logits of the eager path (and HF's greedy tokens); on a GPU, graphs must replay verify steps and
-keep the outputs of decoding without speculation."""
+path must give the logits of the eager path (and HF's greedy tokens), and speculation over it the outputs without.
+(On a GPU: tests/spec_decode's gpu tests check that graphs replay verify steps and keep the outputs.)"""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.verify_graphs import pick_graph, verify_sizes
 
 pytest.importorskip("triton")
+# the runner tests below build CPU runners: their Triton kernels run interpreted (no GPU)
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs without a GPU only")
+
 BLOCK, BLOCKS_PER_REQ = 4, 16
 K = 3  # drafts per row: verify graphs of K + 1 tokens per row
 
@@ -82,6 +85,7 @@ def run_steps(runner: ModelRunner, truth: dict) -> list:
     return outs
 
 
+@interpreted
 def test_verify_steps_through_static_buffers_equal_eager_and_hf(tiny, config):
     hf, _ = tiny
     truth = {r: hf_greedy(hf, p, 16) for r, p in PROMPTS.items()}
@@ -108,6 +112,7 @@ def static_draft_llm(path: str) -> LLM:
     return llm
 
 
+@interpreted
 def test_draft_model_speculation_through_static_buffers_keeps_outputs(tiny):
     """Outputs with a draft model, target verify steps and draft passes over the static buffers, equal the outputs
     without speculation (and the drafts, the target's own greedy tokens, are accepted)."""
