@@ -16,7 +16,7 @@ Verify batches (q_len > 1, speculative decoding): every row holds q_len query to
 drafts) is padded on the left: its pad tokens sit before its real ones, write no KV (slot -1) and attend to keys the
 request already has (the kernel places a row's queries at seq_len - q_len ..), so the real tokens see exactly the
 keys they would eagerly. The outputs are gathered back to the flat batch's order on the device. An optional extra
-static input (`extra_width`: an EAGLE head's hidden states) is passed to the model as its third argument.
+static input (`extra`: an EAGLE head's hidden states) is passed to the model as its third argument.
 
 Off CUDA (tests) the same static buffers run the model eagerly (`capture_graphs` False): the path is checked on CPU."""
 
