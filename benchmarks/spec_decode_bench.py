@@ -8,8 +8,11 @@ continuation in the prompt.
 --method draft: Llama-3.1-8B shapes with a Llama-3.2-1B-shaped draft (benchmarks/configs), dummy weights, random
 prompts. A dummy draft never agrees with a dummy target, so its agreement is forced: the draft model runs its K
 forward passes as usual (their cost is measured), but the token each pass feeds on and proposes is the target's
-greedy continuation (recorded by the run without speculation), agreeing independently with probability `agree`
-(else another token) - the draft's cache then holds what a draft agreeing at that rate would have written.
+greedy continuation, agreeing independently with probability `agree` (else another token) - the draft's cache then
+holds what a draft agreeing at that rate would have written. The continuation is recorded by an untimed run of the
+same engine with every draft wrong (its verify steps' tokens: in bf16 decode and verify steps round apart where
+logits nearly tie, and dummy weights tie often); a request whose tokens leave it gets the draft's own tokens from
+there (forced_share: the share of proposals still forced).
 Verification accepts a draft while it and those before it agree, so the acceptance rate (accepted / proposed, as
 vLLM counts it) is (agree + agree^2 + ... + agree^K) / K: --acceptance sets that rate and `agree` follows from it.
 disable_by_batch_size (--disable-by-batch-size, default 32) turns drafts off at batch 64.
@@ -158,19 +161,23 @@ def agreement_for(acceptance: float, k: int) -> float:
 class ForcedAgreement:
     """The drafter's force_drafts hook: a request's draft at position p is the target's greedy token there where a
     seeded draw (per prompt and position) agrees, else another token. references: prompt + greedy output, prompts
-    of prompt_len tokens; a request without one (-1) keeps the draft model's tokens."""
+    of prompt_len tokens. A request without one, or whose tokens have left it, keeps the draft model's tokens (-1):
+    its reference no longer tells the target's tokens (num_followed / num_calls counts the proposals forced)."""
 
     def __init__(self, references: list[list[int]], prompt_len: int, agree: float, k: int, vocab: int) -> None:
         rng = np.random.default_rng(0)
         self.refs = {tuple(ref[:prompt_len]): (ref, rng.random(len(ref)) < agree) for ref in references}
         self.prompt_len, self.k, self.vocab_size = prompt_len, k, vocab
+        self.num_calls = self.num_followed = 0
 
     def __call__(self, histories: list[list[int]]) -> np.ndarray:
         out = np.full((len(histories), self.k), -1, dtype=np.int64)  # [m, K]
         for i, tokens in enumerate(histories):
             ref, agrees = self.refs.get(tuple(tokens[: self.prompt_len]), (None, None))
-            if ref is None:
+            self.num_calls += 1
+            if ref is None or tokens != ref[: len(tokens)]:
                 continue
+            self.num_followed += 1
             for j, p in enumerate(range(len(tokens), min(len(tokens) + self.k, len(ref)))):
                 out[i, j] = ref[p] if agrees[p] else (ref[p] + 1) % self.vocab_size
         return out
@@ -206,27 +213,41 @@ def workload(args, llm: LLM, batch: int) -> list[dict]:
     return tiny_prompts(batch, 256) if args.tiny else chat_prompts(llm, batch, args.sentences)
 
 
+def verify_references(args, llm: LLM, drafter, prompts, base_outputs, params) -> ForcedAgreement:
+    """The forcing hook of the timed run, from references made by this engine with every draft wrong: the target's
+    greedy tokens as its verify steps compute them. (Decode steps and verify steps round differently in half
+    precision: where logits nearly tie, the outputs without speculation are not the verify steps' tokens, and drafts
+    forced from them would stop agreeing after the first such token.)"""
+    vocab = llm.llm_engine.config.model.vocab_size
+    base = [p["prompt_token_ids"] + out for p, out in zip(prompts, base_outputs)]
+    drafter.force_drafts = ForcedAgreement(base, args.prompt_len, 0.0, args.k, vocab)
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    refs = [p["prompt_token_ids"] + out for p, out in zip(prompts, outputs)]
+    return ForcedAgreement(refs, args.prompt_len, args.agree, args.k, vocab)
+
+
 def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
-    """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted), seconds proposing) for one engine
-    configuration. references (batch size -> the outputs without speculation): the draft model's tokens are forced
-    to agree with them at the rate asked for."""
+    """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted), seconds proposing, forced share)
+    for one engine configuration. references (batch size -> the outputs without speculation): the draft model's tokens
+    are forced to agree at the rate asked for with the target's tokens (verify_references)."""
     llm = make_llm(args, spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny or args.method != "ngram")
     drafter = getattr(llm.llm_engine.core.executor.runner, "drafter", None)
     results = {}
     for batch in args.batch_sizes:
         prompts = workload(args, llm, batch)
+        forced = None
         if drafter is not None:
-            refs = [p["prompt_token_ids"] + out for p, out in zip(prompts, references[batch][0])]
-            vocab = llm.llm_engine.config.model.vocab_size
-            drafter.force_drafts = ForcedAgreement(refs, args.prompt_len, args.agree, args.k, vocab)
+            forced = verify_references(args, llm, drafter, prompts, references[batch][0], params)
+            drafter.force_drafts = forced
         sched = llm.llm_engine.core.scheduler
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
         propose_before = drafter.seconds if drafter is not None else 0.0
         outputs, seconds = timed(llm, prompts, params)
         after = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
         proposing = (drafter.seconds - propose_before) if drafter is not None else None
-        results[batch] = (outputs, seconds, tuple(a - b for a, b in zip(after, before)), proposing)
+        followed = forced.num_followed / max(forced.num_calls, 1) if forced is not None else None
+        results[batch] = (outputs, seconds, tuple(a - b for a, b in zip(after, before)), proposing, followed)
     del llm, drafter
     gc.collect()
     if torch.cuda.is_available():
@@ -279,9 +300,9 @@ def report(args, spec: dict, base: dict, fast: dict) -> None:
     big = {"draft": "8B+1B", "eagle": "8B+EAGLE", "eagle3": "8B+EAGLE-3"}.get(args.method)
     model = ("tiny-random" if args.tiny else args.model) if not draft else ("tiny-dummy" if args.tiny else big)
     for batch in args.batch_sizes:
-        (ref, t0, _, _), (out, t1, (steps, drafts, accepted), proposing) = base[batch], fast[batch]
+        (ref, t0, *_), (out, t1, (steps, drafts, accepted), proposing, followed) = base[batch], fast[batch]
         tokens = sum(len(o) for o in out)
-        extra = dict(forced_agreement=rounded(args.agree, 3)) if draft else {}
+        extra = dict(forced_agreement=rounded(args.agree, 3), forced_share=rounded(followed, 3)) if draft else {}
         if proposing is not None:
             extra |= dict(seconds_proposing=rounded(proposing, 3), seconds_target=rounded(t1 - proposing, 3))
         record = make_record(

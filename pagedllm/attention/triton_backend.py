@@ -73,9 +73,17 @@ def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
 
 
 def static_decode_metadata(
-    slot_mapping, query_start_loc, seq_lens, block_table, block_size: int, max_seq_len: int, num_splits: int
+    slot_mapping,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    block_size: int,
+    max_seq_len: int,
+    num_splits: int,
+    max_query_len: int = 1,
 ) -> TritonAttentionMetadata:
-    """The metadata of a CUDA-graph decode batch over static device buffers (one query token per request)."""
+    """The metadata of a CUDA-graph batch over static device buffers: max_query_len query tokens per request (1: a
+    decode; more: a verify batch, whose launch grid depends only on the token count and the batch size)."""
     return TritonAttentionMetadata(
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
@@ -83,7 +91,7 @@ def static_decode_metadata(
         block_table=block_table,
         block_size=block_size,
         num_reqs=len(seq_lens),
-        max_query_len=1,
+        max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         num_splits=num_splits,
     )

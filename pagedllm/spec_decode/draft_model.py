@@ -35,6 +35,8 @@ from pagedllm.model_loader.loader import get_model, load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
+from pagedllm.worker.verify_graphs import pick_graph
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
@@ -112,6 +114,17 @@ def scratch_block_tables(batch, rows: np.ndarray, num_blocks: int, scratch_per_r
     return table
 
 
+def proposer_graphs(proposer, target: CudaGraphRunner, num_kv_heads: int, extra=None):
+    """A proposer's graph runners (lazy capture as the target's): one token per row (the target's decode sizes), and
+    up to K + 1 per row (its verify sizes: no drafts above them). extra: the model's third input, (width, dtype)."""
+    verify = getattr(proposer.runner, "verify_graphs", None)
+    runners = []
+    for sizes, q_len in ((target.sizes, 1), (verify.sizes if verify is not None else target.sizes, proposer.k + 1)):
+        args = (proposer.model, proposer.backend, sizes, target.max_blocks, proposer.block_size, proposer.max_model_len)
+        runners.append(CudaGraphRunner(*args, num_kv_heads, proposer.device, None, target.lazy, q_len, extra))
+    return tuple(runners)
+
+
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, runner) -> None:
         spec = config.speculative_config
@@ -135,6 +148,7 @@ class DraftModelProposer:
         self.scratch_per_row = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = 0  # the shared blocks; scratch blocks follow them
         self.graphs = None  # a CudaGraphRunner of the draft's decode passes (CUDA only)
+        self.first_graphs = None  # and one of its first passes (at most K + 1 tokens per row)
         # optional (the proposing requests' tokens so far) -> [m, K] int64 draft tokens (-1: the draft model's), fed
         # on and proposed in place of the draft model's: benchmarks force an acceptance rate with it
         self.force_drafts = None
@@ -149,17 +163,12 @@ class DraftModelProposer:
 
     def capture_cudagraphs(self) -> float:
         """Graphs of the draft's one-token passes (the runner's rule: CUDA, Triton backend, not enforce_eager)."""
-        from pagedllm.worker.cuda_graphs import CudaGraphRunner
-
         target = self.runner.graphs
         if target is None:
             return 0.0
-        m = self.model_config
-        self.graphs = CudaGraphRunner(
-            self.model, self.backend, target.sizes, target.max_blocks, self.block_size, self.max_model_len,
-            m.num_kv_heads, self.device,
-        )  # fmt: skip
-        return self.graphs.capture()
+        self.graphs, self.first_graphs = proposer_graphs(self, target, self.model_config.num_kv_heads)
+        seconds = self.graphs.capture()
+        return seconds + self.first_graphs.capture(self.graphs.pool)
 
     @torch.inference_mode()
     def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -227,39 +236,24 @@ class DraftModelProposer:
         """The target's step (its flat batch, hidden states and drafts): EAGLE heads read them; a draft model not."""
 
     def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
-        """Positions [start, start + take) of each row; the rows' `valid` grow over the blocks they hold. ->
-        draft 1 of the proposing rows [m] on the device (None: no row proposes). In the steady state every row
-        needs its last one or two tokens: one-token passes (CUDA graphs); else one flat varlen batch."""
+        """Positions [start, start + take) of each row, as one flat varlen batch; the rows' `valid` grow over the
+        blocks they hold. -> draft 1 of the proposing rows [m] on the device (None: no row proposes). In the steady
+        state every row needs its last one or two tokens: a graph of K + 1 tokens per row replays it (_forward)."""
         if not len(rows):
             return None
         b = self.runner.batch
         seq_lens = start + take
-        if proposing.all() and take.max() <= 2:
-            self.num_first_passes["decode"] += 1
-            two = np.flatnonzero(take == 2)
-            if len(two):  # the token before the last, for the rows that need it
-                pos = seq_lens[two] - 2
-                ids = self._to_device(b.token_ids[rows[two], pos])
-                self._forward(ids, pos, np.arange(len(two) + 1), pos + 1, table[two])
-            pos = seq_lens - 1
-            hidden = self._forward(
-                self._to_device(b.token_ids[rows, pos]), pos, np.arange(len(rows) + 1), seq_lens, table
-            )
-            last = None
-        else:
-            self.num_first_passes["catch_up"] += 1
-            cu = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum(take, out=cu[1:])
-            req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
-            positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
-            hidden = self._forward(
-                self._to_device(b.token_ids[rows[req_idx], positions]), positions, cu, seq_lens, table
-            )
-            last = self._to_device(cu[1:][proposing] - 1)
+        self.num_first_passes["decode" if proposing.all() and take.max() <= self.k + 1 else "catch_up"] += 1
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(take, out=cu[1:])
+        req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
+        positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
+        hidden = self._forward(b.token_ids[rows[req_idx], positions], positions, cu, seq_lens, table)
         self.valid[rows] = np.minimum(seq_lens, b.num_blocks[rows] * self.block_size)
         if not proposing.any():
             return None
-        return self.model.compute_logits(hidden if last is None else hidden[last]).argmax(dim=-1)
+        last = cu[1:][proposing] - 1  # [m] each proposing row's last token
+        return self.model.compute_logits(hidden[self._to_device(last)]).argmax(dim=-1)
 
     def _decode_passes(self, first, num_tokens: np.ndarray, table: np.ndarray, forced) -> torch.Tensor:
         """Passes 2..K: each feeds the previous draft at the next position. first [m] -> drafts [m, K]. forced
@@ -273,17 +267,24 @@ class DraftModelProposer:
             drafts.append(token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token))
         return torch.stack(drafts, dim=1)
 
-    def _forward(self, input_ids: torch.Tensor, positions, cu, seq_lens, table) -> torch.Tensor:
-        """The draft over one flat batch; input_ids on the device, the rest host arrays. -> hidden [num_tokens, h]"""
+    def _forward(self, input_ids: torch.Tensor | np.ndarray, positions, cu, seq_lens, table) -> torch.Tensor:
+        """The draft over one flat batch; input_ids on the device or the host, the rest host arrays. -> hidden
+        [num_tokens, h]. One token per row replays a decode graph, at most K + 1 a first-pass graph; anything else
+        runs eagerly."""
         b = self.block_size
         req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
         slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
         n = len(positions)
-        bs = self.graphs.padded_size(n) if self.graphs is not None and n == len(seq_lens) else None
-        if bs is not None:  # one token per row: the captured decode graph
-            late = (torch.arange(n, device=self.device), input_ids)
-            self.graphs.load_inputs(bs, np.zeros(n, dtype=np.int64), positions, slots, seq_lens, table, late)
-            return self.graphs.replay(bs, n)
+        picked = pick_graph(self.graphs, self.first_graphs, np.diff(cu))
+        if picked is not None:
+            graphs, bs, query_lens = picked
+            host = isinstance(input_ids, np.ndarray)
+            late = None if host else (torch.arange(n, device=self.device), input_ids)  # (inputs on the device)
+            ids = input_ids if host else np.zeros(n, dtype=np.int64)
+            graphs.load_inputs(bs, ids, positions, slots, seq_lens, table, late, None, query_lens)
+            return graphs.replay(bs, n)
+        if isinstance(input_ids, np.ndarray):
+            input_ids = self._to_device(input_ids)
         layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), b, self.device)
         with forward_context(self.backend.build_metadata(layout)):
             return self.model(input_ids, self._to_device(positions))

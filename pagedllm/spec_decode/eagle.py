@@ -35,8 +35,14 @@ from pagedllm.model_loader.loader import load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.llama import LlamaModel
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_model import allocate_draft_kv_cache, draft_kv_bytes_per_block, scratch_block_tables
+from pagedllm.spec_decode.draft_model import (
+    allocate_draft_kv_cache,
+    draft_kv_bytes_per_block,
+    proposer_graphs,
+    scratch_block_tables,
+)
 from pagedllm.spec_decode.eagle_model import EagleHead, aux_layer_ids
+from pagedllm.worker.verify_graphs import pick_graph
 
 
 def eagle_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
@@ -130,6 +136,7 @@ class EagleProposer:
         # proposed in place of the head's: benchmarks force an acceptance rate with it
         self.force_drafts = None
         self.seconds = 0.0  # time spent in the head (for the benchmark's step split)
+        self.graphs = self.first_graphs = None  # CudaGraphRunners of its passes (CUDA only)
 
     def _hook_aux_layers(self, target: torch.nn.Module, config: EngineConfig) -> None:
         """EAGLE-3 reads three of the target's layers: its decoder copies them into a buffer each forward."""
@@ -153,7 +160,15 @@ class EagleProposer:
         allocate_draft_kv_cache(self, num_blocks, len(self.tail_pos))
 
     def capture_cudagraphs(self) -> float:
-        return 0.0  # the head's passes run eagerly
+        """Graphs of the head's passes (the runner's rule: CUDA, Triton backend, not enforce_eager): the chain's
+        one-token steps and the record's passes of at most K + 1 tokens per row, the hidden states a static input."""
+        target = self.runner.graphs
+        if target is None:
+            return 0.0
+        extra = (self.model_config.hf_config.hidden_size, self.model_config.dtype)
+        self.graphs, self.first_graphs = proposer_graphs(self, target, self.attn_layers[0].num_kv_heads, extra)
+        seconds = self.graphs.capture()
+        return seconds + self.first_graphs.capture(self.graphs.pool)
 
     @torch.inference_mode()
     def record_step(self, flat, hidden: torch.Tensor, drafts: dict[str, list[int]]) -> None:
@@ -164,7 +179,10 @@ class EagleProposer:
         n = len(flat.input_ids)
         if self.model.eagle3:
             decoder = getattr(self.runner.model, self.runner.model.model_attr)
-            features = self.model.combine(decoder.aux_hidden_states[:n])
+            graph = self.runner.last_graph  # a verify graph wrote its rows in its own (padded) order
+            aux = decoder.aux_hidden_states
+            aux = aux[:n] if graph is None or graph.q_len == 1 else aux.index_select(0, graph.dev_i64[3, :n])
+            features = self.model.combine(aux)
         else:
             features = hidden[:n].clone()  # (a CUDA graph's output buffer is overwritten by the next replay)
         b, counts = self.runner.batch, np.diff(flat.query_start_loc)
@@ -263,6 +281,16 @@ class EagleProposer:
         b = self.block_size
         req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
         slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
+        n = len(positions)
+        picked = pick_graph(self.graphs, self.first_graphs, np.diff(cu))
+        if picked is not None:  # one token per row, or at most K + 1: a graph, the hidden states a static input
+            graphs, bs, query_lens = picked
+            late = (torch.arange(n, device=self.device), input_ids)  # (the inputs are on the device)
+            graphs.load_inputs(
+                bs, np.zeros(n, dtype=np.int64), positions, slots, seq_lens, table, late, None, query_lens
+            )
+            graphs.load_extra(hidden)
+            return graphs.replay(bs, n)
         layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), b, self.device)
         with forward_context(self.backend.build_metadata(layout)):
             return self.model(input_ids, self._to_device(positions), hidden)

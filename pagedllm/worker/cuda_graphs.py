@@ -10,13 +10,22 @@ mixing adapters replays them too.
 
 Lazy capture (compilation_config lazy_cudagraph_capture): the start captures the sizes up to LAZY_START_MAX and the
 largest (which sizes the pool); any other size is captured the first time a step pads to it (a pause of one capture,
-tens of milliseconds, on that step only), so the first token comes sooner and sizes never used cost nothing."""
+tens of milliseconds, on that step only), so the first token comes sooner and sizes never used cost nothing.
+
+Verify batches (q_len > 1, speculative decoding): every row holds q_len query tokens. A row with fewer (fewer
+drafts) is padded on the left: its pad tokens sit before its real ones, write no KV (slot -1) and attend to keys the
+request already has (the kernel places a row's queries at seq_len - q_len ..), so the real tokens see exactly the
+keys they would eagerly. The outputs are gathered back to the flat batch's order on the device. An optional extra
+static input (`extra`: an EAGLE head's hidden states) is passed to the model as its third argument.
+
+Off CUDA (tests) the same static buffers run the model eagerly (`capture_graphs` False): the path is checked on CPU."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,7 +53,8 @@ def capture_sizes(max_num_seqs: int, user_sizes: list[int] | None) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Static buffers, per-size attention metadata and graphs of the model's forward for decode batches."""
+    """Static buffers, per-size attention metadata and graphs of the model's forward for batches of q_len tokens per
+    row (1: decodes)."""
 
     def __init__(
         self,
@@ -58,54 +68,64 @@ class CudaGraphRunner:
         device: torch.device,
         lora=None,
         lazy: bool = False,
+        q_len: int = 1,
+        extra: tuple[int, torch.dtype] | None = None,
     ) -> None:
         self.model, self.backend, self.sizes = model, backend, sorted(sizes)
-        self.lora = lora  # StaticLoRAMapping (lora/mapping.py) of max_size tokens; None: LoRA is off
+        self.lora = lora  # StaticLoRAMapping (lora/mapping.py) of max_size * q_len tokens; None: LoRA is off
         self.lazy = lazy  # sizes outside start_sizes are captured when first used
+        self.q_len = q_len  # query tokens per row
+        self.capture_graphs = device.type == "cuda"  # else the static buffers run eagerly (tests)
         self.max_size, self.max_blocks, self.device = self.sizes[-1], max_blocks, device
-        n = self.max_size
-        # int64 rows: input ids, positions, cache slots; pinned host staging and its device twin
-        self.host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=True)  # [3, max_size]
-        self.dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)  # [3, max_size]
+        n, t = self.max_size, self.max_size * q_len
+        pin = self.capture_graphs
+        # int64 rows: input ids, positions, cache slots, each flat token's row in the graph (q_len > 1); pinned host
+        # staging and its device twin
+        self.host_i64 = torch.zeros((4, t), dtype=torch.int64, pin_memory=pin)  # [4, max_size * q_len]
+        self.dev_i64 = torch.zeros((4, t), dtype=torch.int64, device=device)  # [4, max_size * q_len]
         # int32: seq_lens [max_size], then the block table [max_size, max_blocks] flattened
-        self.host_i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.host_i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, pin_memory=pin)
         self.dev_i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [max_size + 1], never changes
-        self.copy_done = torch.cuda.Event()
+        # [max_size + 1], never changes: row i's queries are tokens i * q_len .. (i + 1) * q_len - 1
+        self.query_start_loc = torch.arange(0, t + 1, q_len, dtype=torch.int32, device=device)
+        # [max_size * q_len, width]: the model's third input (an EAGLE head's hidden states), or None
+        self.extra = None if extra is None else torch.zeros(t, extra[0], dtype=extra[1], device=device)
+        self.copy_done = torch.cuda.Event() if self.capture_graphs else None
         self.metas = {bs: self._metadata(bs, block_size, max_model_len, num_kv_heads) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # captured size -> static hidden output [bs, hidden]
+        self.outputs: dict[int, torch.Tensor] = {}  # captured size -> static output [bs * q_len, hidden] (or tuple)
         self.pool = None
         self.num_replays = 0
         self.capture_seconds = 0.0
 
     def _metadata(self, bs: int, block_size: int, max_model_len: int, num_kv_heads: int):
-        n = self.max_size
+        n, t = self.max_size, bs * self.q_len
         num_splits = self.backend.choose_num_splits(
-            bs * num_kv_heads, max_model_len, 1, self.backend.num_sms(self.device)
+            bs * num_kv_heads, max_model_len, self.q_len, self.backend.num_sms(self.device)
         )
         return self.backend.static_decode_metadata(
-            slot_mapping=self.dev_i64[2, :bs],
+            slot_mapping=self.dev_i64[2, :t],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.dev_i32[:bs],
             block_table=self.dev_i32[n : n + bs * self.max_blocks].view(bs, self.max_blocks),
             block_size=block_size,
             max_seq_len=max_model_len,
             num_splits=num_splits,
+            max_query_len=self.q_len,
         )
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest capture size that holds num_reqs decodes (None: run eagerly); with lazy capture, a size
-        not captured yet is captured now."""
-        if num_reqs > self.max_size or not self.graphs:
+        """The smallest capture size that holds num_reqs rows (None: run eagerly); with lazy capture, a size not
+        captured yet is captured now."""
+        if num_reqs > self.max_size or (self.capture_graphs and self.pool is None):
             return None
         bs = next(s for s in self.sizes if s >= num_reqs)
-        if bs not in self.graphs:
+        if bs not in self.graphs and self.capture_graphs:
             start = time.perf_counter()
             self._capture_one(bs)
             torch.cuda.synchronize(self.device)
             self.capture_seconds += time.perf_counter() - start
-            logger.debug("captured the CUDA graph of decode batch size %d on first use", bs)
+            logger.debug("captured the CUDA graph of batch size %d (%d tokens per row) on first use", bs, self.q_len)
         return bs
 
     def clear_inputs(self) -> None:
@@ -115,24 +135,30 @@ class CudaGraphRunner:
         if self.lora is not None:
             self.lora.clear()
 
-    def forward_eager(self, bs: int) -> torch.Tensor:
+    def forward_eager(self, bs: int):
         """The model over the static buffers of size bs, without a graph (warm-up, profiling, tests)."""
-        with forward_context(self.metas[bs], self.lora.view(bs) if self.lora is not None else None):
-            return self.model(self.dev_i64[0, :bs], self.dev_i64[1, :bs])  # [bs, hidden]
+        t = bs * self.q_len
+        extra = () if self.extra is None else (self.extra[:t],)
+        with forward_context(self.metas[bs], self.lora.view(t) if self.lora is not None else None):
+            return self.model(self.dev_i64[0, :t], self.dev_i64[1, :t], *extra)  # [t, hidden] (or a tuple)
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Captures the start sizes (every size unless lazy), largest first, into one pool; returns the seconds it
-        took."""
+    def capture(self, pool=None) -> float:
+        """Captures the start sizes (every size unless lazy), largest first, into one pool (pool: another runner's,
+        shared); returns the seconds it took."""
         start = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         sizes = start_sizes(self.sizes, self.lazy)
         for bs in reversed(sizes):
             self._capture_one(bs)
         torch.cuda.synchronize(self.device)
-        seconds = self.capture_seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
         later = f", {len(self.sizes) - len(sizes)} more when first used" if self.lazy else ""
-        logger.info("captured %d CUDA graphs (decode batch sizes %s%s) in %.2f s", len(sizes), sizes, later, seconds)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s%s, %d tokens per row) in %.2f s",
+            len(sizes), sizes, later, self.q_len, seconds,
+        )  # fmt: skip
         return seconds
 
     @torch.inference_mode()
@@ -144,15 +170,21 @@ class CudaGraphRunner:
             self.outputs[bs] = self.forward_eager(bs)
         self.graphs[bs] = graph
 
-    def load_inputs(self, bs: int, input_ids, positions, slots, seq_lens, block_table, late=None, lora_slots=None):
-        """Host arrays of n <= bs decodes into the static buffers, rows n..bs as padding; one copy per dtype.
-        late: (places in input_ids, values) of input tokens still on the device (the previous step sampled them).
-        lora_slots: each row's adapter slot [n] (-1: none; None: no row uses one), with LoRA on."""
-        n = len(input_ids)
-        self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
+    def load_inputs(
+        self, bs, input_ids, positions, slots, seq_lens, block_table, late=None, lora_slots=None, query_lens=None
+    ) -> None:
+        """Host arrays of n <= bs rows into the static buffers, rows n..bs as padding; one copy per dtype.
+        input_ids, positions, slots: [num_tokens] flat; query_lens [n] each row's tokens (None: one each), at most
+        q_len. late: (places in input_ids, values) of input tokens still on the device (the previous step sampled
+        them). lora_slots: each token's adapter slot [num_tokens] (-1: none; None: no token uses one), with LoRA on."""
+        n, q, t = len(seq_lens), self.q_len, bs * self.q_len
+        if self.copy_done is not None:
+            self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
         h64 = self.host_i64.numpy()
-        h64[0, :n], h64[1, :n], h64[2, :n] = input_ids, positions, slots
-        h64[:2, n:bs], h64[2, n:bs] = 0, -1  # padding: token 0 at position 0, no KV write
+        h64[:2, :t], h64[2, :t] = 0, -1  # padding: token 0 at position 0, no KV write
+        dest = self._places(query_lens, n, len(input_ids))  # [num_tokens] each token's row in the graph
+        h64[0, dest], h64[1, dest], h64[2, dest] = input_ids, positions, slots
+        h64[3, : len(dest)] = dest
         h32 = self.host_i32.numpy()
         h32[:n], h32[n:bs] = seq_lens, 0
         table = h32[self.max_size : self.max_size + bs * self.max_blocks].reshape(bs, self.max_blocks)
@@ -162,13 +194,41 @@ class CudaGraphRunner:
         end = self.max_size + bs * self.max_blocks
         self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
         if self.lora is not None:  # (its staging is reused after the same wait)
-            self.lora.load(lora_slots, n)
-        self.copy_done.record()
+            padded = None
+            if lora_slots is not None:
+                padded = np.full(t, -1, dtype=np.int64)
+                padded[dest] = lora_slots
+            self.lora.load(padded, t)
+        if self.copy_done is not None:
+            self.copy_done.record()
         if late is not None:
-            self.dev_i64[0].index_copy_(0, *late)
+            self.dev_i64[0].index_copy_(0, self.dev_i64[3, : len(dest)][late[0]] if q > 1 else late[0], late[1])
 
-    def replay(self, bs: int, num_tokens: int) -> torch.Tensor:
-        """Runs the graph of size bs over the loaded inputs; the first num_tokens rows of its output [bs, hidden]."""
-        self.graphs[bs].replay()
+    def _places(self, query_lens, n: int, num_tokens: int) -> np.ndarray:
+        """Each flat token's row in the graph's layout: row i's tokens end at (i + 1) * q_len (left padding)."""
+        if query_lens is None or self.q_len == 1:
+            assert num_tokens == n, "a decode graph takes one token per row"
+            return np.arange(num_tokens)
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        assert query_lens.max() <= self.q_len, "a row with more tokens than the graph's q_len"
+        first = np.arange(1, n + 1) * self.q_len - query_lens  # [n] each row's first real token
+        starts = np.cumsum(query_lens) - query_lens  # [n] each row's first token in the flat batch
+        return np.repeat(first - starts, query_lens) + np.arange(num_tokens)
+
+    def load_extra(self, values: torch.Tensor) -> None:
+        """The extra input's rows [num_tokens, width] (device, flat order) into the graph's rows (after load_inputs)."""
+        self.extra.index_copy_(0, self.dev_i64[3, : len(values)], values)
+
+    def replay(self, bs: int, num_tokens: int):
+        """Runs the graph of size bs over the loaded inputs (off CUDA: the model eagerly over them); its rows of the
+        num_tokens flat tokens, [num_tokens, hidden] (or a tuple of them)."""
         self.num_replays += 1
-        return self.outputs[bs][:num_tokens]
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            out = self.outputs[bs]
+        else:
+            out = self.forward_eager(bs)
+        if self.q_len == 1:
+            return tuple(o[:num_tokens] for o in out) if isinstance(out, tuple) else out[:num_tokens]
+        index = self.dev_i64[3, :num_tokens]
+        return tuple(o.index_select(0, index) for o in out) if isinstance(out, tuple) else out.index_select(0, index)

@@ -111,19 +111,23 @@ def profile_batch(runner) -> tuple[np.ndarray, int]:
     return lens, -(-int(lens.max()) // runner.block_size)
 
 
+def _graph_runners(runner) -> list:
+    """The runner's CUDA-graph runners that share the decode graphs' pool (decode, speculative verify)."""
+    return [g for g in (runner.graphs, getattr(runner, "verify_graphs", None)) if g is not None]
+
+
 @torch.inference_mode()
 def profile_peak_memory(runner) -> tuple[int, int]:
     """(peak bytes of a forward at max_num_batched_tokens + sampling at max_num_seqs rows,
-    peak bytes of an eager decode forward at the largest CUDA-graph size, 0 without graphs)."""
+    peak bytes of an eager forward at the largest CUDA-graph size (decode or verify), 0 without graphs)."""
     sched = runner.config.scheduler
     lens, num_blocks = profile_batch(runner)
     with _temporary_kv_cache(runner, num_blocks):
         peak = _peak_of(lambda: _dummy_sample(runner, _dummy_prefill(runner, lens, num_blocks), sched.max_num_seqs))
         graph_peak = 0
-        if runner.graphs is not None:
-            g = runner.graphs
+        for g in _graph_runners(runner):  # (one pool: the largest graph's peak)
             g.clear_inputs()
-            graph_peak = _peak_of(lambda: g.forward_eager(g.max_size))
+            graph_peak = max(graph_peak, _peak_of(lambda g=g: g.forward_eager(g.max_size)))
     torch.cuda.empty_cache()
     return peak, graph_peak
 
@@ -141,8 +145,8 @@ def available_kv_cache_bytes(runner) -> int:
         encoder_reserve = runner.mm.cache.capacity_bytes
     free, total = torch.cuda.mem_get_info(dev)
     outside = total - free - torch.cuda.memory_reserved(dev)  # CUDA context, library handles, other processes
-    graphs = runner.graphs
-    graph_reserve = graph_peak + len(graphs.sizes) * GRAPH_OVERHEAD_BYTES if graphs is not None else 0
+    graphs = _graph_runners(runner)
+    graph_reserve = graph_peak + sum(len(g.sizes) for g in graphs) * GRAPH_OVERHEAD_BYTES if graphs else 0
     util = runner.config.cache.gpu_memory_utilization
     budget = int(util * total)
     kv_bytes = budget - weights - peak - outside - graph_reserve - encoder_reserve

@@ -30,6 +30,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kernel_warmup import KernelPrecompile, first_steps, sampler_steps
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.verify_graphs import make_verify_graphs, pick_graph
 
 
 @dataclass
@@ -87,6 +88,8 @@ class ModelRunner:
         # the step message carries none
         self.logits_processors: dict[str, list[Callable]] = {}
         self.graphs = self._make_graph_runner(max_blocks)  # None: every step runs eagerly
+        self.verify_graphs = make_verify_graphs(self, self.graphs)  # speculative verify steps (None: eagerly)
+        self.last_graph = None  # the graph runner of the latest forward (None: it ran eagerly)
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
         self.last_step: StepFuture | None = None  # the newest launched step that samples
         self.host_copies = HostCopies()  # pinned buffers the steps' sampled tokens and logprobs come back through
@@ -145,6 +148,8 @@ class ModelRunner:
         """Captures the decode graphs over the allocated KV cache (CUDA only); returns the seconds it took."""
         with self.startup.phase("graph_capture"):
             seconds = self.graphs.capture() if self.graphs is not None else 0.0
+            if self.verify_graphs is not None:  # in the decode graphs' pool
+                seconds += self.verify_graphs.capture(self.graphs.pool)
             return seconds + (self.drafter.capture_cudagraphs() if self.drafter is not None else 0.0)
 
     def available_kv_cache_bytes(self) -> int | None:
@@ -285,25 +290,30 @@ class ModelRunner:
             prev.result()
 
     def _run_model(self, flat: FlatBatch, late: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """hidden [num_tokens, hidden]: a pure-decode step replays the CUDA graph of the next captured size,
-        anything else (prefill chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
+        """hidden [num_tokens, hidden]: a pure-decode step replays the CUDA graph of the next captured size, a
+        verify step (rows of at most K + 1 tokens) a verify graph (worker/verify_graphs.py); anything else (prefill
+        chunks, batches above the largest size, CPU) runs eagerly. late: (positions in the
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
-        num_tokens, num_reqs = len(flat.input_ids), len(flat.rows)
+        num_tokens = len(flat.input_ids)
         mm = None
         if self.mm is not None:
             mm = self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens, flat.block_table)
         # M-RoPE positions of a step with multimodal requests (Qwen2-VL): [3, num_tokens] or [num_tokens], else None
         mrope = None if self.mm is None else self.mm.step_positions(flat.req_ids, flat.query_start_loc, flat.positions)
         positions = flat.positions if mrope is None else mrope
-        graph_bs = None  # a step with image tokens or 3D positions runs eagerly (the graphs take 1D positions)
-        if self.graphs is not None and num_tokens == num_reqs and mm is None and positions.ndim == 1:
-            graph_bs = self.graphs.padded_size(num_reqs)
-        if graph_bs is not None:
+        picked = None  # a step with image tokens or 3D positions runs eagerly (the graphs take 1D positions)
+        if mm is None and positions.ndim == 1:
+            picked = pick_graph(self.graphs, self.verify_graphs, np.diff(flat.query_start_loc))
+        if picked is not None:  # decodes, or verify rows of at most K + 1 tokens: a graph of the padded size
+            graphs, graph_bs, query_lens = picked
             lora_slots = self.lora.token_slots(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
-            self.graphs.load_inputs(
-                graph_bs, flat.input_ids, positions, flat.slots, flat.seq_lens, flat.block_table, late, lora_slots
-            )
-            return self.graphs.replay(graph_bs, num_tokens)
+            graphs.load_inputs(
+                graph_bs, flat.input_ids, positions, flat.slots, flat.seq_lens, flat.block_table, late, lora_slots,
+                query_lens,
+            )  # fmt: skip
+            self.last_graph = graphs  # (an EAGLE-3 head reads the target's layers in the graph's row order)
+            return graphs.replay(graph_bs, num_tokens)
+        self.last_graph = None
         layout = BatchLayout(
             flat.query_start_loc,
             flat.seq_lens,

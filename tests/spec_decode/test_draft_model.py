@@ -192,3 +192,19 @@ def test_draft_with_another_vocabulary_is_refused(target, tmp_path_factory):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"vocab_size=300, the target model .* has 320: .* target's tokenizer"):
         make_llm(target, path)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_steps_and_draft_passes_replay_graphs(target):
+    """On a GPU (float32): verify steps replay the target's verify graphs and the draft's first passes its graphs of
+    K + 1 tokens per row (rows with fewer padded on the left); outputs equal those without speculation."""
+    llm = make_llm(target, target)
+    runner = llm.llm_engine.core.executor.runner
+    assert runner.verify_graphs is not None and runner.verify_graphs.q_len == K + 1
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = [PROMPTS[i] for i in BATCHES["six"]]
+    reference, _ = run(llm, prompts, params, speculate=False)
+    verify, first = runner.verify_graphs.num_replays, runner.drafter.first_graphs.num_replays
+    outputs, (num_drafts, num_accepted) = run(llm, prompts, params, speculate=True)
+    assert exact(outputs) == exact(reference) and num_accepted >= 0.9 * num_drafts
+    assert runner.verify_graphs.num_replays > verify + 10 and runner.drafter.first_graphs.num_replays > first + 10

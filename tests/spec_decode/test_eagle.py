@@ -340,8 +340,9 @@ def test_bad_heads_are_refused(target, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_graph_steps_feed_the_head_as_eager_ones(method, target, tmp_path):
-    """On a GPU (float32): decode steps replayed from CUDA graphs (the EAGLE-3 layers' copy is in the graph) give
-    the head what eager steps give: the same proposals; outputs equal those without speculation."""
+    """On a GPU (float32): decode and verify steps replayed from CUDA graphs (the EAGLE-3 layers' copy is in the
+    graph, in its padded row order) give the head what eager steps give, and the head's own passes replay graphs:
+    the same proposals; outputs equal those without speculation."""
     path = str(tmp_path / method)
     save_head(path, method == "eagle3")
     spec = {"method": method, "model": path, "num_speculative_tokens": K}
@@ -358,7 +359,39 @@ def test_gpu_graph_steps_feed_the_head_as_eager_ones(method, target, tmp_path):
         reference, _ = run(llm, PROMPTS, params, speculate=False)
         outputs, (num_drafts, _) = run(llm, PROMPTS, params, speculate=True)
         assert exact(outputs) == exact(reference) and num_drafts > 0
+        if not eager:  # verify steps and the head's passes replayed graphs
+            assert runner.verify_graphs.num_replays > 0 and runner.drafter.graphs.num_replays > 0
+            assert runner.drafter.first_graphs.num_replays > 0
         proposals.append(calls)
         del llm, runner
         gc.collect()
     assert proposals[0] == proposals[1] and len(proposals[0]) > len(PROMPTS)
+
+
+def test_proposals_through_static_buffers_equal_the_oracle(method, target, forced, tmp_path):
+    """The target's verify steps (for EAGLE-3: its layers' copy in the graph's padded row order) and the head's
+    passes over the graph runners' static buffers (tests/static_graphs.py, no GPU): the proposals equal the oracle's,
+    the outputs those without speculation."""
+    from static_graphs import make_static
+
+    path = str(tmp_path / method)
+    weights = save_head(path, method == "eagle3")
+    spec = {"method": method, "model": path, "num_speculative_tokens": K}
+    llm = LLM(
+        target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22,
+        speculative_config=spec,
+    )  # fmt: skip
+    make_static(llm)
+    runner = llm.llm_engine.core.executor.runner
+    drafter = runner.drafter
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference, _ = run(llm, PROMPTS[:3], params, speculate=False)
+    calls = record_proposals(drafter)
+    drafter.force_drafts = forced
+    outputs, (num_drafts, num_accepted) = run(llm, PROMPTS[:3], params, speculate=True)
+    assert exact(outputs) == exact(reference) and num_accepted > 0
+    assert runner.verify_graphs.num_replays > 0 and drafter.first_graphs.num_replays > 0
+    assert drafter.graphs.num_replays > 0 and len(calls) >= 8
+    w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    for tokens, drafts in calls:
+        assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
