@@ -84,7 +84,7 @@ def test_masks_per_draft_position_match_a_fresh_matcher(manager, kind):
         tokens, drafts = sequence[:split], sequence[split : split + 5]
         if trial % 2 and drafts:  # a corrupted draft: the grammar may refuse it and those after it
             pos = int(rng.integers(0, len(drafts)))
-            drafts[pos] = int(rng.integers(0, EOS_ID + 1))
+            drafts[pos] = int(rng.integers(0, MODEL_VOCAB))  # maybe an id past the tokenizer's (a draft model's)
         grammar = new_grammar(manager, kind, tokens)
         before = allowed_set(fill_bitmasks({"r": grammar})["r"])
         kept = validate_drafts(grammar, drafts)
@@ -110,6 +110,19 @@ def test_drafts_after_the_end_are_cut_and_the_next_mask_allows_all(manager):
     masks = [allowed_set(m) for m in fill_bitmasks({"r": grammar}, {"r": kept})["r"]]
     assert masks == [set(tok("cd")), {EOS_ID}, set(range(MODEL_VOCAB))]
     assert not grammar.is_terminated() and allowed_set(fill_bitmasks({"r": grammar})["r"]) == set(tok("cd"))
+
+
+def test_draft_ids_past_the_tokenizer_are_cut_and_the_matcher_lives(manager):
+    """A draft model may propose ids the model has but the tokenizer lacks (97..127 here): they are refused, and
+    the matcher goes on (llguidance's would be left failed for good by such an id)."""
+    grammar = new_grammar(manager, "regex", tok("ab"))
+    for bad in (EOS_ID + 1, MODEL_VOCAB - 1):
+        assert validate_drafts(grammar, tok("c") + [bad] + tok("ab")) == tok("c")
+        assert [allowed_set(m) for m in fill_bitmasks({"r": grammar}, {"r": tok("c")})["r"]] == [
+            set(tok("ac0123456789")),
+            set(tok("ac0123456789")),
+        ]
+    assert grammar.accept(tok("c12") + [EOS_ID]) == 4 and grammar.is_terminated()
 
 
 def test_reasoning_gate_masks_start_after_the_end_marker(manager):
