@@ -14,9 +14,10 @@ import jsonschema
 import pytest
 import torch
 import transformers
-from char_tokenizer import EOS_ID, char_tokenizer
+from char_tokenizer import EOS_ID, MODEL_VOCAB, char_tokenizer
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.spec_decode.proposer import ReplayProposer
 
 SCHEMA = {
     "type": "array",
@@ -131,3 +132,22 @@ def test_async_scheduling_with_drafts(tiny_llm, tiny_char_model):
         got = llm.generate(PROMPTS, batch, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert llm.llm_engine.core.scheduler.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["regex", "choice"])
+def test_ignore_eos_ends_where_the_grammar_ends(tiny_llm, kind):
+    """With ignore_eos the grammar's end (its EOS) ends the request. Drafts replaying the outputs (ReplayProposer)
+    end with the EOS: it is accepted, and the token verified after it (a position whose mask allows everything) is
+    dropped: the outputs are those without drafts."""
+    sampling = params("xgrammar", kind, ignore_eos=True)
+    outs = tiny_llm.generate(PROMPTS, sampling, use_tqdm=False)
+    expected = [(c.token_ids, c.text, c.finish_reason) for o in outs for c in o.outputs]
+    assert all(finish_reason == "stop" and ids[-1] == EOS_ID for ids, _, finish_reason in expected)
+    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    config = tiny_llm.llm_engine.config
+    config.speculative_proposer = ReplayProposer(sequences, num_drafts=K, vocab_size=MODEL_VOCAB)
+    try:
+        got, num_drafts, num_accepted = run(tiny_llm, sampling)
+    finally:
+        config.speculative_proposer = None
+    assert got == expected and num_accepted == num_drafts > 0  # every draft accepted, the EOS ones too
