@@ -91,10 +91,10 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether drafts may be verified for it: bad words and logits processors read the request's output tokens
-        on the host, without the drafts before each draft position (penalties count them: sample/adjust.py); a
-        grammar's mask would need its matcher advanced over them."""
+        on the host, without the drafts before each draft position (penalties count them: sample/adjust.py). A
+        grammar may: its matcher is advanced over the drafts for one mask per position (structured_output/)."""
         params = self.sampling_params
-        return not (params.bad_words_token_ids or params.logits_processors or self.grammar is not None)
+        return not (params.bad_words_token_ids or params.logits_processors)
 
     def min_tokens_stop_ids(self) -> list[int]:
         """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""

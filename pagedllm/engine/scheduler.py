@@ -12,9 +12,10 @@ scheduled after its known tokens and take budget and KV slots like any; the runn
 and one sampled token, and the rejected drafts' slots are reused (num_computed_tokens rolls back).
 
 A request with a grammar (structured outputs) waits until its grammar is compiled; each step it samples in carries
-its allowed-token bitmask, filled here from the tokens it has. So it is never scheduled while its last token is still
-on the device (async scheduling): it takes every other step, the others still overlap. Its grammar takes each
-sampled token, and ends it when it terminates.
+its allowed-token bitmask, filled here from the tokens it has (with k drafts, k + 1 masks: after each draft too). So
+it is never scheduled while its last token is still on the device (async scheduling): it takes every other step,
+the others still overlap; drafts come only in synchronous steps, so its masks always follow its known tokens. Its
+grammar takes each emitted token, and ends it when it terminates.
 
 With LoRA, at most max_loras distinct adapters are among the running requests (the runner's device slots): a waiting
 request of another adapter is passed over, keeping its place, until one of theirs finishes.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.structured_output.manager import fill_bitmasks
+from pagedllm.structured_output.manager import fill_bitmasks, validate_drafts
 from pagedllm.worker.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -118,9 +119,13 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------------------
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
-        """Draft tokens proposed for the running requests' next step (the others get none)."""
+        """Draft tokens proposed for the running requests' next step (the others get none); a constrained request's
+        are cut at the first its grammar refuses."""
         for req in self.running:
-            req.spec_token_ids = drafts.get(req.request_id, [])
+            proposed = drafts.get(req.request_id, [])
+            if proposed and req.grammar is not None:
+                proposed = validate_drafts(req.grammar, proposed)
+            req.spec_token_ids = proposed
 
     def schedule(self) -> SchedulerOutput:
         num_scheduled: dict[str, int] = {}
@@ -144,7 +149,7 @@ class Scheduler:
             self.finished_req_ids,
             self.preempted_req_ids,
             self.num_steps,
-            grammar_bitmask=fill_bitmasks(grammars),
+            grammar_bitmask=fill_bitmasks(grammars, spec),  # with drafts: one mask per verified position
             scheduled_spec_decode_tokens=spec,
         )
         self.step_reqs[self.num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}

@@ -4,7 +4,8 @@ A mask is packed int32 [ceil(vocab / 32)]: bit j of word w allows token 32 * w +
 llguidance fill); tokens past 32 * words are left as they are. apply_bitmask sets every token a row's mask does not
 allow to -inf, in place, before anything else reads the logits (so the logprobs are those of the masked logits, as
 in vLLM, where the model runner applies the grammar bitmask to the logits it hands the sampler). A row with no mask
-is untouched, and a step with none costs nothing."""
+is untouched, and a step with none costs nothing. A row verifying k drafts has a mask per target position
+(per_position): the grammar's allowed tokens after each draft."""
 
 from __future__ import annotations
 
@@ -43,6 +44,24 @@ def stack_bitmasks(masks: list[np.ndarray | None], impl: str, device: torch.devi
     if impl == C:
         return Bitmask(index, stacked)
     return Bitmask(to_device(index, device), to_device(stacked, device))
+
+
+def per_position(masks: list[np.ndarray | None], num_drafts: np.ndarray) -> list[np.ndarray | None]:
+    """A step with drafts: per request its mask (None; [words] without drafts; [k + 1, words] with k drafts, row i
+    for the target token after drafts[:i]) -> one mask (or None) per target position, in logits order."""
+    out: list[np.ndarray | None] = []
+    for mask, k in zip(masks, num_drafts.tolist()):
+        if mask is None:
+            out += [None] * (k + 1)
+            continue
+        mask = np.asarray(mask)
+        if mask.ndim == 1 and k == 0:
+            out.append(mask)
+        elif mask.ndim == 2 and len(mask) == k + 1:
+            out.extend(mask)
+        else:
+            raise ValueError(f"grammar_bitmask: a row verifying {k} drafts needs {k + 1} masks, not {list(mask.shape)}")
+    return out
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: Bitmask, impl: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.sample.adjust import adjust_logits, adjusted_rows, penalties
-from pagedllm.sample.bitmask import Bitmask, apply_bitmask, stack_bitmasks
+from pagedllm.sample.bitmask import Bitmask, apply_bitmask, per_position, stack_bitmasks
 from pagedllm.sample.impl import TRITON, C, choose_impl
 from pagedllm.sample.logprobs import LogprobTensors, logprob_rows, logprob_tensors, sampled_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
@@ -73,11 +73,12 @@ class StepSampler:
         """Before the forward: the sampler's inputs for these rows (rows [n] of the persistent batch, in logits
         order; num_tokens [n]; bitmasks: per row a packed allowed-token mask or None), uploaded now. num_drafts [n]:
         the drafts each row verifies (None: none); a row with k of them samples at k + 1 positions, in order
-        (sample/verify.py), and the step's inputs are built for it alone."""
+        (sample/verify.py), each under its own mask (a masked row's is [k + 1, words]), and the step's inputs are
+        built for it alone."""
         b = self.batch
         if num_drafts is not None:
             if bitmasks is not None:
-                bitmasks = [m for m, k in zip(bitmasks, num_drafts.tolist()) for _ in range(k + 1)]
+                bitmasks = per_position(bitmasks, num_drafts)
             rows, num_tokens = expand_rows(rows, num_tokens, num_drafts)
         if self.resident is not None and num_drafts is not None:
             self.resident.last = None  # the kernel's resident inputs advance one position per row: rebuilt next

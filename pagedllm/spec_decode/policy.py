@@ -5,7 +5,7 @@
    queue): at large batches the step is compute bound, and verifying drafts costs more than the accepted ones save.
    With async scheduling on, the engine core runs such steps asynchronously (drafts need synchronous steps): while
    the running and waiting requests (up to max_num_seqs) are more than disable_by_batch_size.
-2. Per row: a request that may speculate (no bad words, logits processors or grammar: Request.can_speculate) keeps a
+2. Per row: a request that may speculate (no bad words or logits processors: Request.can_speculate) keeps a
    running acceptance, an exponential average (weight ACCEPTANCE_WEIGHT) of the fraction of its drafts accepted in
    each step that verified some, starting at 1. When it falls below MIN_ACCEPTANCE the request drafts no more for
    BACKOFF_STEPS of its decode steps, then drafts again for one probe step with its average reset to MIN_ACCEPTANCE:

@@ -2,6 +2,6 @@
 xgrammar (the `structured` extra) or llguidance (the `guidance` extra); each is imported only when a constrained
 request needs it."""
 
-from pagedllm.structured_output.manager import RequestGrammar, StructuredOutputManager, fill_bitmasks
+from pagedllm.structured_output.manager import RequestGrammar, StructuredOutputManager, fill_bitmasks, validate_drafts
 
-__all__ = ["RequestGrammar", "StructuredOutputManager", "fill_bitmasks"]
+__all__ = ["RequestGrammar", "StructuredOutputManager", "fill_bitmasks", "validate_drafts"]

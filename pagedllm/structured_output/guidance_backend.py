@@ -53,7 +53,7 @@ class GuidanceBackend:
         return matcher
 
     def matcher(self, compiled: llguidance.LLMatcher) -> GuidanceState:
-        return GuidanceState(compiled.deep_copy(), self.stop_token_ids)
+        return GuidanceState(compiled.deep_copy(), self.stop_token_ids, self.tokenizer.vocab_size)
 
 
 def parse(params: GuidedDecodingParams, spec: str, field: str) -> str:
@@ -149,18 +149,23 @@ def _strict(schema):
 class GuidanceState:
     """A request's position in its grammar: the tokens it accepted so far."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int], num_tokens: int) -> None:
         self.matcher = matcher
         self.stop_token_ids = stop_token_ids
+        self.num_tokens = num_tokens  # the tokenizer's ids: llguidance fails for good on an id past them
         # llguidance "stops" where nothing but EOS may follow, and then refuses that EOS: it is taken here
         self.final_stop = False
 
     def accept(self, token_ids: list[int]) -> int:
         """Takes tokens in order until one is refused; returns how many were taken. (Checked first: a refused
-        token would leave llguidance's matcher in its error state for good.)"""
+        token would leave llguidance's matcher in its error state for good, as would validating an id past the
+        tokenizer's, which a draft may be: those are refused here.)"""
         if self.final_stop:
             return 0
         tokens = list(token_ids)
+        outside = next((i for i, t in enumerate(tokens) if not 0 <= t < self.num_tokens), None)
+        if outside is not None:
+            tokens = tokens[:outside]
         num_valid = self.matcher.validate_tokens(tokens)
         if num_valid and not self.matcher.consume_tokens(tokens[:num_valid]):
             # the matcher failed (e.g. its lexer outgrew llguidance's limits): refused, so only this request ends

@@ -8,7 +8,9 @@ compile it, and guidance for a JSON `whitespace_pattern` (xgrammar has none). Wi
 
 The scheduler keeps a request waiting until its grammar is compiled, asks each constrained request that samples in
 a step for its allowed-token bitmask, and hands it the sampled tokens; the request finishes when its grammar
-terminates."""
+terminates. With speculative decoding, a constrained request's drafts are cut at the first its grammar refuses when
+they are proposed (validate_drafts), and a request verifying k drafts gets k + 1 masks, one per position
+(fill_draft_bitmasks); its grammar takes only the tokens the verification emits."""
 
 from __future__ import annotations
 
@@ -182,29 +184,63 @@ def _rfind(ids: list[int], part: tuple[int, ...]) -> int:
     return -1
 
 
-def fill_bitmasks(grammars: dict[str, RequestGrammar]) -> dict[str, np.ndarray]:
-    """The allowed-token bitmask of each constrained request that samples now: req id -> int32 [num_words]."""
+def fill_bitmasks(grammars: dict, drafts: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
+    """The allowed-token bitmasks of the constrained requests that sample now: req id -> int32 [num_words], or for a
+    request verifying k drafts (in `drafts`) int32 [k + 1, num_words], row i the mask after its tokens and drafts[:i]
+    (fill_draft_bitmasks)."""
     if not grammars:
         return {}
+    drafts = drafts or {}
     num_words = next(iter(grammars.values())).num_words
-    tensor = torch.full((len(grammars), num_words), -1, dtype=torch.int32)  # [num_rows, num_words]; -1: all allowed
+    counts = [len(drafts.get(req_id, ())) + 1 for req_id in grammars]
+    tensor = torch.full((sum(counts), num_words), -1, dtype=torch.int32)  # [num_rows, num_words]; -1: all allowed
     array = tensor.numpy()
-    batches: dict[int, tuple[Any, list, list[int]]] = {}  # id(filler) -> (filler, states, rows)
-    for row, grammar in enumerate(grammars.values()):
-        filler = grammar.batch_filler()
-        if filler is None:
+    masks, row = {}, 0
+    batches: dict[int, tuple[Any, list, list[int]]] = {}  # id(filler) -> (filler, states, rows): one mask each
+    for (req_id, grammar), n in zip(grammars.items(), counts):
+        filler = None if req_id in drafts else grammar.batch_filler()
+        if req_id in drafts:
+            fill_draft_bitmasks(grammar, drafts[req_id], tensor, row)
+        elif filler is None:
             grammar.fill_bitmask(tensor, row)
-            continue
-        _, states, rows = batches.setdefault(id(filler), (filler, [], []))
-        states.append(grammar.state)
-        rows.append(row)
+        else:
+            _, states, rows = batches.setdefault(id(filler), (filler, [], []))
+            states.append(grammar.state)
+            rows.append(row)
+        masks[req_id] = array[row : row + n] if req_id in drafts else array[row]
+        row += n
     for filler, states, rows in batches.values():
         if len(rows) >= MIN_BATCH_FILL:
             filler.fill(states, rows, tensor)
         else:
             for state, row in zip(states, rows):
                 state.fill_bitmask(tensor, row)
-    return dict(zip(grammars, array))
+    return masks
+
+
+def validate_drafts(grammar, drafts: list[int]) -> list[int]:
+    """The leading drafts the grammar takes after the request's tokens: up to the first it refuses, none after one
+    that ends it. (A refused draft could never be accepted: the target token at its position is masked.) The
+    matcher is left where it was."""
+    taken = grammar.accept(drafts)
+    grammar.rollback(taken)
+    return drafts[:taken]
+
+
+def fill_draft_bitmasks(grammar, drafts: list[int], out: torch.Tensor, row: int) -> None:
+    """out[row + i], i = 0..k: the tokens allowed after the request's tokens and drafts[:i] (the matcher advanced over
+    the drafts, then rolled back). Rows after a draft the grammar refuses, or after it terminated, stay as they are
+    (all allowed): no token is emitted there (the target token at a refused draft's position differs from it; a
+    terminated grammar ends its request)."""
+    taken = 0
+    for i in range(len(drafts) + 1):
+        if grammar.is_terminated():
+            break
+        grammar.fill_bitmask(out, row + i)
+        if i == len(drafts) or grammar.accept(drafts[i : i + 1]) != 1:
+            break
+        taken += 1
+    grammar.rollback(taken)
 
 
 class StructuredOutputManager:

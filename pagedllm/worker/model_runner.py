@@ -242,7 +242,6 @@ class ModelRunner:
                 drafts = [spec.get(r, []) for r in sample_req_ids]
                 num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
                 logits_rows, num_tokens = logits_positions(logits_rows + 1, num_drafts), num_tokens - num_drafts
-                drafts = [d if m is None else [-1] * len(d) for d, m in zip(drafts, bitmasks or [None] * len(drafts))]
             logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
             step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts) if self.is_driver else rows
         hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden] | None

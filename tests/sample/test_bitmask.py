@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.sample.bitmask import apply_bitmask, stack_bitmasks
+from pagedllm.sample.bitmask import apply_bitmask, per_position, stack_bitmasks
 from pagedllm.sample.impl import choose_impl
 
 
@@ -46,3 +46,15 @@ def test_masks_of_different_widths_or_other_dtypes_are_refused():
         stack_bitmasks([np.zeros(2, np.int32), np.zeros(3, np.int32)], "torch", torch.device("cpu"))
     with pytest.raises(ValueError, match="packed int32"):
         stack_bitmasks([np.zeros(2, np.int64)], "torch", torch.device("cpu"))
+
+
+def test_per_position_masks_of_rows_with_drafts():
+    """A row verifying k drafts has k + 1 masks, one per target position, in order; unmasked rows have none."""
+    a = np.arange(6, dtype=np.int32).reshape(3, 2)  # a row with 2 drafts: masks after 0, 1, 2 of them
+    b = np.array([7, 8], np.int32)  # a row without drafts
+    out = per_position([a, None, b], np.array([2, 1, 0]))
+    assert [None if m is None else m.tolist() for m in out] == [[0, 1], [2, 3], [4, 5], None, None, [7, 8]]
+    with pytest.raises(ValueError, match="verifying 2 drafts needs 3 masks"):
+        per_position([b], np.array([2]))  # one mask for three positions: refused, never repeated
+    with pytest.raises(ValueError, match="verifying 1 drafts needs 2 masks"):
+        per_position([a], np.array([1]))

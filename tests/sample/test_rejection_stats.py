@@ -2,7 +2,8 @@
 t, the first emitted token must follow the target p (temperature, penalties, top-p applied as without drafts), t is
 accepted with probability p(t), a rejection emits a token of the residual max(p - q, 0) normalized (p without t),
 and after an accepted draft the next token follows the target at the draft's position, whose penalties count the
-draft among the outputs. 120k requests, one draft each, sampled in one vectorized call of the step sampler."""
+draft among the outputs; with grammar masks, one per position, the same holds for the masked target. 120k
+requests, one draft each, sampled in one vectorized call of the step sampler."""
 
 from __future__ import annotations
 
@@ -53,21 +54,24 @@ def assert_follows(tokens: np.ndarray, p: np.ndarray) -> None:
     assert result.pvalue > 1e-4, (counts, expected, result)
 
 
-@pytest.mark.parametrize("sampling_path", ["c", "torch"], indirect=True)
-def test_sampled_verification_follows_the_target(sampling_path):
+def verify(masks: np.ndarray | None = None) -> list[list[int]]:
+    """N requests with one draft each, verified in one call of the step sampler; masks [2, words] (one per position,
+    as the scheduler fills them) or None -> per request the emitted tokens."""
     batch = InputBatch(1, 16, 1)
     batch.add(NewRequestData("r", PROMPT + OUTPUT, len(PROMPT), PARAMS, [0], 3, []))
     sampler = StepSampler(batch, torch.device("cpu"), seed=0)
     rows, num_tokens, num_drafts = np.zeros(N, np.int64), np.full(N, 3), np.ones(N, np.int64)
     batch.token_ids[0, 3] = DRAFT  # the draft after the known tokens, as the runner writes it
-    step = sampler.prepare(rows, num_tokens, None, num_drafts)
+    step = sampler.prepare(rows, num_tokens, None if masks is None else [masks] * N, num_drafts)
     logits = torch.stack(LOGITS).repeat(N, 1)  # [2N, vocab]: per request its two positions
     targets = sampler.sample(logits, step).sampled.tolist()
-    emitted = accept([[DRAFT]] * N, targets)
+    return accept([[DRAFT]] * N, targets)
 
-    p0 = reference(LOGITS[0], PROMPT, OUTPUT)
-    p1 = reference(LOGITS[1], PROMPT, OUTPUT + [DRAFT])
-    assert 0.05 < p0[DRAFT] < 0.6 and (p0 > 0).sum() >= 4  # a draft both accepted and rejected; top-p cuts some
+
+def assert_verified(emitted: list[list[int]], p0: np.ndarray, p1: np.ndarray) -> None:
+    """The first emitted token follows p0 (the target at the last known position), a rejection emits from p0
+    without the draft, and the token after an accepted draft follows p1."""
+    assert 0.05 < p0[DRAFT] < 0.8 and (p0 > 0).sum() >= 4  # a draft both accepted and rejected; top-p cuts some
     first = np.array([e[0] for e in emitted])
     assert_follows(first, p0)
     accepted = first == DRAFT
@@ -77,5 +81,29 @@ def test_sampled_verification_follows_the_target(sampling_path):
     bonus = np.array([e[1] for e in emitted if len(e) == 2])
     assert len(bonus) == accepted.sum()
     assert_follows(bonus, p1)
+
+
+@pytest.mark.parametrize("sampling_path", ["c", "torch"], indirect=True)
+def test_sampled_verification_follows_the_target(sampling_path):
+    p1 = reference(LOGITS[1], PROMPT, OUTPUT + [DRAFT])
+    assert_verified(verify(), reference(LOGITS[0], PROMPT, OUTPUT), p1)
     # the penalty at the draft's position counts the draft: without it the bonus distribution would differ
     assert not np.allclose(p1, reference(LOGITS[1], PROMPT, OUTPUT), atol=1e-3)
+
+
+@pytest.mark.parametrize("sampling_path", ["c", "torch"], indirect=True)
+def test_masked_verification_follows_the_masked_target(sampling_path):
+    """Structured outputs with drafts: each position samples under its own grammar mask (the mask after the tokens
+    before it), so every emitted token follows the masked target distribution, as without drafts."""
+    allowed = (np.array([1, 1, 1, 0, 1, 1, 0, 1], bool), np.array([1, 0, 1, 0, 1, 0, 1, 1], bool))
+    masks = np.stack([np.packbits(a, bitorder="little").astype(np.int32) for a in allowed])  # [2 positions, 1 word]
+
+    def masked(logits: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
+        return logits.masked_fill(torch.from_numpy(~keep), float("-inf"))
+
+    p0 = reference(masked(LOGITS[0], allowed[0]), PROMPT, OUTPUT)
+    p1 = reference(masked(LOGITS[1], allowed[1]), PROMPT, OUTPUT + [DRAFT])
+    assert_verified(verify(masks), p0, p1)
+    # the masks bite: unmasked, or with the first position's mask at both, the distributions differ
+    assert not np.allclose(p0, reference(LOGITS[0], PROMPT, OUTPUT), atol=1e-3)
+    assert not np.allclose(p1, reference(masked(LOGITS[1], allowed[0]), PROMPT, OUTPUT + [DRAFT]), atol=1e-3)

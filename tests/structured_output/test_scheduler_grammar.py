@@ -1,13 +1,16 @@
 """The scheduler's side of structured outputs, with a stand-in grammar (no xgrammar): a request waits while its
 grammar compiles (keeping its place), only rows that sample get a bitmask (the grammar's, for the tokens it has),
 the grammar takes each sampled token and ends the request when it terminates, and with async scheduling a
-constrained request is never scheduled while its last token is on the device."""
+constrained request is never scheduled while its last token is on the device. Drafts (speculative decoding) are cut
+at the first token the grammar refuses, each verified position gets its own mask, and the grammar takes only the
+emitted tokens."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 
 import numpy as np
+import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.request import Request
@@ -39,6 +42,9 @@ class StandInGrammar:
                 return i
             self.accepted.append(t)
         return len(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
 
     def is_terminated(self) -> bool:
         return len(self.accepted) >= self.length
@@ -124,3 +130,37 @@ def test_async_never_schedules_a_constrained_request_on_its_placeholder():
     answer(sched, so1, {"a": 0, "b": 5})
     so3 = sched.schedule()
     assert "a" in so3.num_scheduled_tokens and so3.grammar_bitmask["a"].tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_cut_by_the_grammar_and_a_mask_per_position(async_scheduling):
+    sched = make(async_scheduling=async_scheduling)
+    sched.drafts_enabled = True  # as the engine core sets it for its synchronous steps (drafts need them)
+    g = StandInGrammar(8)
+    sched.add_request(request("a", g))
+    answer(sched, sched.schedule(), {"a": 0})
+    sched.set_drafts({"a": [1, 2, 9, 4]})  # 9 is refused: it and the drafts after it are cut
+    assert sched.requests["a"].spec_token_ids == [1, 2] and g.accepted == [0]
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 3} and so.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    assert so.grammar_bitmask["a"].tolist() == [[2, 0], [4, 0], [8, 0]]  # after 0; after 0, 1; after 0, 1, 2
+    assert g.accepted == [0]  # rolled back after filling the masks
+    if async_scheduling:  # the mask of its next step needs the tokens this one emits
+        assert sched.schedule().num_scheduled_tokens == {}
+    (out,) = sched.update_from_output(so, ModelRunnerOutput({"a": [1, 5]}))  # draft 1 accepted, then 5
+    assert out.new_token_ids == [1] and out.finish_reason == "abort"  # 5 was not allowed (only a rule overrides)
+    assert g.accepted == [0, 1]
+
+
+def test_accepted_drafts_advance_the_grammar():
+    sched = make()
+    g = StandInGrammar(8)
+    sched.add_request(request("a", g))
+    answer(sched, sched.schedule(), {"a": 0})
+    sched.set_drafts({"a": [1, 2, 7]})
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    (out,) = sched.update_from_output(so, ModelRunnerOutput({"a": [1, 2, 3]}))  # both accepted, then 3
+    assert out.new_token_ids == [1, 2, 3] and g.accepted == [0, 1, 2, 3] and out.finish_reason is None
+    sched.set_drafts({"a": [4, 5]})
+    assert sched.schedule().grammar_bitmask["a"].tolist() == [[16, 0], [32, 0], [64, 0]]
