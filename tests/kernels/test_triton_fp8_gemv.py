@@ -2,7 +2,7 @@
 token by the torch rule, bit-checked against the Triton quantization the kernel path uses), split-K or not, per-channel
 and per-tensor weight scales, static and dynamic activation scales, with and without bias; and, on a GPU, against
 torch._scaled_mm on the same quantized inputs at Llama-3.1-8B shapes. The fused kernel (float activations quantized
-inside it) against quantizing first: bit for bit, M 1..16, per-token, per-batch and static scales. Without CUDA it
+inside it) against quantizing first: bit for bit, M 1..16, per-token and static scales. Without CUDA it
 runs in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_gemv_in_cuda_graph(split_in_kernel, monkeypatch):
 
 # The fused kernel: float activations quantized inside the GEMV. "Unfused" is the path it replaces: the per-token
 # Triton quantization kernel (or, per batch, the scale computed by torch first), then the kernel on fp8 activations.
-SCALE_MODES = ("token", "batch", "static")
+SCALE_MODES = ("token", "static")  # (a per-batch dynamic scale is computed by torch, then the kernel on fp8)
 
 
 def unfused(x, qw, ws, bias, mode):
@@ -207,7 +207,7 @@ def test_fused_equals_unfused_bit_for_bit(m, mode):
     bias = bias.to(torch.bfloat16).to(DEVICE) if m % 3 else None
     qw, ws = qw.to(DEVICE), ws.to(DEVICE)
     want, static = unfused(x, qw, ws, bias, mode)
-    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
+    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
@@ -225,7 +225,7 @@ def test_fused_float32_one_program_over_k(m, mode, monkeypatch):
     x[:, k - 1] = 300.0  # the amax: the last column, in the last, partial step
     x, qw, ws, bias = x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), bias.to(DEVICE)
     want, static = unfused(x, qw, ws, bias, mode)
-    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
+    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
 
 
@@ -236,6 +236,7 @@ def test_gemv_linear_skips_the_quantization_launch(monkeypatch):
     monkeypatch.setattr(gemv, "quantize_activations", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     x, qw, ws, bias = make_case(3, 20, 48, per_tensor=False, seed=5)
     x, qw, ws = x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE)
+    monkeypatch.setattr(gemv, "FUSE_MAX_M", 3)
     fused = gemv.fp8_gemv_linear(x, qw, ws, None, None)
     assert calls == []
     monkeypatch.setattr(gemv, "FUSE_MAX_M", 2)
@@ -317,5 +318,5 @@ def test_fused_equals_unfused_llama_shapes(n, k, m, mode, split_in_kernel, monke
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want, static = unfused(x, qw, ws, bias, mode)
     monkeypatch.setattr(gemv, "SPLIT_IN_KERNEL", split_in_kernel)
-    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias, mode == "batch")
+    out = gemv.fp8_gemv_fused(x, qw, ws, static, bias)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))

@@ -333,7 +333,7 @@ def decode_layer(strategy: str, activations: str, device: str):
 @pytest.mark.parametrize("activations", ["dynamic", "static", "dynamic-tensor"])
 @pytest.mark.parametrize("strategy", ["tensor", "channel"])
 def test_cuda_decode_rows_quantize_in_the_gemv(strategy, activations):
-    """Batches of 1..16 rows: the layer quantizes its activations inside the GEMV, bit-identical to quantizing first
+    """Batches of 1..16 rows (up to FUSE_MAX_M quantized inside the GEMV): bit-identical to quantizing first
     (the per-token Triton kernel, the static scale or the batch's) and then the GEMV on fp8 activations."""
     from pagedllm.layers.quantization.fp8_gemv import fp8_gemv
     from pagedllm.layers.quantization.fp8_ops import quantize_activations

@@ -25,7 +25,8 @@ import torch
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
-FUSE_MAX_M = 16  # batches of up to this many rows quantize their activations in the GEMV itself
+FUSE_MAX_M = 1  # batches of up to this many rows quantize their activations in the GEMV itself (H100: the
+# fused kernel reads a layer's linears at M = 1 in 101 us against 113 us unfused, but 2..8 rows took 245-348 us)
 BLOCK_NS = (64,)  # weight rows per program (an H200 sweep: 64 rows with K split beat narrower tiles)
 BLOCK_K = 128  # fp8 weight columns per pipeline stage (>= 128: the MMA's promotion interval)
 # the fused kernel's amax pass: columns per step (one row: up to AMAX_ROW, the whole row of Llama-3.1-8B's K but
@@ -35,7 +36,7 @@ PROGRAMS_PER_SM = 1  # programs per SM wanted before settling for one wave, or s
 NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
 # how the kernel gets its activations: fp8 with their scales | float, one static scale | float, a scale per row
 # (amax / 448) | float, one scale per batch (the batch's amax / 448)
-QUANTIZED, STATIC, PER_TOKEN, PER_BATCH = 0, 1, 2, 3
+QUANTIZED, STATIC, PER_TOKEN = 0, 1, 2
 
 if triton is not None:
     import triton.language as tl
@@ -49,7 +50,7 @@ if triton is not None:
         AMAX_K: tl.constexpr, AMAX_STAGES: tl.constexpr,
     ):  # fmt: skip
         """The activations' scales [BLOCK_M] float32: loaded (QUANTIZED, STATIC) or from the amax of x's rows over
-        all of K (PER_TOKEN; PER_BATCH: the largest, for every row), AMAX_K columns a step, AMAX_STAGES steps in
+        all of K (PER_TOKEN), AMAX_K columns a step, AMAX_STAGES steps in
         flight. ONE_ROW: M is 1, the scale in every lane."""
         offs_m = tl.arange(0, BLOCK_M)
         if QUANT == 0:
@@ -70,10 +71,7 @@ if triton is not None:
             for start in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
                 mask = (offs_m[:, None] < M) & (offs_k[None, :] < K - start)
                 amax = tl.maximum(amax, tl.abs(tl.load(ptrs + start, mask=mask, other=0.0).to(tl.float32)))
-            row_amax = tl.max(amax, axis=1)  # [BLOCK_M]
-            if QUANT == 3:
-                row_amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.max(row_amax, axis=0)
-            xs = fp8_scale_of(row_amax)
+            xs = fp8_scale_of(tl.max(amax, axis=1))  # [BLOCK_M]
         return xs
 
     # M (the decode batch) only bounds masks: one compiled variant for every batch size instead of three (M = 1,
@@ -88,7 +86,7 @@ if triton is not None:
     ):  # fmt: skip
         """Program (n, s) of S: the n-block's sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
         times xs[m] * ws[n], stored by store_result (SPLIT). x [M, K]: fp8 with scales xs [M] (QUANTIZED) or float,
-        quantized here (STATIC: xs [1] the scale; PER_TOKEN, PER_BATCH: xs unused); w [N, K] fp8 (W_TMA: its
+        quantized here (STATIC: xs [1] the scale; PER_TOKEN: xs unused); w [N, K] fp8 (W_TMA: its
         tensor descriptor of [BLOCK_N, BLOCK_K] blocks, read by the TMA unit), ws [N] float32;
         out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K."""
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
@@ -259,17 +257,15 @@ def fp8_gemv_fused(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-    per_tensor_dynamic: bool = False,
 ) -> torch.Tensor:
     """x2 [M, K] float (1 <= M <= GEMV_MAX_M) -> [M, N] in x2's dtype, quantized inside the kernel by the rule of
-    fp8_ops.quantize_activations: the static input_scale (a scalar), else per token, or per batch."""
+    fp8_ops.quantize_activations: the static input_scale (a scalar), else per token."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     weight_scale = weight_scale.float()
     if input_scale is not None:
         return launch(x2, input_scale.float().reshape(1), weight, weight_scale, bias, x2.dtype, STATIC)
-    quant = PER_BATCH if per_tensor_dynamic else PER_TOKEN
-    return launch(x2, weight_scale, weight, weight_scale, bias, x2.dtype, quant)  # xs unused: a dummy
+    return launch(x2, weight_scale, weight, weight_scale, bias, x2.dtype, PER_TOKEN)  # xs unused: a dummy
 
 
 def gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -289,7 +285,7 @@ def fp8_gemv_linear(
 ) -> torch.Tensor:
     """x2 [M, K] -> [M, N] in x2's dtype: the activations quantized as fp8_linear does (in the kernel for up to
     FUSE_MAX_M rows, else by the per-token kernel first), then the skinny kernel."""
-    if x2.shape[0] <= FUSE_MAX_M:
-        return fp8_gemv_fused(x2, weight, weight_scale, input_scale, bias, per_tensor_dynamic)
+    if x2.shape[0] <= FUSE_MAX_M and not per_tensor_dynamic:  # (a batch's scale: computed by torch first)
+        return fp8_gemv_fused(x2, weight, weight_scale, input_scale, bias)
     xq, xs = quantize_activations(x2, input_scale, per_tensor_dynamic)  # [M, K] fp8, [M, 1]
     return fp8_gemv(xq, xs, weight, weight_scale.float(), bias, x2.dtype)
