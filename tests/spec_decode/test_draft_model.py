@@ -207,4 +207,6 @@ def test_gpu_verify_steps_and_draft_passes_replay_graphs(target):
     verify, first = runner.verify_graphs.num_replays, runner.drafter.first_graphs.num_replays
     outputs, (num_drafts, num_accepted) = run(llm, prompts, params, speculate=True)
     assert exact(outputs) == exact(reference) and num_accepted >= 0.9 * num_drafts
-    assert runner.verify_graphs.num_replays > verify + 10 and runner.drafter.first_graphs.num_replays > first + 10
+    # the draft is the target: ~K + 1 tokens a step, so ~40 / 5 verify steps (on an H100: 11 verify replays and 8
+    # first passes; a step right after the prefill catches up eagerly)
+    assert runner.verify_graphs.num_replays > verify + 5 and runner.drafter.first_graphs.num_replays > first + 5
