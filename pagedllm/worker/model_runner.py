@@ -65,7 +65,8 @@ class StepPlan:
 
 class ModelRunner:
     """One rank's runner. With tensor parallelism every rank of the group runs the same steps on its shard of the
-    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch."""
+    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch. With
+    pipeline stages a step is split in two (distributed/pipeline.py)."""
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
@@ -277,33 +278,29 @@ class ModelRunner:
             return plan.rows
         return self.sampler.prepare(plan.rows, plan.num_tokens, plan.bitmasks, plan.num_drafts)
 
-    def finish_step(self, plan: StepPlan, hidden: torch.Tensor | None, step) -> StepFuture:
-        """After the forward (hidden [num_tokens, hidden], None on later pipeline stages): prompt logprobs and the
-        sampled tokens."""
+    def finish_step(self, plan: StepPlan, hidden: torch.Tensor, step) -> StepFuture:
+        """After the forward (hidden [num_tokens, hidden]): prompt logprobs and the sampled tokens."""
         flat, spec = plan.flat, plan.spec
-        if self.drafter is not None and hidden is not None:  # an EAGLE head reads the target's hidden states
+        if self.drafter is not None:  # an EAGLE head reads the target's hidden states
             self.drafter.record_step(flat, hidden, spec)
-        prompt_lps = self._prompt_logprobs(hidden, flat) if hidden is not None else {}  # (later stages: None)
+        prompt_lps = self._prompt_logprobs(hidden, flat)
         if step is None:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        n = len(plan.logits_rows)
-        output = self._sample(hidden[plan.logits_rows] if hidden is not None else None, step, n)
+        output = self._sample(hidden[plan.logits_rows], step, len(plan.logits_rows))
         sampled_rows = step.rows if self.is_driver else np.repeat(step, (plan.num_drafts + 1) if spec else 1)
         self.last_step = StepFuture(self, plan.req_ids, sampled_rows, output, prompt_lps, plan.drafts)
         return self.last_step
 
-    def _sample(self, hidden: torch.Tensor | None, step, n: int) -> SamplerOutput:
+    def _sample(self, hidden: torch.Tensor, step, n: int) -> SamplerOutput:
         """The driver samples n tokens from the logits of hidden [n, hidden]; the other ranks of its stage take part
-        in the logits' gather, and receive the sampled tokens, as do the later stages without pipeline parallelism
-        (hidden is None there)."""
-        if hidden is not None:
-            upcast = self.sampler.needs_float32(step) if self.is_driver else False
-            logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
+        in the logits' gather. The sampled tokens reach every rank (with pipeline stages, the first stage's ranks
+        only: the later ones take hidden states, not tokens)."""
+        upcast = self.sampler.needs_float32(step) if self.is_driver else False
+        logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
         if self.is_driver:
             output = self.sampler.sample(logits, step)
         else:
             output = SamplerOutput(torch.empty(n, dtype=torch.int64, device=self.device), None)
-        # with pipeline stages only the first stage's ranks need the tokens (the later ones take hidden states)
         (self.groups.tp if self.stage is not None else self.groups.world).broadcast(output.sampled, 0)
         return output
 
