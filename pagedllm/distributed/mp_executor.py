@@ -3,8 +3,10 @@
 Each worker is a fresh interpreter (python -m pagedllm.distributed.worker: spawned, never forked, so no CUDA state
 is inherited and a user script without a main guard is not re-run), bound to its GPU by index among the visible
 ones (CUDA_VISIBLE_DEVICES is honoured). The engine sends each step's scheduler output to every worker over a
-socket pair, then runs its own rank; the ranks meet in the collectives. A monitor thread per worker notices one
-that exits: the engine's next call raises an error naming it, and the other workers are ended."""
+socket pair, then runs its own rank; the ranks meet in the collectives. With pipeline stages a step's result is
+computed on the first stage when the engine takes it: its future then tells the driver's first-stage peers to
+finish that step too (distributed/pipeline.py). A monitor thread per worker notices one that exits: the engine's
+next call raises an error naming it, and the other workers are ended."""
 
 from __future__ import annotations
 
@@ -225,12 +227,10 @@ class GuardedFuture:
             except BaseException as e:
                 raise self.executor._error(e) from e
             self.finishers = ()
-        spins = 0
         while not self.future.done():  # the device waits on a collective a dead peer will never join
             if self.executor.failure is not None:
                 self.executor._check()
-            spins += 1
-            time.sleep(0 if spins < 1000 else 1e-4)  # (a pipeline step waits for the later stages: don't hog a core)
+            time.sleep(0)
         try:
             return self.future.result()
         except BaseException as e:
