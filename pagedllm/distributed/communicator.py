@@ -107,6 +107,14 @@ class Communicator:
         self.pg.recv([x], src, 0).wait()
         return x
 
+    def isend(self, x: torch.Tensor, dst: int):
+        """Starts sending x (contiguous; kept alive by the caller until the returned work is waited for)."""
+        return self.pg.send([x], dst, 0)
+
+    def irecv(self, x: torch.Tensor, src: int):
+        """Starts filling x with what group rank `src` sends; x is valid once the returned work is waited for."""
+        return self.pg.recv([x], src, 0)
+
     def barrier(self) -> None:
         if self.pg is not None:
             self.all_reduce(torch.zeros(1, device=self.device))

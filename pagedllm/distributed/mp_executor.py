@@ -3,8 +3,10 @@
 Each worker is a fresh interpreter (python -m pagedllm.distributed.worker: spawned, never forked, so no CUDA state
 is inherited and a user script without a main guard is not re-run), bound to its GPU by index among the visible
 ones (CUDA_VISIBLE_DEVICES is honoured). The engine sends each step's scheduler output to every worker over a
-socket pair, then runs its own rank; the ranks meet in the collectives. A monitor thread per worker notices one
-that exits: the engine's next call raises an error naming it, and the other workers are ended."""
+socket pair, then runs its own rank; the ranks meet in the collectives. With pipeline stages a step's result is
+computed on the first stage when the engine takes it: its future then tells the driver's first-stage peers to
+finish that step too (distributed/pipeline.py). A monitor thread per worker notices one that exits: the engine's
+next call raises an error naming it, and the other workers are ended."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pagedllm.distributed.worker import Worker, WorkerSpec
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN_WAIT_S = 5.0
+_FINISH = pickle.dumps(("finish", ()), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class WorkerFailed(RuntimeError):
@@ -131,7 +134,9 @@ class MultiprocExecutor(RanksExecutor):
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-        for comm in (self.driver.groups.tp, self.driver.groups.pp) if hasattr(self, "driver") else ():
+        groups = self.driver.groups if hasattr(self, "driver") else None
+        comms = (groups.tp, groups.pp, groups.pp_back, groups.world) if groups is not None else ()
+        for comm in {id(c): c for c in comms}.values():
             abort = getattr(comm.pg, "abort", None)
             if abort is not None and comm.device.type == "cuda":  # (in a thread of its own: it may block)
                 threading.Thread(target=abort, daemon=True, name="pagedllm-nccl-abort").start()
@@ -191,9 +196,14 @@ class MultiprocExecutor(RanksExecutor):
         try:
             for conn in self.conns:
                 conn.send_bytes(message)
-            return GuardedFuture(self.driver.launch(scheduler_output), self)
+            return GuardedFuture(self.driver.launch(scheduler_output), self, self._finishers())
         except BaseException as e:
             raise self._error(e) from e
+
+    def _finishers(self) -> list:
+        """The connections of the driver's first-stage peers with pipeline stages (they finish each step with it)."""
+        info = self.driver.info
+        return self.conns[: info.tp_size - 1] if info.pp_size > 1 else []
 
     def shutdown(self) -> None:
         """Ends the workers, then this rank's groups."""
@@ -206,10 +216,17 @@ class MultiprocExecutor(RanksExecutor):
 class GuardedFuture:
     """A step's future that stops waiting, with the worker's error, when a worker fails meanwhile."""
 
-    def __init__(self, future, executor: MultiprocExecutor) -> None:
-        self.future, self.executor = future, executor
+    def __init__(self, future, executor: MultiprocExecutor, finishers: list = ()) -> None:
+        self.future, self.executor, self.finishers = future, executor, finishers
 
     def result(self) -> ModelRunnerOutput:
+        if self.finishers:  # the driver's first-stage peers finish the step with it (pipeline stages)
+            try:
+                for conn in self.finishers:
+                    conn.send_bytes(_FINISH)
+            except BaseException as e:
+                raise self.executor._error(e) from e
+            self.finishers = ()
         while not self.future.done():  # the device waits on a collective a dead peer will never join
             if self.executor.failure is not None:
                 self.executor._check()

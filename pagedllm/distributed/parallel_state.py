@@ -1,6 +1,7 @@
 """Where a worker stands among the ranks: global rank = pp_rank * tp_size + tp_rank, and the groups it talks in:
-its tensor-parallel group (the ranks of its stage), its pipeline group (the ranks of its tp_rank across stages) and
-the world (every rank: the driver's sampled tokens reach them all).
+its tensor-parallel group (the ranks of its stage), its pipeline groups (the ranks of its tp_rank across stages: `pp`
+carries each stage's activations to the next, `pp_back` the last stage's hidden states to the first, so that the two
+directions never share a channel) and the world (every rank).
 
 Built once per worker and handed down (to the model's build context and to the runner), never kept globally."""
 
@@ -45,6 +46,11 @@ class ParallelGroups:
     tp: Communicator
     pp: Communicator
     world: Communicator
+    pp_back: Communicator | None = None  # (None: pp itself, with one stage)
+
+    def __post_init__(self) -> None:
+        if self.pp_back is None:
+            self.pp_back = self.pp
 
     @classmethod
     def single(cls, device: torch.device) -> ParallelGroups:
@@ -64,6 +70,11 @@ class ParallelGroups:
             store, f"tp{info.pp_rank}", info.tp_rank, tp_ranks, device, timeout_s, custom_all_reduce
         )
         pp = Communicator.create(store, f"pp{info.tp_rank}", info.pp_rank, pp_ranks, device, timeout_s, False)
+        pp_back = pp
+        if info.pp_size > 1:
+            pp_back = Communicator.create(
+                store, f"ppback{info.tp_rank}", info.pp_rank, pp_ranks, device, timeout_s, False
+            )
         if info.pp_size == 1:
             world = tp
         elif info.tp_size == 1:
@@ -71,14 +82,14 @@ class ParallelGroups:
         else:
             ranks = list(range(info.world_size))
             world = Communicator.create(store, "world", info.rank, ranks, device, timeout_s, False)
-        return cls(info, tp, pp, world)
+        return cls(info, tp, pp, world, pp_back)
 
     def build_context(self) -> BuildContext:
         i = self.info
         return BuildContext(i.tp_rank, i.tp_size, self.tp if i.tp_size > 1 else None, i.pp_rank, i.pp_size)
 
     def shutdown(self) -> None:
-        for comm in {id(c): c for c in (self.tp, self.pp, self.world)}.values():
+        for comm in {id(c): c for c in (self.tp, self.pp, self.world, self.pp_back)}.values():
             comm.shutdown()
 
 

@@ -1,36 +1,143 @@
-"""One forward through the pipeline stages: each stage runs its layers on what the previous one sent, and the last
-stage sends the final hidden states back to the first, which computes the logits (and whose driver rank samples).
+"""Pipeline parallelism: the decoder's layers are split into pp_size stages (layers/build_context.stage_layers:
+equal parts, the first num_layers % pp_size stages one layer more), each stage a tensor-parallel group of ranks. The
+engine keeps up to pp_size steps in flight, on disjoint batches (a request with a step in flight is not scheduled
+again), so that stage s runs step k + 1 while the stages after it run step k.
 
-Every stage knows the step's token count from the scheduler output, so the tensors' shapes need no message of
-their own: (hidden, residual) [2, num_tokens, hidden_size] between stages, hidden [num_tokens, hidden_size] back."""
+A step on each stage (every rank runs its steps in the order the engine launched them):
+- stage 0, when launched: embed and run its layers, send (hidden, residual) to stage 1, and post the receive of the
+  step's final hidden states from the last stage; it returns at once (a PendingStep).
+- stage s > 0, when launched: receive from stage s - 1, run its layers, send to stage s + 1; the last stage sends the
+  final hidden states (after the norm) to stage 0.
+- stage 0, when the engine takes the step's result: wait for that receive, compute the logits (the stage's
+  tensor-parallel ranks gather them; the engine tells the driver's peers to, in the driver's order), and the driver
+  samples; the sampled tokens go to the stage's other ranks by a broadcast in its tensor-parallel group. The later
+  stages never need the token ids (their inputs are hidden states; positions and slots come with the step).
+
+The order of sends and receives: on each pair of ranks, messages go one way per group, in step order on both sides:
+activations stage s -> s + 1 in the `pp` group, final hidden states last -> 0 in the `pp_back` group. Sends are
+asynchronous (a stage waits for its send of step k - pp_size only, which its peer received long before: each stage
+takes its steps in order and the first stage posts each return receive when it launches the step); receives block.
+So no rank ever waits for a peer that waits for it, on gloo (blocking host calls) as on NCCL (stream-ordered, one
+stream per group), and the two directions never share a channel.
+
+Every stage knows the step's token count from the scheduler output, so the tensors' shapes need no message of their
+own: (hidden, residual) [2, num_tokens, hidden_size] between stages, hidden [num_tokens, hidden_size] back."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch import nn
 
-from pagedllm.distributed.communicator import Communicator
+from pagedllm.distributed.parallel_state import ParallelGroups
+from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
-def pipeline_forward(
-    model: nn.Module,
-    pp: Communicator,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    hidden_size: int,
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """hidden [num_tokens, hidden_size] on the first stage, None on the others."""
-    n, device = positions.shape[0], positions.device
-    if pp.is_first:
-        out = model(input_ids, positions)
-    else:
-        pair = pp.recv(torch.empty((2, n, hidden_size), dtype=dtype, device=device), pp.rank - 1)
-        out = model(None, positions, (pair[0], pair[1]))
-    if pp.is_last:
-        pp.send(out, 0)
-        return None
-    pp.send(torch.stack(out), pp.rank + 1)
-    if not pp.is_first:
-        return None
-    return pp.recv(torch.empty((n, hidden_size), dtype=dtype, device=device), pp.size - 1)
+class Received:
+    """A posted receive: its tensor is valid after wait()."""
+
+    def __init__(self, work, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def done(self) -> bool:
+        """Whether wait() would not block; always on the CPU (a gloo receive completes only in its wait, which
+        raises within the group's timeout when the peer is gone)."""
+        return self.work is None or self.tensor.device.type == "cpu" or self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+class PipelineStage:
+    """One rank's place in the pipeline: runs its layers on what the previous stage sent and sends the result on."""
+
+    def __init__(self, groups: ParallelGroups, hidden_size: int, dtype: torch.dtype) -> None:
+        self.pp, self.back = groups.pp, groups.pp_back
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.sends: deque = deque()  # (work, tensor) of the sends not waited for yet, oldest first
+
+    @classmethod
+    def of(cls, groups: ParallelGroups, model_config) -> PipelineStage | None:
+        """The rank's stage, None with one stage."""
+        if groups.info.pp_size == 1:
+            return None
+        return cls(groups, model_config.hf_config.hidden_size, model_config.dtype)
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp.is_first
+
+    def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> Received | None:
+        """This stage's layers over the step's tokens (inside its forward context), sent on. Returns on the first
+        stage the posted receive of the final hidden states [num_tokens, hidden_size], None on the others."""
+        n, device = positions.shape[-1], positions.device
+        if self.pp.is_first:
+            out = model(input_ids, positions)
+        else:
+            pair = torch.empty((2, n, self.hidden_size), dtype=self.dtype, device=device)
+            self.pp.recv(pair, self.pp.rank - 1)
+            out = model(None, positions, (pair[0], pair[1]))
+        if self.pp.is_last:
+            self._send(self.back, out.contiguous(), 0)
+            return None
+        self._send(self.pp, torch.stack(out), self.pp.rank + 1)
+        if not self.pp.is_first:
+            return None
+        final = torch.empty((n, self.hidden_size), dtype=self.dtype, device=device)
+        return Received(self.back.irecv(final, self.back.size - 1), final)
+
+    def _send(self, comm, x: torch.Tensor, dst: int) -> None:
+        self.sends.append((comm.isend(x, dst), x))
+        while len(self.sends) > self.pp.size:  # the send of pp_size steps ago: received by now (see the docstring)
+            self.sends.popleft()[0].wait()
+
+
+def pipeline_step(runner, so: SchedulerOutput):
+    """A step on a pipeline stage, the runner's batch updated. A later stage runs its layers and sends on (its
+    inputs are hidden states: no token ids, no sampling; returns a finished step); the first stage launches its
+    layers and returns a PendingStep."""
+    if not runner.stage.is_first:
+        runner._run_model(runner._prepare_inputs(so), None)
+        return Finished(ModelRunnerOutput({}))
+    plan = runner.plan_step(so)
+    final = runner._run_model(plan.flat, None if plan.spec else runner._late_inputs(plan.flat))
+    return PendingStep(runner, plan, final)
+
+
+class Finished:
+    """A step with nothing left to do."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
+class PendingStep:
+    """A step launched on the first stage, until the engine takes its result: then the final hidden states are
+    received, the logits computed and the tokens sampled (by the driver; its tensor-parallel peers gather the logits
+    and receive the tokens). done(): whether the hidden states are here."""
+
+    def __init__(self, runner, plan, final: Received) -> None:
+        self.runner, self.plan, self.final = runner, plan, final
+        self._output = None
+
+    def done(self) -> bool:
+        return self._output is not None or self.final.done()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            hidden = self.final.wait()  # [num_tokens, hidden]
+            with torch.inference_mode():
+                runner, plan = self.runner, self.plan
+                self._output = runner.finish_step(plan, hidden, runner.prepare_sampling(plan)).result()
+            self.runner = self.plan = self.final = None
+        return self._output

@@ -251,7 +251,9 @@ class RayExecutor(RanksExecutor):
         try:
             follower_so = self.ray.put(replace(scheduler_output, grammar_bitmask={}))  # the driver alone samples
             self.inflight.extend(a.launch.remote(follower_so) for a in self.actors)
-            return RayStepFuture(self.driver.launch(scheduler_output), self)
+            info = self.driver.info  # with pipeline stages the driver's first-stage peers finish each step with it
+            finishers = self.actors[: info.tp_size - 1] if info.pp_size > 1 else ()
+            return RayStepFuture(self.driver.launch(scheduler_output), self, finishers)
         except BaseException as e:
             raise self._error(e) from e
 
@@ -264,10 +266,13 @@ class RayExecutor(RanksExecutor):
 class RayStepFuture:
     """A step's future that stops waiting, with the actor's error, when an actor's call fails meanwhile."""
 
-    def __init__(self, future, executor: RayExecutor) -> None:
-        self.future, self.executor = future, executor
+    def __init__(self, future, executor: RayExecutor, finishers=()) -> None:
+        self.future, self.executor, self.finishers = future, executor, finishers
 
     def result(self) -> ModelRunnerOutput:
+        if self.finishers:
+            self.executor.inflight.extend(a.call.remote("finish") for a in self.finishers)
+            self.finishers = ()
         while not self.future.done():  # the device may wait on a collective a failed peer will never join
             self.executor.poll()
             time.sleep(0.001)

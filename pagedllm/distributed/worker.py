@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
@@ -70,6 +71,7 @@ class Worker:
         self._end_groups = weakref.finalize(self, self.groups.shutdown)
         self.runner = ModelRunner(config, self.groups)
         self.pending = None  # the launched step whose tokens this rank has not put in its batch yet
+        self.unfinished: deque = deque()  # pipeline stages, first-stage followers: steps launched, not finished
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
@@ -84,7 +86,13 @@ class Worker:
     def launch(self, so: SchedulerOutput):
         """A step on this rank. A follower keeps one step in flight as the engine does: the previous step's tokens
         enter its batch after this one is queued; around a step with drafts they enter before (its inputs are read
-        on the host, and after it only the accepted tokens count)."""
+        on the host, and after it only the accepted tokens count). With pipeline stages, a first-stage follower
+        keeps its launched steps until the engine has it finish them (finish), in the driver's order."""
+        if self.info.pp_size > 1:
+            future = self.runner.launch(so)
+            if self.info.pp_rank == 0 and not self.info.is_driver:
+                self.unfinished.append(future)
+            return future
         if so.scheduled_spec_decode_tokens or getattr(self.pending, "drafts", None) is not None:
             self.commit_pending()
         future = self.runner.launch(so)
@@ -92,6 +100,11 @@ class Worker:
             self.commit_pending()
             self.pending = future
         return future
+
+    def finish(self) -> None:
+        """A first-stage follower with pipeline stages: the oldest launched step's logits (gathered with the driver's)
+        and sampled tokens, as the driver takes that step's result."""
+        self.unfinished.popleft().result()
 
     def commit_pending(self) -> None:
         if self.pending is not None:
@@ -126,7 +139,8 @@ def die_with_parent() -> None:
 def serve(conn: Connection) -> None:
     """A follower's loop: the first message builds the worker (answered twice: once started, so that the ranks
     meet in the groups' rendezvous at about the same time, once built); then each message is (method, args);
-    "launch" gets no answer, the others get ("ok", result) or ("error", traceback). Ends when the engine hangs up."""
+    "launch" and "finish" get no answer, the others get ("ok", result) or ("error", traceback). Ends when the
+    engine hangs up."""
     try:
         config, spec = conn.recv()
         warm_cpu_kernels(config.device.device)
@@ -145,7 +159,7 @@ def serve(conn: Connection) -> None:
             break
         try:
             result = getattr(worker, method)(*args)
-            if method != "launch":
+            if method not in ("launch", "finish"):
                 conn.send(("ok", result))
         except BaseException:
             conn.send(("error", f"rank {spec.info.rank}: {traceback.format_exc()}"))

@@ -2,12 +2,18 @@
 scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer each synchronous
 update is followed by a proposal of draft tokens for the next step. Drafts need synchronous steps (a request's last
 token must be known to draft after it): with both, steps run asynchronously without drafts while the batch is above
-disable_by_batch_size, and synchronously with drafts otherwise (the step on the device ends first)."""
+disable_by_batch_size, and synchronously with drafts otherwise (the step on the device ends first).
+
+With pipeline parallelism (pp_size stages, no speculative proposer) up to pp_size steps are in flight, oldest first
+in a queue: a step schedules and launches one more while the queue has room and something is schedulable, else it
+waits for the oldest and updates from it. The scheduler skips the requests with a step in flight, so the batches in
+flight are disjoint and every stage has work (distributed/pipeline.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
@@ -54,6 +60,15 @@ class EngineCore:
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
+        pp_size = config.parallel.pipeline_parallel_size
+        self.pipeline_depth = pp_size if pp_size > 1 and config.speculative_proposer is None else 0
+        self.scheduler.pipeline_depth = self.pipeline_depth
+        # stages with a proposer: synchronous steps (a stage's step samples only when the engine takes its result)
+        self.async_steps = config.scheduler.async_scheduling and pp_size == 1
+        if config.scheduler.async_scheduling and not self.async_steps:
+            self.scheduler.drafts_enabled = True
+        self.batch_queue: deque = deque()  # (scheduler output, future) of the steps in flight (pipelined)
+        self.max_batches_in_flight = 0  # the most steps with tokens in flight at once so far (pipelined)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
 
     def _num_blocks(self) -> int:
@@ -87,10 +102,12 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.config.scheduler.async_scheduling:
+        if self.pipeline_depth:
+            return self._step_pipelined()
+        if self.async_steps:
             if not self._drafting():
                 if self.config.speculative_proposer is not None:
                     self.scheduler.set_drafts({})  # drafts proposed by a synchronous step are dropped
@@ -159,6 +176,33 @@ class EngineCore:
         if previous is None:
             return []
         so, future = previous
+        try:
+            out = future.result()
+        except BaseException:
+            self._discard(so)
+            raise
+        return self.scheduler.update_from_output(so, out)
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Launches one more step while fewer than pipeline_depth are in flight and one was scheduled (a step with
+        nothing to run still goes out: it tells the runners which requests ended), else updates from the oldest."""
+        queue = self.batch_queue
+        if len(queue) < self.pipeline_depth and self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if not so.num_scheduled_tokens and not queue:
+                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+            try:
+                queue.append((so, self.executor.launch(so)))
+            except BaseException:
+                self._discard(so)
+                raise
+            running = sum(1 for s, _ in queue if s.num_scheduled_tokens)
+            self.max_batches_in_flight = max(self.max_batches_in_flight, running)
+            if so.num_scheduled_tokens and len(queue) < self.pipeline_depth:
+                return []
+        if not queue:
+            return []
+        so, future = queue.popleft()
         try:
             out = future.result()
         except BaseException:

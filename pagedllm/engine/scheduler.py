@@ -21,7 +21,13 @@ With LoRA, at most max_loras distinct adapters are among the running requests (t
 request of another adapter is passed over, keeping its place, until one of theirs finishes.
 
 A prefill chunk never ends inside an image whose tokens attend to each other both ways (Gemma 3): it stops before the
-image, which then waits for a step with budget for all of it (the engine refuses one over max_num_batched_tokens)."""
+image, which then waits for a step with budget for all of it (the engine refuses one over max_num_batched_tokens).
+
+With pipeline parallelism (`pipeline_depth` steps in flight, set by the engine core) a request with a step in flight
+is not scheduled again (it waits for that step's token), so the batches in flight are disjoint, and a step takes at
+most 1 / pipeline_depth of the running requests, so that they split into even batches; a request with a step in
+flight is not preempted either, and one that ends meanwhile (an abort) is reported to the runners once its step is
+done (its runner row holds that step's sampling until then, and counts toward max_num_seqs)."""
 
 from __future__ import annotations
 
@@ -95,6 +101,9 @@ class Scheduler:
         # while the step was on the device must not take that step's token (the step message holds ids only)
         self.step_reqs: dict[int, dict[str, Request]] = {}
         self.failed: list[EngineCoreOutput] = []  # requests ended before running (a grammar failed to compile)
+        self.pipeline_depth = 0  # pipeline parallelism: steps in flight on disjoint batches (0: off; see above)
+        self.ended_in_flight: dict[str, Request] = {}  # ended while a step of theirs is in flight (pipelined)
+        self._busy: set[int] = set()  # id() of the requests with a step in flight, as schedule() began (pipelined)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -108,7 +117,7 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.ended_in_flight:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
@@ -127,7 +136,12 @@ class Scheduler:
                 proposed = validate_drafts(req.grammar, proposed)
             req.spec_token_ids = proposed
 
+    def _in_flight(self) -> set[int]:
+        """id() of the requests that a step in flight has (a step stays in step_reqs until its update)."""
+        return {id(req) for reqs in self.step_reqs.values() for req in reqs.values()}
+
     def schedule(self) -> SchedulerOutput:
+        self._busy = self._in_flight() if self.pipeline_depth else set()
         num_scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         cached_reqs, budget, preempted = self._schedule_running(num_scheduled, spec)
@@ -165,13 +179,15 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        cap = -(-len(self.running) // self.pipeline_depth) if self.pipeline_depth else len(self.running)
+        while i < len(self.running) and budget > 0 and len(cached_reqs) < cap:
             req = self.running[i]
             num_known = req.num_tokens + req.num_output_placeholders  # a placeholder is the input of its next step
             if (
                 num_known <= req.num_computed_tokens
                 or req.num_output_tokens + req.num_output_placeholders >= req.max_tokens
                 or (req.grammar is not None and req.num_output_placeholders)  # its mask needs its last token
+                or id(req) in self._busy  # a step of it is in flight (pipeline parallelism)
             ):  # its last token is still on the device
                 i += 1
                 continue
@@ -188,7 +204,7 @@ class Scheduler:
                 drafts = []
                 new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -205,6 +221,13 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
         return cached_reqs, budget, preempted
+
+    def _victim(self) -> Request:
+        """The newest running request without a step in flight (there is one: the request being scheduled)."""
+        i = len(self.running) - 1
+        while id(self.running[i]) in self._busy:
+            i -= 1
+        return self.running.pop(i)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts the request verifies this step (taking them from it): only when its n tokens reach the end of
@@ -235,7 +258,7 @@ class Scheduler:
         # passed over (they keep their place): until their grammar is compiled, or their adapter gets a slot
         passed: list[Request] = []
         loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.ended_in_flight) < self.max_num_seqs:
             req = self.waiting[0]
             if req.grammar is not None and not req.grammar.ready():
                 passed.append(self.waiting.popleft())
@@ -307,6 +330,8 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self.failed = self.failed, []
         scheduled = self.step_reqs.pop(so.step_id, {})
+        if self.ended_in_flight:
+            self._release_ended()
         spec = so.scheduled_spec_decode_tokens
         for req_id in dict.fromkeys([*out.sampled_token_ids, *out.prompt_logprobs]):
             req = self.requests.get(req_id)
@@ -390,9 +415,20 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.kv.free(req)  # (a step in flight writes its blocks before any later step on each stage reads them)
         self.requests.pop(req.request_id, None)
-        self.finished_req_ids.add(req.request_id)
+        if self.pipeline_depth and id(req) in self._in_flight():
+            self.ended_in_flight[req.request_id] = req
+        else:
+            self.finished_req_ids.add(req.request_id)
+
+    def _release_ended(self) -> None:
+        """Requests that ended with a step in flight reach the runners once no step of theirs is."""
+        busy = self._in_flight()
+        for req_id, req in list(self.ended_in_flight.items()):
+            if id(req) not in busy:
+                del self.ended_in_flight[req_id]
+                self.finished_req_ids.add(req_id)
 
     def discard_requests(self, req_ids: list[str]) -> None:
         """Aborts requests whose last step failed, forgetting the prefix-cache hashes of their blocks."""

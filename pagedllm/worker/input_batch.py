@@ -98,3 +98,11 @@ class InputBatch:
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
+
+    def write_drafts(self, spec: dict[str, list[int]]) -> None:
+        """Drafts go after their request's known tokens, as its inputs (its num_tokens stays: the accepted ones are
+        appended over them when the step commits)."""
+        for req_id, drafts in spec.items():
+            row = self.row_of[req_id]
+            n = self.num_tokens[row]
+            self.token_ids[row, n : n + len(drafts)] = drafts

@@ -14,7 +14,7 @@ from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
 from pagedllm.device import HostCopies, to_device
 from pagedllm.distributed.parallel_state import ParallelGroups, kv_heads_per_rank
-from pagedllm.distributed.pipeline import pipeline_forward
+from pagedllm.distributed.pipeline import PipelineStage, pipeline_step
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
@@ -49,9 +49,25 @@ class FlatBatch:
     sample_mask: np.ndarray  # [num_reqs] whether the request samples a token this step
 
 
+@dataclass
+class StepPlan:
+    """A step's flat batch and its sampled rows, between the forward's launch and the sampling."""
+
+    flat: FlatBatch
+    spec: dict[str, list[int]]  # the drafts each request verifies
+    req_ids: list[str] | None = None  # the requests that sample, in sampled order (None: none)
+    bitmasks: list | None = None  # per sampled request its allowed-token mask or None
+    rows: np.ndarray | None = None  # [num_sampled] their persistent-batch rows
+    num_tokens: np.ndarray | None = None  # [num_sampled] their tokens so far
+    num_drafts: np.ndarray | None = None  # [num_sampled] their drafts (None: a step without)
+    drafts: list[list[int]] | None = None
+    logits_rows: torch.Tensor | None = None  # [num_sampled (+ drafts)] rows of the hidden states to sample from
+
+
 class ModelRunner:
     """One rank's runner. With tensor parallelism every rank of the group runs the same steps on its shard of the
-    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch."""
+    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch. With
+    pipeline stages a step is split in two (distributed/pipeline.py)."""
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
@@ -64,6 +80,7 @@ class ModelRunner:
         self.kv_cache_dtype = config.cache.kv_cache_dtype(config.model.dtype)  # FP8 halves the bytes per block
         self.startup = StartupTimer()  # seconds per start-up phase (pagedllm/startup.py)
         self.on_cuda = self.device.type == "cuda"
+        self.stage = PipelineStage.of(self.groups, config.model)  # this rank's pipeline stage (None: one stage)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
         with self.startup.phase("compile"):  # (the CPU's C kernels build here, once per machine)
@@ -99,7 +116,7 @@ class ModelRunner:
 
     def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
         """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
-        eager = self.config.device.enforce_eager or self.groups.info.pp_size > 1  # (stages run eagerly)
+        eager = self.config.device.enforce_eager or self.stage is not None  # (pipeline stages run eagerly)
         if not self.on_cuda or eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
             return None
         sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
@@ -226,57 +243,70 @@ class ModelRunner:
             self.mm.update(so)
         if not so.num_scheduled_tokens:
             return StepFuture.ready(ModelRunnerOutput({}))
+        if self.stage is not None:  # (pipeline_step: a later stage sends on, the first returns a PendingStep)
+            return pipeline_step(self, so)
         self._wait_for_host_outputs(so)
+        plan = self.plan_step(so)
+        step = self.prepare_sampling(plan)  # the sampler's uploads come before the forward on the device's queue
+        hidden = self._run_model(plan.flat, None if plan.spec else self._late_inputs(plan.flat))
+        return self.finish_step(plan, hidden, step)
+
+    def plan_step(self, so: SchedulerOutput) -> StepPlan:
+        """The step's flat batch and which of its rows sample (their logits rows uploaded now)."""
         spec = so.scheduled_spec_decode_tokens
         if spec:
-            self._write_drafts(spec)
+            self.batch.write_drafts(spec)
         flat = self._prepare_inputs(so)
+        plan = StepPlan(flat, spec)
         sample_idx = np.flatnonzero(flat.sample_mask)  # [num_sampled] the requests that sample this step
-        step = drafts = None
-        if len(sample_idx):  # the sampler's uploads come before the forward on the device's queue
-            sample_req_ids = [flat.req_ids[i] for i in sample_idx.tolist()]
-            bitmasks = [so.grammar_bitmask.get(r) for r in sample_req_ids] if so.grammar_bitmask else None
-            logits_rows = flat.query_start_loc[1:][sample_idx] - 1  # [num_sampled]
-            rows, num_tokens, num_drafts = flat.rows[sample_idx], flat.seq_lens[sample_idx], None
-            if spec:  # a target token at each request's last known position and at each of its draft positions
-                drafts = [spec.get(r, []) for r in sample_req_ids]
-                num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
-                logits_rows, num_tokens = logits_positions(logits_rows + 1, num_drafts), num_tokens - num_drafts
-            logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
-            step = self.sampler.prepare(rows, num_tokens, bitmasks, num_drafts) if self.is_driver else rows
-        hidden = self._run_model(flat, None if spec else self._late_inputs(flat))  # [num_tokens, hidden] | None
-        if self.drafter is not None and hidden is not None:  # an EAGLE head reads the target's hidden states
+        if not len(sample_idx):
+            return plan
+        plan.req_ids = [flat.req_ids[i] for i in sample_idx.tolist()]
+        plan.bitmasks = [so.grammar_bitmask.get(r) for r in plan.req_ids] if so.grammar_bitmask else None
+        logits_rows = flat.query_start_loc[1:][sample_idx] - 1  # [num_sampled]
+        plan.rows, plan.num_tokens = flat.rows[sample_idx], flat.seq_lens[sample_idx]
+        if spec:  # a target token at each request's last known position and at each of its draft positions
+            drafts = [spec.get(r, []) for r in plan.req_ids]
+            plan.num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+            logits_rows = logits_positions(logits_rows + 1, plan.num_drafts)
+            plan.num_tokens = plan.num_tokens - plan.num_drafts
+            plan.drafts = drafts
+        plan.logits_rows = self._to_device(logits_rows)  # [num_sampled (+ their drafts)]
+        return plan
+
+    def prepare_sampling(self, plan: StepPlan):
+        """The driver's sampler inputs for the plan's sampled rows (other ranks: the rows; None: nothing samples)."""
+        if plan.req_ids is None:
+            return None
+        if not self.is_driver:
+            return plan.rows
+        return self.sampler.prepare(plan.rows, plan.num_tokens, plan.bitmasks, plan.num_drafts)
+
+    def finish_step(self, plan: StepPlan, hidden: torch.Tensor, step) -> StepFuture:
+        """After the forward (hidden [num_tokens, hidden]): prompt logprobs and the sampled tokens."""
+        flat, spec = plan.flat, plan.spec
+        if self.drafter is not None:  # an EAGLE head reads the target's hidden states
             self.drafter.record_step(flat, hidden, spec)
-        prompt_lps = self._prompt_logprobs(hidden, flat) if hidden is not None else {}  # (later stages: None)
+        prompt_lps = self._prompt_logprobs(hidden, flat)
         if step is None:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
-        output = self._sample(hidden[logits_rows] if hidden is not None else None, step, len(logits_rows))
-        sampled_rows = step.rows if self.is_driver else np.repeat(step, (num_drafts + 1) if spec else 1)
-        self.last_step = StepFuture(self, sample_req_ids, sampled_rows, output, prompt_lps, drafts)
+        output = self._sample(hidden[plan.logits_rows], step, len(plan.logits_rows))
+        sampled_rows = step.rows if self.is_driver else np.repeat(step, (plan.num_drafts + 1) if spec else 1)
+        self.last_step = StepFuture(self, plan.req_ids, sampled_rows, output, prompt_lps, plan.drafts)
         return self.last_step
 
-    def _sample(self, hidden: torch.Tensor | None, step, n: int) -> SamplerOutput:
-        """The driver samples n tokens from the logits of hidden [n, hidden]; the other ranks of the first pipeline
-        stage take part in the logits' gather, and every rank receives the sampled tokens (hidden is None on later
-        stages)."""
-        if hidden is not None:
-            upcast = self.sampler.needs_float32(step) if self.is_driver else False
-            logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
+    def _sample(self, hidden: torch.Tensor, step, n: int) -> SamplerOutput:
+        """The driver samples n tokens from the logits of hidden [n, hidden]; the other ranks of its stage take part
+        in the logits' gather. The sampled tokens reach every rank (with pipeline stages, the first stage's ranks
+        only: the later ones take hidden states, not tokens)."""
+        upcast = self.sampler.needs_float32(step) if self.is_driver else False
+        logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
         if self.is_driver:
             output = self.sampler.sample(logits, step)
         else:
             output = SamplerOutput(torch.empty(n, dtype=torch.int64, device=self.device), None)
-        self.groups.world.broadcast(output.sampled, 0)
+        (self.groups.tp if self.stage is not None else self.groups.world).broadcast(output.sampled, 0)
         return output
-
-    def _write_drafts(self, spec: dict[str, list[int]]) -> None:
-        """Drafts go after their request's known tokens in the persistent batch, as its inputs (its num_tokens stays:
-        the accepted ones are appended over them when the step commits)."""
-        b = self.batch
-        for req_id, drafts in spec.items():
-            row = b.row_of[req_id]
-            n = b.num_tokens[row]
-            b.token_ids[row, n : n + len(drafts)] = drafts
 
     def _wait_for_host_outputs(self, so: SchedulerOutput) -> None:
         """Penalties and the like read the output tokens on the host: where a row does, the previous step's tokens
@@ -327,16 +357,19 @@ class ModelRunner:
             input_ids.index_copy_(0, *late)
         lora = self.lora.mapping(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
         with forward_context(meta, lora):
+            if self.stage is not None:  # this stage's layers, sent on (the first stage: the final hidden's receive)
+                return self.stage.run(self.model, input_ids, self._to_device(positions))
             return self.forward(input_ids, self._to_device(positions), mm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> torch.Tensor | None:
         """The model over the step's tokens (inside its forward context): hidden [num_tokens, hidden]; with
-        pipeline parallelism through every stage, and None on the stages after the first. mm: (flat rows [n],
-        embeddings [n, hidden]) of image placeholder tokens (a vision-language model's)."""
-        if self.groups.info.pp_size == 1:
+        pipeline parallelism through every stage and back (the memory profile's forward), and None on the stages
+        after the first. mm: (flat rows [n], embeddings [n, hidden]) of image placeholder tokens (a vision-language
+        model's)."""
+        if self.stage is None:
             return self.model(input_ids, positions) if mm is None else self.model(input_ids, positions, mm_embeds=mm)
-        m = self.config.model
-        return pipeline_forward(self.model, self.groups.pp, input_ids, positions, m.hf_config.hidden_size, m.dtype)
+        final = self.stage.run(self.model, input_ids, positions)
+        return None if final is None else final.wait()
 
     def _late_inputs(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Input tokens the previous step sampled that have not reached the host (async scheduling): their

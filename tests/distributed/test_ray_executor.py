@@ -1,6 +1,6 @@
 """The Ray executor: a Ray cluster of two nodes on this machine (a head and a second node, one CPU each, custom
-resources node_a and node_b), tensor parallelism over both (gloo, float32) with one rank on each node, gives the
-greedy tokens and logprobs of one process; a killed actor fails generate within 10 s; data parallelism with a
+resources node_a and node_b), tensor or pipeline parallelism over both (gloo, float32) with one rank on each node,
+gives the greedy tokens and logprobs of one process; a killed actor fails generate within 10 s; data parallelism with a
 replica in a Ray actor. Also: the default backend's choice and the missing-extra error."""
 
 from __future__ import annotations
@@ -127,11 +127,15 @@ def _assert_matches(got: list, expected: list) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_across_two_ray_nodes_matches_one_process(two_node_cluster, tiny_llama):
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda lay: f"tp{lay[0]}-pp{lay[1]}")
+def test_two_ranks_across_two_ray_nodes_match_one_process(layout, two_node_cluster, tiny_llama):
+    """TP=2, and PP=2 with its two batches in flight (the later stage's actor takes its steps in order)."""
     ray = two_node_cluster
     path, expected = tiny_llama
     prompts = PROMPTS
-    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", max_num_batched_tokens=16, **BASE)
+    tp, pp = layout
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="ray",
+              max_num_batched_tokens=16, **BASE)  # fmt: skip
     try:
         executor = llm.llm_engine.core.executor
         assert isinstance(executor, ray_executor.RayExecutor)
@@ -140,6 +144,7 @@ def test_tp2_across_two_ray_nodes_matches_one_process(two_node_cluster, tiny_lla
         assert len(set(ranks)) == 2, ranks  # one rank on each node
         assert {k for r in ranks for k in nodes[r] if k.startswith("node_")} == {"node_a", "node_b"}
         _assert_matches(_greedy(llm, prompts), expected)
+        assert llm.llm_engine.core.max_batches_in_flight == (2 if pp == 2 else 0)
     finally:
         llm.llm_engine.shutdown()
     for actor in executor.actors:  # ended with the engine

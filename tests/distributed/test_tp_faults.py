@@ -1,5 +1,5 @@
-"""Worker faults under tensor parallelism: a worker that dies or hangs makes generate raise a clear error within
-10 s (no hang); the engine's process ending by SIGTERM or Ctrl-C leaves no worker behind."""
+"""Worker faults under tensor and pipeline parallelism: a worker that dies or hangs makes generate raise a clear
+error within 10 s (no hang); the engine's process ending by SIGTERM or Ctrl-C leaves no worker behind."""
 
 from __future__ import annotations
 
@@ -46,9 +46,11 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda lay: f"tp{lay[0]}-pp{lay[1]}")
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_dead_or_hung_worker_fails_generate_quickly(how, llama_path):
-    llm = LLM(llama_path, tensor_parallel_size=2, **ENGINE)
+def test_dead_or_hung_worker_fails_generate_quickly(how, layout, llama_path):
+    """With two pipeline stages the worker is the last stage, which the first waits on for each step's result."""
+    llm = LLM(llama_path, tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1], **ENGINE)
     executor = llm.llm_engine.core.executor
     worker = executor.procs[0]
     try:
