@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.structured_output.manager import fill_bitmasks, validate_drafts
+from pagedllm.structured_output.manager import BitmaskFiller, validate_drafts
 from pagedllm.worker.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -101,6 +101,7 @@ class Scheduler:
         # while the step was on the device must not take that step's token (the step message holds ids only)
         self.step_reqs: dict[int, dict[str, Request]] = {}
         self.failed: list[EngineCoreOutput] = []  # requests ended before running (a grammar failed to compile)
+        self.bitmasks = BitmaskFiller()  # a step's grammar masks, filled while its forward runs
         self.pipeline_depth = 0  # pipeline parallelism: steps in flight on disjoint batches (0: off; see above)
         self.ended_in_flight: dict[str, Request] = {}  # ended while a step of theirs is in flight (pipelined)
         self._busy: set[int] = set()  # id() of the requests with a step in flight, as schedule() began (pipelined)
@@ -163,7 +164,7 @@ class Scheduler:
             self.finished_req_ids,
             self.preempted_req_ids,
             self.num_steps,
-            grammar_bitmask=fill_bitmasks(grammars, spec),  # with drafts: one mask per verified position
+            grammar_bitmask=self.bitmasks.submit(grammars, spec),  # with drafts: one mask per verified position
             scheduled_spec_decode_tokens=spec,
         )
         self.step_reqs[self.num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -216,6 +217,47 @@ def fill_bitmasks(grammars: dict, drafts: dict[str, list[int]] | None = None) ->
             for state, row in zip(states, rows):
                 state.fill_bitmask(tensor, row)
     return masks
+
+
+class PendingBitmasks(Mapping):
+    """A step's bitmasks (req id -> mask, as fill_bitmasks returns) being filled on the filler's thread while the
+    step's forward is queued and runs: the runner reads them only for its sampler, after launching the forward.
+    Pickled for another rank it is an empty dict: only the driver rank samples."""
+
+    pending = True
+
+    def __init__(self, future: Future, req_ids: list[str]) -> None:
+        self.future, self.req_ids = future, req_ids
+
+    def __getitem__(self, req_id: str) -> np.ndarray:
+        return self.future.result()[req_id]
+
+    def __iter__(self):
+        return iter(self.req_ids)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __bool__(self) -> bool:
+        return bool(self.req_ids)
+
+    def __reduce__(self):
+        return dict, ()
+
+
+class BitmaskFiller:
+    """Fills each step's bitmasks on one thread of its own (not the grammar compiler's, which a slow compile may
+    hold): the scheduler hands the step over and returns; the runner waits for the masks right before sampling."""
+
+    def __init__(self) -> None:
+        self.pool: ThreadPoolExecutor | None = None
+
+    def submit(self, grammars: dict, drafts: dict[str, list[int]]) -> PendingBitmasks | dict:
+        if not grammars:
+            return {}
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
+        return PendingBitmasks(self.pool.submit(fill_bitmasks, grammars, drafts), list(grammars))
 
 
 def validate_drafts(grammar, drafts: list[int]) -> list[int]:

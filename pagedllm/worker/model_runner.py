@@ -3,7 +3,7 @@ KV cache, runs the model and samples the requests that reached the end of their 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +56,7 @@ class StepPlan:
     flat: FlatBatch
     spec: dict[str, list[int]]  # the drafts each request verifies
     req_ids: list[str] | None = None  # the requests that sample, in sampled order (None: none)
-    bitmasks: list | None = None  # per sampled request its allowed-token mask or None
+    bitmasks: Mapping | None = None  # req id -> allowed-token mask of the masked requests (None: none)
     rows: np.ndarray | None = None  # [num_sampled] their persistent-batch rows
     num_tokens: np.ndarray | None = None  # [num_sampled] their tokens so far
     num_drafts: np.ndarray | None = None  # [num_sampled] their drafts (None: a step without)
@@ -247,9 +247,12 @@ class ModelRunner:
             return pipeline_step(self, so)
         self._wait_for_host_outputs(so)
         plan = self.plan_step(so)
+        late = None if plan.spec else self._late_inputs(plan.flat)
+        if getattr(so.grammar_bitmask, "pending", False):  # masks still being filled: read after the forward is queued
+            hidden = self._run_model(plan.flat, late)
+            return self.finish_step(plan, hidden, self.prepare_sampling(plan))
         step = self.prepare_sampling(plan)  # the sampler's uploads come before the forward on the device's queue
-        hidden = self._run_model(plan.flat, None if plan.spec else self._late_inputs(plan.flat))
-        return self.finish_step(plan, hidden, step)
+        return self.finish_step(plan, self._run_model(plan.flat, late), step)
 
     def plan_step(self, so: SchedulerOutput) -> StepPlan:
         """The step's flat batch and which of its rows sample (their logits rows uploaded now)."""
@@ -262,7 +265,7 @@ class ModelRunner:
         if not len(sample_idx):
             return plan
         plan.req_ids = [flat.req_ids[i] for i in sample_idx.tolist()]
-        plan.bitmasks = [so.grammar_bitmask.get(r) for r in plan.req_ids] if so.grammar_bitmask else None
+        plan.bitmasks = so.grammar_bitmask or None  # (read in prepare_sampling: they may still be being filled)
         logits_rows = flat.query_start_loc[1:][sample_idx] - 1  # [num_sampled]
         plan.rows, plan.num_tokens = flat.rows[sample_idx], flat.seq_lens[sample_idx]
         if spec:  # a target token at each request's last known position and at each of its draft positions
@@ -280,7 +283,8 @@ class ModelRunner:
             return None
         if not self.is_driver:
             return plan.rows
-        return self.sampler.prepare(plan.rows, plan.num_tokens, plan.bitmasks, plan.num_drafts)
+        bitmasks = [plan.bitmasks.get(r) for r in plan.req_ids] if plan.bitmasks else None
+        return self.sampler.prepare(plan.rows, plan.num_tokens, bitmasks, plan.num_drafts)
 
     def finish_step(self, plan: StepPlan, hidden: torch.Tensor, step) -> StepFuture:
         """After the forward (hidden [num_tokens, hidden]): prompt logprobs and the sampled tokens."""

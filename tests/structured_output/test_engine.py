@@ -278,3 +278,47 @@ def test_speculative_decoding_keeps_the_constrained_outputs(tiny_llm, tiny_char_
         got = [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
         assert got == expected
     assert llm.llm_engine.core.scheduler.num_draft_tokens > 0  # constrained requests speculate
+
+
+def test_pending_bitmasks_resolve_on_read_and_pickle_empty():
+    """A step's masks are a mapping over a future; another rank (which never samples) gets an empty dict."""
+    import pickle
+    from concurrent.futures import Future
+
+    import numpy as np
+
+    from pagedllm.structured_output.manager import PendingBitmasks
+
+    future = Future()
+    masks = PendingBitmasks(future, ["a"])
+    assert masks and list(masks) == ["a"] and len(masks) == 1 and not future.done()
+    assert pickle.loads(pickle.dumps(masks)) == {}
+    future.set_result({"a": np.array([5], dtype=np.int32)})
+    assert masks["a"].tolist() == [5] and masks.get("b") is None
+
+
+def test_masks_are_filled_while_the_forward_runs(tiny_llm, monkeypatch):
+    """The runner launches a constrained step's forward before it reads the masks, which the scheduler's filler
+    thread fills meanwhile: with a slow fill, every forward starts before its step's masks are done."""
+    from pagedllm.structured_output import manager
+    from pagedllm.worker.model_runner import ModelRunner
+
+    events, fill, run_model = [], manager.fill_bitmasks, ModelRunner._run_model
+
+    def slow_fill(*args):
+        time.sleep(0.05)
+        out = fill(*args)
+        events.append("filled")
+        return out
+
+    def recorded_run_model(self, *args):
+        events.append("forward")
+        return run_model(self, *args)
+
+    monkeypatch.setattr(manager, "fill_bitmasks", slow_fill)
+    monkeypatch.setattr(ModelRunner, "_run_model", recorded_run_model)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-c]{4}"))
+    out = tiny_llm.generate(["x"], params, use_tqdm=False)
+    assert re.fullmatch("[a-c]{4}", out[0].outputs[0].text)
+    assert events.count("filled") == 4 and events[:2] == ["forward", "filled"]
+    assert all(events[i] == "forward" for i in range(len(events) - 1) if events[i + 1] == "filled")
