@@ -61,15 +61,14 @@ def assert_close(out, ref, dtype):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles small enough for the interpreter (and for several column blocks and K splits on tiny shapes)."""
-    monkeypatch.setattr(gemv, "BLOCK_N", 32)
-    monkeypatch.setattr(gemv, "BLOCK_K", 32)
+    monkeypatch.setattr(gemv, "CONFIGS", {bm: (32, 32, 1, 4) for bm in (1, 2, 4, 8)})
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "n,k,group", [(17, 64, 32), (70, 256, 64), (40, 130, 128), (33, 96, 96), (48, 200, 40), (24, 40, 8)]
 )
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_gemv(bits, n, k, group, m, small_tiles):
     asym, bias = (m + n) % 2 == 0, m % 2 == 1
     x, qweight, scales, zeros, b, _, w = make_case(m, n, k, bits, group, asym, bias, seed=m * 1000 + n + k)
@@ -87,7 +86,7 @@ def test_split_k_reduction(bits, asym, fused, small_tiles, monkeypatch):
     monkeypatch.setattr(gemv, "FUSED_REDUCE", fused)
     monkeypatch.setattr(gemv, "sm_count", lambda device: 64)
     x, qweight, scales, zeros, b, _, w = make_case(5, 70, 512, bits, 64, asym, True, seed=9)
-    splits, k_split = gemv.plan_splits(70, 512, 32, 64)
+    splits, k_split = gemv.plan_splits(70, 512, 32, 32, 4, 64)
     assert (splits, k_split) == (16, 32)
     out = gemv.wna16_gemv(x, qweight, scales, zeros, b, bits, 64)
     assert_close(out, reference(x, w, b), torch.float32)
@@ -124,15 +123,16 @@ def test_matches_tensor_core_kernel(bits, group, asym, m, small_tiles):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_block_k_choice(monkeypatch):
+def test_block_k_choice():
     """One scale row per K step wherever a step of at least two words divides the group; channel-wise scales take
     the widest step whatever K is."""
-    monkeypatch.setattr(gemv, "BLOCK_K", 128)
-    assert gemv.block_k_for(128, 4, 4096) == (128, True)
-    assert gemv.block_k_for(32, 4, 4096) == (32, True)
-    assert gemv.block_k_for(8, 4, 4096) == (128, False)  # one word per step: the gather instead
-    assert gemv.block_k_for(8, 8, 4096) == (8, True)
-    assert gemv.block_k_for(4100, 4, 4100) == (128, True)
+    assert gemv.block_k_for(128, 4, 4096, 128) == (128, True)
+    assert gemv.block_k_for(32, 4, 4096, 128) == (32, True)
+    assert gemv.block_k_for(8, 4, 4096, 128) == (128, False)  # one word per step: the gather instead
+    assert gemv.block_k_for(8, 8, 4096, 128) == (8, True)
+    assert gemv.block_k_for(4100, 4, 4100, 128) == (128, True)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        gemv.wna16_gemv(*make_case(9, 8, 32, 4, 32, False, False, seed=0)[:5], 4, 32)
 
 
 def test_linear_routes_decode_batches(monkeypatch):

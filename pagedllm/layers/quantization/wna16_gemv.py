@@ -7,7 +7,8 @@ with few instructions per value, so it runs on the CUDA cores (float32 FMA), not
 - each program loads a [BLOCK_K / pack, BLOCK_N] tile of packed words once (rows of N-contiguous words), and takes
   value j of every word with one and-or: the value's bits masked in place under the exponent of 2**23 make the
   float32 2**23 + q * 2**(bits * j), and subtracting 2**23 + zero * 2**(bits * j) leaves (q - zero) * 2**(bits * j)
-  exactly; the activations of value j come pre-scaled by 2**-(bits * j) (values past bit 23 are shifted down first);
+  exactly (the upper half word is shifted down first, so no value passes bit 23); the factor 2**(bits * j) comes
+  out of per-position sums at M = 1 and out of the activations (scaled by 2**-(bits * j)) for more rows;
 - one scale row per K step (BLOCK_K divides the group size): the dot products of a step are summed unscaled and
   multiplied by the group's scale once per output;
 - K is split over programs so that every SM is busy; the float32 partials [S, M, N] are summed in the order
@@ -23,11 +24,15 @@ import torch
 from pagedllm.layers.quantization.fp8_gemv import sm_count, split_k_reduce_kernel
 from pagedllm.layers.quantization.fp8_ops import triton
 
-GEMV_MAX_M = 8  # batches up to this many rows take the GEMV (M FMAs per unpacked value: beyond 8, the tensor cores)
-BLOCK_N = 256  # output columns per program (>= 4 * 32 * NUM_WARPS keeps a program's K rows in each thread)
-BLOCK_K = 128  # input features per step (a multiple of every pack factor)
-NUM_WARPS = 2
-PROGRAMS_PER_SM = 4  # programs wanted per SM before K stops being split
+# Batches up to this many rows take the GEMV. Per 4-bit value: one and-or, one add, then M FMAs and the activation
+# loads; an H100 issues about 4.4 instructions per value at full memory speed, so M = 1 (about 3.4, compiled) runs near
+# the weight read, M = 4 at about half of it, and M = 8 (about 22) near bf16's time: there, the tensor cores.
+GEMV_MAX_M = 4
+# per BLOCK_M (M rounded up to 1, 2, 4, 8): (BLOCK_N output columns per program, BLOCK_K input features per step,
+# warps, programs wanted per SM before K stops being split). BLOCK_N >= 4 * 32 * warps keeps a step's K rows in each
+# thread (no shuffles); larger BLOCK_N reuses each activation over more columns; the ones here compile for sm_90
+# without spilling registers
+CONFIGS = {1: (256, 128, 2, 4), 2: (256, 64, 2, 4), 4: (512, 16, 2, 4), 8: (256, 16, 2, 4)}
 FUSED_REDUCE = True  # the last program of a column block sums the K splits (else: a second launch)
 MAX_COUNTERS = 1 << 14  # arrival counters per device (column blocks of one launch)
 
@@ -38,8 +43,49 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def values_of(
+        src, z, cb_ptr, s_ptr, z_ptr, k, offs_n, mask_n, N, K, group_size, magic,
+        POS: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr, CODEBOOK: tl.constexpr,
+    ):  # fmt: skip
+        """The values at position POS of the words src [ROWS, BLOCK_N] (input features k [ROWS]) as float32. One group
+        per step: (q - zero) * 2**(BITS * POS), or codebook[q]; else the weight itself, each value scaled by its own
+        group's scale (a gather)."""
+        if ONE_GROUP and not CODEBOOK:
+            # 2**23 + q * 2**(BITS * POS) minus 2**23 + zero * 2**(BITS * POS): exactly (q - zero) * 2**(BITS * POS)
+            biased = ((src & (((1 << BITS) - 1) << (BITS * POS))) | magic).to(tl.float32, bitcast=True)
+            v = biased - (8388608.0 + z * (1 << (BITS * POS)))[None, :]
+        else:
+            code = (src >> (BITS * POS)) & ((1 << BITS) - 1)
+            if CODEBOOK:
+                v = tl.load(cb_ptr + code)  # a 2**BITS-entry table: cache hits
+            else:
+                v = code.to(tl.float32)
+            if not ONE_GROUP:
+                gk = (k // group_size)[:, None] * N + offs_n[None, :]
+                mask = (k < K)[:, None] & mask_n[None, :]
+                if HAS_ZP:
+                    v -= tl.load(z_ptr + gk, mask=mask, other=0.0)
+                elif not CODEBOOK:
+                    v -= 1 << (BITS - 1)
+                v *= tl.load(s_ptr + gk, mask=mask, other=0.0)
+        return v
+
+    @triton.jit
+    def row_dot(x_ptrs, offset, limit, k, K, v, x_scale, MASKED: tl.constexpr, FIRST: tl.constexpr):
+        """sum over the step's rows of x * x_scale * v [ROWS, BLOCK_N] -> [BLOCK_N], x [ROWS] the activations of one
+        row at x_ptrs + offset (its index times the row stride), zeros where offset >= limit (past M) unless FIRST
+        (row 0: always there)."""
+        if MASKED:
+            x = tl.load(x_ptrs + offset, mask=(k < K) & (offset < limit), other=0.0)
+        elif FIRST:
+            x = tl.load(x_ptrs + offset)
+        else:
+            x = tl.load(x_ptrs + offset, mask=offset < limit, other=0.0)
+        return tl.sum((x.to(tl.float32) * x_scale)[:, None] * v, axis=0)
+
+    @triton.jit
     def gemv_step(
-        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_m, mask_n, N, K, group_size, stride_xm,
+        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size, stride_xm,
         magic, sixteen,
         BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr, CODEBOOK: tl.constexpr,
         MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -48,11 +94,12 @@ if triton is not None:
         (w / scale of the step's group) when ONE_GROUP, else scaled. MASKED: the step may pass K (else no K masks,
         so the activation loads take constant offsets). magic = 0x4B000000 and sixteen = 16 come as arguments, not
         literals: with a literal magic the and-or takes two instructions (two immediates), and with a literal shift
-        the compiler rewrites each use of the high half into its own shift."""
+        the compiler rewrites each use of the high half into its own shift. Rows of x: one accumulator each
+        (a [BLOCK_M, ROWS, BLOCK_N] product would spill)."""
         PACK: tl.constexpr = 32 // BITS
         HALF: tl.constexpr = PACK // 2  # values per 16-bit half word: in place under the float32 exponent
-        MASK: tl.constexpr = (1 << BITS) - 1
         ROWS: tl.constexpr = BLOCK_K // PACK
+        IN_PLACE: tl.constexpr = ONE_GROUP and not CODEBOOK
         offs_r = tl.arange(0, ROWS)
         w_ptrs = qw_ptr + (start // PACK) * N + (offs_r[:, None] * N + offs_n[None, :])  # [ROWS, BLOCK_N]
         if MASKED:
@@ -60,66 +107,57 @@ if triton is not None:
         else:
             words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)  # [ROWS, BLOCK_N] int32
         high = words >> sixteen  # values HALF..PACK-1 at bits [0, 16)
-        if ONE_GROUP:
-            if HAS_ZP:
-                z = tl.load(z_ptr + (start // group_size) * N + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
-            else:
-                z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
-        IN_PLACE: tl.constexpr = ONE_GROUP and not CODEBOOK
-        # IN_PLACE: the sums of value position i = j % HALF apart, in units of 2**-(BITS * i), scaled once at the end
-        t0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        t1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        t2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        t3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+        if ONE_GROUP and HAS_ZP:
+            z = tl.load(z_ptr + (start // group_size) * N + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
+        # M = 1 and IN_PLACE: the sums of value position i = j % HALF apart (t_i, in units of 2**-(BITS * i)),
+        # scaled once at the end; more rows: x scaled by 2**-(BITS * i) instead, a_m the sum of row m
+        t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        t1, t2, t3 = t0, t0, t0
+        a0, a1, a2, a3, a4, a5, a6, a7 = t0, t0, t0, t0, t0, t0, t0, t0
         for j in tl.static_range(PACK):
-            src = words if j < HALF else high
             k = start + offs_r * PACK + j  # [ROWS] input feature of value j of each word
+            v = values_of(
+                words if j < HALF else high, z, cb_ptr, s_ptr, z_ptr, k, offs_n, mask_n, N, K, group_size, magic,
+                j % HALF, BITS, HAS_ZP, ONE_GROUP, CODEBOOK,
+            )  # fmt: skip
             # the step's base pointer, then constant offsets (the loads take them as immediates)
-            x_ptrs = (x_ptr + start) + (offs_m[:, None] * stride_xm + (offs_r * PACK + j)[None, :])
-            if MASKED:
-                xj = tl.load(x_ptrs, mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
-            elif BLOCK_M == 1:
-                xj = tl.load(x_ptrs)
-            else:
-                xj = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            xj = xj.to(tl.float32)  # [BLOCK_M, ROWS]
-            if not IN_PLACE:
-                code = (src >> (BITS * (j % HALF))) & MASK  # [ROWS, BLOCK_N]
-                if CODEBOOK:
-                    v = tl.load(cb_ptr + code)  # a 2**BITS-entry table: cache hits
-                else:
-                    v = code.to(tl.float32)
-                if not ONE_GROUP:
-                    gk = (k // group_size)[:, None] * N + offs_n[None, :]
-                    mask = (k < K)[:, None] & mask_n[None, :]
-                    s = tl.load(s_ptr + gk, mask=mask, other=0.0)
-                    if HAS_ZP:
-                        v = (v - tl.load(z_ptr + gk, mask=mask, other=0.0)) * s
-                    elif CODEBOOK:
-                        v = v * s
-                    else:
-                        v = (v - (1 << (BITS - 1))) * s
-            else:
-                # with i = j % HALF: 2**23 + q * 2**(BITS * i) minus 2**23 + zero * 2**(BITS * i) is exactly
-                # (q - zero) * 2**(BITS * i)
-                biased = ((src & (MASK << (BITS * (j % HALF)))) | magic).to(tl.float32, bitcast=True)
-                v = biased - (8388608.0 + z * (1 << (BITS * (j % HALF))))[None, :]
+            x_ptrs = (x_ptr + start) + (offs_r * PACK + j)
             if BLOCK_M == 1:
-                d = tl.sum(xj.reshape(ROWS)[:, None] * v, axis=0)[None, :]
+                d = row_dot(x_ptrs, 0, M, k, K, v, 1.0, MASKED, True)
+                if not IN_PLACE or j % HALF == 0:
+                    t0 += d
+                elif j % HALF == 1:
+                    t1 += d
+                elif j % HALF == 2:
+                    t2 += d
+                else:
+                    t3 += d
             else:
-                d = tl.sum(xj[:, :, None] * v[None, :, :], axis=1)
-            if not IN_PLACE or j % HALF == 0:
-                t0 += d
-            elif j % HALF == 1:
-                t1 += d
-            elif j % HALF == 2:
-                t2 += d
-            else:
-                t3 += d
-        if IN_PLACE:  # powers of two: exact
-            unit: tl.constexpr = 1.0 / (1 << BITS)
-            t0 += t1 * unit + t2 * (unit * unit) + t3 * (unit * unit * unit)
-        return t0
+                x_scale = 1.0 / (1 << (BITS * (j % HALF) * IN_PLACE))
+                a0 += row_dot(x_ptrs, 0, M, k, K, v, x_scale, MASKED, True)
+                a1 += row_dot(x_ptrs, stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+                if BLOCK_M > 2:
+                    a2 += row_dot(x_ptrs, 2 * stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+                    a3 += row_dot(x_ptrs, 3 * stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+                if BLOCK_M > 4:
+                    a4 += row_dot(x_ptrs, 4 * stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+                    a5 += row_dot(x_ptrs, 5 * stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+                    a6 += row_dot(x_ptrs, 6 * stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+                    a7 += row_dot(x_ptrs, 7 * stride_xm, M * stride_xm, k, K, v, x_scale, MASKED, False)
+        if BLOCK_M == 1:
+            if IN_PLACE:  # powers of two: exact
+                unit: tl.constexpr = 1.0 / (1 << BITS)
+                t0 += t1 * unit + t2 * (unit * unit) + t3 * (unit * unit * unit)
+            return t0[None, :]
+        rows = offs_m[:, None]  # [BLOCK_M, 1]
+        t = tl.where(rows == 0, a0[None, :], a1[None, :])
+        if BLOCK_M > 2:
+            t = tl.where(rows == 2, a2[None, :], tl.where(rows == 3, a3[None, :], t))
+        if BLOCK_M > 4:
+            t = tl.where(rows == 4, a4[None, :], tl.where(rows == 5, a5[None, :], t))
+            t = tl.where(rows == 6, a6[None, :], tl.where(rows == 7, a7[None, :], t))
+        return t
 
     # M only bounds masks: one compiled variant per BLOCK_M
     @triton.jit(do_not_specialize=["M", "magic", "sixteen"])
@@ -145,12 +183,12 @@ if triton is not None:
         for start in range(k_lo, k_hi, BLOCK_K):
             if start < k_even:
                 t = gemv_step(
-                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_m, mask_n, N, K, group_size,
+                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
                     stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, False, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
             else:
                 t = gemv_step(
-                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_m, mask_n, N, K, group_size,
+                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
                     stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, True, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
             if ONE_GROUP:
@@ -177,24 +215,24 @@ if triton is not None:
             tl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def block_k_for(group_size: int, bits: int, k: int) -> tuple[int, bool]:
-    """(BLOCK_K, one group per K step): BLOCK_K for one group over all of K, else the largest of BLOCK_K,
-    BLOCK_K / 2, ... (at least two packed words) that divides the group size, else BLOCK_K with a per-value gather."""
+def block_k_for(group_size: int, bits: int, k: int, block_k: int) -> tuple[int, bool]:
+    """(BLOCK_K, one group per K step): block_k for one group over all of K, else the largest of block_k,
+    block_k / 2, ... (at least two packed words) that divides the group size, else block_k with a per-value gather."""
     if group_size >= k:
-        return BLOCK_K, True
-    block_k = BLOCK_K
-    while block_k >= 2 * (32 // bits):
-        if group_size % block_k == 0:
-            return block_k, True
-        block_k //= 2
-    return BLOCK_K, False
+        return block_k, True
+    step = block_k
+    while step >= 2 * (32 // bits):
+        if group_size % step == 0:
+            return step, True
+        step //= 2
+    return block_k, False
 
 
-def plan_splits(n: int, k: int, block_k: int, sms: int) -> tuple[int, int]:
-    """(number of K splits, K per split: a multiple of block_k) for about PROGRAMS_PER_SM programs per SM."""
+def plan_splits(n: int, k: int, block_n: int, block_k: int, programs_per_sm: int, sms: int) -> tuple[int, int]:
+    """(number of K splits, K per split: a multiple of block_k) for about programs_per_sm programs per SM."""
     chunks = triton.cdiv(k, block_k)
-    grid_n = triton.cdiv(n, BLOCK_N)
-    want = max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * sms, grid_n)))
+    grid_n = triton.cdiv(n, block_n)
+    want = max(1, min(chunks, triton.cdiv(programs_per_sm * sms, grid_n)))
     k_split = triton.cdiv(chunks, want) * block_k
     return triton.cdiv(k, k_split), k_split
 
@@ -218,14 +256,17 @@ def gemv_applies(x2: torch.Tensor) -> bool:
 
 
 def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, codebook=None) -> torch.Tensor:
-    """x2 [M, K] (1 <= M <= 16, last dim contiguous) @ the dequantized weight [K, N] + bias -> [M, N] in x2's dtype.
+    """x2 [M, K] (1 <= M <= 8, last dim contiguous) @ the dequantized weight [K, N] + bias -> [M, N] in x2's dtype.
     zeros [groups, N] or None (the midpoint; a codebook has none); codebook [2**bits] float32 or None."""
     m, k = x2.shape
     n = qweight.shape[1]
-    block_m = 1 if m == 1 else (2 if m <= 2 else (4 if m <= 4 else (8 if m <= 8 else 16)))
-    block_k, one_group = block_k_for(group_size, bits, k)
-    splits, k_split = plan_splits(n, k, block_k, sm_count(x2.device))
-    grid_n = triton.cdiv(n, BLOCK_N)
+    if not 0 < m <= 8:
+        raise ValueError(f"wna16_gemv takes 1 to 8 rows, got {m}")
+    block_m = 1 if m == 1 else (2 if m == 2 else (4 if m <= 4 else 8))
+    block_n, max_block_k, num_warps, programs_per_sm = CONFIGS[block_m]
+    block_k, one_group = block_k_for(group_size, bits, k, max_block_k)
+    splits, k_split = plan_splits(n, k, block_n, block_k, programs_per_sm, sm_count(x2.device))
+    grid_n = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)  # [M, N]
     counters = arrival_counters(x2.device, grid_n) if splits > 1 else None
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
@@ -236,8 +277,8 @@ def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, cod
         bias_arg, part, out, counters if counters is not None else qweight, m, n, k, group_size, k_split,
         x2.stride(0), MAGIC, 16,
         BITS=bits, HAS_ZP=zeros is not None, HAS_BIAS=has_bias, ONE_GROUP=one_group, CODEBOOK=codebook is not None,
-        SPLIT=splits > 1, FUSED=counters is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        num_warps=NUM_WARPS,
+        SPLIT=splits > 1, FUSED=counters is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = 1024
