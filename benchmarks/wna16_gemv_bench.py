@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.quantization import wna16_gemv
-from pagedllm.layers.quantization.int_packing import pack_int32
+from pagedllm.layers.quantization.bnb_format import codebook
 from pagedllm.layers.quantization.wna16_gemm import wna16_gemm
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate_up, down
@@ -57,19 +57,22 @@ def time_us(fns) -> float:
     return statistics.median(times)
 
 
-def weights(n: int, k: int, bits: int, group: int, zero_points: bool, copies: int = 0):
+def weights(n: int, k: int, args, copies: int = 0):
     """Copies of (qweight [K / pack, N], scales [K / group, N], zeros or None), by default enough to miss the L2
-    cache; and the bytes one call reads of them."""
+    cache; and the bytes one call reads of them. With --codebook the zeros slot holds nf4's table instead."""
     dev = torch.device("cuda")
+    bits, group, zero_points = args.bits, args.group, args.zero_points
     nbytes = n * k * bits // 8
     copies = copies or max(1, -(-L2_MISS_BYTES // nbytes))
     groups = k // group
     out = []
     for _ in range(copies):
-        q = torch.randint(0, 1 << bits, (k, n), device=dev)
+        words = torch.randint(-(1 << 31), 1 << 31, (k * bits // 32, n), device=dev, dtype=torch.int32)  # random values
         scales = torch.rand(groups, n, device=dev) / 50 + 1e-3
         zeros = torch.randint(0, 1 << bits, (groups, n), device=dev).float() if zero_points else None
-        out.append((pack_int32(q, bits, dim=0), scales, zeros))
+        if args.codebook:
+            zeros = codebook("nf4", dev)
+        out.append((words, scales, zeros))
     return out, nbytes + scales.numel() * 4 * (2 if zero_points else 1)
 
 
@@ -77,11 +80,13 @@ def ops_for(m: int, n: int, k: int, args) -> dict:
     """name -> (list of callables over weight copies, bytes one call moves)."""
     dev = torch.device("cuda")
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    packed, wbytes = weights(n, k, args.bits, args.group, args.zero_points)
+    packed, wbytes = weights(n, k, args)
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(1, -(-L2_MISS_BYTES // (2 * n * k))))]
     io = m * k * 2 + m * n * 2
 
     def call(fn, w):
+        if args.codebook:
+            return lambda: fn(x, w[0], w[1], None, None, 4, args.group, w[2])
         return lambda: fn(x, w[0], w[1], w[2], None, args.bits, args.group)
 
     return {
@@ -95,10 +100,11 @@ def check(args) -> None:
     """The GEMV against the tensor-core kernel at every shape and M (bf16 tolerance), before timing."""
     for (n, k), m in itertools.product(SHAPES, BATCHES):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        packed, _ = weights(n, k, args.bits, args.group, args.zero_points, copies=1)
+        packed, _ = weights(n, k, args, copies=1)
         qw, s, z = packed[0]
-        a = wna16_gemv.wna16_gemv(x, qw, s, z, None, args.bits, args.group).float()
-        b = wna16_gemm(x, qw, s, z, None, args.bits, args.group).float()
+        extra = (None, None, 4, args.group, z) if args.codebook else (z, None, args.bits, args.group)
+        a = wna16_gemv.wna16_gemv(x, qw, s, *extra).float()
+        b = wna16_gemm(x, qw, s, *extra).float()
         err = ((a - b).abs().max() / b.abs().max()).item()
         if err > 2e-2:
             raise SystemExit(f"N={n} K={k} M={m}: GEMV and tensor-core kernel differ by {err:.3g} (relative)")
@@ -170,12 +176,16 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
     parser.add_argument("--group", type=int, default=128, help="input features per scale (divides 4096 and 14336)")
     parser.add_argument("--zero-points", action="store_true", help="asymmetric: a zero point per group")
+    parser.add_argument("--codebook", action="store_true", help="bitsandbytes nf4: a 16-value table, 4 bits")
     parser.add_argument("--sweep", action="store_true", help="also sweep the GEMV's configs")
     parser.add_argument("--m", type=int, nargs="+", default=BATCHES, help="batch sizes the sweep covers")
     args = parser.parse_args()
+    if args.codebook:
+        args.bits, args.zero_points = 4, False
     if not torch.cuda.is_available():
         raise SystemExit("wna16_gemv_bench needs a CUDA GPU")
-    print(torch.cuda.get_device_name(0), f"bits={args.bits} group={args.group} zero_points={args.zero_points}")
+    print(torch.cuda.get_device_name(0), f"bits={args.bits} group={args.group} zero_points={args.zero_points}", end=" ")
+    print(f"codebook={args.codebook}")
     check(args)
     layer_summary(table(args))
     if args.sweep:

@@ -139,7 +139,7 @@ def test_linear_routes_decode_batches(monkeypatch):
     """wna16_linear sends batches of at most GEMV_MAX_M rows to the GEMV (on CUDA) and larger ones elsewhere."""
     calls = []
     monkeypatch.setattr(gemm, "wna16_gemv", lambda *a: calls.append(a[0].shape[0]) or gemm.wna16_gemm(*a))
-    monkeypatch.setattr(gemm, "gemv_applies", lambda x2: 0 < x2.shape[0] <= gemv.GEMV_MAX_M)
+    monkeypatch.setattr(gemm, "gemv_applies", lambda x2, codebook: 0 < x2.shape[0] <= gemv.GEMV_MAX_M)
     for m in (1, gemv.GEMV_MAX_M, gemv.GEMV_MAX_M + 1):
         x, qweight, scales, zeros, b, _, w = make_case(m, 16, 64, 4, 32, True, False, seed=m)
         out = gemm.wna16_linear(x, qweight, scales, zeros, b, None, 4, 32)

@@ -188,7 +188,7 @@ def wna16_linear(x, qweight, scales, zeros, bias, perm, bits: int, group_size: i
         x2 = x2[:, perm]
     elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if gemv_applies(x2):
+    if gemv_applies(x2, codebook):
         out = wna16_gemv(x2, qweight, scales, zeros, bias, bits, group_size, codebook)
     elif 0 < x2.shape[0] <= GEMM_MAX_M:
         out = wna16_gemm(x2, qweight, scales, zeros, bias, bits, group_size, codebook)

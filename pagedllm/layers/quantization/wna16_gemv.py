@@ -28,11 +28,14 @@ from pagedllm.layers.quantization.fp8_ops import triton
 # loads; an H100 issues about 4.4 instructions per value at full memory speed, so M = 1 (about 3.4, compiled) runs near
 # the weight read, M = 4 at about half of it, and M = 8 (about 22) near bf16's time: there, the tensor cores.
 GEMV_MAX_M = 4
-# per BLOCK_M (M rounded up to 1, 2, 4, 8): (BLOCK_N output columns per program, BLOCK_K input features per step,
-# warps, programs wanted per SM before K stops being split). BLOCK_N >= 4 * 32 * warps keeps a step's K rows in each
-# thread (no shuffles); larger BLOCK_N reuses each activation over more columns; the ones here compile for sm_90
-# without spilling registers
+# per BLOCK_M (M rounded up to 1, 2, 4, 8): (BLOCK_N output columns per program, BLOCK_K input features per step
+# (4-bit; half as many at 8 bits), warps, programs wanted per SM before K stops being split). BLOCK_N >= 4 * 32 *
+# warps keeps a step's K rows in each thread (no shuffles); larger BLOCK_N reuses each activation over more columns;
+# the ones here compile for sm_90 without spilling registers
 CONFIGS = {1: (256, 128, 2, 4), 2: (256, 64, 2, 4), 4: (512, 16, 2, 4), 8: (256, 16, 2, 4)}
+# codebook weights (nf4 / fp4) too: their table lookups are a gather per value, which Triton lays out across threads
+# (shuffles), so the tensor-core kernel may be as fast; the bench's --codebook decides
+CODEBOOK_GEMV = True
 FUSED_REDUCE = True  # the last program of a column block sums the K splits (else: a second launch)
 MAX_COUNTERS = 1 << 14  # arrival counters per device (column blocks of one launch)
 
@@ -250,8 +253,10 @@ def arrival_counters(device: torch.device, grid_n: int) -> torch.Tensor | None:
     return counters
 
 
-def gemv_applies(x2: torch.Tensor) -> bool:
-    """x2 [M, K]: a decode batch the GEMV takes (CUDA, 1..GEMV_MAX_M rows)."""
+def gemv_applies(x2: torch.Tensor, codebook=None) -> bool:
+    """x2 [M, K]: a decode batch the GEMV takes (CUDA, 1..GEMV_MAX_M rows; a codebook only with CODEBOOK_GEMV)."""
+    if codebook is not None and not CODEBOOK_GEMV:
+        return False
     return x2.is_cuda and triton is not None and 0 < x2.shape[0] <= GEMV_MAX_M
 
 
@@ -264,7 +269,8 @@ def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, cod
         raise ValueError(f"wna16_gemv takes 1 to 8 rows, got {m}")
     block_m = 1 if m == 1 else (2 if m == 2 else (4 if m <= 4 else 8))
     block_n, max_block_k, num_warps, programs_per_sm = CONFIGS[block_m]
-    block_k, one_group = block_k_for(group_size, bits, k, max_block_k)
+    # BLOCK_K counts 4-bit values: 8-bit steps take half as many, the same packed words (registers)
+    block_k, one_group = block_k_for(group_size, bits, k, max_block_k * 4 // bits)
     splits, k_split = plan_splits(n, k, block_n, block_k, programs_per_sm, sm_count(x2.device))
     grid_n = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)  # [M, N]
