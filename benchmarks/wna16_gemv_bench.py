@@ -1,9 +1,10 @@
 """W4A16 decode linears on the GPU at Llama-3.1-8B shapes: the CUDA-core GEMV (wna16_gemv.py) against the
 tensor-core kernel of wna16_gemm.py and the bf16 F.linear, at M = 1, 2, 4, 8. The weights: 4-bit (--bits 8: 8-bit),
-group 128 (--group), symmetric (--zero-points: a zero point per group). Each op is captured 20 times into a CUDA graph
-(no launch overhead, and a check that the op is capturable) cycling over enough weight copies to miss the L2 cache;
-printed: the median time per call over CUDA events and GB/s = (packed weight + scales + activation + output bytes)
-/ time, then one decoder layer's linears summed per M.
+group 128 (--group), symmetric (--zero-points: a zero point per group; --codebook: nf4; --act-order: a permutation of
+the input features, read by the GEMV inside, gathered before the tensor-core kernel). Each op is captured 20 times
+into a CUDA graph (no launch overhead, and a check that the op is capturable) cycling over enough weight copies to
+miss the L2 cache; printed: the median time per call over CUDA events and GB/s = (packed weight + scales +
+activation + output bytes) / time, then one decoder layer's linears summed per M.
 
     PYTHONPATH=. python benchmarks/wna16_gemv_bench.py                 # the table
     PYTHONPATH=. python benchmarks/wna16_gemv_bench.py --sweep         # also the GEMV's configs per M (minutes)
@@ -84,14 +85,23 @@ def ops_for(m: int, n: int, k: int, args) -> dict:
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(1, -(-L2_MISS_BYTES // (2 * n * k))))]
     io = m * k * 2 + m * n * 2
 
+    perm = torch.randperm(k, device=dev).int() if args.act_order else None
+
     def call(fn, w):
         if args.codebook:
             return lambda: fn(x, w[0], w[1], None, None, 4, args.group, w[2])
         return lambda: fn(x, w[0], w[1], w[2], None, args.bits, args.group)
 
+    def call_perm(fn, w):  # act order: the GEMV reads x through perm, the tensor-core kernel after a gather
+        if perm is None:
+            return call(fn, w)
+        if fn is wna16_gemm:
+            return lambda: fn(x[:, perm], w[0], w[1], w[2], None, args.bits, args.group)
+        return lambda: fn(x, w[0], w[1], w[2], None, args.bits, args.group, None, perm)
+
     return {
-        "gemv": ([call(wna16_gemv.wna16_gemv, w) for w in packed], wbytes + io),
-        "tc_gemm": ([call(wna16_gemm, w) for w in packed], wbytes + io),
+        "gemv": ([call_perm(wna16_gemv.wna16_gemv, w) for w in packed], wbytes + io),
+        "tc_gemm": ([call_perm(wna16_gemm, w) for w in packed], wbytes + io),
         "bf16_linear": ([(lambda w=w: F.linear(x, w)) for w in w16], 2 * n * k + io),
     }
 
@@ -177,15 +187,16 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128, help="input features per scale (divides 4096 and 14336)")
     parser.add_argument("--zero-points", action="store_true", help="asymmetric: a zero point per group")
     parser.add_argument("--codebook", action="store_true", help="bitsandbytes nf4: a 16-value table, 4 bits")
+    parser.add_argument("--act-order", action="store_true", help="a random input-feature permutation (desc_act)")
     parser.add_argument("--sweep", action="store_true", help="also sweep the GEMV's configs")
     parser.add_argument("--m", type=int, nargs="+", default=BATCHES, help="batch sizes the sweep covers")
     args = parser.parse_args()
     if args.codebook:
-        args.bits, args.zero_points = 4, False
+        args.bits, args.zero_points, args.act_order = 4, False, False
     if not torch.cuda.is_available():
         raise SystemExit("wna16_gemv_bench needs a CUDA GPU")
     print(torch.cuda.get_device_name(0), f"bits={args.bits} group={args.group} zero_points={args.zero_points}", end=" ")
-    print(f"codebook={args.codebook}")
+    print(f"codebook={args.codebook} act_order={args.act_order}")
     check(args)
     layer_summary(table(args))
     if args.sweep:

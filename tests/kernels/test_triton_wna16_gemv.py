@@ -123,6 +123,24 @@ def test_matches_tensor_core_kernel(bits, group, asym, m, small_tiles):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 70)])
+def test_act_order_permutation(m, k, small_tiles):
+    """perm: the weight's row k multiplies input feature perm[k], read inside the kernel (no gather launch)."""
+    x, qweight, scales, zeros, b, _, w = make_case(m, 24, k, 4, 16, True, True, seed=m + k)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1))
+    out = gemv.wna16_gemv(x, qweight, scales, zeros, b, 4, 16, None, perm.to(DEVICE))
+    assert_close(out, reference(x.cpu()[:, perm], w, b), torch.float32)
+
+
+def test_fused_and_unfused_reductions_agree(small_tiles, monkeypatch):
+    """The last program's sum and the reduce kernel's add the same partials in the same order: the same bits."""
+    monkeypatch.setattr(gemv, "sm_count", lambda device: 64)
+    x, qweight, scales, zeros, b, _, _ = make_case(3, 40, 256, 4, 32, True, True, seed=5)
+    fused = gemv.wna16_gemv(x, qweight, scales, zeros, b, 4, 32)
+    monkeypatch.setattr(gemv, "FUSED_REDUCE", False)
+    assert torch.equal(fused, gemv.wna16_gemv(x, qweight, scales, zeros, b, 4, 32))
+
+
 def test_block_k_choice():
     """One scale row per K step wherever a step of at least two words divides the group; channel-wise scales take
     the widest step whatever K is."""
@@ -138,13 +156,17 @@ def test_block_k_choice():
 def test_linear_routes_decode_batches(monkeypatch):
     """wna16_linear sends batches of at most GEMV_MAX_M rows to the GEMV (on CUDA) and larger ones elsewhere."""
     calls = []
-    monkeypatch.setattr(gemm, "wna16_gemv", lambda *a: calls.append(a[0].shape[0]) or gemm.wna16_gemm(*a))
+    monkeypatch.setattr(gemm, "wna16_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv.wna16_gemv(*a))
     monkeypatch.setattr(gemm, "gemv_applies", lambda x2, codebook: 0 < x2.shape[0] <= gemv.GEMV_MAX_M)
     for m in (1, gemv.GEMV_MAX_M, gemv.GEMV_MAX_M + 1):
         x, qweight, scales, zeros, b, _, w = make_case(m, 16, 64, 4, 32, True, False, seed=m)
         out = gemm.wna16_linear(x, qweight, scales, zeros, b, None, 4, 32)
         assert_close(out, reference(x, w, b), torch.float32)
     assert calls == [1, gemv.GEMV_MAX_M]
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(2))
+    x, qweight, scales, zeros, b, _, w = make_case(2, 16, 64, 4, 32, True, False, seed=4)
+    out = gemm.wna16_linear(x, qweight, scales, zeros, b, perm.to(DEVICE), 4, 32)  # the GEMV applies perm itself
+    assert_close(out, reference(x.cpu()[:, perm], w, b), torch.float32)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.quantization import wna16_gemv as wna16_gemv_module
 from pagedllm.layers.quantization.fp8_gemv import sm_count, split_k_reduce_kernel
 from pagedllm.layers.quantization.fp8_ops import triton
 from pagedllm.layers.quantization.wna16_gemv import gemv_applies, wna16_gemv
@@ -184,13 +185,15 @@ def wna16_linear(x, qweight, scales, zeros, bias, perm, bits: int, group_size: i
     (act-order checkpoints), or None; codebook: see wna16_gemm."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    if perm is not None:
-        x2 = x2[:, perm]
-    elif x2.stride(-1) != 1:
+    if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if gemv_applies(x2, codebook):
-        out = wna16_gemv(x2, qweight, scales, zeros, bias, bits, group_size, codebook)
-    elif 0 < x2.shape[0] <= GEMM_MAX_M:
+    if perm is not None and not (wna16_gemv_module.PERM_IN_KERNEL and gemv_applies(x2, codebook)):
+        x2, perm = x2[:, perm], None
+    if gemv_applies(x2, codebook):  # with perm: applied inside, no gather launch
+        return wna16_gemv(x2, qweight, scales, zeros, bias, bits, group_size, codebook, perm).reshape(
+            *x.shape[:-1], qweight.shape[1]
+        )
+    if 0 < x2.shape[0] <= GEMM_MAX_M:
         out = wna16_gemm(x2, qweight, scales, zeros, bias, bits, group_size, codebook)
     else:
         out = x2 @ wna16_dequantize(qweight, scales, zeros, k, bits, group_size, x2.dtype, codebook)

@@ -36,6 +36,8 @@ CONFIGS = {1: (256, 128, 2, 4), 2: (256, 64, 2, 4), 4: (512, 16, 2, 4), 8: (256,
 # codebook weights (nf4 / fp4) too: their table lookups are a gather per value, which Triton lays out across threads
 # (shuffles), so the tensor-core kernel may be as fast; the bench's --codebook decides
 CODEBOOK_GEMV = True
+# act order: the GEMV reads x through the permutation (its loads then gathers) instead of a gather launch first
+PERM_IN_KERNEL = True
 FUSED_REDUCE = True  # the last program of a column block sums the K splits (else: a second launch)
 MAX_COUNTERS = 1 << 14  # arrival counters per device (column blocks of one launch)
 
@@ -88,9 +90,9 @@ if triton is not None:
 
     @triton.jit
     def gemv_step(
-        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size, stride_xm,
+        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size, stride_xm,
         magic, sixteen,
-        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr, CODEBOOK: tl.constexpr,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr, CODEBOOK: tl.constexpr, PERM: tl.constexpr,
         MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """sum over k in [start, start + BLOCK_K) of x[m, k] * w[k, n] -> [BLOCK_M, BLOCK_N] float32, unscaled
@@ -124,8 +126,12 @@ if triton is not None:
                 words if j < HALF else high, z, cb_ptr, s_ptr, z_ptr, k, offs_n, mask_n, N, K, group_size, magic,
                 j % HALF, BITS, HAS_ZP, ONE_GROUP, CODEBOOK,
             )  # fmt: skip
-            # the step's base pointer, then constant offsets (the loads take them as immediates)
-            x_ptrs = (x_ptr + start) + (offs_r * PACK + j)
+            if PERM and MASKED:  # act order: the weight's row k holds input feature perm[k]
+                x_ptrs = x_ptr + tl.load(perm_ptr + k, mask=k < K, other=0)
+            elif PERM:
+                x_ptrs = x_ptr + tl.load((perm_ptr + start) + (offs_r * PACK + j))
+            else:  # the step's base pointer, then constant offsets (the loads take them as immediates)
+                x_ptrs = (x_ptr + start) + (offs_r * PACK + j)
             if BLOCK_M == 1:
                 d = row_dot(x_ptrs, 0, M, k, K, v, 1.0, MASKED, True)
                 if not IN_PLACE or j % HALF == 0:
@@ -165,10 +171,10 @@ if triton is not None:
     # M only bounds masks: one compiled variant per BLOCK_M
     @triton.jit(do_not_specialize=["M", "magic", "sixteen"])
     def wna16_gemv_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K, group_size, k_split,
-        stride_xm, magic, sixteen,
+        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, bias_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K, group_size,
+        k_split, stride_xm, magic, sixteen,
         BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
-        CODEBOOK: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+        CODEBOOK: tl.constexpr, PERM: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s): the columns of block n summed over K split s. One split (SPLIT false): out [M, N] =
@@ -186,13 +192,15 @@ if triton is not None:
         for start in range(k_lo, k_hi, BLOCK_K):
             if start < k_even:
                 t = gemv_step(
-                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
-                    stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
+                    stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, False, BLOCK_M, BLOCK_N,
+                    BLOCK_K,
                 )  # fmt: skip
             else:
                 t = gemv_step(
-                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
-                    stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, True, BLOCK_M, BLOCK_N, BLOCK_K,
+                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
+                    stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, True, BLOCK_M, BLOCK_N,
+                    BLOCK_K,
                 )  # fmt: skip
             if ONE_GROUP:
                 acc += t * tl.load(s_ptr + (start // group_size) * N + offs_n, mask=mask_n, other=0.0)[None, :]
@@ -260,9 +268,10 @@ def gemv_applies(x2: torch.Tensor, codebook=None) -> bool:
     return x2.is_cuda and triton is not None and 0 < x2.shape[0] <= GEMV_MAX_M
 
 
-def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, codebook=None) -> torch.Tensor:
+def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, codebook=None, perm=None) -> torch.Tensor:
     """x2 [M, K] (1 <= M <= 8, last dim contiguous) @ the dequantized weight [K, N] + bias -> [M, N] in x2's dtype.
-    zeros [groups, N] or None (the midpoint; a codebook has none); codebook [2**bits] float32 or None."""
+    zeros [groups, N] or None (the midpoint; a codebook has none); codebook [2**bits] float32 or None; perm [K] or
+    None: the weight's row k multiplies x2[:, perm[k]] (act order)."""
     m, k = x2.shape
     n = qweight.shape[1]
     if not 0 < m <= 8:
@@ -280,11 +289,11 @@ def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, cod
     bias_arg = bias if has_bias else scales
     wna16_gemv_kernel[(grid_n, splits)](
         x2, qweight, scales, zeros if zeros is not None else scales, codebook if codebook is not None else scales,
-        bias_arg, part, out, counters if counters is not None else qweight, m, n, k, group_size, k_split,
-        x2.stride(0), MAGIC, 16,
+        perm if perm is not None else qweight, bias_arg, part, out, counters if counters is not None else qweight,
+        m, n, k, group_size, k_split, x2.stride(0), MAGIC, 16,
         BITS=bits, HAS_ZP=zeros is not None, HAS_BIAS=has_bias, ONE_GROUP=one_group, CODEBOOK=codebook is not None,
-        SPLIT=splits > 1, FUSED=counters is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        PERM=perm is not None, SPLIT=splits > 1, FUSED=counters is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = 1024
