@@ -166,7 +166,7 @@ class WNA16LinearMethod(LinearMethod):
             layer.wq_scales = nn.Parameter(u.scales.float().contiguous(), requires_grad=False)  # [groups, N]
             zeros = u.zeros.float().contiguous() if u.zeros is not None else None
             layer.wq_zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None  # [groups, N]
-            layer.wq_perm = perm  # [K] long or None
+            layer.wq_perm = perm.to(torch.int32) if perm is not None else None  # [K] or None (int32: kernel offsets)
             return WNA16GemmMethod(self.bits, group_size)
         layer.weight = nn.Parameter(self.dense_weight(layer, u, group_size), requires_grad=False)
         return pack_dense(layer)

@@ -2,7 +2,8 @@
 int_packing.py: qweight int32 [ceil(K / pack), N], scales [num_groups, N], zeros [num_groups, N] or none (symmetric:
 the midpoint 2**(bits - 1)), group of input feature k = k // group_size.
 
-Small batches (decode, M <= GEMM_MAX_M): one kernel reads each packed word once from memory, unpacks its values in
+Decode batches of at most wna16_gemv.GEMV_MAX_M rows on CUDA take the GEMV of wna16_gemv.py (CUDA cores). Small
+batches (M <= GEMM_MAX_M): one kernel reads each packed word once from memory, unpacks its values in
 registers (the word is loaded for each of its K rows: those loads hit the cache), dequantizes them
 ((q - zero) * scale, float32) to the activations' dtype and multiplies on the tensor cores with float32 accumulation.
 When the N blocks alone would not fill the GPU, K is split and the float32 partials are summed in a fixed order by
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.quantization import wna16_gemv as wna16_gemv_module
 from pagedllm.layers.quantization.fp8_gemv import sm_count, split_k_reduce_kernel
 from pagedllm.layers.quantization.fp8_ops import triton
+from pagedllm.layers.quantization.wna16_gemv import gemv_applies, wna16_gemv
 
 GEMM_MAX_M = 64  # batches up to this many rows take the fused kernel; larger ones dequantize then GEMM
 BLOCK_N = 64  # output columns per program
@@ -182,10 +185,14 @@ def wna16_linear(x, qweight, scales, zeros, bias, perm, bits: int, group_size: i
     (act-order checkpoints), or None; codebook: see wna16_gemm."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    if perm is not None:
-        x2 = x2[:, perm]
-    elif x2.stride(-1) != 1:
+    if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if perm is not None and not (wna16_gemv_module.PERM_IN_KERNEL and gemv_applies(x2, codebook)):
+        x2, perm = x2[:, perm], None
+    if gemv_applies(x2, codebook):  # with perm: applied inside, no gather launch
+        return wna16_gemv(x2, qweight, scales, zeros, bias, bits, group_size, codebook, perm).reshape(
+            *x.shape[:-1], qweight.shape[1]
+        )
     if 0 < x2.shape[0] <= GEMM_MAX_M:
         out = wna16_gemm(x2, qweight, scales, zeros, bias, bits, group_size, codebook)
     else:
