@@ -62,12 +62,12 @@ def model_dir(name: str) -> str:
     return str(path if path.is_dir() else Path(name))
 
 
-def build_llm(device: str, model: str) -> LLM:
+def build_llm(device: str, model: str, tokenizer: str | None = None) -> LLM:
     if device == "cuda":
         from pagedllm.model_loader.resolve import default_model_path
 
-        path = model_dir(model)
-        return LLM(path, load_format="dummy", dtype="bfloat16", tokenizer=default_model_path(), max_model_len=4096)
+        path, tokenizer = model_dir(model), tokenizer or default_model_path()
+        return LLM(path, load_format="dummy", dtype="bfloat16", tokenizer=tokenizer, max_model_len=4096)
     return LLM(max_model_len=2048)
 
 
@@ -160,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default="qwen3-0.6b", help="GPU only: a benchmarks/configs folder (e.g. llama-3.1-8b) or config dir"
     )
+    parser.add_argument("--tokenizer", default=None, help="GPU only: the tokenizer (default: the bundled SmolLM2's)")
     parser.add_argument("--backend", action="append", choices=["xgrammar", "guidance"], help="repeatable")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 32 on CPU, 256 on GPU")
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = args.backend or installed_backends()
     if not backends:
         raise SystemExit("no structured output backend installed: pip install xgrammar (or llguidance)")
-    llm = build_llm(device, args.model)
+    llm = build_llm(device, args.model, args.tokenizer)
     batch = prompts(args.batch)
     figures = {b: per_token(llm, batch, args, b) | first_token(llm, batch, args, b) for b in backends}
     record = make_record(
