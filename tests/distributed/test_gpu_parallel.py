@@ -32,7 +32,7 @@ ENGINE = dict(
     kv_cache_memory_bytes=1 << 26,
     compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
 )
-LAYOUTS = [(2, 1), (4, 1), (2, 2), (1, 4)]
+LAYOUTS = [(2, 1), (1, 2), (4, 1), (2, 2), (1, 4)]
 
 
 @pytest.fixture(scope="module")
