@@ -103,6 +103,7 @@ class EngineArgs(CompatArgs):
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None  # no drafts above this many requests
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -244,6 +245,7 @@ class EngineArgs(CompatArgs):
             self.num_speculative_tokens,
             self.ngram_prompt_lookup_max,
             self.ngram_prompt_lookup_min,
+            self.speculative_disable_by_batch_size,
         )
         model = self.create_model_config(device)
         if speculative is not None and speculative.method == "draft_model":

@@ -73,6 +73,7 @@ class SpeculativeConfig:
         num_speculative_tokens: int | None = None,
         ngram_prompt_lookup_max: int | None = None,
         ngram_prompt_lookup_min: int | None = None,
+        speculative_disable_by_batch_size: int | None = None,
     ) -> SpeculativeConfig | None:
         """The config from LLM's arguments (None: no speculative decoding). The dict form and the older keywords
         are not mixed."""
@@ -81,6 +82,7 @@ class SpeculativeConfig:
             "num_speculative_tokens": num_speculative_tokens,
             "ngram_prompt_lookup_max": ngram_prompt_lookup_max,
             "ngram_prompt_lookup_min": ngram_prompt_lookup_min,
+            "speculative_disable_by_batch_size": speculative_disable_by_batch_size,
         }
         given = [k for k, v in legacy.items() if v is not None]
         if speculative_config is not None:
@@ -95,8 +97,19 @@ class SpeculativeConfig:
             ngram_keys = [k for k in given if k.startswith("ngram_")]
             if ngram_keys:
                 raise ValueError(f"{ngram_keys} are options of speculative_model='[ngram]', not of a draft model")
-            return cls(method_of_model(speculative_model), num_speculative_tokens, model=speculative_model)
-        return cls("ngram", num_speculative_tokens, ngram_prompt_lookup_max, ngram_prompt_lookup_min)
+            return cls(
+                method_of_model(speculative_model),
+                num_speculative_tokens,
+                disable_by_batch_size=speculative_disable_by_batch_size,
+                model=speculative_model,
+            )
+        return cls(
+            "ngram",
+            num_speculative_tokens,
+            ngram_prompt_lookup_max,
+            ngram_prompt_lookup_min,
+            disable_by_batch_size=speculative_disable_by_batch_size,
+        )
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig:

@@ -95,3 +95,19 @@ def test_the_server_flag_takes_json():
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])
+
+
+def test_speculative_disable_by_batch_size_keyword():
+    """vLLM's older speculative_disable_by_batch_size sets the config's disable_by_batch_size; it goes with the
+    other older keywords only."""
+    old = SpeculativeConfig.from_user(None, "[ngram]", 4, None, None, 8)
+    assert old == SpeculativeConfig.from_user(
+        {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    )
+    assert SpeculativeConfig.from_user(None, "a/draft", 3, None, None, 2).disable_by_batch_size == 2
+    with pytest.raises(ValueError, match="not both"):
+        SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4}, None, None, None, None, 8)
+    with pytest.raises(ValueError, match="speculative_model"):
+        SpeculativeConfig.from_user(None, None, None, None, None, 8)
+    with pytest.raises(ValueError, match="disable_by_batch_size=0"):
+        SpeculativeConfig.from_user(None, "[ngram]", 4, None, None, 0)
