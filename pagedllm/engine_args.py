@@ -104,6 +104,7 @@ class EngineArgs(CompatArgs):
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
     speculative_disable_by_batch_size: int | None = None  # no drafts above this many requests
+    speculative_max_model_len: int | None = None  # no drafts for a request past this length
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -246,6 +247,7 @@ class EngineArgs(CompatArgs):
             self.ngram_prompt_lookup_max,
             self.ngram_prompt_lookup_min,
             self.speculative_disable_by_batch_size,
+            self.speculative_max_model_len,
         )
         model = self.create_model_config(device)
         if speculative is not None and speculative.method == "draft_model":

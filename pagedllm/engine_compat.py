@@ -152,7 +152,6 @@ class CompatArgs:
     max_prompt_adapter_token: int = _only(0, "no prompt adapters")
     speculative_model_quantization: str | None = _only(None, _SPEC)
     speculative_draft_tensor_parallel_size: int | None = _only(None, _SPEC, 1)
-    speculative_max_model_len: int | None = _only(None, _SPEC)
     spec_decoding_acceptance_method: str = _only("rejection_sampler", "drafts are verified by rejection sampling")
     typical_acceptance_sampler_posterior_threshold: float | None = _only(None, "no typical acceptance sampler")
     typical_acceptance_sampler_posterior_alpha: float | None = _only(None, "no typical acceptance sampler")

@@ -27,6 +27,7 @@ class SpeculativeConfig:
     # no drafts in a step where more requests than this decode (None: always drafts); at large batches the step is
     # compute bound and the rejected drafts' work costs more than the accepted ones save
     disable_by_batch_size: int | None = None
+    max_model_len: int | None = None  # no drafts for a request whose tokens and drafts would pass this length
     model: str | None = None  # the draft model or EAGLE head (methods in MODEL_METHODS): a local folder or hub name
     # the draft's resolved ModelConfig, built with the target's (EngineArgs); not a user field
     draft_model_config: Any = field(default=None, init=False, repr=False)
@@ -64,6 +65,8 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
 
     @classmethod
     def from_user(
@@ -74,6 +77,7 @@ class SpeculativeConfig:
         ngram_prompt_lookup_max: int | None = None,
         ngram_prompt_lookup_min: int | None = None,
         speculative_disable_by_batch_size: int | None = None,
+        speculative_max_model_len: int | None = None,
     ) -> SpeculativeConfig | None:
         """The config from LLM's arguments (None: no speculative decoding). The dict form and the older keywords
         are not mixed."""
@@ -83,6 +87,7 @@ class SpeculativeConfig:
             "ngram_prompt_lookup_max": ngram_prompt_lookup_max,
             "ngram_prompt_lookup_min": ngram_prompt_lookup_min,
             "speculative_disable_by_batch_size": speculative_disable_by_batch_size,
+            "speculative_max_model_len": speculative_max_model_len,
         }
         given = [k for k, v in legacy.items() if v is not None]
         if speculative_config is not None:
@@ -101,6 +106,7 @@ class SpeculativeConfig:
                 method_of_model(speculative_model),
                 num_speculative_tokens,
                 disable_by_batch_size=speculative_disable_by_batch_size,
+                max_model_len=speculative_max_model_len,
                 model=speculative_model,
             )
         return cls(
@@ -109,6 +115,7 @@ class SpeculativeConfig:
             ngram_prompt_lookup_max,
             ngram_prompt_lookup_min,
             disable_by_batch_size=speculative_disable_by_batch_size,
+            max_model_len=speculative_max_model_len,
         )
 
     @classmethod

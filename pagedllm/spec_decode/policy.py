@@ -11,6 +11,8 @@
    BACKOFF_STEPS of its decode steps, then drafts again for one probe step with its average reset to MIN_ACCEPTANCE:
    a probe that does better than the threshold keeps it drafting, one that does worse backs it off again.
 
+3. Length: with `max_model_len` (vLLM's speculative_max_model_len), a request whose tokens and K drafts would pass it
+   gets none.
 The proposer (n-gram, draft model) runs only over the requests this leaves; with none left it does not run."""
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class RowAcceptance:
 class DraftPolicy:
     def __init__(self, config: SpeculativeConfig | None, min_acceptance: float = MIN_ACCEPTANCE) -> None:
         self.disable_by_batch_size = config.disable_by_batch_size if config is not None else None
+        self.max_len = config.max_model_len if config is not None else None
+        self.k = config.num_speculative_tokens if config is not None else 0
         self.min_acceptance = min_acceptance
         self.rows: dict[str, RowAcceptance] = {}  # request id -> its acceptance (requests still running)
         self.num_backed_off = 0  # times a row was turned off for poor acceptance (for tests and the benchmark)
@@ -59,7 +63,7 @@ class DraftPolicy:
             return []
         chosen = []
         for req in decoding:
-            if not req.can_speculate:
+            if not req.can_speculate or (self.max_len is not None and req.num_tokens + self.k > self.max_len):
                 continue
             row = self.rows.get(req.request_id)
             if row is not None and row.backoff:

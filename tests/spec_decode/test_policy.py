@@ -36,6 +36,16 @@ def test_batch_size_counts_every_decoding_request():
     assert ids(policy.select([a, b, req("p", decoding=False)])) == ["a"]  # a prefilling request does not count
 
 
+def test_no_drafts_past_max_model_len():
+    """speculative_max_model_len: a request whose tokens and K drafts would pass it gets none."""
+    policy = DraftPolicy(SpeculativeConfig("ngram", 2, max_model_len=12))
+    short, long = req("short"), req("long")
+    long.num_tokens, long.num_computed_tokens = 11, 10  # 11 + 2 drafts > 12
+    assert ids(policy.select([short, long])) == ["short"]  # 10 + 2 = 12: still fits
+    assert ids(DraftPolicy(SpeculativeConfig("ngram", 2)).select([short, long])) == ["short", "long"]
+    assert SpeculativeConfig.from_user(None, "[ngram]", 2, None, None, None, 12).max_model_len == 12
+
+
 def test_poor_rows_back_off_then_probe():
     policy = DraftPolicy(SpeculativeConfig("ngram", 4))
     good, poor = req("good"), req("poor")
