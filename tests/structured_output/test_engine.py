@@ -265,7 +265,7 @@ def test_structural_tags(tiny_llm):
 
 def test_speculative_decoding_keeps_the_constrained_outputs(tiny_llm, tiny_char_model):
     """An engine with n-gram speculation keeps constrained requests' greedy outputs token for token, drafting for
-    them too (one mask per draft position: test_spec_decode.py)."""
+    them too (one mask per draft position: test_grammar_drafts.py)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     llm = LLM(tiny_char_model, dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=spec)
     prompts = ["abcabcabc", '{"a": {"a": {"a', "1, 2, 1, 2, 1, 2"]
