@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
+from fp8_gemv_bench import time_us  # (benchmarks/ is on the path of a script run from it)
 
 from pagedllm.layers.quantization import wna16_gemv
 from pagedllm.layers.quantization.bnb_format import codebook
@@ -30,32 +30,10 @@ from pagedllm.layers.quantization.wna16_gemm import wna16_gemm
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate_up, down
 BATCHES = [1, 2, 4, 8]
-CALLS = 20  # calls per graph
 L2_MISS_BYTES = 256 << 20  # weight copies cycled per graph: at least this many bytes (H100 L2: 50 MB)
 SWEEP_TILES = [(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)]  # (BLOCK_N, warps): BLOCK_N >= 128 * warps
 SWEEP_BLOCK_K = [16, 32, 64, 128, 256]
 SWEEP_PROGRAMS = [1, 2, 4, 8]
-
-
-def time_us(fns) -> float:
-    """Median microseconds per call of the callables (cycled, CALLS per graph replay)."""
-    for fn in fns[:2]:
-        fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
 
 
 def weights(n: int, k: int, args, copies: int = 0):

@@ -20,7 +20,12 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.clip import CLIP_STACKED
 from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3Model
 from pagedllm.models.siglip import SiglipVisionTower
-from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_weights, sliding_window_for_layer
+from pagedllm.models.utils import (
+    forward_with_mm_embeds,
+    join_prefix,
+    load_with_language_model,
+    sliding_window_for_layer,
+)
 from pagedllm.multimodal.bidirectional import ImageBidirectionalAttention, set_spans
 
 # checkpoint prefixes (transformers >= 4.52, then earlier) -> ours
@@ -127,22 +132,8 @@ class Gemma3ForConditionalGeneration(nn.Module):
         return self.language_model.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The LM's tensors go through its own loader (merged projections, tied head); the vision tower's and the
-        projector's load by name (SigLIP's pooling head, unused, is skipped)."""
-        others: list[tuple[str, torch.Tensor]] = []
-
-        def lm_weights():
-            for name, tensor in weights:
-                for theirs, ours in _RENAMES:
-                    if name.startswith(theirs):
-                        name = ours + name[len(theirs) :]
-                        break
-                if name.startswith("language_model."):
-                    yield name[len("language_model.") :], tensor
-                else:
-                    others.append((name, tensor))
-
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
-        if not self.supports_multimodal:
-            return loaded
-        return loaded | load_weights(self, others, stacked=CLIP_STACKED, ignore=("position_ids", "vision_tower.head."))
+        """The LM's tensors through its own loader, the vision tower's and the projector's by name (SigLIP's pooling
+        head, unused, is skipped)."""
+        return load_with_language_model(
+            self, weights, _RENAMES, stacked=CLIP_STACKED, ignore=("position_ids", "vision_tower.head.")
+        )

@@ -17,7 +17,7 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rope_config import rope_parameters
 from pagedllm.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from pagedllm.models.qwen2_vl_vision import Qwen2VisionTransformer
-from pagedllm.models.utils import forward_with_mm_embeds, head_dim_of, join_prefix, load_weights
+from pagedllm.models.utils import forward_with_mm_embeds, head_dim_of, join_prefix, load_with_language_model
 
 # checkpoint prefixes (transformers 5's layout, then the original one) -> ours
 _RENAMES = (
@@ -126,21 +126,5 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.language_model.compute_logits(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The LM's tensors go through its own loader (merged projections, tied head); the vision tower's by name."""
-        others: list[tuple[str, torch.Tensor]] = []
-
-        def lm_weights():
-            for name, tensor in weights:
-                for theirs, ours in _RENAMES:
-                    if name.startswith(theirs):
-                        name = ours + name[len(theirs) :]
-                        break
-                if name.startswith("language_model."):
-                    yield name[len("language_model.") :], tensor
-                elif self.supports_multimodal:
-                    others.append((name, tensor))
-
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
-        if not self.supports_multimodal:
-            return loaded
-        return loaded | load_weights(self, others, stacked=_VISION_STACKED, ignore=())
+        """The LM's tensors through its own loader (merged projections, tied head); the vision tower's by name."""
+        return load_with_language_model(self, weights, _RENAMES, stacked=_VISION_STACKED, ignore=())

@@ -70,6 +70,35 @@ def load_weights(
     return loaded
 
 
+def load_with_language_model(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    renames: list[tuple[str, str]],
+    stacked: list[tuple[str, str, object]],
+    ignore: tuple[str, ...],
+) -> set[str]:
+    """A vision-language checkpoint's tensors: names renamed by the first matching (theirs, ours) prefix; those under
+    `language_model.` through the language model's own loader (merged projections, tied head), the others (vision
+    tower, projector) by name, unless the model was built text-only (`supports_multimodal` false)."""
+    others: list[tuple[str, torch.Tensor]] = []
+
+    def lm_weights():
+        for name, tensor in weights:
+            for theirs, ours in renames:
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs) :]
+                    break
+            if name.startswith("language_model."):
+                yield name[len("language_model.") :], tensor
+            elif model.supports_multimodal:
+                others.append((name, tensor))
+
+    loaded = {f"language_model.{n}" for n in model.language_model.load_weights(lm_weights())}
+    if not model.supports_multimodal:
+        return loaded
+    return loaded | load_weights(model, others, stacked=stacked, ignore=ignore)
+
+
 def join_prefix(prefix: str, name: str) -> str:
     """The dotted name of submodule `name` of the module named `prefix` ("" at the top)."""
     return f"{prefix}.{name}" if prefix else name
