@@ -18,7 +18,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.clip import CLIP_STACKED, CLIPVisionTower
 from pagedllm.models.registry import get_model_class
-from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_weights
+from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_with_language_model
 
 _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # checkpoint prefixes (transformers' newer layout, and CLIPVisionModel's) -> ours
@@ -27,6 +27,7 @@ _RENAMES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("vision_tower.vision_model.", "vision_tower."),
+    ("lm_head.", "language_model.lm_head."),
 )
 
 
@@ -118,22 +119,5 @@ class LlavaForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The LM's tensors go through its own loader (merged projections, tied head); the vision tower's and
         the projector's load by name."""
-        others: list[tuple[str, torch.Tensor]] = []
-
-        def lm_weights():
-            for name, tensor in weights:
-                for theirs, ours in _RENAMES:
-                    if name.startswith(theirs):
-                        name = ours + name[len(theirs) :]
-                if name.startswith("lm_head."):
-                    name = "language_model." + name
-                if name.startswith("language_model."):
-                    yield name[len("language_model.") :], tensor
-                else:
-                    others.append((name, tensor))
-
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(lm_weights())}
-        if not self.supports_multimodal:
-            return loaded
         ignore = ("position_ids", "post_layernorm", *(f"encoder.layers.{i}." for i in range(max(self.layers), 256)))
-        return loaded | load_weights(self, others, stacked=CLIP_STACKED, ignore=ignore)
+        return load_with_language_model(self, weights, _RENAMES, stacked=CLIP_STACKED, ignore=ignore)

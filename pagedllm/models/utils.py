@@ -77,7 +77,7 @@ def load_with_language_model(
     stacked: list[tuple[str, str, object]],
     ignore: tuple[str, ...],
 ) -> set[str]:
-    """A vision-language checkpoint's tensors: names renamed by the first matching (theirs, ours) prefix; those under
+    """A vision-language checkpoint's tensors: names renamed by each matching (theirs, ours) prefix in turn; those under
     `language_model.` through the language model's own loader (merged projections, tied head), the others (vision
     tower, projector) by name, unless the model was built text-only (`supports_multimodal` false)."""
     others: list[tuple[str, torch.Tensor]] = []
@@ -87,7 +87,6 @@ def load_with_language_model(
             for theirs, ours in renames:
                 if name.startswith(theirs):
                     name = ours + name[len(theirs) :]
-                    break
             if name.startswith("language_model."):
                 yield name[len("language_model.") :], tensor
             elif model.supports_multimodal:
