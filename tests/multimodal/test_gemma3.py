@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mm_prompts import as_prompt, make_llm
 from tiny_gemma3 import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, hf_generate, image
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.engine.scheduler import keep_items_whole
 from pagedllm.multimodal.inputs import MultiModalFeature
 
@@ -21,15 +22,6 @@ PROMPTS = [
     ("Two <start_of_image> and <start_of_image>!", [image(2), image(3, (60, 30))]),
     ("No picture here.", []),
 ]
-
-
-def make_llm(path: str, **kwargs) -> LLM:
-    options = dict(dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=1 << 22, block_size=4)
-    return LLM(path, **{**options, **kwargs})
-
-
-def as_prompt(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
 
 
 def tokens(outputs) -> list[list[int]]:

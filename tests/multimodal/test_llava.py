@@ -4,9 +4,10 @@ with chunked prefill cutting through an image, and with prefix caching keyed by 
 from __future__ import annotations
 
 import pytest
+from mm_prompts import as_prompt, make_llm
 from tiny_llava import NUM_IMAGE_TOKENS, hf_generate, image
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -15,15 +16,6 @@ PROMPTS = [
     ("Two <image> and <image>!", [image(2), image(3, (60, 30))]),
     ("No picture here.", []),
 ]
-
-
-def make_llm(path: str, **kwargs) -> LLM:
-    options = dict(dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=1 << 22, block_size=4)
-    return LLM(path, **{**options, **kwargs})
-
-
-def as_prompt(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
 
 
 @pytest.fixture(scope="module")

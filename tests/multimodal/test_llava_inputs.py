@@ -8,7 +8,8 @@ import io
 
 import numpy as np
 import pytest
-from test_llava import GREEDY, make_llm, tokens
+from mm_prompts import make_llm
+from test_llava import GREEDY, tokens
 from tiny_llava import hf_generate, image
 
 LOOK = "Look: <image>"

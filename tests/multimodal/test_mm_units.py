@@ -99,7 +99,7 @@ def test_bad_limits(limits, match):
 
 def test_profile_encoder_runs_the_largest_item(tiny_llava):
     """The GPU memory profile's encoder run (here on the CPU): the tower's full-size image, its 4 tokens."""
-    from test_llava import make_llm
+    from mm_prompts import make_llm
 
     runner = make_llm(tiny_llava[2]).llm_engine.core.executor.runner
     data = runner.model.dummy_multimodal_data()
