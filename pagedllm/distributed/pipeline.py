@@ -21,7 +21,11 @@ So no rank ever waits for a peer that waits for it, on gloo (blocking host calls
 stream per group), and the two directions never share a channel.
 
 Every stage knows the step's token count from the scheduler output, so the tensors' shapes need no message of their
-own: (hidden, residual) [2, num_tokens, hidden_size] between stages, hidden [num_tokens, hidden_size] back."""
+own: (hidden, residual) [2, num_tokens, hidden_size] between stages, hidden [num_tokens, hidden_size] back.
+
+Decode steps replay each stage's CUDA graphs (run_graph; worker/cuda_graphs.py): a stage after the first takes the
+received (hidden, residual) as the graph's static input, the sends and receives stay outside the graphs. Prefill and
+mixed steps run eagerly, as on one GPU."""
 
 from __future__ import annotations
 
@@ -71,16 +75,41 @@ class PipelineStage:
     def is_first(self) -> bool:
         return self.pp.is_first
 
+    def graph_input(self) -> tuple[int, torch.dtype] | None:
+        """(hidden size, dtype) of the (hidden, residual) the stage's CUDA graphs take as a static input; None on
+        the first stage (it takes token ids)."""
+        return None if self.pp.is_first else (self.hidden_size, self.dtype)
+
     def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> Received | None:
         """This stage's layers over the step's tokens (inside its forward context), sent on. Returns on the first
         stage the posted receive of the final hidden states [num_tokens, hidden_size], None on the others."""
-        n, device = positions.shape[-1], positions.device
-        if self.pp.is_first:
-            out = model(input_ids, positions)
-        else:
+
+        def forward(pair: torch.Tensor | None):
+            return model(input_ids, positions) if pair is None else model(None, positions, (pair[0], pair[1]))
+
+        return self._run(forward, positions.shape[-1], positions.device)
+
+    def run_graph(self, graphs, bs: int, num_tokens: int) -> Received | None:
+        """As run, the layers replayed from the CUDA graph of size bs (worker/cuda_graphs.py, its inputs loaded):
+        what the previous stage sent goes into the graph's static input; the last stage sends a copy of its static
+        output (the next replay overwrites it; a stage before the last sends a stacked copy anyway)."""
+
+        def forward(pair: torch.Tensor | None):
+            if pair is not None:
+                graphs.load_intermediate(pair)
+            out = graphs.replay(bs, num_tokens)  # [num_tokens, hidden], or (hidden, residual) before the last stage
+            return out.clone() if self.pp.is_last else out
+
+        return self._run(forward, num_tokens, graphs.device)
+
+    def _run(self, forward, n: int, device: torch.device) -> Received | None:
+        """Receives the previous stage's (hidden, residual) [2, n, hidden_size] (None on the first stage), runs
+        forward on them and sends its result on; the first stage posts the receive of the final hidden states."""
+        pair = None
+        if not self.pp.is_first:
             pair = torch.empty((2, n, self.hidden_size), dtype=self.dtype, device=device)
             self.pp.recv(pair, self.pp.rank - 1)
-            out = model(None, positions, (pair[0], pair[1]))
+        out = forward(pair)
         if self.pp.is_last:
             self._send(self.back, out.contiguous(), 0)
             return None

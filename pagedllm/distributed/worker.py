@@ -101,6 +101,10 @@ class Worker:
             self.pending = future
         return future
 
+    def apply(self, fn, *args):
+        """fn(runner, *args) on this rank's runner, its result (a tool or test adjusting or reading every rank)."""
+        return fn(self.runner, *args)
+
     def finish(self) -> None:
         """A first-stage follower with pipeline stages: the oldest launched step's logits (gathered with the driver's)
         and sampled tokens, as the driver takes that step's result."""

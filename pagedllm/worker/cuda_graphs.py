@@ -18,6 +18,11 @@ request already has (the kernel places a row's queries at seq_len - q_len ..), s
 keys they would eagerly. The outputs are gathered back to the flat batch's order on the device. An optional extra
 static input (`extra`: an EAGLE head's hidden states) is passed to the model as its third argument.
 
+Pipeline stages (distributed/pipeline.py): each rank captures its own layers. A stage after the first takes the
+previous stage's (hidden, residual) as a static input (`intermediate` [2, tokens, hidden], the model's third argument,
+loaded after the receive); a stage before the last returns them as its static outputs. The sends and receives stay
+outside the graphs.
+
 Off CUDA (tests) the same static buffers run the model eagerly (`capture_graphs` False): the path is checked on CPU."""
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 
 from pagedllm.forward_context import forward_context
+from pagedllm.lora.mapping import StaticLoRAMapping
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,28 @@ def capture_sizes(max_num_seqs: int, user_sizes: list[int] | None) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+def stage_input(runner) -> tuple[int, torch.dtype] | None:
+    """(hidden size, dtype) of the static (hidden, residual) input of a runner's graphs on a pipeline stage after
+    the first; None on the first stage or without stages."""
+    return None if runner.stage is None else runner.stage.graph_input()
+
+
+def make_graph_runner(runner, max_blocks: int) -> CudaGraphRunner | None:
+    """A runner's decode graphs: on CUDA with a backend that supports them, unless enforce_eager or no capture size
+    (a pipeline stage captures its own layers)."""
+    config = runner.config
+    if not runner.on_cuda or config.device.enforce_eager or not runner.backend.SUPPORTS_CUDA_GRAPHS:
+        return None
+    sizes = capture_sizes(config.scheduler.max_num_seqs, config.compilation.cudagraph_capture_sizes)
+    if not sizes:
+        return None
+    lora = None if runner.lora is None else StaticLoRAMapping(max(sizes), runner.lora.config.max_loras, runner.device)
+    return CudaGraphRunner(
+        runner.model, runner.backend, sizes, max_blocks, runner.block_size, runner.max_model_len, runner.num_kv_heads,
+        runner.device, lora, config.compilation.lazy_cudagraph_capture, intermediate=stage_input(runner),
+    )  # fmt: skip
+
+
 class CudaGraphRunner:
     """Static buffers, per-size attention metadata and graphs of the model's forward for batches of q_len tokens per
     row (1: decodes)."""
@@ -70,6 +98,7 @@ class CudaGraphRunner:
         lazy: bool = False,
         q_len: int = 1,
         extra: tuple[int, torch.dtype] | None = None,
+        intermediate: tuple[int, torch.dtype] | None = None,
     ) -> None:
         self.model, self.backend, self.sizes = model, backend, sorted(sizes)
         self.lora = lora  # StaticLoRAMapping (lora/mapping.py) of max_size * q_len tokens; None: LoRA is off
@@ -90,6 +119,10 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(0, t + 1, q_len, dtype=torch.int32, device=device)
         # [max_size * q_len, width]: the model's third input (an EAGLE head's hidden states), or None
         self.extra = None if extra is None else torch.zeros(t, extra[0], dtype=extra[1], device=device)
+        # [2, max_size * q_len, hidden]: a later pipeline stage's input (hidden, residual), or None
+        self.intermediate = None
+        if intermediate is not None:
+            self.intermediate = torch.zeros(2, t, intermediate[0], dtype=intermediate[1], device=device)
         self.copy_done = torch.cuda.Event() if self.capture_graphs else None
         self.metas = {bs: self._metadata(bs, block_size, max_model_len, num_kv_heads) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -132,6 +165,8 @@ class CudaGraphRunner:
         """Inputs that write no KV (slot -1) and read no key (sequence length 0): for warm-ups and profiling."""
         self.dev_i64[2].fill_(-1)
         self.dev_i32[: self.max_size].zero_()
+        if self.intermediate is not None:
+            self.intermediate.zero_()
         if self.lora is not None:
             self.lora.clear()
 
@@ -139,6 +174,8 @@ class CudaGraphRunner:
         """The model over the static buffers of size bs, without a graph (warm-up, profiling, tests)."""
         t = bs * self.q_len
         extra = () if self.extra is None else (self.extra[:t],)
+        if self.intermediate is not None:
+            extra = ((self.intermediate[0, :t], self.intermediate[1, :t]),)
         with forward_context(self.metas[bs], self.lora.view(t) if self.lora is not None else None):
             return self.model(self.dev_i64[0, :t], self.dev_i64[1, :t], *extra)  # [t, hidden] (or a tuple)
 
@@ -218,6 +255,11 @@ class CudaGraphRunner:
     def load_extra(self, values: torch.Tensor) -> None:
         """The extra input's rows [num_tokens, width] (device, flat order) into the graph's rows (after load_inputs)."""
         self.extra.index_copy_(0, self.dev_i64[3, : len(values)], values)
+
+    def load_intermediate(self, pair: torch.Tensor) -> None:
+        """The previous pipeline stage's (hidden, residual) [2, num_tokens, hidden] (flat order) into the graph's
+        rows (after load_inputs)."""
+        self.intermediate.index_copy_(1, self.dev_i64[3, : pair.shape[1]], pair)
 
     def replay(self, bs: int, num_tokens: int):
         """Runs the graph of size bs over the loaded inputs (off CUDA: the model eagerly over them); its rows of the

@@ -18,7 +18,6 @@ from pagedllm.distributed.pipeline import PipelineStage, pipeline_step
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
-from pagedllm.lora.mapping import StaticLoRAMapping
 from pagedllm.model_loader.loader import get_model
 from pagedllm.multimodal.encoder_runner import make_multimodal_runner
 from pagedllm.sample.logprobs import LogprobTensors
@@ -26,7 +25,7 @@ from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
 from pagedllm.spec_decode.draft_model import make_drafter
 from pagedllm.startup import StartupTimer
-from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedllm.worker.cuda_graphs import make_graph_runner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kernel_warmup import KernelPrecompile, first_steps, sampler_steps
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -104,7 +103,7 @@ class ModelRunner:
         # req_id -> the request's logits processors: callables stay in the engine's process (registered there),
         # the step message carries none
         self.logits_processors: dict[str, list[Callable]] = {}
-        self.graphs = self._make_graph_runner(max_blocks)  # None: every step runs eagerly
+        self.graphs = make_graph_runner(self, max_blocks)  # None: every step runs eagerly
         self.verify_graphs = make_verify_graphs(self, self.graphs)  # speculative verify steps (None: eagerly)
         self.last_graph = None  # the graph runner of the latest forward (None: it ran eagerly)
         self.memory_profile: dict[str, int] | None = None  # set by the GPU memory profile (gpu_memory)
@@ -113,28 +112,6 @@ class ModelRunner:
         with self.startup.phase("weights"):
             self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
             self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
-
-    def _make_graph_runner(self, max_blocks: int) -> CudaGraphRunner | None:
-        """CUDA graphs for decode steps: on CUDA with the Triton backend, unless enforce_eager or no capture size."""
-        eager = self.config.device.enforce_eager or self.stage is not None  # (pipeline stages run eagerly)
-        if not self.on_cuda or eager or not self.backend.SUPPORTS_CUDA_GRAPHS:
-            return None
-        sizes = capture_sizes(self.config.scheduler.max_num_seqs, self.config.compilation.cudagraph_capture_sizes)
-        if not sizes:
-            return None
-        lora = None if self.lora is None else StaticLoRAMapping(max(sizes), self.lora.config.max_loras, self.device)
-        return CudaGraphRunner(
-            self.model,
-            self.backend,
-            sizes,
-            max_blocks,
-            self.block_size,
-            self.max_model_len,
-            self.num_kv_heads,
-            self.device,
-            lora,
-            self.config.compilation.lazy_cudagraph_capture,
-        )
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -345,6 +322,8 @@ class ModelRunner:
                 query_lens,
             )  # fmt: skip
             self.last_graph = graphs  # (an EAGLE-3 head reads the target's layers in the graph's row order)
+            if self.stage is not None:  # the previous stage's output into the graph's input, the result sent on
+                return self.stage.run_graph(graphs, graph_bs, num_tokens)
             return graphs.replay(graph_bs, num_tokens)
         self.last_graph = None
         layout = BatchLayout(

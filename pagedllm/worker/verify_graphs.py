@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.lora.mapping import StaticLoRAMapping
-from pagedllm.worker.cuda_graphs import CudaGraphRunner
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, stage_input
 
 
 def verify_sizes(decode_sizes: list[int], q_len: int, max_num_batched_tokens: int, disable_above: int | None):
@@ -40,6 +40,7 @@ def make_verify_graphs(runner, decode: CudaGraphRunner | None) -> CudaGraphRunne
     return CudaGraphRunner(
         runner.model, runner.backend, sizes, decode.max_blocks, runner.block_size, runner.max_model_len,
         runner.num_kv_heads, runner.device, lora, runner.config.compilation.lazy_cudagraph_capture, q_len,
+        intermediate=stage_input(runner),
     )  # fmt: skip
 
 
