@@ -1,9 +1,12 @@
-"""Tensor and pipeline parallelism on GPUs (NCCL, the one-shot all-reduce, CUDA graphs for TP): TP=2, TP=4,
-TP=2 x PP=2 and PP=4 give the greedy tokens of one GPU, float32 compute, on a tiny Llama whose 2 KV heads are
-split at TP=2 and replicated at TP=4. Layouts needing more GPUs than the machine has are skipped."""
+"""Tensor and pipeline parallelism on GPUs (NCCL, the one-shot all-reduce, CUDA graphs on every rank, each pipeline
+stage replaying its own layers): TP=2, PP=2, TP=4, TP=2 x PP=2 and PP=4 give the greedy tokens of one GPU, float32
+compute, on a tiny Llama whose 2 KV heads are split at TP=2 and replicated at TP=4; every rank replays decode graphs
+(5 requests: padded batches, 3 rows in the graph of 4 with two stages). Layouts needing more GPUs than the machine
+has are skipped."""
 
 from __future__ import annotations
 
+import operator
 import time
 
 import numpy as np
@@ -40,10 +43,11 @@ def reference(tmp_path_factory):
     _, path = save_tiny_decoder("llama-gpu-parallel", LlamaConfig, LlamaForCausalLM, MODEL, tmp_path_factory)
     gen = torch.Generator().manual_seed(11)
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (k,), generator=gen).tolist()} for k in (5, 40, 17, 1, 63)]
-    return path, prompts, _generate(path, (1, 1), prompts)
+    return path, prompts, _generate(path, (1, 1), prompts)[0]
 
 
-def _generate(path: str, layout: tuple[int, int], prompts: list[dict]) -> list:
+def _generate(path: str, layout: tuple[int, int], prompts: list[dict]) -> tuple[list, list[int]]:
+    """(tokens and logprobs of each output, each rank's decode-graph replays; none with one GPU)."""
     tp, pp = layout
     start = time.monotonic()
     llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
@@ -51,7 +55,11 @@ def _generate(path: str, layout: tuple[int, int], prompts: list[dict]) -> list:
     try:
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(c.token_ids, [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]) for o in outs for c in o.outputs]
+        replays = []
+        if tp * pp > 1:
+            replays = llm.llm_engine.core.executor._call("apply", operator.attrgetter("graphs.num_replays"))
+        got = [(c.token_ids, [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]) for o in outs for c in o.outputs]
+        return got, replays
     finally:
         llm.llm_engine.shutdown()
 
@@ -61,7 +69,8 @@ def test_layout_equals_one_gpu(layout, reference):
     if torch.cuda.device_count() < layout[0] * layout[1]:
         pytest.skip(f"needs {layout[0] * layout[1]} GPUs")
     path, prompts, want = reference
-    got = _generate(path, layout, prompts)
+    got, replays = _generate(path, layout, prompts)
+    assert len(replays) == layout[0] * layout[1] and min(replays) > 0, f"a rank replayed no graph: {replays}"
     for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
         assert tokens == want_tokens
         np.testing.assert_allclose(lps, want_lps, atol=1e-3, rtol=0)

@@ -1,8 +1,8 @@
 """Pipeline stages replay their decode steps from CUDA graphs (distributed/pipeline.py run_graph,
 worker/cuda_graphs.py): on CPU processes (gloo, float32) every rank's decode steps go through its graph runner's
 static buffers (the model eager over them, Triton attention interpreted), the later stage's (hidden, residual) through
-the static input. PP=2 and TP=2 x PP=2 give the greedy tokens and logprobs of one process, with decode batches that
-need padding (3 rows in the graph of 4)."""
+the static input. PP=2, TP=2 x PP=2 and PP=3 (a middle stage: a static input and static outputs) give the greedy
+tokens and logprobs of one process, with decode batches that need padding (3 rows in the graph of 4)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ MAX_TOKENS = [7, 5, 6, 3, 7, 4, 6]  # 7 requests: decode batches of 4 and 3 rows
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    """Three layers (two stages: 2 + 1)."""
+    """Three layers (two stages: 2 + 1; three: one each)."""
     kwargs = dict(TINY_DECODER, num_hidden_layers=3)
     _, path = save_tiny_decoder("llama-pp-graphs", LlamaConfig, LlamaForCausalLM, kwargs, tmp_path_factory)
     return path
@@ -56,7 +56,11 @@ def one_process(llama_path):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", [(1, 2), pytest.param((2, 2), marks=pytest.mark.slow)], ids=str)
+@pytest.mark.parametrize(
+    "layout",
+    [(1, 2), pytest.param((2, 2), marks=pytest.mark.slow), pytest.param((1, 3), marks=pytest.mark.slow)],
+    ids=str,
+)
 def test_stage_graphs_equal_one_process(layout, llama_path, one_process, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
     tp, pp = layout
