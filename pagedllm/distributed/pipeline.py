@@ -96,7 +96,7 @@ class PipelineStage:
 
         def forward(pair: torch.Tensor | None):
             if pair is not None:
-                graphs.load_intermediate(pair)
+                graphs.load_intermediate(bs, pair)
             out = graphs.replay(bs, num_tokens)  # [num_tokens, hidden], or (hidden, residual) before the last stage
             return out.clone() if self.pp.is_last else out
 

@@ -256,9 +256,10 @@ class CudaGraphRunner:
         """The extra input's rows [num_tokens, width] (device, flat order) into the graph's rows (after load_inputs)."""
         self.extra.index_copy_(0, self.dev_i64[3, : len(values)], values)
 
-    def load_intermediate(self, pair: torch.Tensor) -> None:
-        """The previous pipeline stage's (hidden, residual) [2, num_tokens, hidden] (flat order) into the graph's
-        rows (after load_inputs)."""
+    def load_intermediate(self, bs: int, pair: torch.Tensor) -> None:
+        """The previous pipeline stage's (hidden, residual) [2, num_tokens, hidden] (flat order) into the rows of
+        the graph of size bs (after load_inputs); its padding rows zero, as their token ids are."""
+        self.intermediate[:, : bs * self.q_len].zero_()
         self.intermediate.index_copy_(1, self.dev_i64[3, : pair.shape[1]], pair)
 
     def replay(self, bs: int, num_tokens: int):

@@ -16,6 +16,8 @@ from tiny_models import TINY_DECODER, save_tiny_decoder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention import triton_backend
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs without a GPU only")
@@ -77,3 +79,31 @@ def test_stage_graphs_equal_one_process(layout, llama_path, one_process, monkeyp
     assert len(replays) == tp * pp
     assert all(r == replays[0] for r in replays), "the ranks replayed different steps"
     assert (4, 3) in replays[0], "no decode batch was padded"
+
+
+class _Echo(torch.nn.Module):
+    """A model that returns the (hidden, residual) it was given: what a stage's graph reads from its static input."""
+
+    def forward(self, input_ids, positions, intermediate):
+        return intermediate[0] + 0, intermediate[1] + 0
+
+
+def test_static_input_takes_the_rows_of_the_flat_batch():
+    """Rows of 1, 3 and 2 tokens (a verify graph of 3 tokens per row, size 4; left padding): the received
+    (hidden, residual) land in their tokens' rows, the padding rows are zero (also where an earlier step left
+    values), and the replay gives them back in the flat order."""
+    g = CudaGraphRunner(
+        _Echo(), triton_backend, [2, 4], 4, 4, 16, 1, torch.device("cpu"), q_len=3, intermediate=(2, torch.float32)
+    )
+    lens = np.array([1, 3, 2])
+    ids = np.arange(6)
+    g.load_inputs(4, ids, ids, ids, np.array([4, 6, 5]), np.zeros((3, 4), dtype=np.int64), query_lens=lens)
+    g.intermediate.fill_(7.0)  # an earlier step's values
+    pair = torch.arange(24, dtype=torch.float32).view(2, 6, 2)  # [2, num_tokens, hidden]
+    g.load_intermediate(4, pair)
+    real = [2, 3, 4, 5, 7, 8]  # each token's row in the graph
+    assert torch.equal(g.intermediate[:, real], pair)
+    padding = [i for i in range(12) if i not in real]
+    assert not g.intermediate[:, padding].any()
+    hidden, residual = g.replay(4, 6)
+    assert torch.equal(hidden, pair[0]) and torch.equal(residual, pair[1])
