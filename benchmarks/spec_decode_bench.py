@@ -48,12 +48,13 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 try:
+    from benchmarks import spec_decode_forcing as forcing
     from benchmarks.common import emit, git_commit, machine_description, make_record, rounded
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    import spec_decode_forcing as forcing
     from common import emit, git_commit, machine_description, make_record, rounded
 
 from pagedllm import LLM, SamplingParams
@@ -158,52 +159,23 @@ def agreement_for(acceptance: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-class ForcedAgreement:
-    """The drafter's force_drafts hook: a request's draft at position p is the target's greedy token there where a
-    seeded draw (per prompt and position) agrees, else another token. references: prompt + greedy output, prompts
-    of prompt_len tokens. A request without one, or whose tokens have left it, keeps the draft model's tokens (-1):
-    its reference no longer tells the target's tokens (num_followed / num_calls counts the proposals forced)."""
-
-    def __init__(self, references: list[list[int]], prompt_len: int, agree: float, k: int, vocab: int) -> None:
-        rng = np.random.default_rng(0)
-        self.refs = {tuple(ref[:prompt_len]): (ref, rng.random(len(ref)) < agree) for ref in references}
-        self.prompt_len, self.k, self.vocab_size = prompt_len, k, vocab
-        self.num_calls = self.num_followed = 0
-
-    def __call__(self, histories: list[list[int]]) -> np.ndarray:
-        out = np.full((len(histories), self.k), -1, dtype=np.int64)  # [m, K]
-        for i, tokens in enumerate(histories):
-            ref, agrees = self.refs.get(tuple(tokens[: self.prompt_len]), (None, None))
-            self.num_calls += 1
-            if ref is None or tokens != ref[: len(tokens)]:
-                continue
-            self.num_followed += 1
-            for j, p in enumerate(range(len(tokens), min(len(tokens) + self.k, len(ref)))):
-                out[i, j] = ref[p] if agrees[p] else (ref[p] + 1) % self.vocab_size
-        return out
-
-
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(length)]} for _ in range(count)]
 
 
-def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[list[int]], float]:
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
-
-
 def make_llm(args, spec: dict | None) -> LLM:
     # a fixed KV cache (no memory profile): the engine built before may not have handed all of its memory back
     kwargs = dict(speculative_config=spec, kv_cache_memory_bytes=(64 << 20) if args.tiny else (8 << 30))
+    dtype = args.dtype if args.dtype != "auto" or not args.tiny else "float32"
     if args.method in MODEL_METHODS:
         kwargs |= dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len)
-        return LLM(args.target, dtype="float32" if args.tiny else args.dtype, **kwargs)
+        llm = LLM(args.target, dtype=dtype, **kwargs)
+        forcing.install_successor_map(llm, forcing.successor_map(llm.llm_engine.config.model.vocab_size))
+        return llm
     if args.tiny:
-        return LLM(tiny_model_path(), dtype="float32", skip_tokenizer_init=True, **kwargs)
-    return LLM(args.model, dtype=args.dtype, **kwargs)
+        return LLM(tiny_model_path(), dtype=dtype, skip_tokenizer_init=True, **kwargs)
+    return LLM(args.model, dtype=dtype, **kwargs)
 
 
 def workload(args, llm: LLM, batch: int) -> list[dict]:
@@ -213,42 +185,38 @@ def workload(args, llm: LLM, batch: int) -> list[dict]:
     return tiny_prompts(batch, 256) if args.tiny else chat_prompts(llm, batch, args.sentences)
 
 
-def verify_references(args, llm: LLM, drafter, prompts, base_outputs, params) -> ForcedAgreement:
-    """The forcing hook of the timed run, from references made by this engine with every draft wrong: the target's
-    greedy tokens as its verify steps compute them. (Decode steps and verify steps round differently in half
-    precision: where logits nearly tie, the outputs without speculation are not the verify steps' tokens, and drafts
-    forced from them would stop agreeing after the first such token.)"""
-    vocab = llm.llm_engine.config.model.vocab_size
-    base = [p["prompt_token_ids"] + out for p, out in zip(prompts, base_outputs)]
-    drafter.force_drafts = ForcedAgreement(base, args.prompt_len, 0.0, args.k, vocab)
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    refs = [p["prompt_token_ids"] + out for p, out in zip(prompts, outputs)]
-    return ForcedAgreement(refs, args.prompt_len, args.agree, args.k, vocab)
-
-
-def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
-    """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted), seconds proposing, forced share)
-    for one engine configuration. references (batch size -> the outputs without speculation): the draft model's tokens
-    are forced to agree at the rate asked for with the target's tokens (verify_references)."""
+def run_engine(args, spec: dict | None) -> dict:
+    """batch size -> the figures of one engine configuration (outputs, seconds, draft counts, the step split). With
+    a draft model or EAGLE head its tokens are forced to agree with the target's at the rate asked for."""
     llm = make_llm(args, spec)
+    runner = llm.llm_engine.core.executor.runner
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny or args.method != "ngram")
-    drafter = getattr(llm.llm_engine.core.executor.runner, "drafter", None)
-    results = {}
+    drafter = getattr(runner, "drafter", None)
+    perm = forcing.successor_map(llm.llm_engine.config.model.vocab_size) if args.method in MODEL_METHODS else None
+    split, sched, results = forcing.StepSplit(llm.llm_engine.core), llm.llm_engine.core.scheduler, {}
     for batch in args.batch_sizes:
-        prompts = workload(args, llm, batch)
-        forced = None
+        prompts, r = workload(args, llm, batch), {}
         if drafter is not None:
-            forced = verify_references(args, llm, drafter, prompts, references[batch][0], params)
-            drafter.force_drafts = forced
-        sched = llm.llm_engine.core.scheduler
+            drafter.force_drafts = forced = forcing.ForcedAgreement(prompts, perm, args.max_tokens, args.agree, args.k)
+        elif perm is not None:  # untimed: how far apart the target's top-2 logits are
+            r["margin"] = forcing.top2_margin(llm, prompts, args.max_tokens)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        propose_before = drafter.seconds if drafter is not None else 0.0
-        outputs, seconds = timed(llm, prompts, params)
+        if drafter is not None:
+            forced.reset()
+        split.take()
+        start = time.perf_counter()
+        r["outputs"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        r["seconds"] = time.perf_counter() - start
+        r["steps"], r["split"] = split.take()
         after = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        proposing = (drafter.seconds - propose_before) if drafter is not None else None
-        followed = forced.num_followed / max(forced.num_calls, 1) if forced is not None else None
-        results[batch] = (outputs, seconds, tuple(a - b for a, b in zip(after, before)), proposing, followed)
-    del llm, drafter
+        r["drafts"] = tuple(a - b for a, b in zip(after, before))
+        if drafter is not None:
+            r["followed"] = forced.num_followed / max(forced.num_calls, 1)
+        elif perm is not None:
+            forcing.check_follows_map(r["outputs"], prompts, perm)
+        results[batch] = r
+    del llm, runner, drafter, split
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -289,9 +257,28 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": "ngram", "num_speculative_tokens": args.k}
         spec |= {"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
     base = run_engine(args, None)
-    fast = run_engine(args, spec, base)
+    fast = run_engine(args, spec)
     report(args, spec, base, fast)
     return 0
+
+
+def time_split(r: dict) -> dict:
+    """ms per target step of a run: the whole step, proposing, the target's forwards, sampling (logits, sampler,
+    verification) and the rest (scheduling, inputs, commit); and the mean forward / sampling of each kind of step."""
+    steps, sec = r["steps"], r["split"]
+    total = max(sum(steps.values()), 1)
+    parts = {"propose": sec.get(("all", "propose"), 0.0)}
+    parts["verify"] = sum(v for (kind, part), v in sec.items() if part == "forward")
+    parts["sample"] = sum(v for (kind, part), v in sec.items() if part == "sample")
+    split = {"step": r["seconds"] / total * 1e3} | {k: v / total * 1e3 for k, v in parts.items()}
+    split["other"] = split["step"] - sum(split[k] for k in parts)
+    per_kind = {
+        f"{kind}_{part}": sec.get((kind, part), 0.0) / n * 1e3
+        for kind, n in steps.items()
+        if kind != "prefill"
+        for part in ("forward", "sample")
+    }
+    return {k: rounded(v, 3) for k, v in (split | per_kind).items()}
 
 
 def report(args, spec: dict, base: dict, fast: dict) -> None:
@@ -300,23 +287,30 @@ def report(args, spec: dict, base: dict, fast: dict) -> None:
     big = {"draft": "8B+1B", "eagle": "8B+EAGLE", "eagle3": "8B+EAGLE-3"}.get(args.method)
     model = ("tiny-random" if args.tiny else args.model) if not draft else ("tiny-dummy" if args.tiny else big)
     for batch in args.batch_sizes:
-        (ref, t0, *_), (out, t1, (steps, drafts, accepted), proposing, followed) = base[batch], fast[batch]
+        b, f = base[batch], fast[batch]
+        ref, out, (rows, drafts, accepted) = b["outputs"], f["outputs"], f["drafts"]
         tokens = sum(len(o) for o in out)
-        extra = dict(forced_agreement=rounded(args.agree, 3), forced_share=rounded(followed, 3)) if draft else {}
-        if proposing is not None:
-            extra |= dict(seconds_proposing=rounded(proposing, 3), seconds_target=rounded(t1 - proposing, 3))
+        extra = {}
+        if draft:  # the target followed its successor map without drafts (checked), the drafts were forced
+            extra = dict(forced_agreement=rounded(args.agree, 3), forced_share=rounded(f["followed"], 3))
+            extra |= dict(target_follows_map=True, min_top2_logit_margin=rounded(b["margin"], 2))
         record = make_record(
-            f"spec-decode-{args.method}-bs{batch}", machine, commit, model=model,
+            f"spec-decode-{args.method}-bs{batch}", machine, commit, model=model, dtype=args.dtype,
             spec={k: v for k, v in spec.items() if k != "model"}, max_tokens=args.max_tokens, output_tokens=tokens,
-            tok_s_baseline=rounded(sum(len(o) for o in ref) / t0, 1), tok_s_spec=rounded(tokens / t1, 1),
-            speedup=rounded(t0 / t1, 3), acceptance_rate=rounded(accepted / drafts if drafts else None, 3),
-            tokens_per_verify_step=rounded((accepted + steps) / steps if steps else None, 2),
-            same_outputs=ref == out, **extra,
+            tok_s_baseline=rounded(sum(len(o) for o in ref) / b["seconds"], 1),
+            tok_s_spec=rounded(tokens / f["seconds"], 1), speedup=rounded(b["seconds"] / f["seconds"], 3),
+            acceptance_rate=rounded(accepted / drafts if drafts else None, 3),
+            tokens_per_verify_step=rounded((accepted + rows) / rows if rows else None, 2),
+            same_outputs=ref == out, steps_baseline=b["steps"], steps_spec=f["steps"],
+            time_split_ms_baseline=time_split(b), time_split_ms_spec=time_split(f), **extra,
         )  # fmt: skip
         emit(record, append=not args.no_append)
+        split = record["time_split_ms_spec"]
         print(
             f"batch {batch}: {record['tok_s_baseline']} -> {record['tok_s_spec']} tok/s (x{record['speedup']}), "
-            f"acceptance {record['acceptance_rate']}, same outputs: {record['same_outputs']}",
+            f"acceptance {record['acceptance_rate']}, same outputs: {record['same_outputs']}; ms a step: "
+            f"{record['time_split_ms_baseline']['step']} -> {split['step']} (propose {split['propose']}, "
+            f"verify {split['verify']}, sample {split['sample']}, other {split['other']})",
             file=sys.stderr,
         )
 
