@@ -6,34 +6,45 @@ sentences) and chat prompts asking the model to repeat or lightly edit it, where
 continuation in the prompt.
 
 --method draft: Llama-3.1-8B shapes with a Llama-3.2-1B-shaped draft (benchmarks/configs), dummy weights, random
-prompts. A dummy draft never agrees with a dummy target, so its agreement is forced: the draft model runs its K
-forward passes as usual (their cost is measured), but the token each pass feeds on and proposes is the target's
-greedy continuation, agreeing independently with probability `agree` (else another token) - the draft's cache then
-holds what a draft agreeing at that rate would have written. The continuation is recorded by an untimed run of the
-same engine with every draft wrong (its verify steps' tokens: in bf16 decode and verify steps round apart where
-logits nearly tie, and dummy weights tie often); a request whose tokens leave it gets the draft's own tokens from
-there (forced_share: the share of proposals still forced).
-Verification accepts a draft while it and those before it agree, so the acceptance rate (accepted / proposed, as
-vLLM counts it) is (agree + agree^2 + ... + agree^K) / K: --acceptance sets that rate and `agree` follows from it.
-disable_by_batch_size (--disable-by-batch-size, default 32) turns drafts off at batch 64.
+prompts of 128 tokens. The dummy target is given a next-token map (spec_decode_forcing.py): its embedding row t is a
+seeded random vector e_t of norm sqrt(H) and its LM head row P[t] is e_t, P a seeded permutation, so its greedy
+continuation after a token t is P(t), P(P(t)), ..., known without a run. The margin: dummy weights are U(-0.01,
+0.01) (norms 1 + that), so on a normed input of RMS 1 a layer's attention adds at most ~0.14 RMS to the residual (v
+~0.37, o_proj x0.37; less once averaged over positions) and its MLP ~0.05: after 32 layers h is e_t plus at most
+~0.8 RMS of other directions (rms(h) <= ~1.3). The logit of P[t] is e_t . h / rms(h) >= ~H / 1.3, any other a random
+product ~N(0, H) whose largest over 128k tokens is ~5 sqrt(H): a gap of ~2800 at H = 4096. Measured smallest top-2
+gaps: 3764 (8B widths, 2 layers, bf16, CPU) and 32.5 (--tiny: H = 64, float32 and bf16); bf16 rounds a logit near
+4096 by at most 16. The run without drafts must produce that continuation (checked: the benchmark stops otherwise),
+and an untimed run with logprobs reports its smallest top-2 gap (min_top2_logit_margin).
+A dummy draft never agrees with the target, so its agreement is forced: the draft model runs its K forward passes
+as usual (their cost is measured), but the tokens each proposal feeds on and proposes are the target's
+continuation up to a first disagreeing one, whose place follows the law of K drafts each agreeing independently
+with probability `agree` (drawn on a golden-ratio sequence per request, so that a short run hits the rate): the
+draft's cache then holds what a draft agreeing at that rate would have written. Verification accepts a draft while
+it and those before it agree, so the acceptance rate (accepted / proposed, as vLLM counts it) is (agree + agree^2 +
+... + agree^K) / K: --acceptance sets it and `agree` follows. forced_share: the share of proposals forced (1.0
+unless the target left its continuation). disable_by_batch_size (default 32) turns drafts off at batch 64.
 
 --method eagle | eagle3: the same 8B target with a dummy EAGLE head of its shapes (one Llama layer of the 8B's sizes
 and fc over concat(embedding, hidden state), sharing the target's embedding and LM head: the layout of
 yuhuili/EAGLE-LLaMA3-Instruct-8B; eagle3: fc over three target layers' hidden states, its own LM head over a 32000-token
 draft vocabulary). Agreement is forced the same way: the head consumes each step's hidden states and runs its K chain
-steps as usual (their cost is measured), but the token each step feeds on and proposes is the target's greedy token
-with probability `agree`, else another.
+steps as usual (their cost is measured), but the tokens it feeds on and proposes are the forced ones.
 
 Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl unless --no-append):
-  spec-decode-{ngram,draft}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default
-                            scheduling: asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts'
-                            acceptance rate, the mean tokens emitted per verifying step, and the time split: seconds
-                            proposing (the draft model's passes) and the rest (target forward, verification, sampling)
+  spec-decode-{method}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default scheduling:
+                            asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts' acceptance
+                            rate, the mean tokens emitted per verifying row, the steps of each kind, and the time
+                            split of each run in ms per target step: step (wall), propose (the proposer, host wall
+                            time: on a GPU it ends with the drafts' copy to the host), verify (the target's forwards),
+                            sample (logits, sampler, verification), other (the rest: scheduling, inputs, commit), and
+                            the mean forward and sampling of each kind of step (decode_*, verify_*). Forwards and
+                            sampling are device time on a GPU (CUDA events, no synchronisation), wall time on a CPU.
 
     PYTHONPATH=. python benchmarks/spec_decode_bench.py                 # the bundled SmolLM2 (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft  # 8B target, 1B draft, dummy (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --tiny --no-append   # a tiny random model on the CPU (smoke)
-    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft --tiny --no-append
+    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft --tiny --dtype bfloat16 --no-append
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method eagle  # 8B target, dummy EAGLE head (on a GPU)
 """
 
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", choices=["ngram", *MODEL_METHODS], default="ngram")
     parser.add_argument("--model", default=None, help="ngram: model (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke run)")
-    parser.add_argument("--dtype", default="auto", help="in half precision a verifying step's sums may round apart")
+    parser.add_argument("--dtype", default="auto", help="model dtype (--tiny: float32 unless given)")
     parser.add_argument("--batch-sizes", default=None, help="default: 1,16 (draft: 1,16,64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 512 (draft 256; --tiny: 48)")
     parser.add_argument("--sentences", type=int, default=80, help="ngram: sentences of the text (~12 tokens each)")
