@@ -35,11 +35,12 @@ Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl un
   spec-decode-{method}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default scheduling:
                             asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts' acceptance
                             rate, the mean tokens emitted per verifying row, the steps of each kind, and the time
-                            split of each run in ms per target step: step (wall), propose (the proposer, host wall
-                            time: on a GPU it ends with the drafts' copy to the host), verify (the target's forwards),
-                            sample (logits, sampler, verification), other (the rest: scheduling, inputs, commit), and
-                            the mean forward and sampling of each kind of step (decode_*, verify_*). Forwards and
-                            sampling are device time on a GPU (CUDA events, no synchronisation), wall time on a CPU.
+                            split of each run in ms per target step: step (wall), propose (the proposals, host wall
+                            time: on a GPU they end with the drafts' copy to the host; and an EAGLE head's pass over
+                            each step's hidden states), verify (the target's forwards), sample (logits, sampler,
+                            verification), other (the rest: scheduling, inputs, commit), and the mean forward and
+                            sampling of each kind of step (decode_*, verify_*). Forwards, sampling and the EAGLE
+                            pass are device time on a GPU (CUDA events, no synchronisation), wall time on a CPU.
 
     PYTHONPATH=. python benchmarks/spec_decode_bench.py                 # the bundled SmolLM2 (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft  # 8B target, 1B draft, dummy (on a GPU)
@@ -209,8 +210,6 @@ def run_engine(args, spec: dict | None) -> dict:
         prompts, r = workload(args, llm, batch), {}
         if drafter is not None:
             drafter.force_drafts = forced = forcing.ForcedAgreement(prompts, perm, args.max_tokens, args.agree, args.k)
-        elif perm is not None:  # untimed: how far apart the target's top-2 logits are
-            r["margin"] = forcing.top2_margin(llm, prompts, args.max_tokens)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
         if drafter is not None:
@@ -223,9 +222,10 @@ def run_engine(args, spec: dict | None) -> dict:
         after = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
         r["drafts"] = tuple(a - b for a, b in zip(after, before))
         if drafter is not None:
-            r["followed"] = forced.num_followed / max(forced.num_calls, 1)
-        elif perm is not None:
+            r["followed"] = forced.num_followed / forced.num_calls if forced.num_calls else None
+        elif perm is not None:  # (after the timed run: its prompts were not cached before it, as with drafts)
             forcing.check_follows_map(r["outputs"], prompts, perm)
+            r["margin"] = forcing.top2_margin(llm, prompts, args.max_tokens)  # untimed: the top-2 logits' gap
         results[batch] = r
     del llm, runner, drafter, split
     gc.collect()
@@ -273,14 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+PARTS = {"propose": "propose", "verify": "forward", "sample": "sample"}  # the split's names -> StepSplit's parts
+
+
 def time_split(r: dict) -> dict:
     """ms per target step of a run: the whole step, proposing, the target's forwards, sampling (logits, sampler,
     verification) and the rest (scheduling, inputs, commit); and the mean forward / sampling of each kind of step."""
     steps, sec = r["steps"], r["split"]
     total = max(sum(steps.values()), 1)
-    parts = {"propose": sec.get(("all", "propose"), 0.0)}
-    parts["verify"] = sum(v for (kind, part), v in sec.items() if part == "forward")
-    parts["sample"] = sum(v for (kind, part), v in sec.items() if part == "sample")
+    parts = {name: sum(v for (_, p), v in sec.items() if p == part) for name, part in PARTS.items()}
     split = {"step": r["seconds"] / total * 1e3} | {k: v / total * 1e3 for k, v in parts.items()}
     split["other"] = split["step"] - sum(split[k] for k in parts)
     per_kind = {

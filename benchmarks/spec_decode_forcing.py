@@ -114,9 +114,11 @@ class ForcedAgreement:
 
 
 class StepSplit:
-    """Times the runner's target forwards and its sampling (logits, sampler, verification) by kind of step:
-    decode (one token a row), verify (drafts) or prefill. On a GPU device time between CUDA events (no
-    synchronisation), on a CPU wall time. Bench-only: wraps the runner object's methods."""
+    """Times the runner's target forwards, its sampling (logits, sampler, verification) and a drafter's record of
+    each step (an EAGLE head's pass over the step's hidden states) by kind of step: decode (one token a row), verify
+    (drafts) or prefill: on a GPU device time between CUDA events (no synchronisation), on a CPU wall time; and the
+    engine core's proposals (host wall time: on a GPU they end with the drafts' copy to the host). Bench-only: it
+    wraps the engine objects' methods."""
 
     def __init__(self, core) -> None:
         runner = core.executor.runner
@@ -135,6 +137,8 @@ class StepSplit:
         runner.plan_step = plan_step
         runner._run_model = self._timed("forward", runner._run_model)
         runner._sample = self._timed("sample", runner._sample)
+        if getattr(runner, "drafter", None) is not None:  # an EAGLE head's pass over each step's hidden states
+            runner.drafter.record_step = self._timed("propose", runner.drafter.record_step)
         propose = core._propose
 
         def timed_propose(proposer) -> None:  # (host wall time: it ends with the drafts' copy to the host)
