@@ -87,30 +87,40 @@ class ForcedAgreement:
         law = [agree**j * (1 - agree) for j in range(k)] + [agree**k]
         self.cdf = np.cumsum(law)[:-1].tolist()  # j = the number of these below a uniform draw
         self.prompt_len, self.k, self.vocab_size = len(prompts[0]["prompt_token_ids"]), k, len(perm)
-        self.num_calls = self.num_followed = 0
+        self.reset()
 
     def reset(self) -> None:
         """Counts and draws from the start (after a warm-up)."""
         self.num_calls = self.num_followed = 0
+        self.known = {}  # id(a request's tokens) -> [those tokens, its entry, how many were checked]
         for entry in self.seqs.values():
             entry[2] = 0
 
+    def _lookup(self, tokens: list[int]) -> list:
+        """[tokens, its prompt's entry or None, tokens checked]: a request's token list is one object that only grows,
+        so each call checks only its new tokens."""
+        known = self.known.get(id(tokens))
+        if known is None or known[0] is not tokens:
+            known = self.known[id(tokens)] = [tokens, self.seqs.get(tuple(tokens[: self.prompt_len])), self.prompt_len]
+        return known
+
     def __call__(self, histories: list[list[int]]) -> np.ndarray:
-        out = [[-1] * self.k for _ in histories]  # [m, K]
+        out = np.full((len(histories), self.k), -1, dtype=np.int64)  # [m, K]
         for i, tokens in enumerate(histories):
-            entry = self.seqs.get(tuple(tokens[: self.prompt_len]))
+            _, entry, checked = known = self._lookup(tokens)
             self.num_calls += 1
-            n, p = len(tokens), self.prompt_len
-            if entry is None or n + self.k > len(entry[0]) or tokens[p:] != entry[0][p:n]:
+            n = len(tokens)
+            if entry is None or n + self.k > len(entry[0]) or tokens[checked:n] != entry[0][checked:n]:
                 continue
+            known[2] = n
             self.num_followed += 1
             seq, offset, count = entry
             entry[2] += 1
             j = bisect.bisect_right(self.cdf, (offset + count * GOLDEN) % 1.0)  # drafts that agree
             out[i] = seq[n : n + self.k]
             if j < self.k:
-                out[i][j] = (seq[n + j] + 1) % self.vocab_size
-        return np.array(out, dtype=np.int64)
+                out[i, j] = (seq[n + j] + 1) % self.vocab_size
+        return out
 
 
 class StepSplit:

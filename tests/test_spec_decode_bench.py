@@ -60,6 +60,12 @@ def test_forced_drafts_agree_by_the_law_asked_for():
     assert hook.num_followed == hook.num_calls == len(runs)
     off = hook([[*prompt, (seq[3] + 1) % vocab]])  # a history that left the continuation: the draft's own tokens
     assert off.tolist() == [[-1] * k] and hook.num_followed == len(runs)
+    history = [*prompt, seq[3]]  # one request's list, which grows: each call checks its new tokens
+    assert (hook([history]) >= 0).all()
+    history.append((seq[4] + 1) % vocab)
+    assert hook([history]).tolist() == [[-1] * k]
+    history.append(seq[5])
+    assert hook([history]).tolist() == [[-1] * k]
 
 
 @pytest.mark.slow
