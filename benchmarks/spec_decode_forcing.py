@@ -40,7 +40,7 @@ def install_successor_map(llm: LLM, perm: np.ndarray, seed: int = 0) -> None:
     gen, weight = torch.Generator().manual_seed(seed), embed.weight.data  # [vocab, H]
     for first in range(0, len(perm), 16384):  # (in float32 on the host, a slice at a time: the same on any device)
         rows = torch.randn(min(16384, len(perm) - first), weight.shape[1], generator=gen)  # [rows, H]
-        weight[first : first + len(rows)] = rows * (weight.shape[1] ** 0.5 / rows.norm(dim=1, keepdim=True))
+        weight[first : first + len(rows)].copy_(rows * (weight.shape[1] ** 0.5 / rows.norm(dim=1, keepdim=True)))
     table = torch.empty_like(weight)
     table[torch.from_numpy(perm).to(weight.device)] = weight  # [vocab, H] lm_head[P[t]] = embed[t]
     if head.weight is not None:
