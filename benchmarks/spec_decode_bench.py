@@ -6,34 +6,46 @@ sentences) and chat prompts asking the model to repeat or lightly edit it, where
 continuation in the prompt.
 
 --method draft: Llama-3.1-8B shapes with a Llama-3.2-1B-shaped draft (benchmarks/configs), dummy weights, random
-prompts. A dummy draft never agrees with a dummy target, so its agreement is forced: the draft model runs its K
-forward passes as usual (their cost is measured), but the token each pass feeds on and proposes is the target's
-greedy continuation, agreeing independently with probability `agree` (else another token) - the draft's cache then
-holds what a draft agreeing at that rate would have written. The continuation is recorded by an untimed run of the
-same engine with every draft wrong (its verify steps' tokens: in bf16 decode and verify steps round apart where
-logits nearly tie, and dummy weights tie often); a request whose tokens leave it gets the draft's own tokens from
-there (forced_share: the share of proposals still forced).
-Verification accepts a draft while it and those before it agree, so the acceptance rate (accepted / proposed, as
-vLLM counts it) is (agree + agree^2 + ... + agree^K) / K: --acceptance sets that rate and `agree` follows from it.
-disable_by_batch_size (--disable-by-batch-size, default 32) turns drafts off at batch 64.
+prompts of 128 tokens. The dummy target is given a next-token map (spec_decode_forcing.py): its embedding row t is a
+seeded random vector e_t of norm sqrt(H) and its LM head row P[t] is e_t, P a seeded permutation, so its greedy
+continuation after a token t is P(t), P(P(t)), ..., known without a run. The margin: dummy weights are U(-0.01,
+0.01) (norms 1 + that), so on a normed input of RMS 1 a layer's attention adds at most ~0.14 RMS to the residual (v
+~0.37, o_proj x0.37; less once averaged over positions) and its MLP ~0.05: after 32 layers h is e_t plus at most
+~0.8 RMS of other directions (rms(h) <= ~1.3). The logit of P[t] is e_t . h / rms(h) >= ~H / 1.3, any other a random
+product ~N(0, H) whose largest over 128k tokens is ~5 sqrt(H): a gap of ~2800 at H = 4096. Measured smallest top-2
+gaps: 3764 (8B widths, 2 layers, bf16, CPU) and 32.5 (--tiny: H = 64, float32 and bf16); bf16 rounds a logit near
+4096 by at most 16. The run without drafts must produce that continuation (checked: the benchmark stops otherwise),
+and an untimed run with logprobs reports its smallest top-2 gap (min_top2_logit_margin).
+A dummy draft never agrees with the target, so its agreement is forced: the draft model runs its K forward passes
+as usual (their cost is measured), but the tokens each proposal feeds on and proposes are the target's
+continuation up to a first disagreeing one, whose place follows the law of K drafts each agreeing independently
+with probability `agree` (drawn on a golden-ratio sequence per request, so that a short run hits the rate): the
+draft's cache then holds what a draft agreeing at that rate would have written. Verification accepts a draft while
+it and those before it agree, so the acceptance rate (accepted / proposed, as vLLM counts it) is (agree + agree^2 +
+... + agree^K) / K: --acceptance sets it and `agree` follows. forced_share: the share of proposals forced (1.0
+unless the target left its continuation). disable_by_batch_size (default 32) turns drafts off at batch 64.
 
 --method eagle | eagle3: the same 8B target with a dummy EAGLE head of its shapes (one Llama layer of the 8B's sizes
 and fc over concat(embedding, hidden state), sharing the target's embedding and LM head: the layout of
 yuhuili/EAGLE-LLaMA3-Instruct-8B; eagle3: fc over three target layers' hidden states, its own LM head over a 32000-token
 draft vocabulary). Agreement is forced the same way: the head consumes each step's hidden states and runs its K chain
-steps as usual (their cost is measured), but the token each step feeds on and proposes is the target's greedy token
-with probability `agree`, else another.
+steps as usual (their cost is measured), but the tokens it feeds on and proposes are the forced ones.
 
 Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl unless --no-append):
-  spec-decode-{ngram,draft}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default
-                            scheduling: asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts'
-                            acceptance rate, the mean tokens emitted per verifying step, and the time split: seconds
-                            proposing (the draft model's passes) and the rest (target forward, verification, sampling)
+  spec-decode-{method}-bs{B}   B prompts at once: tokens/s without speculation (the engine's default scheduling:
+                            asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts' acceptance
+                            rate, the mean tokens emitted per verifying row, the steps of each kind, and the time
+                            split of each run in ms per target step: step (wall), propose (the proposals, host wall
+                            time: on a GPU they end with the drafts' copy to the host; and an EAGLE head's pass over
+                            each step's hidden states), verify (the target's forwards), sample (logits, sampler,
+                            verification), other (the rest: scheduling, inputs, commit), and the mean forward and
+                            sampling of each kind of step (decode_*, verify_*). Forwards, sampling and the EAGLE
+                            pass are device time on a GPU (CUDA events, no synchronisation), wall time on a CPU.
 
     PYTHONPATH=. python benchmarks/spec_decode_bench.py                 # the bundled SmolLM2 (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft  # 8B target, 1B draft, dummy (on a GPU)
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --tiny --no-append   # a tiny random model on the CPU (smoke)
-    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft --tiny --no-append
+    PYTHONPATH=. python benchmarks/spec_decode_bench.py --method draft --tiny --dtype bfloat16 --no-append
     PYTHONPATH=. python benchmarks/spec_decode_bench.py --method eagle  # 8B target, dummy EAGLE head (on a GPU)
 """
 
@@ -48,12 +60,13 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 try:
+    from benchmarks import spec_decode_forcing as forcing
     from benchmarks.common import emit, git_commit, machine_description, make_record, rounded
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    import spec_decode_forcing as forcing
     from common import emit, git_commit, machine_description, make_record, rounded
 
 from pagedllm import LLM, SamplingParams
@@ -158,52 +171,23 @@ def agreement_for(acceptance: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-class ForcedAgreement:
-    """The drafter's force_drafts hook: a request's draft at position p is the target's greedy token there where a
-    seeded draw (per prompt and position) agrees, else another token. references: prompt + greedy output, prompts
-    of prompt_len tokens. A request without one, or whose tokens have left it, keeps the draft model's tokens (-1):
-    its reference no longer tells the target's tokens (num_followed / num_calls counts the proposals forced)."""
-
-    def __init__(self, references: list[list[int]], prompt_len: int, agree: float, k: int, vocab: int) -> None:
-        rng = np.random.default_rng(0)
-        self.refs = {tuple(ref[:prompt_len]): (ref, rng.random(len(ref)) < agree) for ref in references}
-        self.prompt_len, self.k, self.vocab_size = prompt_len, k, vocab
-        self.num_calls = self.num_followed = 0
-
-    def __call__(self, histories: list[list[int]]) -> np.ndarray:
-        out = np.full((len(histories), self.k), -1, dtype=np.int64)  # [m, K]
-        for i, tokens in enumerate(histories):
-            ref, agrees = self.refs.get(tuple(tokens[: self.prompt_len]), (None, None))
-            self.num_calls += 1
-            if ref is None or tokens != ref[: len(tokens)]:
-                continue
-            self.num_followed += 1
-            for j, p in enumerate(range(len(tokens), min(len(tokens) + self.k, len(ref)))):
-                out[i, j] = ref[p] if agrees[p] else (ref[p] + 1) % self.vocab_size
-        return out
-
-
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(length)]} for _ in range(count)]
 
 
-def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[list[int]], float]:
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
-
-
 def make_llm(args, spec: dict | None) -> LLM:
     # a fixed KV cache (no memory profile): the engine built before may not have handed all of its memory back
     kwargs = dict(speculative_config=spec, kv_cache_memory_bytes=(64 << 20) if args.tiny else (8 << 30))
+    dtype = args.dtype if args.dtype != "auto" or not args.tiny else "float32"
     if args.method in MODEL_METHODS:
         kwargs |= dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len)
-        return LLM(args.target, dtype="float32" if args.tiny else args.dtype, **kwargs)
+        llm = LLM(args.target, dtype=dtype, **kwargs)
+        forcing.install_successor_map(llm, forcing.successor_map(llm.llm_engine.config.model.vocab_size))
+        return llm
     if args.tiny:
-        return LLM(tiny_model_path(), dtype="float32", skip_tokenizer_init=True, **kwargs)
-    return LLM(args.model, dtype=args.dtype, **kwargs)
+        return LLM(tiny_model_path(), dtype=dtype, skip_tokenizer_init=True, **kwargs)
+    return LLM(args.model, dtype=dtype, **kwargs)
 
 
 def workload(args, llm: LLM, batch: int) -> list[dict]:
@@ -213,42 +197,37 @@ def workload(args, llm: LLM, batch: int) -> list[dict]:
     return tiny_prompts(batch, 256) if args.tiny else chat_prompts(llm, batch, args.sentences)
 
 
-def verify_references(args, llm: LLM, drafter, prompts, base_outputs, params) -> ForcedAgreement:
-    """The forcing hook of the timed run, from references made by this engine with every draft wrong: the target's
-    greedy tokens as its verify steps compute them. (Decode steps and verify steps round differently in half
-    precision: where logits nearly tie, the outputs without speculation are not the verify steps' tokens, and drafts
-    forced from them would stop agreeing after the first such token.)"""
-    vocab = llm.llm_engine.config.model.vocab_size
-    base = [p["prompt_token_ids"] + out for p, out in zip(prompts, base_outputs)]
-    drafter.force_drafts = ForcedAgreement(base, args.prompt_len, 0.0, args.k, vocab)
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    refs = [p["prompt_token_ids"] + out for p, out in zip(prompts, outputs)]
-    return ForcedAgreement(refs, args.prompt_len, args.agree, args.k, vocab)
-
-
-def run_engine(args, spec: dict | None, references: dict | None = None) -> dict:
-    """batch size -> (outputs, seconds, (draft sequences, draft tokens, accepted), seconds proposing, forced share)
-    for one engine configuration. references (batch size -> the outputs without speculation): the draft model's tokens
-    are forced to agree at the rate asked for with the target's tokens (verify_references)."""
+def run_engine(args, spec: dict | None) -> dict:
+    """batch size -> the figures of one engine configuration (outputs, seconds, draft counts, the step split). With
+    a draft model or EAGLE head its tokens are forced to agree with the target's at the rate asked for."""
     llm = make_llm(args, spec)
+    runner = llm.llm_engine.core.executor.runner
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.tiny or args.method != "ngram")
-    drafter = getattr(llm.llm_engine.core.executor.runner, "drafter", None)
-    results = {}
+    drafter = getattr(runner, "drafter", None)
+    perm = forcing.successor_map(llm.llm_engine.config.model.vocab_size) if args.method in MODEL_METHODS else None
+    split, sched, results = forcing.StepSplit(llm.llm_engine.core), llm.llm_engine.core.scheduler, {}
     for batch in args.batch_sizes:
-        prompts = workload(args, llm, batch)
-        forced = None
+        prompts, r = workload(args, llm, batch), {}
         if drafter is not None:
-            forced = verify_references(args, llm, drafter, prompts, references[batch][0], params)
-            drafter.force_drafts = forced
-        sched = llm.llm_engine.core.scheduler
+            drafter.force_drafts = forced = forcing.ForcedAgreement(prompts, perm, args.max_tokens, args.agree, args.k)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        propose_before = drafter.seconds if drafter is not None else 0.0
-        outputs, seconds = timed(llm, prompts, params)
+        if drafter is not None:
+            forced.reset()
+        split.take()
+        start = time.perf_counter()
+        r["outputs"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        r["seconds"] = time.perf_counter() - start
+        r["steps"], r["split"] = split.take()
         after = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        proposing = (drafter.seconds - propose_before) if drafter is not None else None
-        followed = forced.num_followed / max(forced.num_calls, 1) if forced is not None else None
-        results[batch] = (outputs, seconds, tuple(a - b for a, b in zip(after, before)), proposing, followed)
-    del llm, drafter
+        r["drafts"] = tuple(a - b for a, b in zip(after, before))
+        if drafter is not None:
+            r["followed"] = forced.num_followed / forced.num_calls if forced.num_calls else None
+        elif perm is not None:  # (after the timed run: its prompts were not cached before it, as with drafts)
+            forcing.check_follows_map(r["outputs"], prompts, perm)
+            r["margin"] = forcing.top2_margin(llm, prompts, args.max_tokens)  # untimed: the top-2 logits' gap
+        results[batch] = r
+    del llm, runner, drafter, split
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -260,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", choices=["ngram", *MODEL_METHODS], default="ngram")
     parser.add_argument("--model", default=None, help="ngram: model (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke run)")
-    parser.add_argument("--dtype", default="auto", help="in half precision a verifying step's sums may round apart")
+    parser.add_argument("--dtype", default="auto", help="model dtype (--tiny: float32 unless given)")
     parser.add_argument("--batch-sizes", default=None, help="default: 1,16 (draft: 1,16,64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 512 (draft 256; --tiny: 48)")
     parser.add_argument("--sentences", type=int, default=80, help="ngram: sentences of the text (~12 tokens each)")
@@ -289,9 +268,29 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": "ngram", "num_speculative_tokens": args.k}
         spec |= {"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
     base = run_engine(args, None)
-    fast = run_engine(args, spec, base)
+    fast = run_engine(args, spec)
     report(args, spec, base, fast)
     return 0
+
+
+PARTS = {"propose": "propose", "verify": "forward", "sample": "sample"}  # the split's names -> StepSplit's parts
+
+
+def time_split(r: dict) -> dict:
+    """ms per target step of a run: the whole step, proposing, the target's forwards, sampling (logits, sampler,
+    verification) and the rest (scheduling, inputs, commit); and the mean forward / sampling of each kind of step."""
+    steps, sec = r["steps"], r["split"]
+    total = max(sum(steps.values()), 1)
+    parts = {name: sum(v for (_, p), v in sec.items() if p == part) for name, part in PARTS.items()}
+    split = {"step": r["seconds"] / total * 1e3} | {k: v / total * 1e3 for k, v in parts.items()}
+    split["other"] = split["step"] - sum(split[k] for k in parts)
+    per_kind = {
+        f"{kind}_{part}": sec.get((kind, part), 0.0) / n * 1e3
+        for kind, n in steps.items()
+        if kind != "prefill"
+        for part in ("forward", "sample")
+    }
+    return {k: rounded(v, 3) for k, v in (split | per_kind).items()}
 
 
 def report(args, spec: dict, base: dict, fast: dict) -> None:
@@ -300,23 +299,30 @@ def report(args, spec: dict, base: dict, fast: dict) -> None:
     big = {"draft": "8B+1B", "eagle": "8B+EAGLE", "eagle3": "8B+EAGLE-3"}.get(args.method)
     model = ("tiny-random" if args.tiny else args.model) if not draft else ("tiny-dummy" if args.tiny else big)
     for batch in args.batch_sizes:
-        (ref, t0, *_), (out, t1, (steps, drafts, accepted), proposing, followed) = base[batch], fast[batch]
+        b, f = base[batch], fast[batch]
+        ref, out, (rows, drafts, accepted) = b["outputs"], f["outputs"], f["drafts"]
         tokens = sum(len(o) for o in out)
-        extra = dict(forced_agreement=rounded(args.agree, 3), forced_share=rounded(followed, 3)) if draft else {}
-        if proposing is not None:
-            extra |= dict(seconds_proposing=rounded(proposing, 3), seconds_target=rounded(t1 - proposing, 3))
+        extra = {}
+        if draft:  # the target followed its successor map without drafts (checked), the drafts were forced
+            extra = dict(forced_agreement=rounded(args.agree, 3), forced_share=rounded(f["followed"], 3))
+            extra |= dict(target_follows_map=True, min_top2_logit_margin=rounded(b["margin"], 2))
         record = make_record(
-            f"spec-decode-{args.method}-bs{batch}", machine, commit, model=model,
+            f"spec-decode-{args.method}-bs{batch}", machine, commit, model=model, dtype=args.dtype,
             spec={k: v for k, v in spec.items() if k != "model"}, max_tokens=args.max_tokens, output_tokens=tokens,
-            tok_s_baseline=rounded(sum(len(o) for o in ref) / t0, 1), tok_s_spec=rounded(tokens / t1, 1),
-            speedup=rounded(t0 / t1, 3), acceptance_rate=rounded(accepted / drafts if drafts else None, 3),
-            tokens_per_verify_step=rounded((accepted + steps) / steps if steps else None, 2),
-            same_outputs=ref == out, **extra,
+            tok_s_baseline=rounded(sum(len(o) for o in ref) / b["seconds"], 1),
+            tok_s_spec=rounded(tokens / f["seconds"], 1), speedup=rounded(b["seconds"] / f["seconds"], 3),
+            acceptance_rate=rounded(accepted / drafts if drafts else None, 3),
+            tokens_per_verify_step=rounded((accepted + rows) / rows if rows else None, 2),
+            same_outputs=ref == out, steps_baseline=b["steps"], steps_spec=f["steps"],
+            time_split_ms_baseline=time_split(b), time_split_ms_spec=time_split(f), **extra,
         )  # fmt: skip
         emit(record, append=not args.no_append)
+        split = record["time_split_ms_spec"]
         print(
             f"batch {batch}: {record['tok_s_baseline']} -> {record['tok_s_spec']} tok/s (x{record['speedup']}), "
-            f"acceptance {record['acceptance_rate']}, same outputs: {record['same_outputs']}",
+            f"acceptance {record['acceptance_rate']}, same outputs: {record['same_outputs']}; ms a step: "
+            f"{record['time_split_ms_baseline']['step']} -> {split['step']} (propose {split['propose']}, "
+            f"verify {split['verify']}, sample {split['sample']}, other {split['other']})",
             file=sys.stderr,
         )
 
