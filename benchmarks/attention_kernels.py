@@ -4,27 +4,64 @@ Workloads (Qwen3-0.6B attention shapes by default: 16 query heads, 8 KV heads, h
   decode-64x1024   64 decodes over 1024-token contexts (KV read bound: figure is GB/s of K/V read)
   decode-4x8192    4 decodes over 8192-token contexts (split-K's case), with split-K forced off for comparison
   prefill-2048     one 2048-token prefill chunk after 2048 cached tokens (compute bound: figure is TFLOP/s)
+At its limit, Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16):
+  limit-decode-256x1024, limit-decode-32x8192, limit-decode-1x131072   decodes over 1k / 8k / 128k contexts:
+      kv_read_frac_of_copy = bytes of K/V read (every context token's K and V, all KV heads) / time / the copy
+      bandwidth measured in the same run (gpu_throughput.copy_bandwidth: a 4 GiB device copy, read + write bytes);
+      goal >= 0.85
+  limit-prefill-8192   one 8192-token prompt (no cache before it): tflops = causal attention FLOPs
+      4 * heads * head_dim * n * (n + 1) / 2 / time, and frac_of_peak = that / the dense bf16 peak
+      (benchmarks/roofline.py's table by device name, 989 TFLOP/s on an H100 SXM; --peak-tflops); goal >= 0.5
 Each forward includes the KV-cache write of the step's new tokens; metadata is built once, outside the timing.
 Times are CUDA-event medians over --iters after --warmup, of CUDA-graph replays (no Python launch overhead;
-eager where capture fails). One JSON line per workload (appended to
-benchmarks/results.jsonl unless --no-append).   e.g. python benchmarks/attention_kernels.py --no-append
+eager where capture fails). One JSON line per workload (appended to benchmarks/results.jsonl unless --no-append).
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here) with wall-clock times: a
+smoke run only, with --shrink dividing every context length and batch size (tests/kernels/
+test_attention_bench_smoke.py runs it so, with the interpreter fixes of tests/kernels/conftest.py).
+    python benchmarks/attention_kernels.py --no-append                               # all, ~1 min on an H100
+    python benchmarks/attention_kernels.py --workloads limit-decode-1x131072,limit-prefill-8192 --no-append
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import time
 
 import numpy as np
 import torch
 
-from pagedllm.attention import torch_backend, triton_backend
-from pagedllm.attention.common import BatchLayout
+if not torch.cuda.is_available():  # read when the kernels are decorated, so before pagedllm.attention's import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedllm.attention import torch_backend, triton_backend  # noqa: E402
+from pagedllm.attention.common import BatchLayout  # noqa: E402
 
 try:
+    from benchmarks import roofline
     from benchmarks.common import emit, git_commit, machine_description, make_record, rounded
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    import roofline
     from common import emit, git_commit, machine_description, make_record, rounded
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+LLAMA_8B = (32, 8)  # query heads, KV heads of Llama-3.1-8B (head_dim 128)
+# name -> ([(context_len, query_len)] per request, forced num_splits or None, (heads, kv_heads) or None: the flags')
+WORKLOADS = {
+    "decode-64x1024": ([(1023, 1)] * 64, None, None),
+    "decode-256x1024": ([(1023, 1)] * 256, None, None),
+    "decode-32x2048": ([(2047, 1)] * 32, None, None),
+    "decode-4x8192": ([(8191, 1)] * 4, None, None),
+    "decode-4x8192-nosplit": ([(8191, 1)] * 4, 1, None),
+    "prefill-2048-after-2048": ([(2048, 2048)], None, None),
+    "mixed-32dec-1prefill512": ([(1023, 1)] * 32 + [(0, 512)], None, None),
+    "limit-decode-256x1024": ([(1023, 1)] * 256, None, LLAMA_8B),
+    "limit-decode-32x8192": ([(8191, 1)] * 32, None, LLAMA_8B),
+    "limit-decode-1x131072": ([(131071, 1)], None, LLAMA_8B),
+    "limit-prefill-8192": ([(0, 8192)], None, LLAMA_8B),
+}
+DECODE_GOAL, PREFILL_GOAL = 0.85, 0.5  # of the copy bandwidth, of the dense bf16 peak
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,13 +72,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of the workloads")
+    p.add_argument("--shrink", type=int, default=1, help="divide context lengths and batch sizes (smoke runs)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; known: {list(WORKLOADS)}")
+    if args.shrink < 1:
+        p.error(f"--shrink={args.shrink} must be at least 1")
+    return args
+
+
+def shrunk(reqs: list[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+    """The requests with 1/k of the batch and of each context (decodes keep their one query token)."""
+    if k == 1:
+        return reqs
+    keep = reqs[: max(1, len(reqs) // k)]
+    return [(c // k, n if n == 1 else max(1, n // k)) for c, n in keep]
 
 
 def make_step(reqs, args, dtype=torch.bfloat16):
-    """[(context_len, query_len)] -> (q, k, v, kv_cache, layout) on the GPU, blocks given out shuffled."""
-    dev, bs = torch.device("cuda"), args.block_size
+    """[(context_len, query_len)] -> (q, k, v, kv_cache, layout) on the device, blocks given out shuffled."""
+    dev, bs = DEVICE, args.block_size
     nbs = [-(-(c + n) // bs) for c, n in reqs]
     perm = np.random.default_rng(0).permutation(sum(nbs))
     table = np.zeros((len(reqs), max(nbs)), dtype=np.int64)  # [num_reqs, max_blocks]
@@ -64,9 +119,16 @@ def make_step(reqs, args, dtype=torch.bfloat16):
 
 def time_ms(fn, iters: int, warmup: int) -> float:
     """Median GPU time of one call, replayed from a CUDA graph (so Python launch overhead, which CUDA graphs remove
-    in the engine, is not counted); eagerly timed where capture fails."""
+    in the engine, is not counted); eagerly timed where capture fails; wall-clock on the CPU (smoke runs)."""
     for _ in range(warmup):
         fn()
+    if DEVICE.type != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
     torch.cuda.synchronize()
     try:
         graph = torch.cuda.CUDAGraph()
@@ -98,10 +160,11 @@ def run_workload(name: str, reqs, args, num_splits: int | None = None) -> dict:
     r_cache = torch_backend.from_slot_major(kv_cache)
     out_r = torch_backend.forward(q, k, v, r_cache, r_meta, scale)
     max_err = (out_t.float() - out_r.float()).abs().max().item()
+    del out_t, out_r
     triton_ms = time_ms(lambda: triton_backend.forward(q, k, v, kv_cache, t_meta, scale), args.iters, args.warmup)
     torch_ms = time_ms(lambda: torch_backend.forward(q, k, v, r_cache, r_meta, scale), args.iters, args.warmup)
     kv_bytes = sum(c + n for c, n in reqs) * args.kv_heads * args.head_dim * 2 * kv_cache.element_size()
-    flops = sum(4 * n * (c + (n + 1) / 2) * args.heads * args.head_dim for c, n in reqs)  # causal QK^T + PV
+    flops = sum(roofline.causal_attention_flops(1, args.heads, args.head_dim, n, c) for c, n in reqs)
     return dict(
         workload=f"attention-{name}",
         triton_ms=rounded(triton_ms, 4),
@@ -111,25 +174,55 @@ def run_workload(name: str, reqs, args, num_splits: int | None = None) -> dict:
         triton_tflops=rounded(flops / triton_ms / 1e9, 2),
         max_abs_diff=rounded(max_err, 4),
         num_splits="auto" if num_splits is None else num_splits,
+        kv_bytes=kv_bytes,
+        flops=flops,
     )
+
+
+def limit_figures(name: str, fig: dict, copy_bw: float | None, peak: float | None) -> dict:
+    """The at-its-limit fractions: decode K/V read bandwidth of the copy bandwidth, prefill TFLOP/s of the peak."""
+    if name.startswith("limit-decode"):
+        gbps = fig["triton_kv_read_gbps"]
+        frac = rounded(gbps * 1e9 / copy_bw, 4) if copy_bw else None
+        return {"kv_read_frac_of_copy": frac, "goal": DECODE_GOAL}
+    if name.startswith("limit-prefill"):
+        frac = rounded(fig["triton_tflops"] * 1e12 / peak, 4) if peak else None
+        return {"frac_of_peak": frac, "goal": PREFILL_GOAL}
+    return {}
+
+
+def device_limits(args, machine: dict) -> tuple[float | None, float | None]:
+    """(copy bandwidth in bytes/s, dense bf16 peak FLOP/s) of the device; None where unknown (the CPU)."""
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else roofline.dense_bf16_peak(machine.get("gpu", ""))
+    if DEVICE.type != "cuda":
+        return None, peak
+    try:
+        from benchmarks.gpu_throughput import copy_bandwidth
+    except ImportError:  # run as a script
+        from gpu_throughput import copy_bandwidth
+    return copy_bandwidth(), peak
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     machine, commit = machine_description(), git_commit()
-    workloads = [
-        ("decode-64x1024", [(1023, 1)] * 64, None),
-        ("decode-256x1024", [(1023, 1)] * 256, None),
-        ("decode-32x2048", [(2047, 1)] * 32, None),
-        ("decode-4x8192", [(8191, 1)] * 4, None),
-        ("decode-4x8192-nosplit", [(8191, 1)] * 4, 1),
-        ("prefill-2048-after-2048", [(2048, 2048)], None),
-        ("mixed-32dec-1prefill512", [(1023, 1)] * 32 + [(0, 512)], None),
-    ]
-    for name, reqs, splits in workloads:
-        fig = run_workload(name, reqs, args, splits)
-        shapes = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size)
-        emit(make_record(fig.pop("workload"), machine, commit, **fig, **shapes), append=not args.no_append)
+    limits = any(w.startswith("limit-") for w in args.workloads)
+    copy_bw, peak = device_limits(args, machine) if limits else (None, None)
+    for name in args.workloads:
+        reqs, splits, heads = WORKLOADS[name]
+        wargs = argparse.Namespace(**vars(args))
+        if heads is not None:
+            wargs.heads, wargs.kv_heads = heads
+        fig = run_workload(name, shrunk(reqs, args.shrink), wargs, splits)
+        fig |= limit_figures(name, fig, copy_bw, peak)
+        if name.startswith("limit-"):
+            fig |= {"copy_gb_s": rounded(copy_bw / 1e9, 1) if copy_bw else None}
+            fig |= {"peak_tflops": rounded(peak / 1e12, 1) if peak else None}
+        shapes = dict(heads=wargs.heads, kv_heads=wargs.kv_heads, head_dim=args.head_dim, block_size=args.block_size)
+        extra = {"shrink": args.shrink} if args.shrink > 1 else {}
+        emit(make_record(fig.pop("workload"), machine, commit, **fig, **shapes, **extra), append=not args.no_append)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()  # the next workload's cache may be large (128k contexts)
 
 
 if __name__ == "__main__":

@@ -106,24 +106,30 @@ def _profile(run) -> int:
 
 
 def _throughput(args: argparse.Namespace) -> int:
-    from pagedllm import SamplingParams
-
     if args.backend != "vllm":
         raise ValueError(f"--backend={args.backend!r} is not supported: only 'vllm' (this engine)")
     if args.n < 1:
         raise ValueError(f"--n={args.n} must be at least 1")
     llm = _engine(args)
     requests = sample_requests(args, _vocab_size(llm), llm.get_tokenizer())
+    result = run_throughput(llm, requests, args.n, not args.disable_detokenize)
+    return _report(result, args.output_json)
+
+
+def run_throughput(llm, requests: list, n: int = 1, detokenize: bool = True) -> dict:
+    """vLLM's benchmark_throughput on a built engine: every request at once (temperature 1, top_p 1, ignore_eos,
+    each its own output length), timed as one generate; vLLM's result fields."""
+    from pagedllm import SamplingParams
+
     prompts = [r.engine_prompt() for r in requests]
     params = [
-        SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len,
-                       detokenize=not args.disable_detokenize)
+        SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len, detokenize=detokenize)
         for r in requests
-    ]  # fmt: skip
+    ]
     outputs, elapsed = timed_generate(llm, prompts, params)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    result = {
+    return {
         "elapsed_time": elapsed,
         "num_requests": len(requests),
         "total_num_tokens": prompt_tokens + output_tokens,
@@ -132,7 +138,6 @@ def _throughput(args: argparse.Namespace) -> int:
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
     }
-    return _report(result, args.output_json)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

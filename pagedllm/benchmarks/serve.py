@@ -217,6 +217,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if all(r["completed"] for r in results) else 1
 
 
+def run_benchmark(argv: list[str]) -> dict:
+    """One run of `pagedllm bench serve` with these flags (one --request-rate), not printed: its result fields."""
+    parser = argparse.ArgumentParser(prog="pagedllm bench")
+    add_serve_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", *argv])
+    if len(args.request_rate) != 1 or not args.request_rate[0] > 0:
+        raise ValueError(f"--request-rate={args.request_rate}: one positive rate")
+    args.request_rate = args.request_rate[0]
+    return asyncio.run(_benchmark(args))
+
+
 def _save(args: argparse.Namespace, result: dict, several: bool) -> None:
     name = args.result_filename or f"{args.backend}-{result['request_rate']}qps-{result['date']}.json"
     if args.result_filename and several:  # one file per rate: r.json -> r-4qps.json

@@ -1,0 +1,34 @@
+"""benchmarks/attention_kernels.py runs end to end on tiny shapes (--shrink) in Triton's interpreter (the patches of
+tests/kernels/conftest.py make it run on CPU): one JSON line per workload, Triton's output matching the torch
+backend's, and the at-its-limit workloads carrying their goals and figures."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import attention_kernels  # noqa: E402
+
+
+@pytest.mark.slow
+def test_every_workload_prints_a_line(capsys):
+    names = ["decode-4x8192-nosplit", "limit-decode-32x8192", "limit-decode-1x131072", "limit-prefill-8192"]
+    attention_kernels.main(
+        ["--shrink", "512", "--iters", "1", "--warmup", "0", "--no-append", "--workloads", ",".join(names)]
+    )
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["workload"] for r in lines] == [f"attention-{n}" for n in names]
+    for r in lines:
+        assert r["max_abs_diff"] < 0.05 and r["triton_ms"] > 0 and r["shrink"] == 512
+    nosplit, dec8k, dec128k, prefill = lines
+    assert nosplit["num_splits"] == 1 and (nosplit["heads"], nosplit["kv_heads"]) == (16, 8)
+    assert (dec128k["heads"], dec128k["kv_heads"], dec128k["head_dim"]) == (32, 8, 128)
+    # 1 x 128k shrunk 512: 131071 // 512 = 255 context tokens + the new one, K and V of 8 heads x 128 dims in bf16
+    assert dec128k["kv_bytes"] == 256 * 8 * 128 * 2 * 2
+    assert dec8k["goal"] == 0.85 and "kv_read_frac_of_copy" in dec8k
+    # the 8k prefill shrunk 512: 16 tokens, 16 * 17 / 2 causal pairs, 4 * heads * head_dim FLOPs each
+    assert prefill["flops"] == 4 * 32 * 128 * 16 * 17 // 2 and prefill["goal"] == 0.5
