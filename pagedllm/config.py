@@ -198,9 +198,16 @@ class SchedulerConfig:
     # schedule step N+1 while step N runs on the device (its sampled tokens stay there as N+1's inputs)
     async_scheduling: bool = False
     max_loras: int | None = None  # distinct LoRA adapters among the running requests (None: LoRA is off)
+    # a prompt chunk longer than this is cut to it (0: off), so steps with long prefills stay short for the decodes
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         _require_number("max_num_seqs", self.max_num_seqs, int)
+        _require_number("long_prefill_token_threshold", self.long_prefill_token_threshold, int)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be >= 0 (0: off)"
+            )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (auto)")
         _require_number("max_num_batched_tokens", self.max_num_batched_tokens, int)

@@ -65,6 +65,7 @@ class EngineArgs(CompatArgs):
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0  # prompt chunks cut to this many tokens a step (0: off)
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -272,6 +273,7 @@ class EngineArgs(CompatArgs):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=model.max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             # with speculation: asynchronous steps (no drafts) only above disable_by_batch_size (engine/core.py)
             async_scheduling=device.type == "cuda"
             and (speculative is None or speculative.disable_by_batch_size is not None)

@@ -141,7 +141,6 @@ class CompatArgs:
     logprobs_mode: str = _only("raw_logprobs", "logprobs are of the model's raw distribution")
     max_logprobs: int = _only(20, "the most logprobs a request may ask for is 20 (server: --max-logprobs)")
     max_num_partial_prefills: int = _only(1, "one token budget for all prefills")
-    long_prefill_token_threshold: int = _only(0, "one token budget for all prefills")
     prefix_caching_hash_algo: str = _only("builtin", "prefix-cache blocks are keyed by Python's hash", "sha256")
     enable_lora_bias: bool = _only(False, "LoRA adapters with bias terms are not supported")
     long_lora_scaling_factors: list[float] | None = _only(None, "no long-context LoRA")

@@ -76,6 +76,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold  # 0: off
         self.max_loras = config.max_loras  # distinct LoRA adapters among the running requests; None: no limit
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -192,7 +193,7 @@ class Scheduler:
             ):  # its last token is still on the device
                 i += 1
                 continue
-            n = keep_items_whole(req, req.num_computed_tokens, min(num_known - req.num_computed_tokens, budget))
+            n = self._chunk(req, req.num_computed_tokens, num_known - req.num_computed_tokens, budget)
             if n == 0:  # its next image does not fit in the budget left
                 i += 1
                 continue
@@ -229,6 +230,14 @@ class Scheduler:
         while id(self.running[i]) in self._busy:
             i -= 1
         return self.running.pop(i)
+
+    def _chunk(self, req: Request, start: int, left: int, budget: int) -> int:
+        """Tokens to compute from `start`: the `left` still to compute within the budget, cut to
+        long_prefill_token_threshold (as vLLM) unless that would split an item that must stay whole."""
+        n = keep_items_whole(req, start, min(left, budget))
+        if 0 < self.long_prefill_token_threshold < n:
+            n = keep_items_whole(req, start, self.long_prefill_token_threshold) or n
+        return n
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts the request verifies this step (taking them from it): only when its n tokens reach the end of
@@ -271,7 +280,7 @@ class Scheduler:
                 self._fail(self.waiting.popleft(), req.grammar.error())
                 continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = keep_items_whole(req, num_hit, min(req.num_tokens - num_hit, budget))
+            n = self._chunk(req, num_hit, req.num_tokens - num_hit, budget)
             if n == 0 or self.kv.allocate_slots(req, n, computed_blocks) is None:
                 break
             self.waiting.popleft()
