@@ -308,17 +308,20 @@ def lora_expand(
     slice_starts: torch.Tensor,
     slice_sizes: torch.Tensor,
     max_slice: int,
+    max_parts: int = MAX_SPLIT,
 ) -> None:
     """y [num_tokens, out] += per slice s: (t summed over its first dim)[:, s*R:(s+1)*R] @ b[slot, slice rows].T, in
-    place, for blocked tokens. t: lora_shrink's [split_k, num_tokens, num_slices * R]."""
+    place, for blocked tokens. t: lora_shrink's [split_k, num_tokens, num_slices * R]; max_parts: a power of two
+    >= split_k for every step of the layer (max_split(in)), the same each call (it is compiled in)."""
     rank = b.shape[2]
     block_n = 128
+    assert t.shape[0] <= max_parts, "more split parts than the expand reads"
     num_n, num_slices = triton.cdiv(max_slice, block_n), len(slice_starts)
     grid = num_blocks * num_slices * num_n
     _expand(
         grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), t.stride(1), b.stride(0),
         b.stride(1), y.stride(0), blocks.stride(0), t.shape[0], NUM_N=num_n, NUM_SLICES=num_slices,
-        MAX_SPLIT=MAX_SPLIT, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
+        MAX_SPLIT=max_parts, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
     )  # fmt: skip
 
 

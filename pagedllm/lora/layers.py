@@ -77,14 +77,14 @@ class LoRALayerWeights:
         y = out.view(-1, out.shape[-1])  # a view: the adds below must land in out
         m = mapping
         if use_triton(xs) and y.is_contiguous():
-            from pagedllm.kernels.lora import lora_expand, lora_fused, lora_shrink
+            from pagedllm.kernels.lora import lora_expand, lora_fused, lora_shrink, max_split
 
             slices = (self.slice_starts, self.slice_sizes, self.max_slice)
             if xs.shape[0] <= FUSED_MAX_TOKENS and self.a.shape[1] <= FUSED_MAX_COLUMNS:
                 lora_fused(xs, self.a, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, *slices, self.sync)
             else:
                 t = lora_shrink(xs, self.a, m.sorted_tokens, m.blocks, m.num_blocks)
-                lora_expand(t, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, *slices)
+                lora_expand(t, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, *slices, max_split(xs.shape[1]))
         elif m.groups is None:  # a graph's mapping: every slot over every token, masked to its tokens
             for slot in range(self.a.shape[0]):
                 keep = (m.token_slots == slot).unsqueeze(1).to(y.dtype)  # [num_tokens, 1]

@@ -63,7 +63,9 @@ def run_kernels(fused: bool, x, a, b, y, m, slices, sync=None) -> None:
         assert not sync.any(), "the fused kernel leaves its counters at zero for the next launch"
         return
     t = ops.lora_shrink(x, a, m.sorted_tokens, m.blocks, m.num_blocks)
-    ops.lora_expand(t, b, y, m.sorted_tokens, m.blocks, m.num_blocks, starts, sizes, max_slice)
+    ops.lora_expand(
+        t, b, y, m.sorted_tokens, m.blocks, m.num_blocks, starts, sizes, max_slice, ops.max_split(x.shape[1])
+    )
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
