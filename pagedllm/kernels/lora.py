@@ -35,6 +35,18 @@ STEP_INTS = ["stride_tk", "stride_blk", "split_k", "K_SPLIT", "num_blocks"]  # f
 STEP_PTRS = ["t_ptr", "sorted_ptr", "block_ptr"]  # the step's buffers: no alignment assumed
 
 
+@triton.jit
+def _block_tokens(block_ptr, sorted_ptr, stride_blk, pid_m, BLOCK_M: tl.constexpr):
+    """Block pid_m of the table: (its token count, slot, token indices [BLOCK_M] (0 past the count)). The count, first
+    entry and slot load together (no branch between them)."""
+    count = tl.load(block_ptr + stride_blk + pid_m)
+    first = tl.load(block_ptr + pid_m)
+    slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tl.load(sorted_ptr + first + offs_m, mask=offs_m < count, other=0).to(tl.int64)
+    return count, slot, tok
+
+
 @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_PTRS)
 def lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
@@ -61,14 +73,11 @@ def lora_shrink_kernel(
     pid_k = pid % split_k
     pid_n = (pid // split_k) % num_n
     pid_m = pid // (split_k * num_n)
-    count = tl.load(block_ptr + stride_blk + pid_m)
+    count, slot, tok = _block_tokens(block_ptr, sorted_ptr, stride_blk, pid_m, BLOCK_M)
     if count == 0:
         return
-    first = tl.load(block_ptr + pid_m)
-    slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
-    tok = tl.load(sorted_ptr + first + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -115,16 +124,13 @@ def lora_expand_kernel(
     pid_n = pid % NUM_N
     s = (pid // NUM_N) % NUM_SLICES
     pid_m = pid // (NUM_N * NUM_SLICES)
-    count = tl.load(block_ptr + stride_blk + pid_m)
+    count, slot, tok = _block_tokens(block_ptr, sorted_ptr, stride_blk, pid_m, BLOCK_M)
     n_size = tl.load(slice_size_ptr + s)
+    n_start = tl.load(slice_start_ptr + s)
     if count == 0 or pid_n * BLOCK_N >= n_size:
         return
-    first = tl.load(block_ptr + pid_m)
-    slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
-    n_start = tl.load(slice_start_ptr + s)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
-    tok = tl.load(sorted_ptr + first + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,7 +176,7 @@ def lora_fused_kernel(
     stride_tm,
     stride_blk,
     num_blocks,
-    K_SPLIT,  # input features per shrink part (a multiple of BLOCK_K)
+    K_PART: tl.constexpr,  # input features per shrink part (a multiple of BLOCK_K)
     NUM_N: tl.constexpr,  # column blocks per slice
     NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,  # shrink parts per token block
@@ -181,24 +187,27 @@ def lora_fused_kernel(
     BLOCK_S: tl.constexpr,  # >= NUM_SLICES * R: the shrink's columns
     BLOCK_R: tl.constexpr,
 ):
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")  # this program's role, in the order programs start
     num_shrink = num_blocks * SPLIT_K
+    per_block = NUM_SLICES * NUM_N  # expand programs per block
+    # programs mostly start in grid order (ticket == program id): read that role's block while the ticket comes
+    pid = tl.program_id(0)
+    guess_m = tl.where(pid < num_shrink, pid // SPLIT_K, (pid - num_shrink) // per_block)
+    count, slot, tok = _block_tokens(block_ptr, sorted_ptr, stride_blk, guess_m, BLOCK_M)
+    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")  # this program's role, in the order programs start
+    pid_m = tl.where(ticket < num_shrink, ticket // SPLIT_K, (ticket - num_shrink) // per_block)
+    if pid_m != guess_m:
+        count, slot, tok = _block_tokens(block_ptr, sorted_ptr, stride_blk, pid_m, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
     if ticket < num_shrink:  # shrink part pid_k of block pid_m: t[pid_k, tok, :] = x[tok, part] @ A[slot, :, part].T
         pid_k = ticket % SPLIT_K
-        pid_m = ticket // SPLIT_K
-        count = tl.load(block_ptr + stride_blk + pid_m)
         if count > 0:
-            first = tl.load(block_ptr + pid_m)
-            slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
-            mask_m = offs_m < count
-            tok = tl.load(sorted_ptr + first + offs_m, mask=mask_m, other=0).to(tl.int64)
             offs_s = tl.arange(0, BLOCK_S)
             mask_s = offs_s < NUM_SLICES * R
             offs_k = tl.arange(0, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_S), dtype=tl.float32)
-            for k0 in range(pid_k * K_SPLIT, tl.minimum(K, (pid_k + 1) * K_SPLIT), BLOCK_K):
-                kk = k0 + offs_k
+            for k0 in range(0, K_PART, BLOCK_K):
+                kk = pid_k * K_PART + k0 + offs_k
                 mask_k = kk < K
                 xs = tl.load(
                     x_ptr + tok[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
@@ -217,15 +226,9 @@ def lora_fused_kernel(
         e = ticket - num_shrink
         pid_n = e % NUM_N
         s = (e // NUM_N) % NUM_SLICES
-        pid_m = e // (NUM_N * NUM_SLICES)
-        count = tl.load(block_ptr + stride_blk + pid_m)
         n_size = tl.load(slice_size_ptr + s)
+        n_start = tl.load(slice_start_ptr + s)
         if count > 0 and pid_n * BLOCK_N < n_size:
-            first = tl.load(block_ptr + pid_m)
-            slot = tl.load(block_ptr + 2 * stride_blk + pid_m).to(tl.int64)
-            n_start = tl.load(slice_start_ptr + s)
-            mask_m = offs_m < count
-            tok = tl.load(sorted_ptr + first + offs_m, mask=mask_m, other=0).to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
             mask_r = offs_r < R
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,7 +256,7 @@ def lora_fused_kernel(
             acc = tl.dot(ts.to(w.dtype), w)
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
     finished = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
-    if finished == num_shrink + num_blocks * NUM_SLICES * NUM_N - 1:  # the last program: counters back to zero
+    if finished == num_shrink + num_blocks * per_block - 1:  # the last program: counters back to zero
         offs = tl.arange(0, 4)
         tl.store(sync_ptr + offs, tl.zeros((4,), dtype=tl.int32), mask=offs < 3)
 
@@ -350,6 +353,6 @@ def lora_fused(
     _fused(
         grid, x, a, b, y, t, sorted_tokens, blocks, slice_starts, slice_sizes, sync, k, rank, x.stride(0),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), t.stride(0), t.stride(1), blocks.stride(0),
-        num_blocks, k_split, NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=split_k, BLOCK_P=_pow2(split_k, 1),
+        num_blocks, K_PART=k_split, NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=split_k, BLOCK_P=_pow2(split_k, 1),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_S=_pow2(n), BLOCK_R=_pow2(rank),
     )  # fmt: skip
