@@ -47,6 +47,20 @@ def _block_tokens(block_ptr, sorted_ptr, stride_blk, pid_m, BLOCK_M: tl.constexp
     return count, slot, tok
 
 
+@triton.jit
+def _sum_parts(t_ptrs, stride_tk, mask, num_parts, PARTS: tl.constexpr, CHUNK: tl.constexpr, CACHE: tl.constexpr):
+    """The sum over p < num_parts of the tiles t_ptrs + p * stride_tk (mask: the tile's [BLOCK_M, BLOCK_R]), CHUNK
+    parts a load: the loads are independent (all in flight at once) and each holds few registers."""
+    ts = tl.zeros(t_ptrs.shape, dtype=tl.float32)
+    offs_c = tl.arange(0, CHUNK)
+    for p0 in tl.static_range(0, PARTS, CHUNK):
+        p = p0 + offs_c
+        ptrs = t_ptrs[None, :, :] + p[:, None, None] * stride_tk
+        part = tl.load(ptrs, mask=(p < num_parts)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=CACHE)
+        ts += tl.sum(part, axis=0)
+    return ts
+
+
 @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_PTRS)
 def lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
@@ -115,7 +129,8 @@ def lora_expand_kernel(
     split_k,  # partial sums to add up (at most MAX_SPLIT)
     NUM_N: tl.constexpr,  # column blocks per slice (enough for the largest slice)
     NUM_SLICES: tl.constexpr,
-    MAX_SPLIT: tl.constexpr,  # >= split_k, a power of two: the partial sums are read in one load
+    MAX_SPLIT: tl.constexpr,  # >= split_k, a power of two
+    CHUNK: tl.constexpr,  # partial sums a load (a power of two, <= MAX_SPLIT)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -136,10 +151,9 @@ def lora_expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_size
     cols = n_start + offs_n
-    offs_p = tl.arange(0, MAX_SPLIT)
-    t_ptrs = t_ptr + offs_p[:, None, None] * stride_tk + tok[None, :, None] * stride_tm + s * R + offs_r[None, None, :]
-    t_mask = (offs_p < split_k)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :]
-    ts = tl.sum(tl.load(t_ptrs, mask=t_mask, other=0.0), axis=0)  # [BLOCK_M, BLOCK_R]: one load of all parts
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :]
+    t_mask = mask_m[:, None] & mask_r[None, :]
+    ts = _sum_parts(t_ptrs, stride_tk, t_mask, split_k, MAX_SPLIT, CHUNK, "")  # [BLOCK_M, BLOCK_R]
     w = tl.load(
         b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None],
         mask=mask_r[:, None] & mask_n[None, :],
@@ -181,6 +195,7 @@ def lora_fused_kernel(
     NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,  # shrink parts per token block
     BLOCK_P: tl.constexpr,  # >= SPLIT_K (a power of two)
+    CHUNK: tl.constexpr,  # partial sums a load (a power of two, <= BLOCK_P)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -246,13 +261,9 @@ def lora_fused_kernel(
                 pass
             done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")  # their stores are visible from here on
             tl.debug_barrier()
-            offs_p = tl.arange(0, BLOCK_P)
-            t_ptrs = (
-                t_ptr + offs_p[:, None, None] * stride_tk + tok[None, :, None] * stride_tm + s * R
-                + offs_r[None, None, :]
-            )  # fmt: skip
-            t_mask = (offs_p < SPLIT_K)[:, None, None] & (mask_m[:, None] & mask_r[None, :] & (done >= num_shrink))
-            ts = tl.sum(tl.load(t_ptrs, mask=t_mask, other=0.0, cache_modifier=".cg"), axis=0)  # [BLOCK_M, BLOCK_R]
+            t_ptrs = t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :]
+            t_mask = mask_m[:, None] & mask_r[None, :] & (done >= num_shrink)
+            ts = _sum_parts(t_ptrs, stride_tk, t_mask, SPLIT_K, BLOCK_P, CHUNK, ".cg")  # [BLOCK_M, BLOCK_R]
             acc = tl.dot(ts.to(w.dtype), w)
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
     finished = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
@@ -264,6 +275,12 @@ def lora_fused_kernel(
 _shrink, _expand, _fused = Launch(lora_shrink_kernel), Launch(lora_expand_kernel), Launch(lora_fused_kernel)
 BLOCK_M = 16  # tl.dot's smallest tile: decode groups are often a few tokens (lora/mapping.py's BLOCK_M)
 MAX_SPLIT = 32  # the shrink's most parts
+PART_ELEMENTS = 8192  # the expand reads its partial sums in loads of at most this many elements (64 a thread)
+
+
+def _chunk(parts: int, block_r: int) -> int:
+    """Partial sums per load of the expand: all of them where [parts, BLOCK_M, block_r] is small."""
+    return max(1, min(parts, PART_ELEMENTS // (BLOCK_M * block_r)))
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -324,7 +341,8 @@ def lora_expand(
     _expand(
         grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), t.stride(1), b.stride(0),
         b.stride(1), y.stride(0), blocks.stride(0), t.shape[0], NUM_N=num_n, NUM_SLICES=num_slices,
-        MAX_SPLIT=max_parts, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
+        MAX_SPLIT=max_parts, CHUNK=_chunk(max_parts, _pow2(rank)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_R=_pow2(rank),
     )  # fmt: skip
 
 
@@ -354,5 +372,6 @@ def lora_fused(
         grid, x, a, b, y, t, sorted_tokens, blocks, slice_starts, slice_sizes, sync, k, rank, x.stride(0),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), t.stride(0), t.stride(1), blocks.stride(0),
         num_blocks, K_PART=k_split, NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=split_k, BLOCK_P=_pow2(split_k, 1),
+        CHUNK=_chunk(_pow2(split_k, 1), _pow2(rank)),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_S=_pow2(n), BLOCK_R=_pow2(rank),
     )  # fmt: skip
