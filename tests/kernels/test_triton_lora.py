@@ -41,6 +41,7 @@ CASES = [  # (token slots, rank, slice sizes, input features)
     ([2] * 20 + [-1] * 3 + [0] * 17, 16, [40, 40], 40),  # groups over a token block, gate/up-like slices
     ([1, 1, 1, 1], 32, [24], 40),  # a larger rank
     ([-1, 0, -1], 16, [72, 8, 8], 40),  # slices of unequal sizes (one over the column block)
+    ([0, 1, -1, 1], 256, [24], 1000),  # rank 256: the expand sums its 4 split parts in two loads
 ]
 
 
