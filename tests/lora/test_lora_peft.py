@@ -95,6 +95,7 @@ def test_adapters_never_share_prefix_cache_blocks(lora_family, lora_llm):
     assert other.outputs[0].token_ids == oracle(lora_family, reqs[1].lora_name, prompt[0]["prompt_token_ids"])[0]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's kernels in Triton's interpreter")
 def test_triton_path_matches_peft_and_compiles_each_layer_once(lora_family, lora_llm, monkeypatch):
     """The engine's LoRA terms through the Triton kernels (without CUDA in Triton's interpreter): the prefill, the
     one-token decodes (one launch per layer) and, in a second call of the same prompt, the prefill of the tokens
