@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     machine, commit = machine_description(), git_commit()
     if args.sweep:
-        _, peak = device_limits(args, machine)
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else roofline.dense_bf16_peak(machine.get("gpu", ""))
         for name in SWEEP_WORKLOADS:
             fig = sweep_workload(name, args, peak)
             emit(make_record(f"attention-sweep-{name}", machine, commit, **fig), append=not args.no_append)
