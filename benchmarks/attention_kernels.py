@@ -23,7 +23,7 @@ test_attention_bench_smoke.py runs it so, with the interpreter fixes of tests/ke
 --sweep times the prefill tile configs of SWEEP_GRID (triton_backend.PREFILL_TILES entries: BLOCK_M rows, BLOCK_N,
 warps, stages) on SWEEP_WORKLOADS instead (compiled in parallel first; a config over the shared memory is skipped),
 one line per config, then the fastest as a line for PREFILL_TILES:
-    python benchmarks/attention_kernels.py --sweep --no-append                       # ~1-2 min on an H100
+    python benchmarks/attention_kernels.py --sweep --no-append                       # 2 x 36 configs + default
 """
 
 from __future__ import annotations
