@@ -20,6 +20,10 @@ smoke run only, with --shrink dividing every context length and batch size (test
 test_attention_bench_smoke.py runs it so, with the interpreter fixes of tests/kernels/conftest.py).
     python benchmarks/attention_kernels.py --no-append                               # all, ~1 min on an H100
     python benchmarks/attention_kernels.py --workloads limit-decode-1x131072,limit-prefill-8192 --no-append
+--sweep times the prefill tile configs of SWEEP_GRID (triton_backend.PREFILL_TILES entries: BLOCK_M rows, BLOCK_N,
+warps, stages) on SWEEP_WORKLOADS instead (compiled in parallel first; a config over the shared memory is skipped),
+one line per config, then the fastest as a line for PREFILL_TILES:
+    python benchmarks/attention_kernels.py --sweep --no-append                       # 2 x 36 configs + default
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ WORKLOADS = {
     "limit-prefill-8192": ([(0, 8192)], None, LLAMA_8B),
 }
 DECODE_GOAL, PREFILL_GOAL = 0.85, 0.5  # of the copy bandwidth, of the dense bf16 peak
+SWEEP_WORKLOADS = ("limit-prefill-8192", "prefill-2048-after-2048")
+# (BLOCK_M rows, BLOCK_N, num_warps, num_stages): BLOCK_Q = rows // group, 16 / 32 query tokens at group 4
+SWEEP_GRID = [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shrink", type=int, default=1, help="divide context lengths and batch sizes (smoke runs)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
+    p.add_argument("--sweep", action="store_true", help="time the prefill tile configs of SWEEP_GRID instead")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - set(WORKLOADS)
@@ -203,9 +211,123 @@ def device_limits(args, machine: dict) -> tuple[float | None, float | None]:
     return copy_bandwidth(), peak
 
 
+def workload_args(name: str, args) -> argparse.Namespace:
+    """The flags with the workload's own head counts, where it has them."""
+    wargs = argparse.Namespace(**vars(args))
+    if WORKLOADS[name][2] is not None:
+        wargs.heads, wargs.kv_heads = WORKLOADS[name][2]
+    return wargs
+
+
+def precompile(calls) -> None:
+    """Compiles the Triton specializations that calls launch on a thread pool (each launch recorded and skipped),
+    so that the sweep does not compile its configs one after another; whatever fails here compiles at launch."""
+    import triton
+
+    if DEVICE.type != "cuda" or not hasattr(triton, "AsyncCompileMode"):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedllm.worker.kernel_warmup import record_specializations
+
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+        for call in calls:
+            for fn, data in record_specializations(call):
+                try:
+                    fn.preload(data)
+                except Exception:  # noqa: BLE001 (it compiles, and reports, at its launch)
+                    pass
+
+
+@torch.inference_mode()
+def sweep_workload(name: str, args, peak: float | None) -> dict:
+    """Times every SWEEP_GRID config on the workload (one printed line each, checked against the torch backend)
+    after the default tiles and torch's; returns the summary with the fastest config."""
+    wargs = workload_args(name, args)
+    reqs = shrunk(WORKLOADS[name][0], args.shrink)
+    q, k, v, kv_cache, layout = make_step(reqs, wargs)
+    scale, dim_pad = wargs.head_dim**-0.5, max(16, triton_backend.triton_next_pow2(wargs.head_dim))
+    meta, r_meta = triton_backend.build_metadata(layout), torch_backend.build_metadata(layout)
+    r_cache = torch_backend.from_slot_major(kv_cache)
+    ref = torch_backend.forward(q, k, v, r_cache, r_meta, scale).float()
+    flops = sum(roofline.causal_attention_flops(1, wargs.heads, wargs.head_dim, n, c) for c, n in reqs)
+    torch_ms = time_ms(lambda: torch_backend.forward(q, k, v, r_cache, r_meta, scale), args.iters, args.warmup)
+    saved = dict(triton_backend.PREFILL_TILES)
+
+    def forward_with(cfg):
+        triton_backend.PREFILL_TILES.clear()
+        triton_backend.PREFILL_TILES.update({dim_pad: cfg} if cfg else saved)
+        return triton_backend.forward(q, k, v, kv_cache, meta, scale)
+
+    t0 = time.perf_counter()
+    precompile([lambda cfg=cfg: forward_with(cfg) for cfg in [None, *SWEEP_GRID]])
+    compile_s = time.perf_counter() - t0
+    rows = []
+    try:
+        for cfg in [None, *SWEEP_GRID]:
+            rows.append((cfg, *time_config(lambda cfg=cfg: forward_with(cfg), ref, args)))
+            print_config(name, cfg, rows[-1][1:], flops, peak, wargs.heads // wargs.kv_heads)
+    finally:
+        triton_backend.PREFILL_TILES.clear()
+        triton_backend.PREFILL_TILES.update(saved)
+    timed = [r for r in rows[1:] if r[1] is not None]
+    best = min(timed, key=lambda r: r[1]) if timed else (None, None, None)
+    tflops = {cfg: flops / ms / 1e9 if ms else None for cfg, ms, _ in rows}
+    if best[0] is not None:
+        print(f"# best for {name}: PREFILL_TILES = {{{dim_pad}: {best[0]}}}  # {best[1]:.4f} ms", flush=True)
+    return dict(
+        heads=wargs.heads,
+        kv_heads=wargs.kv_heads,
+        head_dim=wargs.head_dim,
+        torch_ms=rounded(torch_ms, 4),
+        default_ms=rounded(rows[0][1], 4),
+        default_tflops=rounded(tflops[None], 2),
+        best_config=list(best[0]) if best[0] else None,
+        best_ms=rounded(best[1], 4),
+        best_tflops=rounded(tflops.get(best[0]), 2),
+        best_frac_of_peak=rounded(tflops[best[0]] * 1e12 / peak, 4) if peak and best[0] else None,
+        best_max_abs_diff=rounded(best[2], 4),
+        configs_timed=len(timed),
+        configs_skipped=len(rows) - 1 - len(timed),
+        compile_s=rounded(compile_s, 1),
+        sweep_s=rounded(time.perf_counter() - t0, 1),
+    )
+
+
+def time_config(fn, ref: torch.Tensor, args) -> tuple[float | None, float | str]:
+    """(median ms, max |out - ref|) of one config, or (None, why) where it does not run (shared memory)."""
+    try:
+        err = (fn().float() - ref).abs().max().item()
+        return time_ms(fn, args.iters, args.warmup), err
+    except Exception as e:  # noqa: BLE001 (Triton's OutOfResources and launch failures: the config is skipped)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+
+
+def print_config(name: str, cfg, result, flops: int, peak: float | None, group: int) -> None:
+    ms, err = result
+    label = "default"
+    if cfg is not None:
+        rows, block_n, warps, stages = cfg
+        label = f"rows={rows} (BLOCK_Q={max(1, rows // group)}) BLOCK_N={block_n} warps={warps} stages={stages}"
+    if ms is None:
+        print(f"# sweep {name} {label}: skipped ({err})", flush=True)
+        return
+    tflops = flops / ms / 1e9
+    frac = f" {tflops * 1e12 / peak:.3f} of peak" if peak else ""
+    print(f"# sweep {name} {label}: {ms:.4f} ms {tflops:.1f} TFLOP/s{frac} max_abs_diff {err:.4f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     machine, commit = machine_description(), git_commit()
+    if args.sweep:
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else roofline.dense_bf16_peak(machine.get("gpu", ""))
+        for name in SWEEP_WORKLOADS:
+            fig = sweep_workload(name, args, peak)
+            emit(make_record(f"attention-sweep-{name}", machine, commit, **fig), append=not args.no_append)
+        return
     limits = any(w.startswith("limit-") for w in args.workloads)
     copy_bw, peak = device_limits(args, machine) if limits else (None, None)
     for name in args.workloads:

@@ -119,18 +119,26 @@ def choose_num_splits(num_programs: int, max_seq_len: int, max_query_len: int, s
     return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
 
+# prefill tiles by HEAD_DIM_PAD: (BLOCK_M rows, BLOCK_N, num_warps, num_stages), BLOCK_M = BLOCK_Q query tokens x
+# the GROUP heads of one KV head (BLOCK_Q = rows // GROUP); a head dim not listed takes the rule in `_tiles`.
+# benchmarks/attention_kernels.py --sweep times a grid of these and prints the best as a line for this table.
+PREFILL_TILES: dict[int, tuple[int, int, int, int]] = {}
+
+
 def _tiles(group: int, max_query_len: int, head_dim_pad: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_Q, BLOCK_M, BLOCK_N, num_warps, num_stages). Decodes: one query token per program, 16+ rows for
     tl.dot, 2 warps and 3 stages (measured on an H200, 16/8 heads, dim 128, 32-256 decodes over 600-2000 keys:
-    4-9% more K/V read bandwidth than 4 warps and 2 stages). Prefill: about 64 rows (query tokens x heads of one
-    KV group)."""
-    block_q = 1 if max_query_len == 1 else max(1, 64 // group)
-    block_m = max(16, triton_next_pow2(block_q * group))
-    block_n = 64 if head_dim_pad <= 128 else 32
+    4-9% more K/V read bandwidth than 4 warps and 2 stages). Prefill: PREFILL_TILES, else about 64 rows (query
+    tokens x heads of one KV group)."""
     if max_query_len == 1:
-        return block_q, block_m, block_n, 2, 3
-    num_warps = 8 if block_m * head_dim_pad >= 128 * 128 else 4
-    return block_q, block_m, block_n, num_warps, 2
+        block_n = 64 if head_dim_pad <= 128 else 32
+        return 1, max(16, triton_next_pow2(group)), block_n, 2, 3
+    rows, block_n, num_warps, num_stages = PREFILL_TILES.get(head_dim_pad, (64, 0, 0, 2))
+    block_q = max(1, rows // group)
+    block_m = max(16, triton_next_pow2(block_q * group))
+    block_n = block_n or (64 if head_dim_pad <= 128 else 32)
+    num_warps = num_warps or (8 if block_m * head_dim_pad >= 128 * 128 else 4)
+    return block_q, block_m, block_n, num_warps, num_stages
 
 
 def triton_next_pow2(n: int) -> int:

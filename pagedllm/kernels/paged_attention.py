@@ -5,6 +5,9 @@ Tiling. A program owns BLOCK_Q query tokens of one request and all GROUP query h
 tile has BLOCK_M = next_pow2(BLOCK_Q * GROUP) rows (row r: token r // GROUP, head r % GROUP); each K/V tile of
 BLOCK_N keys is loaded once for all those heads. Keys are gathered through the block table, BLOCK_N // block_size
 cache blocks (or part of one) per iteration. Softmax is online in fp32 in the log2 domain.
+Prefill programs (BLOCK_Q > 1) split their key range: tiles wholly before the tile's first query and inside every
+row's window skip the causal mask (no tl.where, no bounds masks); the diagonal tiles, the window's lower edge and a
+range's ragged end keep it. Decode programs (BLOCK_Q == 1) run one masked loop.
 
 Which request a program serves is found on the device by a binary search over query_start_loc: request i owns
 program ids [start(i), start(i + 1)) with start(i) = qsl[i] // BLOCK_Q + i (an upper bound of its q blocks; the
@@ -41,6 +44,90 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     if BLOCK_Q > 1:
         start = start // BLOCK_Q + lo
     return lo, start
+
+
+@triton.jit
+def _attend(
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32
+    l_i,  # [BLOCK_M] fp32
+    m_i,  # [BLOCK_M] fp32, log2 domain
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    q_pos,  # [BLOCK_M]
+    slopes_log2,  # [BLOCK_M] (USE_ALIBI only)
+    k_base,
+    bt_row,
+    offs_d,
+    d_ok,
+    tile_lo,
+    tile_hi,
+    hi,  # keys at hi and after are hidden (MASK only)
+    stride_kv,
+    stride_blk,
+    stride_slot,
+    scale_log2,
+    softcap_scale,
+    softcap_log2,
+    sliding_window,
+    MASK: tl.constexpr,  # False: every key of tiles [tile_lo, tile_hi) is visible to every row
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """The online softmax over the key tiles starting at tile_lo, tile_lo + BLOCK_N, ... below tile_hi."""
+    for kv_start in range(tile_lo, tile_hi, BLOCK_N):
+        kv_pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        if MASK:
+            kv_ok = kv_pos < hi
+            blk = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+            k_mask = kv_ok[None, :] & d_ok[:, None]
+            v_mask = kv_ok[:, None] & d_ok[None, :]
+        else:
+            blk = tl.load(bt_row + kv_pos // BLOCK_SIZE).to(tl.int64)
+            k_mask = d_ok[:, None] & (kv_pos >= 0)[None, :]
+            v_mask = (kv_pos >= 0)[:, None] & d_ok[None, :]
+        slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
+        k_ptr = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
+        if MASK or HEAD_DIM != HEAD_DIM_PAD:
+            k = tl.load(k_ptr, mask=k_mask, other=0.0).to(q.dtype)  # an FP8 cache widens here
+        else:
+            k = tl.load(k_ptr).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        if USE_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating to +-1 without overflow
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * softcap_scale) + 1.0))
+        else:
+            s = s * scale_log2  # [BLOCK_M, BLOCK_N]
+        if USE_ALIBI:
+            s += slopes_log2[:, None] * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
+        if MASK:
+            visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+            if USE_WINDOW:
+                visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay at zero
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptr = k_base + stride_kv + slot_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+        if MASK or HEAD_DIM != HEAD_DIM_PAD:
+            v = tl.load(v_ptr, mask=v_mask, other=0.0).to(q.dtype)
+        else:
+            v = tl.load(v_ptr).to(q.dtype)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 # one compiled variant for any batch, split count and block-table width (Triton would otherwise compile the value 1
@@ -112,6 +199,7 @@ def unified_attention_kernel(
         slopes_log2 = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634  # [BLOCK_M]
 
     hi = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys [lo, hi) are visible to some row
+    q_last = hi - 1  # the last query position of the tile
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(context + q_first - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
@@ -125,42 +213,40 @@ def unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     bt_row = block_table_ptr + req * stride_bt
     k_base = kv_cache_ptr + kv_head * stride_kv_head
-    for kv_start in range(lo, hi, BLOCK_N):
-        kv_pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        kv_ok = kv_pos < hi
-        blk = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
-        k = tl.load(k_base + slot_off[None, :] + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0).to(
-            q.dtype
-        )  # [HEAD_DIM_PAD, BLOCK_N] (an FP8 cache widens here)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        if USE_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating to +-1 without overflow
-            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * softcap_scale) + 1.0))
-        else:
-            s = s * scale_log2  # [BLOCK_M, BLOCK_N]
-        if USE_ALIBI:
-            s += slopes_log2[:, None] * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+    if not USE_ALIBI:
+        slopes_log2 = q_pos.to(tl.float32)  # unused placeholder
+    if BLOCK_Q == 1:  # decodes: one masked run, as their programs hold a tile or a few
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, lo, hi, hi,
+            stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+        )  # fmt: skip
+    else:
+        # tiles [mid_lo, mid_hi) hold keys that every row sees (none before a row's window, none after the tile's
+        # first query): they skip the mask; the tiles before them (window edge) and after them (diagonal) keep it
+        n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        full_end = tl.minimum(tl.maximum(context + q_first + 1 - lo, 0) // BLOCK_N, n_tiles)
+        full_start = full_end * 0
         if USE_WINDOW:
-            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay at zero
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            k_base + stride_kv + slot_off[:, None] + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0
-        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            full_start = tl.minimum(tl.cdiv(tl.maximum(q_last - sliding_window + 1 - lo, 0), BLOCK_N), n_tiles)
+        mid_lo = lo + full_start * BLOCK_N
+        mid_hi = lo + tl.maximum(full_end, full_start) * BLOCK_N
+        if USE_WINDOW:
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, lo, mid_lo, hi,
+                stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
+                True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+            )  # fmt: skip
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, mid_lo, mid_hi, hi,
+            stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
+            False, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, mid_hi, hi, hi,
+            stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+        )  # fmt: skip
 
     out = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if not SPLIT:

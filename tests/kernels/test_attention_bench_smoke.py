@@ -32,3 +32,28 @@ def test_every_workload_prints_a_line(capsys):
     assert dec8k["goal"] == 0.85 and "kv_read_frac_of_copy" in dec8k
     # the 8k prefill shrunk 512: 16 tokens, 16 * 17 / 2 causal pairs, 4 * heads * head_dim FLOPs each
     assert prefill["flops"] == 4 * 32 * 128 * 16 * 17 // 2 and prefill["goal"] == 0.5
+
+
+@pytest.mark.slow
+def test_sweep_prints_each_config_and_the_best(capsys, monkeypatch):
+    """--sweep: one line per config (the default's first), the fastest as a PREFILL_TILES line, one JSON summary
+    per workload; PREFILL_TILES is left as it was."""
+    from pagedllm.attention import triton_backend
+
+    monkeypatch.setattr(attention_kernels, "SWEEP_WORKLOADS", ("limit-prefill-8192",))
+    monkeypatch.setattr(attention_kernels, "SWEEP_GRID", [(64, 32, 4, 2), (128, 16, 8, 3)])
+    before = dict(triton_backend.PREFILL_TILES)
+    attention_kernels.main(["--sweep", "--shrink", "256", "--iters", "1", "--warmup", "0", "--no-append"])
+    out = capsys.readouterr().out.splitlines()
+    assert triton_backend.PREFILL_TILES == before
+    sweep = [line for line in out if line.startswith("# sweep limit-prefill-8192")]
+    assert len(sweep) == 3 and "default" in sweep[0]
+    assert "rows=64 (BLOCK_Q=16) BLOCK_N=32 warps=4 stages=2" in sweep[1]
+    assert "rows=128 (BLOCK_Q=32) BLOCK_N=16 warps=8 stages=3" in sweep[2]
+    best = [line for line in out if line.startswith("# best for limit-prefill-8192: PREFILL_TILES = {128: (")]
+    assert len(best) == 1
+    (record,) = [json.loads(line) for line in out if line.startswith("{")]
+    assert record["workload"] == "attention-sweep-limit-prefill-8192" and record["configs_timed"] == 2
+    assert tuple(record["best_config"]) in [(64, 32, 4, 2), (128, 16, 8, 3)] and record["best_max_abs_diff"] < 0.05
+    # the 8k prefill shrunk 256: 32 tokens
+    assert record["heads"] == 32 and record["default_ms"] > 0 and record["configs_skipped"] == 0

@@ -162,6 +162,52 @@ def test_softcap_and_alibi(extras, num_splits):
     assert (with_extras - plain).abs().max() > 0.05, "the extras should change the output"
 
 
+# prefill chunks long enough for key tiles that every row sees (they skip the mask) before the diagonal ones,
+# with and without cached context, one starting mid-block, beside decodes
+LONG_PREFILL = [(0, 45), (40, 30), (19, 26), (50, 1), (7, 1)]
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        {},
+        {"num_splits": 3},
+        {"sliding_window": 20},
+        {"sliding_window": 20, "num_splits": 2},
+        {"logits_soft_cap": 0.5},
+        {"alibi": True},
+    ],
+)
+def test_mask_free_interior_tiles(monkeypatch, extras):
+    """Small prefill tiles (BLOCK_M 16: 8 query tokens x 2 heads, BLOCK_N 16 over blocks of 4) so that most key
+    tiles of a program lie before its first query (no mask), the rest on the diagonal, past the window's lower edge
+    or at the end of a split's range (masked)."""
+    from pagedllm.layers.attention import alibi_slopes
+
+    monkeypatch.setitem(triton_backend.PREFILL_TILES, 32, (16, 16, 4, 2))
+    assert triton_backend._tiles(2, 30, 32) == (8, 16, 16, 4, 2)
+    kw = dict(extras)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = alibi_slopes(4) * 4
+    q, k, v, cache, layout = make_batch(LONG_PREFILL, 4, 2, 32, 4, torch.float32, seed=9)
+    check(q, k, v, cache, layout, torch.float32, **kw)
+
+
+@pytest.mark.parametrize("tiles", [(64, 32, 4, 3), (128, 16, 8, 2), (16, 64, 2, 4)])
+def test_prefill_tiles_override(monkeypatch, tiles):
+    """PREFILL_TILES sets the prefill tiles of its head dim (BLOCK_Q = rows // group) and leaves decodes' alone;
+    the output matches torch with each."""
+    rows, block_n, warps, stages = tiles
+    monkeypatch.setitem(triton_backend.PREFILL_TILES, 128, tiles)
+    block_q, block_m = rows // 4, max(16, rows)
+    assert triton_backend._tiles(4, 100, 128) == (block_q, block_m, block_n, warps, stages)
+    assert triton_backend._tiles(4, 1, 128) == (1, 16, 64, 2, 3)
+    assert triton_backend._tiles(4, 100, 64) == (16, 64, 64, 4, 2)  # another head dim keeps the rule
+    q, k, v, cache, layout = make_batch([(0, 40), (21, 19), (33, 1)], 8, 2, 80, 4, torch.bfloat16, seed=10)
+    monkeypatch.setitem(triton_backend.PREFILL_TILES, 128, (rows // 2, block_n, warps, stages))  # group 4 -> 2
+    check(q, k, v, cache, layout, torch.bfloat16)
+
+
 def test_choose_num_splits():
     f = triton_backend.choose_num_splits
     assert f(num_programs=8 * 8, max_seq_len=4096, max_query_len=1, sms=132) == 5  # ceil(264 / 64) waves
