@@ -24,11 +24,11 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import os
-import statistics
+import time
 
 import torch
 import torch.nn.functional as F
-from fp8_gemv_bench import time_us  # (benchmarks/ is on the path of a script run from it)
+from fp8_gemv_bench import copy_bandwidth, sweep_us, time_us  # (benchmarks/: the path of a script run there)
 
 from pagedllm.layers.quantization import wna16_gemv
 from pagedllm.layers.quantization.bnb_format import codebook
@@ -131,22 +131,6 @@ def layer_summary(results: dict) -> None:
         )
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (bytes read + written), this run's roofline."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times) / 1e9
-
-
 def split_choices(n: int, k: int, tile, args) -> list[int]:
     """The K splits a tile is timed with: none, and the counts for each of SWEEP_PROGRAMS programs per SM."""
     block_n, block_k = tile[0], tile[1] * 4 // args.bits
@@ -186,8 +170,11 @@ def precompile(cases, args) -> None:
         return
     chunks = [tasks[i :: args.jobs] for i in range(args.jobs)]
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        list(pool.map(compile_tiles, chunks, [args] * len(chunks)))
+    try:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+            list(pool.map(compile_tiles, chunks, [args] * len(chunks)))
+    except Exception as e:  # the sweep compiles what is missing itself
+        print(f"  precompile: {type(e).__name__}: {e}", flush=True)
 
 
 def sweep_case(n: int, k: int, m: int, act_order: bool, packed, args) -> tuple[float, list]:
@@ -200,7 +187,7 @@ def sweep_case(n: int, k: int, m: int, act_order: bool, packed, args) -> tuple[f
     fns = [lambda w=w: gemv_call(x, w, perm, args) for w in packed]
     key = (args.bits, wna16_gemv.block_m_for(m), n, k, act_order)
     wna16_gemv.TABLE.pop(key, None)
-    default_us = time_us(fns)
+    default_us = sweep_us(fns)
     rows = []
     for tile in wna16_gemv.sweep_tiles(key[1]):
         for want in split_choices(n, k, tile, args):
@@ -210,7 +197,7 @@ def sweep_case(n: int, k: int, m: int, act_order: bool, packed, args) -> tuple[f
                 if err > 2e-2:
                     print(f"  WRONG N={n} K={k} M={m} act_order={act_order} {entry}: relative error {err:.3g}")
                     continue
-                rows.append((time_us(fns), entry))
+                rows.append((sweep_us(fns), entry))
             except Exception as e:  # out of registers or shared memory
                 print(f"  N={n} K={k} M={m} {entry}: {type(e).__name__}: {str(e)[:200]}")
     del wna16_gemv.TABLE[key]
@@ -220,6 +207,7 @@ def sweep_case(n: int, k: int, m: int, act_order: bool, packed, args) -> tuple[f
 def sweep(args) -> None:
     """Every shape and batch of the sweep: the best tile, its GB/s and fraction of copy bandwidth; the layer's sums;
     the TABLE literal."""
+    began = time.perf_counter()
     copy_gbs = copy_bandwidth()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
     cases = [(m, False) for m in args.sweep_m] + ([(1, True)] if 1 in args.sweep_m and not args.no_act_order else [])
@@ -230,8 +218,11 @@ def sweep(args) -> None:
         w16 = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) for _ in range(-(-L2_MISS_BYTES // (2 * n * k)))]
         for m, act_order in cases:
             default_us, rows = sweep_case(n, k, m, act_order, packed, args)
+            if not rows:
+                print(f"N={n} K={k} M={m} act_order={act_order}: no tile ran correctly", flush=True)
+                continue
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            bf16_us = time_us([lambda w=w, x=x: F.linear(x, w) for w in w16])
+            bf16_us = sweep_us([lambda w=w, x=x: F.linear(x, w) for w in w16])
             best_us, best = rows[0]
             table[(args.bits, wna16_gemv.block_m_for(m), n, k, act_order)] = best
             gbs = (wbytes + m * k * 2 + m * n * 2) / best_us / 1e3
@@ -247,6 +238,8 @@ def sweep(args) -> None:
         torch.cuda.empty_cache()
     print("the shapes' sums (one Llama-3.1-8B layer's linears with the default shapes), us:")
     for m, act_order in cases:
+        if (m, act_order, "best") not in totals:
+            continue
         best, default, bf16 = (totals[m, act_order, name] for name in ("best", "default", "bf16"))
         print(f"  M={m} act_order={act_order}: best {best:.1f}, default {default:.1f}, bf16 {bf16:.1f}", end="")
         print(f" -> x{bf16 / best:.2f} vs bf16 (default x{bf16 / default:.2f})")
@@ -254,6 +247,7 @@ def sweep(args) -> None:
         f"# (bits, BLOCK_M, N, K, act order) -> (BLOCK_N, BLOCK_K, warps, K splits, stages), {copy_gbs:.0f} GB/s copy"
     )
     print("TABLE = {\n" + "".join(f"    {key}: {entry},\n" for key, entry in table.items()) + "}")
+    print(f"the sweep took {time.perf_counter() - began:.0f} s")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
