@@ -7,39 +7,44 @@ miss the L2 cache; printed: the median time per call over CUDA events and GB/s =
 activation + output bytes) / time, then one decoder layer's linears summed per M.
 
     PYTHONPATH=. python benchmarks/wna16_gemv_bench.py                 # the table
-    PYTHONPATH=. python benchmarks/wna16_gemv_bench.py --sweep         # also the GEMV's configs per M (minutes)
-    PYTHONPATH=. python benchmarks/wna16_gemv_bench.py --sweep --m 1   # the sweep at M = 1 only
+    PYTHONPATH=. python benchmarks/wna16_gemv_bench.py --sweep         # the tile sweep instead (about 2 minutes)
+    PYTHONPATH=. python benchmarks/wna16_gemv_bench.py --sweep --sweep-m 1 --shapes 4096x4096
 
-The sweep times every (BLOCK_N, BLOCK_K, warps, programs per SM) of the grid below on the four linears of a layer
-and prints the best per M as a CONFIGS entry for wna16_gemv.py, and the fused split-K reduction against the reduce
-kernel for the best one.
+The sweep times, for every (N, K) of the layer and M = 1, 2, 4 (and act order at M = 1), every tile of
+wna16_gemv.sweep_tiles (BLOCK_N, BLOCK_K, warps, pipeline stages) with a few K splits each, after checking each one
+against the dequantized weight; it prints each shape's best tile, its GB/s and its fraction of the device-to-device
+copy bandwidth measured in the same run, the default tiles' time, one layer's sum per M against bf16, and the
+winners as a TABLE literal for wna16_gemv.py. Its kernels compile first in --jobs processes (Triton's disk cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
+import multiprocessing
+import os
+import time
 
 import torch
 import torch.nn.functional as F
-from fp8_gemv_bench import time_us  # (benchmarks/ is on the path of a script run from it)
+from fp8_gemv_bench import copy_bandwidth, sweep_us, time_us  # (benchmarks/: the path of a script run there)
 
 from pagedllm.layers.quantization import wna16_gemv
 from pagedllm.layers.quantization.bnb_format import codebook
-from pagedllm.layers.quantization.wna16_gemm import wna16_gemm
+from pagedllm.layers.quantization.wna16_gemm import wna16_dequantize, wna16_gemm
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate_up, down
 BATCHES = [1, 2, 4, 8]
 L2_MISS_BYTES = 256 << 20  # weight copies cycled per graph: at least this many bytes (H100 L2: 50 MB)
-SWEEP_TILES = [(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)]  # (BLOCK_N, warps): BLOCK_N >= 128 * warps
-SWEEP_BLOCK_K = [16, 32, 64, 128, 256]
-SWEEP_PROGRAMS = [1, 2, 4, 8]
+DEVICE = "cuda"
+SWEEP_PROGRAMS = (1, 2, 4, 8)  # programs per SM the sweep's K splits aim at (and no split)
 
 
 def weights(n: int, k: int, args, copies: int = 0):
     """Copies of (qweight [K / pack, N], scales [K / group, N], zeros or None), by default enough to miss the L2
     cache; and the bytes one call reads of them. With --codebook the zeros slot holds nf4's table instead."""
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     bits, group, zero_points = args.bits, args.group, args.zero_points
     nbytes = n * k * bits // 8
     copies = copies or max(1, -(-L2_MISS_BYTES // nbytes))
@@ -57,7 +62,7 @@ def weights(n: int, k: int, args, copies: int = 0):
 
 def ops_for(m: int, n: int, k: int, args) -> dict:
     """name -> (list of callables over weight copies, bytes one call moves)."""
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     packed, wbytes = weights(n, k, args)
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(1, -(-L2_MISS_BYTES // (2 * n * k))))]
@@ -87,7 +92,7 @@ def ops_for(m: int, n: int, k: int, args) -> dict:
 def check(args) -> None:
     """The GEMV against the tensor-core kernel at every shape and M (bf16 tolerance), before timing."""
     for (n, k), m in itertools.product(SHAPES, BATCHES):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         packed, _ = weights(n, k, args, copies=1)
         qw, s, z = packed[0]
         extra = (None, None, 4, args.group, z) if args.codebook else (z, None, args.bits, args.group)
@@ -126,37 +131,130 @@ def layer_summary(results: dict) -> None:
         )
 
 
-def sweep(args) -> None:
-    """Per M: the layer's four GEMVs summed for every config of the grid; the best as a CONFIGS entry."""
-    saved, saved_fused = dict(wna16_gemv.CONFIGS), wna16_gemv.FUSED_REDUCE
-    for m in args.m:
-        block_m = 1 if m == 1 else (2 if m == 2 else (4 if m <= 4 else 8))
-        fns = {shape: ops_for(m, *shape, args)["gemv"][0] for shape in SHAPES}
-        rows = []
-        for (block_n, warps), block_k, programs in itertools.product(SWEEP_TILES, SWEEP_BLOCK_K, SWEEP_PROGRAMS):
-            config = (block_n, block_k, warps, programs)
-            if block_m >= 4 and block_k > 64:
-                continue  # several rows' accumulators and long steps: out of registers
-            wna16_gemv.CONFIGS[block_m] = config
+def split_choices(n: int, k: int, tile, args) -> list[int]:
+    """The K splits a tile is timed with: none, and the counts for each of SWEEP_PROGRAMS programs per SM."""
+    block_n, block_k = tile[0], tile[1] * 4 // args.bits
+    sms = wna16_gemv.sm_count(torch.device(DEVICE))
+    grid_n = -(-n // block_n)
+    wants = (1, *(-(-p * sms // grid_n) for p in SWEEP_PROGRAMS))
+    return sorted({wna16_gemv.split_k(k, block_k, want)[0] for want in wants})
+
+
+def gemv_call(x, w, perm, args):
+    return wna16_gemv.wna16_gemv(x, w[0], w[1], w[2], None, args.bits, args.group, None, perm)
+
+
+def compile_tiles(tasks, args) -> None:
+    """Worker: one launch of each (M, act order, tile, splits) on a 4096 x 4096 weight, compiling into the disk cache
+    (the sweep's shapes share these kernels: N and K only bound masks)."""
+    n = k = 4096
+    w = weights(n, k, args, copies=1)[0][0]
+    for m, act_order, tile, want in tasks:
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        perm = torch.randperm(k, device=DEVICE).int() if act_order else None
+        wna16_gemv.TABLE[(args.bits, wna16_gemv.block_m_for(m), n, k, act_order)] = (*tile[:3], want, tile[3])
+        try:
+            gemv_call(x, w, perm, args)
+        except Exception as e:  # reported again by the sweep itself
+            print(f"  compile M={m} {tile}: {type(e).__name__}", flush=True)
+    torch.cuda.synchronize()
+
+
+def precompile(cases, args) -> None:
+    """Every kernel the sweep will launch, compiled in --jobs processes first (about 1-2 s each, one core each)."""
+    tasks = []
+    for m, act_order in cases:
+        tiles = wna16_gemv.sweep_tiles(wna16_gemv.block_m_for(m))
+        tasks += [(m, act_order, tile, want) for tile in tiles for want in (1, 2)]  # one split, several
+    if args.jobs <= 1:
+        return
+    chunks = [tasks[i :: args.jobs] for i in range(args.jobs)]
+    context = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+            list(pool.map(compile_tiles, chunks, [args] * len(chunks)))
+    except Exception as e:  # the sweep compiles what is missing itself
+        print(f"  precompile: {type(e).__name__}: {e}", flush=True)
+
+
+def sweep_case(n: int, k: int, m: int, act_order: bool, packed, args) -> tuple[float, list]:
+    """(the default tiles' microseconds, [(us, TABLE entry)] of every correct tile and split, fastest first)."""
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    perm = torch.randperm(k, device=DEVICE).int() if act_order else None
+    w0 = packed[0]
+    dense = wna16_dequantize(w0[0], w0[1], w0[2], k, args.bits, args.group, torch.float32)  # [K, N]
+    ref = (x[:, perm] if act_order else x).float() @ dense
+    fns = [lambda w=w: gemv_call(x, w, perm, args) for w in packed]
+    key = (args.bits, wna16_gemv.block_m_for(m), n, k, act_order)
+    wna16_gemv.TABLE.pop(key, None)
+    default_us = sweep_us(fns)
+    rows = []
+    for tile in wna16_gemv.sweep_tiles(key[1]):
+        for want in split_choices(n, k, tile, args):
+            entry = wna16_gemv.TABLE[key] = (*tile[:3], want, tile[3])
             try:
-                rows.append((sum(time_us(f) for f in fns.values()), config))
+                err = ((gemv_call(x, w0, perm, args).float() - ref).abs().max() / ref.abs().max()).item()
+                if err > 2e-2:
+                    print(f"  WRONG N={n} K={k} M={m} act_order={act_order} {entry}: relative error {err:.3g}")
+                    continue
+                rows.append((sweep_us(fns), entry))
             except Exception as e:  # out of registers or shared memory
-                print(f"  M={m} {config}: {type(e).__name__}")
-        rows.sort()
-        best = rows[0][1]
-        print(f"M={m} layer us, best (BLOCK_N, BLOCK_K, warps, programs/SM): " + ", ".join(
-            f"{us:.1f} {config}" for us, config in rows[:5]
-        ))  # fmt: skip
-        wna16_gemv.CONFIGS[block_m] = best
-        wna16_gemv.FUSED_REDUCE = False
-        unfused = sum(time_us(f) for f in fns.values())
-        wna16_gemv.FUSED_REDUCE = saved_fused
-        print(f"  best with the reduce kernel instead of the fused reduction: {unfused:.1f} us")
-        print(f"  CONFIGS[{block_m}] = {best}")
-        wna16_gemv.CONFIGS.clear()
-        wna16_gemv.CONFIGS.update(saved)
-        del fns
+                print(f"  N={n} K={k} M={m} {entry}: {type(e).__name__}: {str(e)[:200]}")
+    del wna16_gemv.TABLE[key]
+    return default_us, sorted(rows)
+
+
+def sweep(args) -> None:
+    """Every shape and batch of the sweep: the best tile, its GB/s and fraction of copy bandwidth; the layer's sums;
+    the TABLE literal."""
+    began = time.perf_counter()
+    copy_gbs = copy_bandwidth()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
+    cases = [(m, False) for m in args.sweep_m] + ([(1, True)] if 1 in args.sweep_m and not args.no_act_order else [])
+    precompile(cases, args)
+    table, totals = {}, {}
+    for n, k in args.shapes:
+        packed, wbytes = weights(n, k, args)
+        w16 = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) for _ in range(-(-L2_MISS_BYTES // (2 * n * k)))]
+        for m, act_order in cases:
+            default_us, rows = sweep_case(n, k, m, act_order, packed, args)
+            if not rows:
+                print(f"N={n} K={k} M={m} act_order={act_order}: no tile ran correctly", flush=True)
+                continue
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            bf16_us = sweep_us([lambda w=w, x=x: F.linear(x, w) for w in w16])
+            best_us, best = rows[0]
+            table[(args.bits, wna16_gemv.block_m_for(m), n, k, act_order)] = best
+            gbs = (wbytes + m * k * 2 + m * n * 2) / best_us / 1e3
+            for name, us in (("default", default_us), ("best", best_us), ("bf16", bf16_us)):
+                totals[m, act_order, name] = totals.get((m, act_order, name), 0.0) + us
+            print(
+                f"N={n} K={k} M={m} act_order={act_order}: best {best} {best_us:.1f} us, {gbs:.0f} GB/s = "
+                f"{gbs / copy_gbs:.2f} of copy; default {default_us:.1f} us; bf16 {bf16_us:.1f} us; next: "
+                + ", ".join(f"{us:.1f} {entry}" for us, entry in rows[1:4]),
+                flush=True,
+            )
+        del packed, w16
         torch.cuda.empty_cache()
+    print("the shapes' sums (one Llama-3.1-8B layer's linears with the default shapes), us:")
+    for m, act_order in cases:
+        if (m, act_order, "best") not in totals:
+            continue
+        best, default, bf16 = (totals[m, act_order, name] for name in ("best", "default", "bf16"))
+        print(f"  M={m} act_order={act_order}: best {best:.1f}, default {default:.1f}, bf16 {bf16:.1f}", end="")
+        print(f" -> x{bf16 / best:.2f} vs bf16 (default x{bf16 / default:.2f})")
+    print(
+        f"# (bits, BLOCK_M, N, K, act order) -> (BLOCK_N, BLOCK_K, warps, K splits, stages), {copy_gbs:.0f} GB/s copy"
+    )
+    print("TABLE = {\n" + "".join(f"    {key}: {entry},\n" for key, entry in table.items()) + "}")
+    print(f"the sweep took {time.perf_counter() - began:.0f} s")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    n, _, k = text.partition("x")
+    if not (n.isdigit() and k.isdigit()):
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: NxK, e.g. 4096x14336")
+    return int(n), int(k)
 
 
 def main() -> None:
@@ -166,19 +264,25 @@ def main() -> None:
     parser.add_argument("--zero-points", action="store_true", help="asymmetric: a zero point per group")
     parser.add_argument("--codebook", action="store_true", help="bitsandbytes nf4: a 16-value table, 4 bits")
     parser.add_argument("--act-order", action="store_true", help="a random input-feature permutation (desc_act)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the GEMV's configs")
-    parser.add_argument("--m", type=int, nargs="+", default=BATCHES, help="batch sizes the sweep covers")
+    parser.add_argument("--sweep", action="store_true", help="the tile sweep instead of the table")
+    parser.add_argument("--sweep-m", type=int, nargs="+", default=[1, 2, 4], help="batch sizes the sweep covers")
+    parser.add_argument("--no-act-order", action="store_true", help="the sweep skips act order (else: at M = 1)")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES, help="the sweep's NxK weights")
+    parser.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1), help="the sweep's compile processes")
     args = parser.parse_args()
     if args.codebook:
         args.bits, args.zero_points, args.act_order = 4, False, False
+    if args.sweep and args.codebook:
+        parser.error("--sweep times integer weights (TABLE has no codebook entries)")
     if not torch.cuda.is_available():
         raise SystemExit("wna16_gemv_bench needs a CUDA GPU")
     print(torch.cuda.get_device_name(0), f"bits={args.bits} group={args.group} zero_points={args.zero_points}", end=" ")
     print(f"codebook={args.codebook} act_order={args.act_order}")
-    check(args)
-    layer_summary(table(args))
     if args.sweep:
         sweep(args)
+        return
+    check(args)
+    layer_summary(table(args))
 
 
 if __name__ == "__main__":

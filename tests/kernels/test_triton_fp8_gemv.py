@@ -113,6 +113,24 @@ def test_plan_fills_the_gpu():
         assert k_split % gemv.BLOCK_K == 0 and (splits - 1) * k_split < k <= splits * k_split
 
 
+@pytest.mark.parametrize(
+    "entry,splits", [((32, 128, 4, 3, 3, 1, 0), 3), ((64, 256, 4, 4, 2, 0, 1), 2), ((128, 128, 4, 2, 1, 0, 0), 1)]
+)
+@pytest.mark.parametrize("m", [1, 3])
+def test_table_entries(entry, splits, m, monkeypatch):
+    """A TABLE entry for the shape (one row, or 2..16 rows) sets the tiles, the K splits (capped by K's chunks), how
+    split K is summed and TMA reads; the result is the float64 GEMM of the quantized operands."""
+    n, k = 130, 520
+    monkeypatch.setattr(gemv, "TABLE", {(1 if m == 1 else 16, n, k): entry})
+    cfg = gemv.gemv_config(m, n, k, 132)
+    assert (*cfg[:4], cfg.splits, cfg.split_in_kernel, cfg.w_tma) == (*entry[:4], splits, *map(bool, entry[5:]))
+    assert gemv.gemv_config(m, n, k + 1, 132).block_k == gemv.BLOCK_K  # another shape: the module settings
+    x, qw, ws, bias = make_case(m, n, k, per_tensor=False, seed=m + splits)
+    ref_q, ref_s = quantize_reference(x, None)
+    out = gemv.fp8_gemv_linear(x.to(DEVICE), qw.to(DEVICE), ws.to(DEVICE), None, bias.to(DEVICE))
+    assert_float32_close(out.cpu(), gemm_reference(ref_q, ref_s, qw, ws, bias))
+
+
 def test_gemv_applies_only_to_small_cuda_batches():
     w = torch.zeros(8, 32, dtype=FP8)
     assert not gemv.gemv_applies(torch.zeros(1, 32), w)  # CPU: the dense path

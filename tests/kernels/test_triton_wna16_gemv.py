@@ -1,7 +1,8 @@
 """The W4A16 / W8A16 decode GEMV (wna16_gemv.py) against the float64 GEMM of the weight dequantized by plain torch,
 for 4 and 8 bits, group sizes (32, 64, 128, channel-wise, ones no K step divides), odd K and N, zero points or the
 midpoint, bias, the codebook variant, batches 1..16, one K split or many (summed by the last program to arrive, or
-by the reduce kernel); and against the tensor-core kernel of wna16_gemm.py within accumulation-order tolerance.
+by the reduce kernel); every tile of the bench's sweep grid through a TABLE entry; and against the tensor-core kernel
+of wna16_gemm.py within accumulation-order tolerance.
 Without CUDA it runs in Triton's interpreter (see conftest.py)."""
 
 from __future__ import annotations
@@ -182,3 +183,34 @@ def test_llama_shapes_on_gpu(n, k, m, group, asym):
     assert torch.equal(out, gemv.wna16_gemv(x, qweight, scales, zeros, None, 4, group))  # bit-reproducible
     ref = gemm.wna16_gemm(x, qweight, scales, zeros, None, 4, group)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+SWEEP_CASES = [(m, tile) for m in (1, 2, 3) for tile in gemv.sweep_tiles(gemv.block_m_for(m))]
+
+
+@pytest.mark.parametrize("case", range(len(SWEEP_CASES)))
+def test_sweep_tiles(case, monkeypatch):
+    """Every tile the bench's --sweep may put in TABLE (pipelined or not), through a TABLE entry with K split in two:
+    odd N, a K that leaves a masked last step, one group per step or channel-wise scales, zero points or the
+    midpoint, act order on or off; the float64 reference."""
+    m, (block_n, block_k, warps, stages) = SWEEP_CASES[case]
+    n, k = block_n + 37, 3 * block_k + 24  # two column blocks, the last partial; K past whole steps
+    group, asym, act_order = [(2 * block_k, True, False), (k, False, True), (8, True, True)][case % 3]
+    monkeypatch.setattr(gemv, "TABLE", {(4, gemv.block_m_for(m), n, k, False): (block_n, block_k, warps, 2, stages)})
+    x, qweight, scales, zeros, b, _, w = make_case(m, n, k, 4, group, asym, case % 2 == 0, seed=case)
+    cfg = gemv.gemv_config(m, n, k, 4, group, act_order, 132)
+    assert (cfg.block_n, cfg.warps, cfg.splits, cfg.stages) == (block_n, warps, 2, stages)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(case)) if act_order else None
+    out = gemv.wna16_gemv(x, qweight, scales, zeros, b, 4, group, None, None if perm is None else perm.to(DEVICE))
+    assert_close(out, reference(x.cpu() if perm is None else x.cpu()[:, perm], w, b), torch.float32)
+
+
+def test_table_lookup(monkeypatch):
+    """TABLE's entry for the shape and batch wins over CONFIGS (an act-order shape falls back to its plain entry);
+    its splits are a count, capped by K's steps; BLOCK_K halves at 8 bits and shrinks to divide the group."""
+    monkeypatch.setattr(gemv, "TABLE", {(4, 1, 6144, 4096, False): (128, 64, 1, 8, 2)})
+    assert gemv.gemv_config(1, 6144, 4096, 4, 128, True, 132) == gemv.GemvConfig(1, 128, 64, 1, 8, 512, 2, True)
+    assert gemv.gemv_config(1, 6144, 4096, 4, 32, False, 132).block_k == 32
+    assert gemv.gemv_config(2, 6144, 4096, 4, 128, False, 132).stages == 1  # no entry: CONFIGS, not pipelined
+    monkeypatch.setattr(gemv, "TABLE", {(8, 1, 6144, 4096, False): (128, 64, 1, 1000, 2)})
+    assert gemv.gemv_config(1, 6144, 4096, 8, 128, False, 132)[2:6] == (32, 1, 128, 32)

@@ -19,6 +19,7 @@ activations."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -75,8 +76,9 @@ if triton is not None:
         return xs
 
     # M (the decode batch) only bounds masks: one compiled variant for every batch size instead of three (M = 1,
-    # M = 16, others); ONE_ROW (M == 1 with quantization in the kernel) is the one split, M = 1 being decode-bs1
-    @triton.jit(do_not_specialize=["M"])
+    # M = 16, others); ONE_ROW (M == 1 with quantization in the kernel) is the one split, M = 1 being decode-bs1.
+    # S (K splits) neither: SPLIT tells one split from several
+    @triton.jit(do_not_specialize=["M", "S"])
     def fp8_gemv_kernel(
         x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, xs_ptr, ws_ptr, bias_ptr, M, N, K, S, k_split,
         stride_xm, stride_wn, stride_om,
@@ -195,6 +197,37 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
 W_TMA = False  # weight tiles read through a TMA tensor descriptor (K a multiple of 16, BLOCK_K <= 256)
 SPLIT_ONE, SPLIT_REDUCE_KERNEL, SPLIT_LAST_PROGRAM = 0, 1, 2  # fp8_gemv_kernel's SPLIT: how split K is summed
 SPLIT_IN_KERNEL = False  # split K summed by each n-block's last program (no second launch), not a reduce kernel
+# (1 for one row, 16 for 2..16 rows; N, K) -> (BLOCK_N, BLOCK_K, warps, stages, K splits, split K summed in the
+# kernel 0/1, TMA weight reads 0/1): per-shape tiles from `benchmarks/fp8_gemv_bench.py --sweep` (it prints this
+# literal); shapes not here take the module settings above through plan()
+TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int, int]] = {}
+
+
+class Fp8GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    splits: int
+    k_split: int  # K per split: whole BLOCK_K chunks
+    split_in_kernel: bool
+    w_tma: bool
+
+
+def gemv_config(m: int, n: int, k: int, sms: int) -> Fp8GemvConfig:
+    """The tiles for x [m, k] @ W [n, k].T: TABLE's entry for the shape (splits capped by K's chunks), else plan()
+    with the module settings."""
+    entry = TABLE.get((1 if m == 1 else 16, n, k))
+    if entry is None:
+        block_n, splits, k_split = plan(n, k, sms)
+        return Fp8GemvConfig(block_n, BLOCK_K, NUM_WARPS, NUM_STAGES, splits, k_split, SPLIT_IN_KERNEL, W_TMA)
+    block_n, block_k, warps, stages, want, in_kernel, w_tma = entry
+    k_split = triton.cdiv(triton.cdiv(k, block_k), max(1, want)) * block_k
+    return Fp8GemvConfig(
+        block_n, block_k, warps, stages, triton.cdiv(k, k_split), k_split, bool(in_kernel), bool(w_tma)
+    )
+
+
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -217,23 +250,24 @@ def launch(
     kernel's last programs (SPLIT_IN_KERNEL) or by split_k_reduce_kernel after it."""
     m, k = x.shape
     n = weight.shape[0]
-    block_n, splits, k_split = plan(n, k, sm_count(x.device))
+    cfg = gemv_config(m, n, k, sm_count(x.device))
+    block_n, splits, block_k = cfg.block_n, cfg.splits, cfg.block_k
     grid_n = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=dtype, device=x.device)  # [M, N]
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    counters = split_counters(x.device, grid_n) if splits > 1 and SPLIT_IN_KERNEL else None
+    counters = split_counters(x.device, grid_n) if splits > 1 and cfg.split_in_kernel else None
     split = SPLIT_ONE if splits == 1 else SPLIT_LAST_PROGRAM if counters is not None else SPLIT_REDUCE_KERNEL
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
     one_row = m == 1 and quant != QUANTIZED
-    w_tma = W_TMA and k % 16 == 0 and weight.data_ptr() % 16 == 0 and BLOCK_K <= 256 and block_n <= 256
-    w_arg = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K]) if w_tma else weight
+    w_tma = cfg.w_tma and k % 16 == 0 and weight.data_ptr() % 16 == 0 and block_k <= 256 and block_n <= 256
+    w_arg = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if w_tma else weight
     amax_k = min(triton.next_power_of_2(max(k, 16)), AMAX_ROW if one_row else AMAX_COLS)
     fp8_gemv_kernel[(grid_n, splits)](
         x, w_arg, out, part, counters if counters is not None else weight_scale, xs, weight_scale, bias_arg,
-        m, n, k, splits, k_split, x.stride(0), weight.stride(0), n,
+        m, n, k, splits, cfg.k_split, x.stride(0), weight.stride(0), n,
         HAS_BIAS=has_bias, QUANT=quant, ONE_ROW=one_row, SPLIT=split, W_TMA=w_tma, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_K=block_k, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if split == SPLIT_REDUCE_KERNEL:
         block = 1024

@@ -13,11 +13,16 @@ with few instructions per value, so it runs on the CUDA cores (float32 FMA), not
   multiplied by the group's scale once per output;
 - K is split over programs so that every SM is busy; the float32 partials [S, M, N] are summed in the order
   s = 0, 1, ... (bit-reproducible) by the last program of each column block to finish (an integer arrival counter,
-  reset by that program), so a linear is one launch; FUSED_REDUCE = False sums them in fp8_gemv's reduce kernel.
+  reset by that program), so a linear is one launch; FUSED_REDUCE = False sums them in fp8_gemv's reduce kernel;
+- the tiles (BLOCK_N, BLOCK_K, warps, K splits, pipeline stages) come per batch bucket and weight shape from TABLE
+  (filled from the bench's --sweep), else from CONFIGS; with stages > 1 the packed words of the next steps stream
+  into shared memory asynchronously while a step computes.
 
 Group sizes that no K step divides (and K steps that straddle groups) take a per-value gather of scales and zeros."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +36,14 @@ GEMV_MAX_M = 4
 # per BLOCK_M (M rounded up to 1, 2, 4, 8): (BLOCK_N output columns per program, BLOCK_K input features per step
 # (4-bit; half as many at 8 bits), warps, programs wanted per SM before K stops being split). BLOCK_N >= 4 * 32 *
 # warps keeps a step's K rows in each thread (no shuffles); larger BLOCK_N reuses each activation over more columns;
-# the ones here compile for sm_90 without spilling registers
+# the ones here compile for sm_90 without spilling registers. The default for shapes TABLE lacks.
 CONFIGS = {1: (256, 128, 2, 4), 2: (256, 64, 2, 4), 4: (512, 16, 2, 4), 8: (256, 16, 2, 4)}
+# (bits, BLOCK_M, N, K, act order) -> GemvConfig's fields but the first (block_n, block_k, warps, splits, stages):
+# per-shape tiles from `benchmarks/wna16_gemv_bench.py --sweep` (it prints this literal). An act-order shape not
+# here takes its plain entry
+TABLE: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int, int]] = {}
+SWEEP_TILES = ((128, 1), (256, 2), (256, 1), (512, 2))  # (BLOCK_N, warps) of the sweep: 4 or 8 columns a thread
+SWEEP_STAGES = (1, 2, 4)
 # codebook weights (nf4 / fp4) too: their table lookups are a gather per value, which Triton lays out across threads
 # (shuffles), so the tensor-core kernel may be as fast; the bench's --codebook decides
 CODEBOOK_GEMV = True
@@ -168,6 +179,13 @@ if triton is not None:
             t = tl.where(rows == 6, a6[None, :], tl.where(rows == 7, a7[None, :], t))
         return t
 
+    @triton.jit
+    def scale_step(acc, t, s_ptr, start, offs_n, mask_n, N, group_size, ONE_GROUP: tl.constexpr):
+        """acc + the step's sums t [BLOCK_M, BLOCK_N]: times its group's scale once per output when ONE_GROUP."""
+        if ONE_GROUP:
+            return acc + t * tl.load(s_ptr + (start // group_size) * N + offs_n, mask=mask_n, other=0.0)[None, :]
+        return acc + t
+
     # M only bounds masks: one compiled variant per BLOCK_M
     @triton.jit(do_not_specialize=["M", "magic", "sixteen"])
     def wna16_gemv_kernel(
@@ -175,11 +193,15 @@ if triton is not None:
         k_split, stride_xm, magic, sixteen,
         BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
         CODEBOOK: tl.constexpr, PERM: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+        UNROLL: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s): the columns of block n summed over K split s. One split (SPLIT false): out [M, N] =
         x @ W + bias in out's dtype. Else part [S, M, N] float32 takes the partial sums; with FUSED the last program
-        of column block n to arrive (counter cnt[n]) writes out = sum over s in order + bias and resets cnt[n]."""
+        of column block n to arrive (counter cnt[n]) writes out = sum over s in order + bias and resets cnt[n].
+        The whole steps of a split run in a loop without masks on K, STAGES steps of packed words in flight (loaded
+        asynchronously through shared memory; 1: each step's loads issued when the step starts); a step past K's
+        end (the last split's, when BLOCK_K does not divide K) runs after it with masks."""
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,23 +211,36 @@ if triton is not None:
         k_hi = tl.minimum(k_lo + k_split, K)
         k_even = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K  # whole steps; past it a masked one (K's end)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(k_lo, k_hi, BLOCK_K):
-            if start < k_even:
+        if STAGES == 1:  # the masked step inside the loop (fewer registers than peeling it: more programs per SM)
+            for start in range(k_lo, k_hi, BLOCK_K):
+                if start < k_even:
+                    t = gemv_step(
+                        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K,
+                        group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, False, BLOCK_M,
+                        BLOCK_N, BLOCK_K,
+                    )  # fmt: skip
+                else:
+                    t = gemv_step(
+                        x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K,
+                        group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, True, BLOCK_M,
+                        BLOCK_N, BLOCK_K,
+                    )  # fmt: skip
+                acc = scale_step(acc, t, s_ptr, start, offs_n, mask_n, N, group_size, ONE_GROUP)
+        else:  # no branch in the loop body: the compiler pipelines its loads
+            for start in tl.range(k_lo, k_even, BLOCK_K, num_stages=STAGES):
                 t = gemv_step(
-                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
-                    stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, False, BLOCK_M, BLOCK_N,
-                    BLOCK_K,
+                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K,
+                    group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, False, BLOCK_M,
+                    BLOCK_N, BLOCK_K,
                 )  # fmt: skip
-            else:
+                acc = scale_step(acc, t, s_ptr, start, offs_n, mask_n, N, group_size, ONE_GROUP)
+            if k_even < k_hi:
                 t = gemv_step(
-                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K, group_size,
-                    stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, True, BLOCK_M, BLOCK_N,
-                    BLOCK_K,
+                    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, k_even, offs_m, offs_n, mask_n, M, N, K,
+                    group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, True, BLOCK_M,
+                    BLOCK_N, BLOCK_K,
                 )  # fmt: skip
-            if ONE_GROUP:
-                acc += t * tl.load(s_ptr + (start // group_size) * N + offs_n, mask=mask_n, other=0.0)[None, :]
-            else:
-                acc += t
+                acc = scale_step(acc, t, s_ptr, k_even, offs_n, mask_n, N, group_size, ONE_GROUP)
         ptrs = offs_m[:, None] * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N] offsets in an [M, N] matrix
         if SPLIT:
             tl.store(part_ptr + pid_s * M * N + ptrs, acc, mask=mask)
@@ -214,8 +249,14 @@ if triton is not None:
                 splits = tl.num_programs(1)
                 if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == splits - 1:
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s_idx in range(0, splits):  # fixed order: the same sum whichever program came last
-                        acc += tl.load(part_ptr + s_idx * M * N + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                    # fixed order s = 0, 1, ...: the same sum whichever program came last; UNROLL loads in flight
+                    # (the splits past the last add zeros: exact)
+                    for s0 in range(0, splits, UNROLL):
+                        for i in tl.static_range(UNROLL):
+                            acc += tl.load(
+                                part_ptr + (s0 + i) * M * N + ptrs, mask=mask & (s0 + i < splits), other=0.0,
+                                cache_modifier=".cg",
+                            )  # fmt: skip
                     if HAS_BIAS:
                         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                     tl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -243,9 +284,62 @@ def plan_splits(n: int, k: int, block_n: int, block_k: int, programs_per_sm: int
     """(number of K splits, K per split: a multiple of block_k) for about programs_per_sm programs per SM."""
     chunks = triton.cdiv(k, block_k)
     grid_n = triton.cdiv(n, block_n)
-    want = max(1, min(chunks, triton.cdiv(programs_per_sm * sms, grid_n)))
-    k_split = triton.cdiv(chunks, want) * block_k
+    return split_k(k, block_k, max(1, min(chunks, triton.cdiv(programs_per_sm * sms, grid_n))))
+
+
+def split_k(k: int, block_k: int, want: int) -> tuple[int, int]:
+    """(number of K splits, K per split: whole steps of block_k) for at most `want` splits, none of them empty."""
+    k_split = triton.cdiv(triton.cdiv(k, block_k), max(1, want)) * block_k
     return triton.cdiv(k, k_split), k_split
+
+
+class GemvConfig(NamedTuple):
+    """One launch's tiles: BLOCK_M, BLOCK_N, BLOCK_K (in the weight's bits: what a step reads), warps, K splits and
+    K per split, steps in flight (1: no pipelining), one group per step (else per-value scale gathers)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    splits: int
+    k_split: int
+    stages: int
+    one_group: bool
+
+
+def block_m_for(m: int) -> int:
+    return 1 if m == 1 else (2 if m == 2 else (4 if m <= 4 else 8))
+
+
+def gemv_config(m: int, n: int, k: int, bits: int, group_size: int, act_order: bool, sms: int) -> GemvConfig:
+    """The tiles for x [m, k] @ W [k, n]: TABLE's entry for the shape (an act-order shape falls back to its plain
+    one), else CONFIGS' for the batch with K split to fill the SMs. BLOCK_K shrinks to divide the group size."""
+    block_m = block_m_for(m)
+    entry = TABLE.get((bits, block_m, n, k, act_order)) or TABLE.get((bits, block_m, n, k, False))
+    if entry is not None:
+        block_n, max_block_k, warps, want, stages = entry
+        # (entries count BLOCK_K in 4-bit values, as CONFIGS do)
+        block_k, one_group = block_k_for(group_size, bits, k, max_block_k * 4 // bits)
+        splits, k_split = split_k(k, block_k, want)
+    else:
+        block_n, max_block_k, warps, programs_per_sm = CONFIGS[block_m]
+        block_k, one_group = block_k_for(group_size, bits, k, max_block_k * 4 // bits)
+        splits, k_split = plan_splits(n, k, block_n, block_k, programs_per_sm, sms)
+        stages = 1
+    return GemvConfig(block_m, block_n, block_k, warps, splits, k_split, stages, one_group)
+
+
+def sweep_tiles(block_m: int) -> list[tuple[int, int, int, int]]:
+    """The (BLOCK_N, BLOCK_K, warps, stages) the bench's --sweep times (with a few K splits each) and the kernel
+    tests run: every thread keeps a step's K rows of 4 or 8 columns (BLOCK_N = 128 or 256 per warp), and holds 16
+    to 64 packed words a step times BLOCK_M (its accumulators: at most about CONFIGS' register use)."""
+    tiles = []
+    for block_n, warps in SWEEP_TILES:
+        words_per_row = block_n // (32 * warps)  # columns per thread: one packed word per K row each
+        for block_k in (16, 32, 64, 128):
+            if 16 <= block_k // 8 * words_per_row * block_m <= 64:
+                tiles += [(block_n, block_k, warps, stages) for stages in SWEEP_STAGES]
+    return tiles
 
 
 def arrival_counters(device: torch.device, grid_n: int) -> torch.Tensor | None:
@@ -276,24 +370,24 @@ def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, cod
     n = qweight.shape[1]
     if not 0 < m <= 8:
         raise ValueError(f"wna16_gemv takes 1 to 8 rows, got {m}")
-    block_m = 1 if m == 1 else (2 if m == 2 else (4 if m <= 4 else 8))
-    block_n, max_block_k, num_warps, programs_per_sm = CONFIGS[block_m]
-    # BLOCK_K counts 4-bit values: 8-bit steps take half as many, the same packed words (registers)
-    block_k, one_group = block_k_for(group_size, bits, k, max_block_k * 4 // bits)
-    splits, k_split = plan_splits(n, k, block_n, block_k, programs_per_sm, sm_count(x2.device))
-    grid_n = triton.cdiv(n, block_n)
+    cfg = gemv_config(m, n, k, bits, group_size, perm is not None, sm_count(x2.device))
+    splits = cfg.splits
+    grid_n = triton.cdiv(n, cfg.block_n)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)  # [M, N]
     counters = arrival_counters(x2.device, grid_n) if splits > 1 else None
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else scales
+    # the fused reduction's loads in flight: up to 8, within about 32 registers a thread
+    unroll = max(1, min(8, 32 * 32 * cfg.warps // (cfg.block_m * cfg.block_n)))
     wna16_gemv_kernel[(grid_n, splits)](
         x2, qweight, scales, zeros if zeros is not None else scales, codebook if codebook is not None else scales,
         perm if perm is not None else qweight, bias_arg, part, out, counters if counters is not None else qweight,
-        m, n, k, group_size, k_split, x2.stride(0), MAGIC, 16,
-        BITS=bits, HAS_ZP=zeros is not None, HAS_BIAS=has_bias, ONE_GROUP=one_group, CODEBOOK=codebook is not None,
-        PERM=perm is not None, SPLIT=splits > 1, FUSED=counters is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps,
+        m, n, k, group_size, cfg.k_split, x2.stride(0), MAGIC, 16,
+        BITS=bits, HAS_ZP=zeros is not None, HAS_BIAS=has_bias, ONE_GROUP=cfg.one_group,
+        CODEBOOK=codebook is not None, PERM=perm is not None, SPLIT=splits > 1, FUSED=counters is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, UNROLL=unroll,
+        num_warps=cfg.warps,
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = 1024
