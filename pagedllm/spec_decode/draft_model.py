@@ -14,6 +14,10 @@ how many leading positions of its request hold draft KV (`valid`, reset when the
 - passes 2..K feed draft i - 1 at the next position (one token per row: a decode, replayed from CUDA graphs on a
   GPU) and give draft i. The drafts stay on the device until the one copy of all of them at the end.
 
+On a GPU the draft's graphs end with its LM head and argmax (each pass's output is the rows' next tokens), and
+passes 2..K take their inputs in one upload and load them into the graphs' buffers on the device: the host queues
+all K passes without waiting for any.
+
 Positions past the blocks a request holds (its last token's and the drafts', whose blocks the scheduler allocates
 only when it schedules them) are written to scratch blocks after the shared ones, a few per row, and never count
 as valid: the next pass 1 computes them again where the target computed them."""
@@ -275,7 +279,7 @@ class DraftModelProposer:
         if picked is None:
             cu = np.arange(m + 1, dtype=np.int64)
             for i in range(n):
-                token = self._pass(drafts[-1], positions[i], cu, positions[i] + 1, table, slots[i])
+                token = self._eager(drafts[-1], positions[i], cu, positions[i] + 1, table, slots[i])
                 drafts.append(self._forced(token, forced, i + 1))
             return torch.stack(drafts, dim=1)
         graphs, bs, _ = picked
@@ -295,26 +299,23 @@ class DraftModelProposer:
     def _forced(token: torch.Tensor, forced, i: int) -> torch.Tensor:
         return token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token)
 
-    def _pass(self, input_ids, positions, cu, seq_lens, table, slots=None) -> torch.Tensor:
-        """The draft over one flat batch (input_ids on the device or the host, the rest host arrays) -> the greedy
-        next token of each row's last token [rows] on the device. One token per row replays a decode graph, at most
-        K + 1 a first-pass graph (the head inside them); anything else runs eagerly."""
+    def _pass(self, input_ids: np.ndarray, positions, cu, seq_lens, table) -> torch.Tensor:
+        """The draft over one flat batch (host arrays) -> the greedy next token of each row's last token [rows] on
+        the device. One token per row replays a decode graph, at most K + 1 a first-pass graph (the head inside
+        them); anything else runs eagerly."""
         b = self.block_size
-        if slots is None:
-            req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
-            slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
+        req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
+        slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
         picked = pick_graph(self.graphs, self.first_graphs, np.diff(cu))
-        if picked is not None:
-            graphs, bs, query_lens = picked
-            host = isinstance(input_ids, np.ndarray)
-            n = len(positions)
-            late = None if host else (torch.arange(n, device=self.device), input_ids)  # (inputs on the device)
-            ids = input_ids if host else np.zeros(n, dtype=np.int64)
-            graphs.load_inputs(bs, ids, positions, slots, seq_lens, table, late, None, query_lens)
-            return graphs.replay(bs, len(seq_lens))
-        if isinstance(input_ids, np.ndarray):
-            input_ids = self._to_device(input_ids)
-        layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), b, self.device)
+        if picked is None:
+            return self._eager(self._to_device(input_ids), positions, cu, seq_lens, table, slots)
+        graphs, bs, query_lens = picked
+        graphs.load_inputs(bs, input_ids, positions, slots, seq_lens, table, None, None, query_lens)
+        return graphs.replay(bs, len(seq_lens))
+
+    def _eager(self, input_ids: torch.Tensor, positions, cu, seq_lens, table, slots) -> torch.Tensor:
+        """_pass without graphs, input_ids on the device."""
+        layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), self.block_size, self.device)
         with forward_context(self.backend.build_metadata(layout)):
             hidden = self.model(input_ids, self._to_device(positions))  # [num_tokens, h]
         return self.greedy_head(hidden if len(hidden) == len(seq_lens) else hidden[self._to_device(cu[1:] - 1)])
