@@ -12,7 +12,6 @@ with the LoRA engine's CUDA-graph replays (decode steps with adapters replay the
 
     python benchmarks/lora_throughput.py --no-append
     python benchmarks/lora_throughput.py --num-seqs 32 --no-append   # smoke
-    python benchmarks/lora_throughput.py --kernels   # us per layer call of the LoRA kernels at decode sizes
 """
 
 from __future__ import annotations
@@ -112,74 +111,6 @@ def run_engine(model: str, lora_paths: list[str] | None, workloads: dict, engine
     return out
 
 
-# Llama-3.1-8B's LoRA layers: name -> (input features, output slices)
-KERNEL_SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
-                 "down": (14336, [4096])}  # fmt: skip
-
-
-def _lora_call(fused: bool, x, y, m, slices: list[int]):
-    """fn(a, b): y += x's LoRA term over the mapping m, by the one-launch kernel or by shrink + expand."""
-    from pagedllm.kernels.lora import lora_expand, lora_fused, lora_shrink, max_split
-
-    dev, k = x.device, x.shape[1]
-    starts = torch.tensor([sum(slices[:i]) for i in range(len(slices))], device=dev)
-    sizes, sync = torch.tensor(slices, device=dev), torch.zeros(3, dtype=torch.int32, device=dev)
-    table = (m.sorted_tokens, m.blocks, m.num_blocks)
-
-    def call(a, b):
-        if fused:
-            lora_fused(x, a, b, y, *table, starts, sizes, max(slices), sync)
-        else:
-            lora_expand(lora_shrink(x, a, *table), b, y, *table, starts, sizes, max(slices), max_split(k))
-
-    return call
-
-
-def _graph_us(fn, weights: list, reps: int) -> float:
-    """Microseconds per fn(a, b) in a CUDA graph of one call per (a, b) in weights, replayed reps times."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a, b in weights:
-            fn(a, b)
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (reps * len(weights)) * 1e6
-
-
-def kernel_times(batch_sizes=(1, 8), layers: int = 32, reps: int = 5) -> dict:
-    """Microseconds per call of one layer's LoRA term (one adapter of rank RANK, every token on it) in a CUDA graph
-    of `layers` calls over distinct weights (as a decode step reads them: not from L2), the one-launch kernel
-    against shrink + expand; each checked against a torch reference first."""
-    import numpy as np
-
-    from pagedllm.lora.mapping import StaticLoRAMapping
-
-    dev, bf16, out = torch.device("cuda"), torch.bfloat16, {}
-    for bs in batch_sizes:
-        static = StaticLoRAMapping(bs, 1, dev)
-        static.load(np.zeros(bs, dtype=np.int64), bs)
-        for name, (k, slices) in KERNEL_SHAPES.items():
-            n = sum(slices)
-            weights = [(torch.randn(1, len(slices) * RANK, k, device=dev, dtype=bf16) / k**0.5,
-                        torch.randn(1, n, RANK, device=dev, dtype=bf16)) for _ in range(layers)]  # fmt: skip
-            x, y = torch.randn(bs, k, device=dev, dtype=bf16), torch.zeros(bs, n, device=dev, dtype=bf16)
-            a0, b0 = weights[0]
-            parts = (x.float() @ a0[0].float().T).split(RANK, dim=1)
-            ref = torch.cat([p.bfloat16().float() @ b.float().T for p, b in zip(parts, b0[0].split(slices))], dim=1)
-            for fused in (True, False):
-                fn, label = _lora_call(fused, x, y, static.view(bs), slices), "fused" if fused else "grouped"
-                y.zero_()
-                fn(a0, b0)
-                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                assert err < 2e-2, f"{name} bs {bs} {label}: relative error {err:.3g}"
-                out[f"{name}_bs{bs}_{label}_us"] = rounded(_graph_us(fn, weights, reps), 2)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=LLAMA, help="a config folder (dummy weights); default Llama-3.1-8B shapes")
@@ -187,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--bs1-tokens", type=int, default=512)
     p.add_argument("--no-append", action="store_true")
-    p.add_argument("--kernels", action="store_true", help="only time the LoRA kernels per layer call (no engines)")
     args = p.parse_args(argv)
-    if args.kernels:
-        emit(make_record("lora-kernels", machine_description(), git_commit(), rank=RANK, **kernel_times()), False)
-        return 0
     from pagedllm import SamplingParams
 
     machine, commit = machine_description(), git_commit()

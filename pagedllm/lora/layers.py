@@ -18,12 +18,6 @@ from pagedllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPa
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant
 from pagedllm.lora.mapping import LoRAMapping
 
-# Steps of at most FUSED_MAX_TOKENS tokens (decodes of small batches) run a layer's adapter term in one launch
-# (kernels/lora.py's lora_fused) where its shrink has at most FUSED_MAX_COLUMNS columns (num_slices * rank): each
-# launch's fixed cost outweighs its work there. Larger steps and ranks take the two grouped launches.
-FUSED_MAX_TOKENS = 8
-FUSED_MAX_COLUMNS = 128
-
 
 def slice_ids(layer: LinearBase) -> list[object]:
     """The shard ids of the layer's projections, in output order (None: one projection)."""
@@ -51,7 +45,6 @@ class LoRALayerWeights:
         self.slice_starts = torch.tensor([s for s, _ in self.slices], dtype=torch.int64, device=device)
         self.slice_sizes = torch.tensor([n for _, n in self.slices], dtype=torch.int64, device=device)
         self.max_slice = max(n for _, n in self.slices)
-        self.sync = torch.zeros(3, dtype=torch.int32, device=device)  # the one-launch kernel's counters
 
     def rank_part(self, index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's part of projection `index`'s A [r, in] and B [out, r] (None: they do not fit the layer)."""
@@ -77,14 +70,11 @@ class LoRALayerWeights:
         y = out.view(-1, out.shape[-1])  # a view: the adds below must land in out
         m = mapping
         if use_triton(xs) and y.is_contiguous():
-            from pagedllm.kernels.lora import lora_expand, lora_fused, lora_shrink, max_split
+            from pagedllm.kernels.lora import lora_expand, lora_shrink
 
-            slices = (self.slice_starts, self.slice_sizes, self.max_slice)
-            if xs.shape[0] <= FUSED_MAX_TOKENS and self.a.shape[1] <= FUSED_MAX_COLUMNS:
-                lora_fused(xs, self.a, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, *slices, self.sync)
-            else:
-                t = lora_shrink(xs, self.a, m.sorted_tokens, m.blocks, m.num_blocks)
-                lora_expand(t, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, *slices, max_split(xs.shape[1]))
+            t = lora_shrink(xs, self.a, m.sorted_tokens, m.blocks, m.num_blocks)
+            lora_expand(t, self.b, y, m.sorted_tokens, m.blocks, m.num_blocks, self.slice_starts, self.slice_sizes,
+                        self.max_slice)  # fmt: skip
         elif m.groups is None:  # a graph's mapping: every slot over every token, masked to its tokens
             for slot in range(self.a.shape[0]):
                 keep = (m.token_slots == slot).unsqueeze(1).to(y.dtype)  # [num_tokens, 1]

@@ -62,8 +62,8 @@ def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping:
 
 class StaticLoRAMapping:
     """The graphs' mapping: fixed device buffers for up to max_tokens tokens and max_loras slots, and their pinned
-    host staging. A graph of size bs covers min(cdiv(bs, BLOCK_M) + max_loras, bs) blocks (enough for any mix of
-    slots); unused blocks have count 0. The caller orders the staging's reuse after the previous copy (see load)."""
+    host staging. A graph of size bs covers cdiv(bs, BLOCK_M) + max_loras blocks (enough for any mix of slots);
+    unused blocks have count 0. The caller orders the staging's reuse after the previous copy (load's comment)."""
 
     def __init__(self, max_tokens: int, max_loras: int, device: torch.device) -> None:
         self.max_tokens, self.max_loras = max_tokens, max_loras
@@ -77,8 +77,7 @@ class StaticLoRAMapping:
         self.clear()
 
     def num_blocks(self, bs: int) -> int:
-        """Blocks for bs tokens: each slot's blocks hold at most BLOCK_M tokens, and every block at least one."""
-        return min(-(-bs // BLOCK_M) + self.max_loras, bs)
+        return -(-bs // BLOCK_M) + self.max_loras
 
     def view(self, bs: int) -> LoRAMapping:
         """The mapping a graph of bs tokens is captured with (it reads the buffers at replay)."""

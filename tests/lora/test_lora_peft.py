@@ -4,13 +4,11 @@ oracle is PEFT's merged model in HF transformers (greedy float32 tokens identica
 from __future__ import annotations
 
 import functools
-import importlib
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
-from lora_variants import interpreter_fixes, record_variants
 from tiny_models import hf_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -93,34 +91,6 @@ def test_adapters_never_share_prefix_cache_blocks(lora_family, lora_llm):
     assert again.num_cached_tokens == 32
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other.outputs[0].token_ids == oracle(lora_family, reqs[1].lora_name, prompt[0]["prompt_token_ids"])[0]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's kernels in Triton's interpreter")
-def test_triton_path_matches_peft_and_compiles_each_layer_once(lora_family, lora_llm, monkeypatch):
-    """The engine's LoRA terms through the Triton kernels (without CUDA in Triton's interpreter): the prefill, the
-    one-token decodes (one launch per layer) and, in a second call of the same prompt, the prefill of the tokens
-    after its cached block all launch one compiled variant of each layer's kernels; the second call compiles
-    nothing new (a variant per step size used to cost seconds of compiling in later calls); tokens as PEFT's."""
-    interpreter_fixes()
-    ops = importlib.import_module("pagedllm.kernels.lora")
-    monkeypatch.setattr("pagedllm.lora.layers.use_triton", lambda x: True)
-    variants = record_variants(monkeypatch, ops)
-    req = lora_requests(lora_family)["all"]
-    prompt = [{"prompt_token_ids": list(range(100, 121))}]  # 21 tokens: one full block of 16 cached
-    lora_llm.reset_prefix_cache()
-    first = lora_llm.generate(prompt, SP, use_tqdm=False, lora_request=req)[0]
-    after_first = {key: set(specs) for key, specs in variants.items()}
-    again = lora_llm.generate(prompt, SP, use_tqdm=False, lora_request=req)[0]
-    assert again.num_cached_tokens == 16
-    assert variants == after_first, "the second call launched a variant the first did not"
-    assert {name for name, _ in variants} == {"lora_shrink_kernel", "lora_expand_kernel", "lora_fused_kernel"}
-    for key, specs in variants.items():
-        assert len(specs) == 1, (key, specs)
-    for out in (first, again):
-        tokens, logprobs = tokens_and_logprobs(out)
-        ref_tokens, ref_logprobs = oracle(lora_family, "all", prompt[0]["prompt_token_ids"])
-        assert tokens == ref_tokens
-        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
 
 
 def test_lora_requests_info_metric(lora_family, lora_llm):
