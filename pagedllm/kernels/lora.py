@@ -155,7 +155,8 @@ def lora_shrink(
     split_k = 1 << (split_k.bit_length() - 1)  # a power of two: few compiled variants over the graphs' sizes
     k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_split)
-    t = torch.empty(split_k, x.shape[0], n, dtype=torch.float32, device=x.device)
+    rows = -(-x.shape[0] // 16) * 16  # t's stride(0) a multiple of 16 for any step: one compiled variant
+    t = torch.empty(split_k, rows, n, dtype=torch.float32, device=x.device)[:, : x.shape[0]]
     _shrink(
         programs * split_k, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
         t.stride(1), blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,

@@ -49,7 +49,12 @@ def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping:
     """An eager step's mapping from token_slots [num_tokens] (at least one >= 0): one upload."""
     sorted_tokens, blocks, group_slots = block_layout(token_slots)
     n, nb = len(sorted_tokens), blocks.shape[1]
-    packed = to_device(np.ascontiguousarray(np.concatenate([sorted_tokens, blocks.ravel()]), dtype=np.int64), device)
+    # the table's width and offset padded to multiples of 16: every step launches the kernels with the same integer
+    # and alignment specializations (Triton compiles another variant when a stride is 1 or not a multiple of 16)
+    n_pad, nb_pad = -(-n // 16) * 16, -(-nb // 16) * 16
+    table = np.zeros((3, nb_pad), dtype=np.int64)
+    table[:, :nb] = blocks
+    packed = to_device(np.concatenate([sorted_tokens, np.zeros(n_pad - n, dtype=np.int64), table.ravel()]), device)
     sorted_dev = packed[:n]
     if len(group_slots) == 1 and n == len(token_slots):  # one adapter for the whole batch: no gather
         groups = [(int(group_slots[0]), None)]
@@ -57,7 +62,7 @@ def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping:
         bounds = np.searchsorted(token_slots[sorted_tokens], group_slots, side="right")
         starts = np.concatenate([[0], bounds[:-1]])
         groups = [(int(s), sorted_dev[a:b]) for s, a, b in zip(group_slots, starts.tolist(), bounds.tolist())]
-    return LoRAMapping(sorted_dev, packed[n:].view(3, nb), nb, groups=groups)
+    return LoRAMapping(sorted_dev, packed[n_pad:].view(3, nb_pad), nb, groups=groups)
 
 
 class StaticLoRAMapping:

@@ -73,3 +73,22 @@ def test_shrink_expand_match_per_row_reference(slots, rank, sizes, in_features, 
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
     base = token_slots < 0
     assert torch.equal(out.cpu()[base], y[base]), "base rows are left as they are"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 40])
+def test_step_buffers_keep_one_specialization(num_tokens):
+    """Whatever the step's token count, the kernels get the same integer and alignment specializations (Triton compiles
+    a new variant when an integer argument is 1 or stops being a multiple of 16, or a pointer loses 16-byte alignment):
+    the block table's stride and address, and the partial sums' split stride, stay multiples of 16."""
+    from pagedllm.kernels.lora import lora_shrink
+    from pagedllm.lora.mapping import build_mapping
+
+    slots = np.zeros(num_tokens, dtype=np.int64)
+    mapping = build_mapping(slots, torch.device("cpu"))
+    assert mapping.blocks.stride(0) % 16 == 0 and mapping.blocks.stride(0) > 1
+    assert mapping.blocks.data_ptr() % 16 == 0 and mapping.sorted_tokens.data_ptr() % 16 == 0
+    assert (mapping.blocks[1, : mapping.num_blocks] > 0).all()
+    x, a = torch.randn(num_tokens, 64), torch.randn(1, 8, 64)
+    t = lora_shrink(x, a, mapping.sorted_tokens, mapping.blocks, mapping.num_blocks)
+    assert t.stride(0) % 16 == 0
+    torch.testing.assert_close(t.sum(0), x @ a[0].T, rtol=1e-4, atol=1e-4)
