@@ -28,8 +28,9 @@ is not scheduled again (it waits for that step's token), so the batches in fligh
 most 1 / pipeline_depth of the running requests, so that they split into even batches; a request with a step in
 flight is not preempted either, and one that ends meanwhile (an abort) is reported to the runners once its step is
 done (its runner row holds that step's sampling until then, and counts toward max_num_seqs). Once the engine has
-queued a step's sampling on the device (release_step), its requests are scheduled again before their tokens come
-back, each placeholder the input of its next step, as with async scheduling."""
+queued a step's sampling on the device (release_step), its requests count as not in flight for scheduling: they are
+scheduled again before their tokens come back, each placeholder the input of its next step, and may be preempted
+(the token is then dropped), as with async scheduling."""
 
 from __future__ import annotations
 
