@@ -4,8 +4,8 @@ Each worker is a fresh interpreter (python -m pagedllm.distributed.worker: spawn
 is inherited and a user script without a main guard is not re-run), bound to its GPU by index among the visible
 ones (CUDA_VISIBLE_DEVICES is honoured). The engine sends each step's scheduler output to every worker over a
 socket pair, then runs its own rank; the ranks meet in the collectives. With pipeline stages a step's result is
-computed on the first stage when the engine takes it: its future then tells the driver's first-stage peers to
-finish that step too (distributed/pipeline.py). A monitor thread per worker notices one that exits: the engine's
+sampled on the first stage when the engine asks (sample()): its future then tells the driver's first-stage peers
+to sample that step too (distributed/pipeline.py). A monitor thread per worker notices one that exits: the engine's
 next call raises an error naming it, and the other workers are ended."""
 
 from __future__ import annotations
@@ -219,14 +219,19 @@ class GuardedFuture:
     def __init__(self, future, executor: MultiprocExecutor, finishers: list = ()) -> None:
         self.future, self.executor, self.finishers = future, executor, finishers
 
-    def result(self) -> ModelRunnerOutput:
-        if self.finishers:  # the driver's first-stage peers finish the step with it (pipeline stages)
-            try:
-                for conn in self.finishers:
-                    conn.send_bytes(_FINISH)
-            except BaseException as e:
-                raise self.executor._error(e) from e
+    def sample(self) -> None:
+        """A pipelined step's sampling queued on the device (distributed/pipeline.py); the driver's first-stage
+        peers sample it with the driver."""
+        try:
+            for conn in self.finishers:
+                conn.send_bytes(_FINISH)
             self.finishers = ()
+            self.future.sample()
+        except BaseException as e:
+            raise self.executor._error(e) from e
+
+    def result(self) -> ModelRunnerOutput:
+        self.sample()
         while not self.future.done():  # the device waits on a collective a dead peer will never join
             if self.executor.failure is not None:
                 self.executor._check()

@@ -8,10 +8,15 @@ A step on each stage (every rank runs its steps in the order the engine launched
   step's final hidden states from the last stage; it returns at once (a PendingStep).
 - stage s > 0, when launched: receive from stage s - 1, run its layers, send to stage s + 1; the last stage sends the
   final hidden states (after the norm) to stage 0.
-- stage 0, when the engine takes the step's result: wait for that receive, compute the logits (the stage's
-  tensor-parallel ranks gather them; the engine tells the driver's peers to, in the driver's order), and the driver
-  samples; the sampled tokens go to the stage's other ranks by a broadcast in its tensor-parallel group. The later
-  stages never need the token ids (their inputs are hidden states; positions and slots come with the step).
+- stage 0, when the engine samples the step (sample(), the oldest step in flight): wait for that receive, compute
+  the logits (the stage's tensor-parallel ranks gather them; the engine tells the driver's peers to, in the driver's
+  order), and the driver samples; the sampled tokens go to the stage's other ranks by a broadcast in its
+  tensor-parallel group. On a GPU all of it is queued on the stream: the host does not wait. The engine then
+  schedules and launches the same batch's next step, whose input tokens are the sampled ones still on the device
+  (as async scheduling on one GPU), and only then waits for the tokens (result()): the host's work for the batch
+  (its update, the next schedule, the inputs) runs while the device computes, and the sampling of step k is
+  followed on stage 0's stream by the forward of step k + pp_size with no gap. The later stages never need the
+  token ids (their inputs are hidden states; positions and slots come with the step).
 
 The order of sends and receives: on each pair of ranks, messages go one way per group, in step order on both sides:
 activations stage s -> s + 1 in the `pp` group, final hidden states last -> 0 in the `pp_back` group. Sends are
@@ -128,7 +133,8 @@ class PipelineStage:
 def pipeline_step(runner, so: SchedulerOutput):
     """A step on a pipeline stage, the runner's batch updated. A later stage runs its layers and sends on (its
     inputs are hidden states: no token ids, no sampling; returns a finished step); the first stage launches its
-    layers and returns a PendingStep."""
+    layers (input tokens that the previous step of the batch sampled are taken on the device) and returns a
+    PendingStep."""
     if not runner.stage.is_first:
         runner._run_model(runner._prepare_inputs(so), None)
         return Finished(ModelRunnerOutput({}))
@@ -146,27 +152,34 @@ class Finished:
     def done(self) -> bool:
         return True
 
+    def sample(self) -> None:
+        """(Nothing to sample.)"""
+
     def result(self) -> ModelRunnerOutput:
         return self.output
 
 
 class PendingStep:
-    """A step launched on the first stage, until the engine takes its result: then the final hidden states are
-    received, the logits computed and the tokens sampled (by the driver; its tensor-parallel peers gather the logits
-    and receive the tokens). done(): whether the hidden states are here."""
+    """A step launched on the first stage. sample(): the final hidden states received, the logits computed and the
+    tokens sampled (by the driver; its tensor-parallel peers gather the logits and receive the tokens), queued on
+    the device: a StepFuture, whose tokens the runner's next launch may take as inputs on the device. result(): its
+    tokens on the host (sampling first if not done). done(): whether result() would not wait."""
 
     def __init__(self, runner, plan, final: Received) -> None:
         self.runner, self.plan, self.final = runner, plan, final
-        self._output = None
+        self.sampled = None  # the StepFuture once sampled
 
     def done(self) -> bool:
-        return self._output is not None or self.final.done()
+        return self.sampled.done() if self.sampled is not None else self.final.done()
 
-    def result(self) -> ModelRunnerOutput:
-        if self._output is None:
-            hidden = self.final.wait()  # [num_tokens, hidden]
+    def sample(self):
+        if self.sampled is None:
+            hidden = self.final.wait()  # [num_tokens, hidden] (on a GPU: the stream waits, not the host)
             with torch.inference_mode():
                 runner, plan = self.runner, self.plan
-                self._output = runner.finish_step(plan, hidden, runner.prepare_sampling(plan)).result()
+                self.sampled = runner.finish_step(plan, hidden, runner.prepare_sampling(plan))
             self.runner = self.plan = self.final = None
-        return self._output
+        return self.sampled
+
+    def result(self) -> ModelRunnerOutput:
+        return self.sample().result()

@@ -269,10 +269,18 @@ class RayStepFuture:
     def __init__(self, future, executor: RayExecutor, finishers=()) -> None:
         self.future, self.executor, self.finishers = future, executor, finishers
 
-    def result(self) -> ModelRunnerOutput:
+    def sample(self) -> None:
+        """A pipelined step's sampling queued on the device, by the driver and its first-stage peers."""
         if self.finishers:
             self.executor.inflight.extend(a.call.remote("finish") for a in self.finishers)
             self.finishers = ()
+        try:
+            self.future.sample()
+        except BaseException as e:
+            raise self.executor._error(e) from e
+
+    def result(self) -> ModelRunnerOutput:
+        self.sample()
         while not self.future.done():  # the device may wait on a collective a failed peer will never join
             self.executor.poll()
             time.sleep(0.001)

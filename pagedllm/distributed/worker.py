@@ -87,11 +87,13 @@ class Worker:
         """A step on this rank. A follower keeps one step in flight as the engine does: the previous step's tokens
         enter its batch after this one is queued; around a step with drafts they enter before (its inputs are read
         on the host, and after it only the accepted tokens count). With pipeline stages, a first-stage follower
-        keeps its launched steps until the engine has it finish them (finish), in the driver's order."""
+        keeps its launched steps until the engine has it sample them (finish), in the driver's order; a sampled
+        step's tokens enter its batch after the next launch (whose inputs may take them on the device)."""
         if self.info.pp_size > 1:
             future = self.runner.launch(so)
             if self.info.pp_rank == 0 and not self.info.is_driver:
                 self.unfinished.append(future)
+                self.commit_pending()
             return future
         if so.scheduled_spec_decode_tokens or getattr(self.pending, "drafts", None) is not None:
             self.commit_pending()
@@ -107,8 +109,10 @@ class Worker:
 
     def finish(self) -> None:
         """A first-stage follower with pipeline stages: the oldest launched step's logits (gathered with the driver's)
-        and sampled tokens, as the driver takes that step's result."""
-        self.unfinished.popleft().result()
+        and sampled tokens, queued as the driver samples that step; committed after the next launch."""
+        self.commit_pending()
+        self.pending = self.unfinished.popleft()
+        self.pending.sample()
 
     def commit_pending(self) -> None:
         if self.pending is not None:

@@ -6,8 +6,10 @@ disable_by_batch_size, and synchronously with drafts otherwise (the step on the 
 
 With pipeline parallelism (pp_size stages, no speculative proposer) up to pp_size steps are in flight, oldest first
 in a queue: a step schedules and launches one more while the queue has room and something is schedulable, else it
-waits for the oldest and updates from it. The scheduler skips the requests with a step in flight, so the batches in
-flight are disjoint and every stage has work (distributed/pipeline.py)."""
+takes the oldest: queues its sampling on the device, schedules and launches the same batch's next step (its inputs
+the sampled tokens, still on the device), then waits for the tokens and updates from them. The scheduler skips the
+requests with a step in flight (but the one being sampled), so the batches in flight are disjoint and every stage
+has work, and the host's work for a batch overlaps the device's (distributed/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -185,32 +187,45 @@ class EngineCore:
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Launches one more step while fewer than pipeline_depth are in flight and one was scheduled (a step with
-        nothing to run still goes out: it tells the runners which requests ended), else updates from the oldest."""
+        nothing to run still goes out: it tells the runners which requests ended), else takes the oldest: its
+        sampling queued, its batch's next step launched, then its tokens awaited and the scheduler updated."""
         queue = self.batch_queue
         if len(queue) < self.pipeline_depth and self.scheduler.has_unfinished_requests():
-            so = self.scheduler.schedule()
-            if not so.num_scheduled_tokens and not queue:
-                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
-            try:
-                queue.append((so, self.executor.launch(so)))
-            except BaseException:
-                self._discard(so)
-                raise
-            running = sum(1 for s, _ in queue if s.num_scheduled_tokens)
-            self.max_batches_in_flight = max(self.max_batches_in_flight, running)
+            so = self._launch_pipelined(idle=not queue)
             if so.num_scheduled_tokens and len(queue) < self.pipeline_depth:
                 return []
         if not queue:
             return []
         so, future = queue.popleft()
         try:
+            future.sample()  # (on a GPU queued on the device: the host goes on)
+            self.scheduler.release_step(so.step_id)
+            if self.scheduler.has_unfinished_requests():
+                self._launch_pipelined(idle=False)  # the batch's next step, queued behind its sampling
             out = future.result()
         except BaseException:
             self._discard(so)
             raise
         return self.scheduler.update_from_output(so, out)
 
+    def _launch_pipelined(self, idle: bool):
+        """Schedules a step and launches it at the back of the queue; returns its scheduler output. idle: nothing
+        else is in flight (a step with nothing to run then waits a little for a grammar being compiled)."""
+        queue = self.batch_queue
+        so = self.scheduler.schedule()
+        if not so.num_scheduled_tokens and idle:
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+        try:
+            queue.append((so, self.executor.launch(so)))
+        except BaseException:
+            self._discard(so)
+            raise
+        running = sum(1 for s, _ in queue if s.num_scheduled_tokens)
+        self.max_batches_in_flight = max(self.max_batches_in_flight, running)
+        return so
+
     def _discard(self, so) -> None:
         """The step's KV was not written: its requests end, and their blocks must not be found as a prefix."""
         self.scheduler.step_reqs.pop(so.step_id, None)
+        self.scheduler.released.discard(so.step_id)
         self.scheduler.discard_requests(list(so.num_scheduled_tokens))

@@ -27,7 +27,10 @@ With pipeline parallelism (`pipeline_depth` steps in flight, set by the engine c
 is not scheduled again (it waits for that step's token), so the batches in flight are disjoint, and a step takes at
 most 1 / pipeline_depth of the running requests, so that they split into even batches; a request with a step in
 flight is not preempted either, and one that ends meanwhile (an abort) is reported to the runners once its step is
-done (its runner row holds that step's sampling until then, and counts toward max_num_seqs)."""
+done (its runner row holds that step's sampling until then, and counts toward max_num_seqs). Once the engine has
+queued a step's sampling on the device (release_step), its requests count as not in flight for scheduling: they are
+scheduled again before their tokens come back, each placeholder the input of its next step, and may be preempted
+(the token is then dropped), as with async scheduling."""
 
 from __future__ import annotations
 
@@ -106,6 +109,7 @@ class Scheduler:
         self.pipeline_depth = 0  # pipeline parallelism: steps in flight on disjoint batches (0: off; see above)
         self.ended_in_flight: dict[str, Request] = {}  # ended while a step of theirs is in flight (pipelined)
         self._busy: set[int] = set()  # id() of the requests with a step in flight, as schedule() began (pipelined)
+        self.released: set[int] = set()  # step ids whose sampling is queued: their requests may run again (pipelined)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -138,12 +142,19 @@ class Scheduler:
                 proposed = validate_drafts(req.grammar, proposed)
             req.spec_token_ids = proposed
 
-    def _in_flight(self) -> set[int]:
-        """id() of the requests that a step in flight has (a step stays in step_reqs until its update)."""
-        return {id(req) for reqs in self.step_reqs.values() for req in reqs.values()}
+    def _in_flight(self, released: bool = True) -> set[int]:
+        """id() of the requests that a step in flight has (a step stays in step_reqs until its update); released:
+        counting the released steps."""
+        steps = self.step_reqs.items()
+        return {id(req) for step, reqs in steps if released or step not in self.released for req in reqs.values()}
+
+    def release_step(self, step_id: int) -> None:
+        """The step's sampling is queued on the device (pipelined): its requests may be scheduled again, their
+        coming tokens as placeholders."""
+        self.released.add(step_id)
 
     def schedule(self) -> SchedulerOutput:
-        self._busy = self._in_flight() if self.pipeline_depth else set()
+        self._busy = self._in_flight(released=False) if self.pipeline_depth else set()
         num_scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         cached_reqs, budget, preempted = self._schedule_running(num_scheduled, spec)
@@ -340,6 +351,7 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self.failed = self.failed, []
         scheduled = self.step_reqs.pop(so.step_id, {})
+        self.released.discard(so.step_id)
         if self.ended_in_flight:
             self._release_ended()
         spec = so.scheduled_spec_decode_tokens

@@ -468,6 +468,10 @@ class StepFuture:
         """Whether result() would return without waiting for the device."""
         return self._output is not None or self._copied is None or self._copied.query()
 
+    def sample(self) -> StepFuture:
+        """Its tokens are sampled already (as a pipelined step's, distributed/pipeline.py)."""
+        return self
+
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
             if self._copied is not None:

@@ -87,3 +87,26 @@ def test_request_ended_in_flight_reaches_the_runners_after_its_step():
     so3 = sched.schedule()
     assert so3.finished_req_ids == {"a"} and so3.num_scheduled_tokens == {"c": 3}
     assert not sched.ended_in_flight
+
+
+def test_released_step_lets_its_requests_run_again_on_placeholders():
+    """Once a step's sampling is queued (release_step), its requests are scheduled again before their tokens come
+    back, each placeholder the input of the next step; the other batch stays in flight."""
+    sched = _pipelined()
+    for name in "abcd":
+        sched.add_request(make_request(name, range(3), max_tokens=3))
+    _done(sched, sched.schedule())
+    so2, so3 = sched.schedule(), sched.schedule()
+    assert so3.num_scheduled_tokens == {"c": 1, "d": 1}
+    assert sched.schedule().num_scheduled_tokens == {}  # a, b, c and d in flight
+    sched.release_step(so2.step_id)
+    so4 = sched.schedule()
+    assert so4.num_scheduled_tokens == {"a": 1, "b": 1}  # c and d are still in flight, not yet sampled
+    a = sched.requests["a"]
+    assert a.num_output_placeholders == 2 and a.num_computed_tokens == 5  # prompt 3 + token 1 + so2's placeholder
+    sched.release_step(so4.step_id)  # a's third token would be its last: it waits for its placeholders
+    assert sched.schedule().num_scheduled_tokens == {}
+    _done(sched, so2, token=8)
+    (out_a,) = [o for o in _done(sched, so4, token=9) if o.req_id == "a"]
+    assert a.output_token_ids == [7, 8, 9] and out_a.finish_reason == "length"
+    assert not sched.released and so2.step_id not in sched.step_reqs
