@@ -217,7 +217,7 @@ class EngineArgs(CompatArgs):
             architecture=archs[0],
             dtype=dtype,
             max_model_len=max_len,
-            seed=self.seed,
+            seed=resolve_seed(self.seed),
             load_format=load_format,
             trust_remote_code=self.trust_remote_code,
             skip_tokenizer_init=self.skip_tokenizer_init,
@@ -376,6 +376,17 @@ def parse_device(device: str | torch.device | None) -> torch.device:
                 f"device={device!r}: this machine has {count} CUDA GPU(s): allowed cuda:0 to cuda:{count - 1}"
             )
     return dev
+
+
+def resolve_seed(seed: Any) -> int:
+    """The engine's seed; None (vLLM's "no fixed seed", the examples' default) draws a random one."""
+    if seed is None:
+        import secrets
+
+        return secrets.randbits(63)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r} must be None or an integer in [0, 2**64)")
+    return seed
 
 
 def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_backend: str, runner: str) -> None:

@@ -117,3 +117,30 @@ def sampling_path(request, monkeypatch) -> str:
     else:
         _use_kernels(request, monkeypatch, request.param)
     return request.param
+
+
+# The tiny vision-language checkpoints (tests/tiny_llava.py, tiny_qwen2_vl.py, tiny_gemma3.py), saved once per session
+# and shared by the multimodal tests and the documents' multimodal examples.
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """(HF model, its processor, the checkpoint folder)."""
+    from tiny_llava import save_tiny_llava
+
+    return save_tiny_llava(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "q25"])
+def tiny_qwen2_vl(request, tmp_path_factory):
+    """Qwen2-VL, then Qwen2.5-VL: (HF model, its processor, the checkpoint folder). A test takes one of them with
+    `@pytest.mark.parametrize("tiny_qwen2_vl", ["qwen2_vl"], indirect=True)`."""
+    from tiny_qwen2_vl import save_tiny_qwen2_vl
+
+    return save_tiny_qwen2_vl(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """Gemma3ForConditionalGeneration: (HF model, its processor, the checkpoint folder)."""
+    from tiny_gemma3 import save_tiny_gemma3
+
+    return save_tiny_gemma3(tmp_path_factory)
