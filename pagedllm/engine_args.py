@@ -114,6 +114,7 @@ class EngineArgs(CompatArgs):
     limit_mm_per_prompt: dict | None = None  # e.g. {"image": 2}: more items in one prompt is a ValueError
     mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
     allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
+    enable_mm_embeds: bool = False  # multi_modal_data may carry precomputed image embeddings (torch tensors)
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
     disable_custom_all_reduce: bool = False  # GPU all-reduces all through NCCL (no one-shot kernel for small ones)
@@ -281,7 +282,7 @@ class EngineArgs(CompatArgs):
         lora = self.create_lora_config(model)
         scheduler.max_loras = lora.max_loras if lora is not None else None
         multimodal = MultiModalConfig.from_user(
-            self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
+            self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path, self.enable_mm_embeds
         )
         if multimodal.text_only(model.architecture) and hasattr(model.hf_config, "vision_language_config"):
             model.hf_config.mm_text_only = True  # every modality 0: the vision tower is neither built nor loaded

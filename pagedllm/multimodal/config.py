@@ -27,10 +27,15 @@ class MultiModalConfig:
     # bytes of encoder outputs kept (keyed by item hash); VLLM_MM_INPUT_CACHE_GIB sets it in GiB
     encoder_cache_bytes: int = int(DEFAULT_ENCODER_CACHE_GIB * _GiB)
     allowed_local_media_path: str = ""  # file:// image URLs are read only under this directory ("": none)
+    enable_embeds: bool = False  # enable_mm_embeds: items may be precomputed embeddings (torch tensors)
 
     @classmethod
     def from_user(
-        cls, limit_mm_per_prompt: Any, mm_processor_kwargs: Any, allowed_local_media_path: Any
+        cls,
+        limit_mm_per_prompt: Any,
+        mm_processor_kwargs: Any,
+        allowed_local_media_path: Any,
+        enable_embeds: Any = False,
     ) -> MultiModalConfig:
         limits = check_limits(limit_mm_per_prompt)
         if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
@@ -38,9 +43,10 @@ class MultiModalConfig:
         path = allowed_local_media_path or ""
         if not isinstance(path, str) or (path and not os.path.isdir(path)):
             raise ValueError(f"allowed_local_media_path={allowed_local_media_path!r} must be an existing directory")
-        return cls(
-            limits, dict(mm_processor_kwargs or {}), encoder_cache_bytes(), os.path.realpath(path) if path else ""
-        )
+        if not isinstance(enable_embeds, bool):
+            raise ValueError(f"enable_mm_embeds={enable_embeds!r} must be True or False")
+        path = os.path.realpath(path) if path else ""
+        return cls(limits, dict(mm_processor_kwargs or {}), encoder_cache_bytes(), path, enable_embeds)
 
     def text_only(self, architecture: str) -> bool:
         """Every modality the architecture takes is limited to 0 items: it runs without its vision tower."""

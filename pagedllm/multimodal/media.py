@@ -154,8 +154,8 @@ class ChatMedia:
             value = part.get("image_url")
             url = value.get("url") if isinstance(value, dict) else value
             self.images.append(load_image_url(url, f"{where}.image_url", self.allowed_local_media_path))
-        elif kind == "image_pil" and part.get("image_pil") is not None:
-            self.images.append(part["image_pil"])
+        elif kind in ("image_pil", "image_embeds") and part.get(kind) is not None:
+            self.images.append(part[kind])  # embeddings: the processor checks them (enable_mm_embeds)
         elif kind == "video_url" and self.video_placeholder:
             value = part.get("video_url")
             url = value.get("url") if isinstance(value, dict) else value

@@ -261,7 +261,7 @@ def test_chat_with_image_parts(llava, media, tmp_path):
     names = dict.fromkeys(LLAVA_HUB, path) | {"https://picsum.photos/id/32/512/512": f"{base}/1.png"}
     names |= {"cherry_blossom.jpg": str(folder / "3.png"), "image_embeds.pt": str(tmp_path / "embeds.pt")}
     # the page's conversation as written: an image_embeds part needs enable_mm_embeds=True (in vLLM too)
-    with pytest.raises(ValueError, match=r"content\[2\]: a 'image_embeds' part is not supported"):
+    with pytest.raises(ValueError, match=r"image embeddings \(a tensor\) need the engine built with enable_mm_embeds"):
         run_script(CHAT_PARTS.replace("WITHOUT_EMBEDS", "False"), names)
     out = run_script(CHAT_PARTS.replace("WITHOUT_EMBEDS", "True"), names)
     rendered = (
@@ -491,7 +491,7 @@ def test_engine_seed(llava):
 
 
 def test_what_the_page_shows_that_is_not_supported(llava, media):
-    """multi_modal_uuids, media_io_kwargs and enable_mm_embeds: a ValueError naming the option, no engine built."""
+    """multi_modal_uuids and media_io_kwargs: a ValueError naming the option."""
     _, _, path = llava
     folder, _ = media
     from pagedllm import LLM
@@ -502,6 +502,101 @@ def test_what_the_page_shows_that_is_not_supported(llava, media):
         llm.generate({**prompt, "multi_modal_uuids": {"image": ["sku-1234-a"]}})
     with pytest.raises(ValueError, match=r"media_io_kwargs"):
         LLM(path, media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
-    with pytest.raises(ValueError, match=r"enable_mm_embeds"):
-        LLM(path, enable_mm_embeds=True)
     assert llm.generate(prompt)[0].outputs[0].text  # still serving
+
+
+# the page's embedding inputs: LLaVA's precomputed image features as a tensor [1, feature_size, hidden], Qwen2-VL's
+# with their grids (two images); here the features are HF's own for real images
+EMBEDDINGS = """
+import torch
+from vllm import LLM
+
+if MODEL == "llava":
+    llm = LLM(model="llava-hf/llava-1.5-7b-hf", enable_mm_embeds=True)
+    prompt = "USER: <image>\\nWhat is the content of this image?\\nASSISTANT:"
+    image_embeds = torch.load("image_embeds.pt")
+    mm_data = {"image": image_embeds}
+else:
+    prompt = PROMPT
+    image_embeds = torch.load("image_embeds.pt")
+    llm = LLM("Qwen/Qwen2-VL-2B-Instruct", limit_mm_per_prompt={"image": 4}, enable_mm_embeds=True)
+    mm_data = {"image": {"image_embeds": image_embeds, "image_grid_thw": torch.load("image_grid_thw.pt")}}
+outputs = llm.generate({"prompt": prompt, "multi_modal_data": mm_data})
+for o in outputs:
+    print(o.outputs[0].text)
+"""
+
+
+def embeddings_script(model: str, prompt: str = "") -> str:
+    return EMBEDDINGS.replace("MODEL", repr(model)).replace("PROMPT", repr(prompt))
+
+
+def test_image_embeddings_llava(llava, media, tmp_path):
+    hf, processor, path = llava
+    folder, _ = media
+    prompt = "USER: <image>\nWhat is the content of this image?\nASSISTANT:"
+    img = load(folder, "1.png")
+    with torch.no_grad():
+        pixels = processor(text=[prompt], images=[img], return_tensors="pt")["pixel_values"]
+        features = hf.model.get_image_features(pixel_values=pixels).pooler_output[0]  # [4, hidden]
+    torch.save(features[None], tmp_path / "embeds.pt")
+    names = dict.fromkeys(LLAVA_HUB, path) | {"image_embeds.pt": str(tmp_path / "embeds.pt")}
+    namespace = {}
+    out = run_script(embeddings_script("llava"), names, namespace=namespace)
+    assert out == printed(hf_texts(tiny_llava.hf_generate, hf, processor, [(prompt, [img])]))
+    llm = namespace["llm"]
+    assert llm.llm_engine.core.executor.runner.mm.num_encoder_runs == 0  # the embeddings stood for the encoder
+    bad = [
+        (features[:, :32], r"\[0\]: image embeddings must be float tensors of shape .*got \(4, 32\)"),
+        ([features, img], r"give either images or image embeddings, not both"),
+        (features.long(), r"must be float tensors"),
+    ]
+    for data, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": data}})
+    with pytest.raises(ValueError, match=r"\['image'\]: image embeddings \(a tensor\) need .*enable_mm_embeds=True"):
+        namespace["LLM"](path).generate({"prompt": prompt, "multi_modal_data": {"image": features}})
+    assert llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}})[0].outputs[0].text == out.strip()
+    # LLM.chat with an image_embeds part (the page's chat example, the embeddings alone)
+    parts = [{"type": "image_embeds", "image_embeds": features[None]}, {"type": "text", "text": "What's in it?"}]
+    chat = llm.chat([{"role": "user", "content": parts}])
+    rendered = "user: <image>What's in it?\nassistant:"
+    assert printed([chat[0].outputs[0].text]) == printed(
+        hf_texts(tiny_llava.hf_generate, hf, processor, [(rendered, [img])])
+    )
+
+
+@QWEN
+def test_image_embeddings_qwen2_vl(qwen, media, tmp_path):
+    hf, processor, path = qwen
+    folder, _ = media
+    image = tiny_qwen2_vl.IMAGE
+    prompt = f"<|im_start|>user\n{image}{image}What is the content of each image?<|im_end|>\n<|im_start|>assistant\n"
+    images = [load(folder, "q2.png"), load(folder, "1.png")]
+    inputs = processor(text=[prompt], images=images, return_tensors="pt")
+    grids = inputs["image_grid_thw"]  # [[1, 6, 8], [1, 4, 4]]: 12 and 4 tokens
+    with torch.no_grad():
+        per_image = hf.model.get_image_features(inputs["pixel_values"], grids).pooler_output
+    torch.save(torch.cat(per_image), tmp_path / "embeds.pt")  # [16, hidden]
+    torch.save(grids, tmp_path / "grids.pt")
+    names = dict.fromkeys(QWEN_HUB, path) | {"image_embeds.pt": str(tmp_path / "embeds.pt")}
+    names |= {"image_grid_thw.pt": str(tmp_path / "grids.pt")}
+    namespace = {}
+    out = run_script(embeddings_script("qwen2_vl", prompt), names, namespace=namespace)
+    want = hf_texts(tiny_qwen2_vl.hf_generate, hf, processor, [(prompt, images)])
+    assert out == printed(want)
+    # M-RoPE placed the embeddings by their grids: the same tokens as the images themselves
+    llm = namespace["llm"]
+    direct = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}})[0]
+    assert direct.outputs[0].text == want[0] and namespace["outputs"][0].prompt_token_ids == direct.prompt_token_ids
+    embeds = torch.cat(per_image)
+    assert grids.tolist() == [[1, 6, 8], [1, 4, 4]] and embeds.shape == (16, 64)
+    bad = [
+        ({"image_embeds": embeds[:15], "image_grid_thw": grids}, r"has shape \(15, 64\); its grids need \[16, 64\]"),
+        ({"image_embeds": embeds, "image_grid_thw": grids[:, :2]}, r"must be integers >= 1 of shape \[num_images, 3\]"),
+        ({"image_embeds": embeds}, r"expected exactly the keys 'image_embeds' \(a tensor\) and 'image_grid_thw'"),
+        (embeds, r"Qwen2-VL's image embeddings come as \{'image_embeds'"),
+    ]
+    for data, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": data}})
