@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import io
+import json
 import re
+import shutil
 import sys
+import threading
+from pathlib import Path
 
 
 def as_pagedllm(script: str, names: dict[str, str]) -> str:
@@ -32,3 +38,28 @@ def run_script(script: str, names: dict[str, str], argv: list[str] | None = None
     finally:
         sys.argv = saved
     return out.getvalue()
+
+
+def greedy_copy(path: str, folder: Path, max_tokens: int) -> str:
+    """A copy of the checkpoint whose generation defaults are temperature 0 and max_tokens new tokens: the
+    documents' calls without sampling parameters are then greedy and short."""
+    shutil.copytree(path, folder, dirs_exist_ok=True)
+    file = folder / "generation_config.json"
+    config = json.loads(file.read_text()) if file.exists() else {}
+    file.write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": max_tokens}))
+    return str(folder)
+
+
+@contextlib.contextmanager
+def http_folder(folder: Path):
+    """An HTTP server on 127.0.0.1 serving folder (the documents' https media URLs point here); yields its URL."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(10)

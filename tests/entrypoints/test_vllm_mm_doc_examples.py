@@ -12,12 +12,7 @@ for the same prompt and images. What the page shows and pagedllm does not do is 
 from __future__ import annotations
 
 import base64
-import functools
-import http.server
 import io
-import json
-import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +20,7 @@ import pytest
 import tiny_llava
 import tiny_qwen2_vl
 import torch
-from doc_scripts import run_script
+from doc_scripts import greedy_copy, http_folder, run_script
 
 MAX_TOKENS = 8
 EOS_ID = 96  # the char tokenizer's </s>: pagedllm stops there, HF's tiny models (no eos in their config) go on
@@ -42,25 +37,16 @@ def engine_env(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 
 
-def greedy_copy(path: str, tmp_path_factory, name: str) -> str:
-    """The checkpoint with generation defaults of temperature 0 and MAX_TOKENS new tokens."""
-    copy = tmp_path_factory.mktemp(name)
-    shutil.copytree(path, copy, dirs_exist_ok=True)
-    config = json.loads((copy / "generation_config.json").read_text())
-    (copy / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 8}))
-    return str(copy)
-
-
 @pytest.fixture(scope="module")
 def llava(tiny_llava, tmp_path_factory):
     hf, processor, path = tiny_llava
-    return hf, processor, greedy_copy(path, tmp_path_factory, "llava_docs")
+    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("llava_docs"), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def qwen(tiny_qwen2_vl, tmp_path_factory):
     hf, processor, path = tiny_qwen2_vl
-    return hf, processor, greedy_copy(path, tmp_path_factory, "qwen2_vl_docs")
+    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("qwen2_vl_docs"), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +58,8 @@ def media(tmp_path_factory):
     for seed in range(4):  # Qwen2-VL's: 12 tokens each (fewer do not steer the tiny model through the long prompts)
         tiny_qwen2_vl.image(seed, (84, 112)).save(folder / f"q{seed}.png")
     tiny_qwen2_vl.image(9, (224, 224)).save(folder / "large.png")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    handler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    thread.join(10)
+    with http_folder(folder) as base:
+        yield folder, base
 
 
 def load(folder: Path, name: str):
