@@ -29,3 +29,26 @@ def hash_item(modality: str, item: Any, processor_kwargs: dict) -> str:
         h.update(f"{item.mode}{item.size}".encode())
         h.update(item.tobytes())
     return h.hexdigest()
+
+
+def apply_uuids(features: list, mm_data: Any, uuids: Any, where: str) -> None:
+    """multi_modal_uuids (vLLM's): the user's stable id of each item replaces its content hash as the key of the
+    encoder cache and of the prefix-cache blocks it fills; None keeps the content hash. {modality: id or [ids]},
+    one id per item of every modality in multi_modal_data. Items must still be sent (no media skipped by id)."""
+    if uuids is None:
+        return
+    where = f"{where}.multi_modal_uuids"
+    given = {m: v for m, v in mm_data.items() if v is not None} if isinstance(mm_data, dict) else {}
+    if not isinstance(uuids, dict) or set(uuids) != set(given):
+        raise ValueError(f"{where} must be a dict with the modalities of multi_modal_data {sorted(given)}")
+    for modality, ids in uuids.items():
+        items = [f for f in features if f.modality == modality]  # in prompt order: the order of the items
+        ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+        if len(ids) != len(items) or not all(i is None or (isinstance(i, str) and i) for i in ids):
+            raise ValueError(
+                f"{where}[{modality!r}]: {len(ids)} ids for {len(items)} items; give one non-empty str (or None: "
+                "the content hash) per item"
+            )
+        for feature, uuid in zip(items, ids):
+            if uuid is not None:
+                feature.identifier = hashlib.sha256(f"uuid:{modality}:{uuid}".encode()).hexdigest()

@@ -471,18 +471,81 @@ def test_engine_seed(llava):
 
 
 def test_what_the_page_shows_that_is_not_supported(llava, media):
-    """multi_modal_uuids and media_io_kwargs: a ValueError naming the option."""
-    _, _, path = llava
-    folder, _ = media
+    """media_io_kwargs (the RGBA background colour): a ValueError naming the option."""
     from pagedllm import LLM
 
-    llm = LLM(path)
-    prompt = {"prompt": "USER: <image>\nASSISTANT:", "multi_modal_data": {"image": load(folder, "0.png")}}
-    with pytest.raises(ValueError, match=r"multi_modal_uuids: not supported"):
-        llm.generate({**prompt, "multi_modal_uuids": {"image": ["sku-1234-a"]}})
-    with pytest.raises(ValueError, match=r"media_io_kwargs"):
-        LLM(path, media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
-    assert llm.generate(prompt)[0].outputs[0].text  # still serving
+    with pytest.raises(ValueError, match=r"media_io_kwargs=.* is not supported"):
+        LLM(llava[2], media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
+
+
+# the page's stable ids for caching (its Qwen2.5-VL call, whose prompt is in LLaVA's format: run on the tiny LLaVA),
+# then its call that skips an item expected in the cache
+UUIDS = """
+from PIL import Image
+from vllm import LLM
+
+llm = LLM(model="Qwen/Qwen2.5-VL-3B-Instruct")
+prompt = "USER: <image><image>\\nDescribe the differences.\\nASSISTANT:"
+img_a = Image.open("/path/to/a.jpg")
+img_b = Image.open("/path/to/b.jpg")
+outputs = llm.generate({
+    "prompt": prompt,
+    "multi_modal_data": {"image": [img_a, img_b]},
+    "multi_modal_uuids": {"image": ["sku-1234-a", None]},
+})
+for o in outputs:
+    print(o.outputs[0].text)
+if SKIP:
+    outputs = llm.generate({
+        "prompt": prompt,
+        "multi_modal_data": {"image": [None, img_b]},
+        "multi_modal_uuids": {"image": ["sku-1234-a", None]},
+    })
+"""
+
+
+def test_multi_modal_uuids(llava, media):
+    """A uuid is the item's identity: the encoder cache and the prefix cache reuse the work of the item sent with
+    it before, whatever pixels come with it later; None keeps the content hash."""
+    hf, processor, path = llava
+    folder, _ = media
+    names = {"Qwen/Qwen2.5-VL-3B-Instruct": path, "/path/to/a.jpg": str(folder / "0.png")}
+    names |= {"/path/to/b.jpg": str(folder / "1.png")}
+    namespace = {}
+    out = run_script(UUIDS.replace("SKIP", "False"), names, namespace=namespace)
+    prompt = "USER: <image><image>\nDescribe the differences.\nASSISTANT:"
+    img_a, img_b, img_c = (load(folder, f"{i}.png") for i in range(3))
+    assert out == printed(hf_texts(tiny_llava.hf_generate, hf, processor, [(prompt, [img_a, img_b])]))
+    llm = namespace["llm"]
+    runner = llm.llm_engine.core.executor.runner.mm
+    assert runner.num_encoder_runs == 2
+    # other pixels under the same uuid: the cached encoder output (img_a's) stands for them, as the id promises
+    again = llm.generate(
+        {
+            "prompt": prompt,
+            "multi_modal_data": {"image": [img_c, img_b]},
+            "multi_modal_uuids": {"image": ["sku-1234-a", None]},
+        }
+    )[0]
+    assert runner.num_encoder_runs == 2 and again.num_cached_tokens > 0
+    assert printed([again.outputs[0].text]) == out
+    # without the uuid the content decides: img_c is encoded and the text is img_c's
+    plain = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [img_c, img_b]}})[0]
+    assert runner.num_encoder_runs == 3
+    assert plain.outputs[0].text == hf_texts(tiny_llava.hf_generate, hf, processor, [(prompt, [img_c, img_b])])[0]
+    bad = [
+        ({"image": ["a"]}, r"multi_modal_uuids\['image'\]: 1 ids for 2 items"),
+        ({"image": ["a", 3]}, r"give one non-empty str \(or None"),
+        (
+            {"video": ["a", "b"]},
+            r"multi_modal_uuids must be a dict with the modalities of multi_modal_data \['image'\]",
+        ),
+    ]
+    for uuids, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": [img_a, img_b]}, "multi_modal_uuids": uuids})
+    with pytest.raises(ValueError, match=r"\['image'\]: an item is None; send every item"):
+        run_script(UUIDS.replace("SKIP", "True"), names)
 
 
 # the page's embedding inputs: LLaVA's precomputed image features as a tensor [1, feature_size, hidden], Qwen2-VL's
