@@ -113,7 +113,6 @@ class CompatArgs:
     calculate_kv_scales: bool = _only(False, "FP8 KV-cache scales are not computed at run time")
     enable_prompt_embeds: bool = _only(False, "prompts are text or token ids, not embeddings")
     interleave_mm_strings: bool = _only(False, "chat content is text parts and media parts")
-    media_io_kwargs: dict | None = _only(None, "media are decoded with their defaults")
     mm_encoder_tp_mode: str = _only("weights", "the vision encoder's weights are split by tensor parallelism")
     mm_encoder_attn_backend: str | None = _only(None, "the vision encoder uses torch attention")
     io_processor_plugin: str | None = _only(None, "no input/output processor plugins")

@@ -470,12 +470,47 @@ def test_engine_seed(llava):
             EngineArgs(model=path, seed=bad).create_engine_config()
 
 
-def test_what_the_page_shows_that_is_not_supported(llava, media):
-    """media_io_kwargs (the RGBA background colour): a ValueError naming the option."""
+# the page's custom RGBA background: transparent pixels of an image_url over white (the default), black or blue
+RGBA_BACKGROUND = """
+from vllm import LLM
+
+image_url = "https://upload.wikimedia.org/logo.png"
+messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}}]}]
+llm = LLM(model="llava-hf/llava-1.5-7b-hf")
+print(llm.chat(messages)[0].outputs[0].text)
+llm = LLM(model="llava-hf/llava-1.5-7b-hf", media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
+print(llm.chat(messages)[0].outputs[0].text)
+llm = LLM(model="llava-hf/llava-1.5-7b-hf", media_io_kwargs={"image": {"rgba_background_color": [0, 0, 255]}})
+print(llm.chat(messages)[0].outputs[0].text)
+"""
+
+
+def test_rgba_background_color(llava, media):
+    from PIL import Image
+
+    hf, processor, path = llava
+    folder, base = media
+    pixels = np.asarray(load(folder, "2.png"))  # [56, 50, 3]
+    rgba = np.concatenate([pixels, np.zeros((*pixels.shape[:2], 1), np.uint8)], axis=2)
+    rgba[10:40, 10:40, 3] = 255  # an opaque square on a transparent field
+    Image.fromarray(rgba, "RGBA").save(folder / "logo.png")
+    names = dict.fromkeys(LLAVA_HUB, path) | {"https://upload.wikimedia.org/logo.png": f"{base}/logo.png"}
+    out = run_script(RGBA_BACKGROUND, names)
+    composites = []
+    for color in ((255, 255, 255), (0, 0, 0), (0, 0, 255)):
+        over = Image.new("RGBA", (pixels.shape[1], pixels.shape[0]), (*color, 255))
+        composites.append(Image.alpha_composite(over, Image.fromarray(rgba, "RGBA")).convert("RGB"))
+    requests = [("user: <image>\nassistant:", [c]) for c in composites]
+    want = hf_texts(tiny_llava.hf_generate, hf, processor, requests)
+    assert out == printed(want) and len(set(want)) == 3  # each background shows
     from pagedllm import LLM
 
-    with pytest.raises(ValueError, match=r"media_io_kwargs=.* is not supported"):
-        LLM(llava[2], media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
+    for bad, match in [
+        ({"video": {"num_frames": 8}}, r"media_io_kwargs=.* is not supported: the only option is"),
+        ({"image": {"rgba_background_color": [0, 0, 256]}}, r"rgba_background_color'\]=\[0, 0, 256\] must be 3"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LLM(path, media_io_kwargs=bad)
 
 
 # the page's stable ids for caching (its Qwen2.5-VL call, whose prompt is in LLaVA's format: run on the tiny LLaVA),
