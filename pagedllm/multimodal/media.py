@@ -167,6 +167,10 @@ class ChatMedia:
             url = value.get("url") if isinstance(value, dict) else value
             local = self.allowed_local_media_path
             self.images.append(load_image_url(url, f"{where}.image_url", local, self.background))
+        elif kind == "image_embeds" and isinstance(part.get(kind), str | dict):
+            if isinstance(part[kind], str) or any(isinstance(v, str) for v in part[kind].values()):
+                raise ValueError(f"{where}: base64-encoded image embeddings are not supported; pass tensors")
+            self.images.append(part[kind])  # Qwen2-VL's {image_embeds, image_grid_thw}
         elif kind in ("image_pil", "image_embeds") and part.get(kind) is not None:
             self.images.append(part[kind])  # embeddings: the processor checks them (enable_mm_embeds)
         elif kind == "video_url" and self.video_placeholder:

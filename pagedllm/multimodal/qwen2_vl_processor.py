@@ -75,12 +75,17 @@ class Qwen2VLProcessor(MultiModalProcessor):
         if not isinstance(mm_data, dict):
             raise ValueError(f"{where}.multi_modal_data must be a dict like {{'image': image}}")
         videos = mm_data.get("video")
-        embeds = mm_data.get("image")
-        if isinstance(embeds, dict):  # {"image_embeds": ..., "image_grid_thw": ...} (enable_mm_embeds)
+        given = mm_data.get("image")
+        given = [given] if isinstance(given, dict) else given
+        embeds = None
+        if isinstance(given, (list, tuple)) and any(isinstance(e, dict) for e in given):  # enable_mm_embeds
+            at = f"{where}.multi_modal_data['image']"
+            if not all(isinstance(e, dict) for e in given):
+                raise ValueError(f"{at}: give either images or image embeddings, not both")
             mm_data = {k: v for k, v in mm_data.items() if k != "image"}
-            embeds = self._grid_embeddings(embeds, f"{where}.multi_modal_data['image']")
+            embeds = [item for e in given for item in self._grid_embeddings(e, at)]
         out = super().items({k: v for k, v in mm_data.items() if k != "video"}, where)
-        if isinstance(embeds, list):
+        if embeds is not None:
             self._check_limit("image", len(embeds), where)
             out["image"] = embeds
         if videos is None:

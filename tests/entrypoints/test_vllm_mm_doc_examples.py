@@ -678,3 +678,11 @@ def test_image_embeddings_qwen2_vl(qwen, media, tmp_path):
     for data, match in bad:
         with pytest.raises(ValueError, match=match):
             llm.generate({"prompt": prompt, "multi_modal_data": {"image": data}})
+    # LLM.chat with an image_embeds part carrying the dict; base64 strings (the server's form) are refused
+    part = {"type": "image_embeds", "image_embeds": {"image_embeds": per_image[0], "image_grid_thw": grids[:1]}}
+    chat = llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "Look"}]}])
+    rendered = f"user: {image}Look\nassistant:"
+    assert chat[0].outputs[0].text == hf_texts(tiny_qwen2_vl.hf_generate, hf, processor, [(rendered, images[:1])])[0]
+    part = {"type": "image_embeds", "image_embeds": {"image_embeds": "AAAA", "image_grid_thw": "AAAA"}}
+    with pytest.raises(ValueError, match=r"content\[0\]: base64-encoded image embeddings are not supported"):
+        llm.chat([{"role": "user", "content": [part]}])
