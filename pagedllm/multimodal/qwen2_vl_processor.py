@@ -133,8 +133,12 @@ class Qwen2VLProcessor(MultiModalProcessor):
         embeds, grids = value.get("image_embeds"), value.get("image_grid_thw")
         if set(value) != {"image_embeds", "image_grid_thw"} or not isinstance(embeds, torch.Tensor):
             raise ValueError(f"{where}: expected exactly the keys 'image_embeds' (a tensor) and 'image_grid_thw'")
-        grids = torch.as_tensor(grids)
-        if grids.ndim != 2 or grids.shape[1] != 3 or grids.is_floating_point() or not len(grids) or (grids < 1).any():
+        try:
+            grids = torch.as_tensor(grids)
+        except (TypeError, ValueError, RuntimeError):
+            grids = torch.zeros(0)  # refused below
+        integer = not grids.is_floating_point() and grids.dtype != torch.bool
+        if grids.ndim != 2 or grids.shape[1] != 3 or not integer or not len(grids) or (grids < 1).any():
             raise ValueError(f"{where}['image_grid_thw'] must be integers >= 1 of shape [num_images, 3]")
         if ((grids[:, 1:] % self.merge) != 0).any():
             raise ValueError(f"{where}['image_grid_thw']: h and w must be multiples of {self.merge}")

@@ -672,6 +672,7 @@ def test_image_embeddings_qwen2_vl(qwen, media, tmp_path):
     bad = [
         ({"image_embeds": embeds[:15], "image_grid_thw": grids}, r"has shape \(15, 64\); its grids need \[16, 64\]"),
         ({"image_embeds": embeds, "image_grid_thw": grids[:, :2]}, r"must be integers >= 1 of shape \[num_images, 3\]"),
+        ({"image_embeds": embeds, "image_grid_thw": "1x6x8"}, r"must be integers >= 1 of shape"),
         ({"image_embeds": embeds}, r"expected exactly the keys 'image_embeds' \(a tensor\) and 'image_grid_thw'"),
         (embeds, r"Qwen2-VL's image embeddings come as \{'image_embeds'"),
     ]
