@@ -71,6 +71,9 @@ def is_image(item: Any) -> bool:
 
 
 class MultiModalProcessor:
+    # each image placeholder expands to feature_size tokens of one id (LLaVA): precomputed embeddings can stand in
+    takes_embeddings = True
+
     def __init__(
         self,
         model_path: str,
@@ -138,12 +141,6 @@ class MultiModalProcessor:
                     f"{hidden}] or [feature_size, {hidden}] (the language model's hidden size), got {tuple(item.shape)}"
                 )
         return values
-
-    @property
-    def takes_embeddings(self) -> bool:
-        """Whether each image placeholder expands to feature_size tokens of one id (LLaVA): precomputed
-        embeddings can then stand for the image."""
-        return type(self) is MultiModalProcessor
 
     @property
     def hidden_size(self) -> int:
