@@ -93,6 +93,17 @@ class CompilationConfig:
         raise TypeError(f"compilation_config must be an int, a dict or a CompilationConfig, got {type(value).__name__}")
 
 
+def resolve_seed(seed: Any) -> int:
+    """The engine's seed; None (vLLM's "no fixed seed", the examples' default) draws a random one."""
+    if seed is None:
+        import secrets
+
+        return secrets.randbits(63)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r} must be None or an integer in [0, 2**64)")
+    return seed
+
+
 @dataclass
 class ModelConfig:
     """What the model is and how to run it. `hf_config` is the transformers config after `hf_overrides`."""

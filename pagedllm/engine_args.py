@@ -21,6 +21,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     parse_dtype,
+    resolve_seed,
 )
 from pagedllm.engine_compat import SERVER_FLAGS, CompatArgs, attention_backend, check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
@@ -115,6 +116,8 @@ class EngineArgs(CompatArgs):
     limit_mm_per_prompt: dict | None = None  # e.g. {"image": 2}: more items in one prompt is a ValueError
     mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
     allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
+    enable_mm_embeds: bool = False  # multi_modal_data may carry precomputed image embeddings (torch tensors)
+    media_io_kwargs: dict | None = None  # {"image": {"rgba_background_color": [R, G, B]}}: under transparent pixels
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
     disable_custom_all_reduce: bool = False  # GPU all-reduces all through NCCL (no one-shot kernel for small ones)
@@ -218,7 +221,7 @@ class EngineArgs(CompatArgs):
             architecture=archs[0],
             dtype=dtype,
             max_model_len=max_len,
-            seed=self.seed,
+            seed=resolve_seed(self.seed),
             load_format=load_format,
             trust_remote_code=self.trust_remote_code,
             skip_tokenizer_init=self.skip_tokenizer_init,
@@ -283,7 +286,11 @@ class EngineArgs(CompatArgs):
         lora = self.create_lora_config(model)
         scheduler.max_loras = lora.max_loras if lora is not None else None
         multimodal = MultiModalConfig.from_user(
-            self.limit_mm_per_prompt, self.mm_processor_kwargs, self.allowed_local_media_path
+            self.limit_mm_per_prompt,
+            self.mm_processor_kwargs,
+            self.allowed_local_media_path,
+            self.enable_mm_embeds,
+            self.media_io_kwargs,
         )
         if multimodal.text_only(model.architecture) and hasattr(model.hf_config, "vision_language_config"):
             model.hf_config.mm_text_only = True  # every modality 0: the vision tower is neither built nor loaded

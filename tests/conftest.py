@@ -117,3 +117,78 @@ def sampling_path(request, monkeypatch) -> str:
     else:
         _use_kernels(request, monkeypatch, request.param)
     return request.param
+
+
+# The tiny vision-language checkpoints (tests/tiny_llava.py, tiny_qwen2_vl.py, tiny_gemma3.py), saved once per session
+# and shared by the multimodal tests and the documents' multimodal examples.
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """(HF model, its processor, the checkpoint folder)."""
+    from tiny_llava import save_tiny_llava
+
+    return save_tiny_llava(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "q25"])
+def tiny_qwen2_vl(request, tmp_path_factory):
+    """Qwen2-VL, then Qwen2.5-VL: (HF model, its processor, the checkpoint folder). A test takes one of them with
+    `@pytest.mark.parametrize("tiny_qwen2_vl", ["qwen2_vl"], indirect=True)`."""
+    from tiny_qwen2_vl import save_tiny_qwen2_vl
+
+    return save_tiny_qwen2_vl(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """Gemma3ForConditionalGeneration: (HF model, its processor, the checkpoint folder)."""
+    from tiny_gemma3 import save_tiny_gemma3
+
+    return save_tiny_gemma3(tmp_path_factory)
+
+
+# The documents' multimodal examples (tests/entrypoints/test_vllm_mm_doc_*.py): the tiny VLMs with greedy, short
+# generation defaults, and their media files served over HTTP.
+DOC_MAX_TOKENS = 8  # (tests/mm_doc_helpers.py's MAX_TOKENS)
+
+
+@pytest.fixture
+def mm_doc_env(monkeypatch):
+    """The environment, not the scripts, sizes the CPU KV cache and lets the documents' max_model_len=4096 stand on
+    the tiny models (256 positions; the prompts here are far shorter)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.05")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+
+
+@pytest.fixture(scope="module")
+def llava_docs(tiny_llava, tmp_path_factory):
+    """The tiny LLaVA whose generation defaults are greedy and DOC_MAX_TOKENS long: (HF model, processor, folder)."""
+    from doc_scripts import greedy_copy
+
+    hf, processor, path = tiny_llava
+    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("llava_docs"), DOC_MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def qwen_docs(tiny_qwen2_vl, tmp_path_factory):
+    """The tiny Qwen2-VL (or Qwen2.5-VL) likewise."""
+    from doc_scripts import greedy_copy
+
+    hf, processor, path = tiny_qwen2_vl
+    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("qwen2_vl_docs"), DOC_MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def doc_media(tmp_path_factory):
+    """Image files, and an HTTP server on 127.0.0.1 serving them: (folder, base URL)."""
+    import tiny_llava
+    import tiny_qwen2_vl
+    from doc_scripts import http_folder
+
+    folder = tmp_path_factory.mktemp("media")
+    for seed in range(4):
+        tiny_llava.image(seed, (40 + 8 * seed, 50)).save(folder / f"{seed}.png")
+    for seed in range(4):  # Qwen2-VL's: 12 tokens each (fewer do not steer the tiny model through the long prompts)
+        tiny_qwen2_vl.image(seed, (84, 112)).save(folder / f"q{seed}.png")
+    tiny_qwen2_vl.image(9, (224, 224)).save(folder / "large.png")
+    with http_folder(folder) as base:
+        yield folder, base

@@ -107,7 +107,7 @@ class LLMEngine:
         mm_config = self.config.multimodal or MultiModalConfig()
         processor = self.multimodal_processor()
         video = getattr(processor, "video_placeholder", "")  # "": the model takes no videos
-        return ChatMedia(processor.image_placeholder, mm_config.allowed_local_media_path, video)
+        return ChatMedia(processor.image_placeholder, mm_config.allowed_local_media_path, video, mm_config.background)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

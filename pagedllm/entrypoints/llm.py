@@ -17,6 +17,7 @@ from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.entrypoints.pooling_api import _as_list as _pooled_items
 from pagedllm.lora.request import lora_list
 from pagedllm.metrics import Metric
+from pagedllm.multimodal.hashing import apply_uuids
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -287,11 +288,17 @@ class LLM(PoolingAPI):
         if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None or not self._takes_multimodal():
             return (*self._parse_prompt(prompt, index), [])
         where = f"prompts[{index}]"
-        if prompt.get("multi_modal_uuids"):
-            raise ValueError(f"{where}.multi_modal_uuids: not supported; items are identified by their content")
+        data = prompt["multi_modal_data"]
+        for modality, items in data.items() if isinstance(data, dict) else ():
+            if items is None or (isinstance(items, (list, tuple)) and any(i is None for i in items)):
+                raise ValueError(
+                    f"{where}.multi_modal_data[{modality!r}]: an item is None; send every item (media are not "
+                    "looked up by multi_modal_uuids)"
+                )
         ids, features = self.llm_engine.process_multimodal(
-            prompt.get("prompt"), prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"), where=where
+            prompt.get("prompt"), data, prompt.get("mm_processor_kwargs"), where=where
         )
+        apply_uuids(features, data, prompt.get("multi_modal_uuids"), where)
         return prompt.get("prompt"), ids, features
 
     def _takes_multimodal(self) -> bool:

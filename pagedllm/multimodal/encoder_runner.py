@@ -83,6 +83,8 @@ class MultiModalRunner:
             data = {
                 k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in feature.data.items()
             }
+            if "image_embeds" in data:  # precomputed by the user (enable_mm_embeds): no encoder run, nothing cached
+                return data["image_embeds"]
             out = self.model.embed_multimodal(feature.modality, data)  # [length, hidden]
             if out.shape[0] != feature.length:
                 raise RuntimeError(f"the encoder gave {out.shape[0]} rows for {feature.length} placeholder tokens")

@@ -12,6 +12,8 @@ from pagedllm.multimodal.processor import MultiModalProcessor
 
 
 class Gemma3MultiModalProcessor(MultiModalProcessor):
+    takes_embeddings = False  # each image comes wrapped in its own begin/end tokens
+
     def process(
         self,
         prompt: Any,

@@ -16,8 +16,12 @@ MAX_IMAGE_BYTES = 64 * 1024 * 1024  # (videos too)
 MAX_VIDEO_FRAMES = 32  # a longer video is sampled evenly down to this many frames
 
 
-def decode_image(data: bytes, where: str) -> Any:
-    """Encoded image bytes -> an RGB PIL image, fully decoded."""
+WHITE = (255, 255, 255)
+
+
+def decode_image(data: bytes, where: str, background: tuple[int, int, int] = WHITE) -> Any:
+    """Encoded image bytes -> an RGB PIL image, fully decoded; transparent pixels are laid over `background`
+    (media_io_kwargs' rgba_background_color, white by default, as vLLM)."""
     try:
         from PIL import Image
     except ImportError:
@@ -35,11 +39,16 @@ def decode_image(data: bytes, where: str) -> Any:
         raise
     except Exception as e:  # PIL's errors for corrupt or truncated data
         raise ValueError(f"{where}: the image cannot be decoded: {e}") from None
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        out = Image.new("RGB", rgba.size, background)
+        out.paste(rgba, mask=rgba.getchannel("A"))
+        return out
     return image.convert("RGB")
 
 
-def load_image_url(url: Any, where: str, allowed_local_media_path: str = "") -> Any:
-    return decode_image(_url_bytes(url, where, allowed_local_media_path, "image"), where)
+def load_image_url(url: Any, where: str, allowed_local_media_path: str = "", background=WHITE) -> Any:
+    return decode_image(_url_bytes(url, where, allowed_local_media_path, "image"), where, background)
 
 
 def load_video_url(url: Any, where: str, allowed_local_media_path: str = "") -> Any:
@@ -142,8 +151,11 @@ class ChatMedia:
     """A conversation's images and videos, decoded in order as the chat renderer meets them; each part renders as
     the model's placeholder (string content) or an {"type": "image"} / {"type": "video"} part."""
 
-    def __init__(self, placeholder: str, allowed_local_media_path: str = "", video_placeholder: str = "") -> None:
+    def __init__(
+        self, placeholder: str, allowed_local_media_path: str = "", video_placeholder: str = "", background=WHITE
+    ) -> None:
         self.placeholder = placeholder
+        self.background = background  # under the transparent pixels of RGBA images
         self.video_placeholder = video_placeholder  # "": the model takes no videos
         self.allowed_local_media_path = allowed_local_media_path
         self.images: list = []
@@ -153,9 +165,14 @@ class ChatMedia:
         if kind == "image_url":
             value = part.get("image_url")
             url = value.get("url") if isinstance(value, dict) else value
-            self.images.append(load_image_url(url, f"{where}.image_url", self.allowed_local_media_path))
-        elif kind == "image_pil" and part.get("image_pil") is not None:
-            self.images.append(part["image_pil"])
+            local = self.allowed_local_media_path
+            self.images.append(load_image_url(url, f"{where}.image_url", local, self.background))
+        elif kind == "image_embeds" and isinstance(part.get(kind), str | dict):
+            if isinstance(part[kind], str) or any(isinstance(v, str) for v in part[kind].values()):
+                raise ValueError(f"{where}: base64-encoded image embeddings are not supported; pass tensors")
+            self.images.append(part[kind])  # Qwen2-VL's {image_embeds, image_grid_thw}
+        elif kind in ("image_pil", "image_embeds") and part.get(kind) is not None:
+            self.images.append(part[kind])  # embeddings: the processor checks them (enable_mm_embeds)
         elif kind == "video_url" and self.video_placeholder:
             value = part.get("video_url")
             url = value.get("url") if isinstance(value, dict) else value

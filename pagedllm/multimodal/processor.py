@@ -38,6 +38,13 @@ def check_item_size(width: int, height: int, where: str) -> None:
         raise ValueError(f"{where} is {width}x{height} pixels, more than the allowed {MAX_IMAGE_PIXELS}")
 
 
+def check_image(item: Any, where: str) -> None:
+    if not (is_image(item) or (isinstance(item, np.ndarray) and item.ndim == 3)):
+        raise ValueError(f"{where} has type {type(item).__name__}; expected a PIL.Image or an [H, W, C] numpy array")
+    width, height = item.size if is_image(item) else item.shape[1::-1]
+    check_item_size(width, height, where)
+
+
 def make_processor(architecture: str, model_path: str, hf_config: Any, mm_config: MultiModalConfig, trust: bool):
     """The model's multimodal processor: Qwen2-VL's own (qwen2_vl_processor.py), Gemma 3's (gemma3_processor.py),
     else the transformers one."""
@@ -64,6 +71,9 @@ def is_image(item: Any) -> bool:
 
 
 class MultiModalProcessor:
+    # each image placeholder expands to feature_size tokens of one id (LLaVA): precomputed embeddings can stand in
+    takes_embeddings = True
+
     def __init__(
         self,
         model_path: str,
@@ -80,6 +90,7 @@ class MultiModalProcessor:
             raise ValueError(f"multi_modal_data: the model folder has no usable processor for images: {e}") from None
         self.modalities = modalities
         self.config = mm_config
+        self.hf_config = hf_config
         self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
         self.image_placeholder = getattr(self.processor, "image_token", None) or "<image>"
 
@@ -93,15 +104,11 @@ class MultiModalProcessor:
                 raise ValueError(
                     f"{where}.multi_modal_data: modality {modality!r} is not one the model takes: {self.modalities}"
                 )
-            items = list(value) if isinstance(value, (list, tuple)) else [value]
-            for j, item in enumerate(items):
-                if not (is_image(item) or (isinstance(item, np.ndarray) and item.ndim == 3)):
-                    raise ValueError(
-                        f"{where}.multi_modal_data[{modality!r}][{j}] has type {type(item).__name__}; "
-                        "expected a PIL.Image or an [H, W, C] numpy array"
-                    )
-                width, height = item.size if is_image(item) else item.shape[1::-1]
-                check_item_size(width, height, f"{where}.multi_modal_data[{modality!r}][{j}]")
+            items = self._embeddings(value, f"{where}.multi_modal_data[{modality!r}]")
+            if items is None:  # images (PIL or [H, W, C] arrays)
+                items = list(value) if isinstance(value, (list, tuple)) else [value]
+                for j, item in enumerate(items):
+                    check_image(item, f"{where}.multi_modal_data[{modality!r}][{j}]")
             limit = self.config.limit_per_prompt.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(
@@ -111,6 +118,33 @@ class MultiModalProcessor:
             if items:
                 out[modality] = items
         return out
+
+    def _embeddings(self, value: Any, where: str) -> list[torch.Tensor] | None:
+        """Precomputed image embeddings (enable_mm_embeds) as one [feature_size, hidden] tensor per image, from a
+        tensor [num_images, feature_size, hidden] or [feature_size, hidden], or a list of 2-D ones; None when the
+        value holds no tensor."""
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not any(isinstance(v, torch.Tensor) for v in values):
+            return None
+        if not self.config.enable_embeds:
+            raise ValueError(f"{where}: image embeddings (a tensor) need the engine built with enable_mm_embeds=True")
+        if not self.takes_embeddings:
+            raise ValueError(f"{where}: image embeddings are not supported for this model; give images")
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise ValueError(f"{where}: give either images or image embeddings, not both")
+        values = [e for v in values for e in (v if v.ndim == 3 else [v])]  # [feature_size, hidden] each
+        hidden = self.hidden_size
+        for j, item in enumerate(values):
+            if item.ndim != 2 or not item.is_floating_point() or item.shape[0] < 1 or item.shape[1] != hidden:
+                raise ValueError(
+                    f"{where}[{j}]: image embeddings must be float tensors of shape [num_images, feature_size, "
+                    f"{hidden}] or [feature_size, {hidden}] (the language model's hidden size), got {tuple(item.shape)}"
+                )
+        return values
+
+    @property
+    def hidden_size(self) -> int:
+        return int(getattr(self.hf_config, "text_config", self.hf_config).hidden_size)
 
     def process(
         self,
@@ -135,6 +169,8 @@ class MultiModalProcessor:
                 f"{where}: the prompt has {found} image placeholders {self.image_placeholder!r} for "
                 f"{len(images)} images; give one placeholder per image"
             )
+        if any(isinstance(im, torch.Tensor) for im in images):
+            return self._process_embeddings(prompt, images, add_special_tokens, where)
         try:
             out = self.processor(
                 text=[prompt],
@@ -149,6 +185,25 @@ class MultiModalProcessor:
         if not images:
             return ids, []
         return ids, self._features(ids, out, images, kwargs, where)
+
+    def _process_embeddings(
+        self, prompt: str, embeds: list[torch.Tensor], add_special_tokens: bool, where: str
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Each placeholder expanded to its embedding's feature_size tokens; the embeddings stand for the encoder's
+        output (multimodal/encoder_runner.py runs no encoder for them)."""
+        pieces = prompt.split(self.image_placeholder)
+        text = pieces[0] + "".join(self.image_placeholder * len(e) + p for e, p in zip(embeds, pieces[1:]))
+        ids = self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)  # [total image tokens]
+        if len(positions) != sum(len(e) for e in embeds):
+            raise ValueError(f"{where}: the image placeholder {self.image_placeholder!r} is not one token")
+        features, start = [], 0
+        for e in embeds:
+            data = {"image_embeds": e.detach()}  # [feature_size, hidden]
+            identifier = hash_item("image_embeds", e, {})
+            features.append(MultiModalFeature("image", identifier, int(positions[start]), len(e), data))
+            start += len(e)
+        return ids, features
 
     def _features(self, ids: list[int], out: Any, images: list, kwargs: dict, where: str) -> list[MultiModalFeature]:
         tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}

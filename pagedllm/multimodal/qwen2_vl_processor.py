@@ -54,6 +54,7 @@ class Qwen2VLProcessor(MultiModalProcessor):
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
         self.modalities = modalities
         self.config = mm_config
+        self.hf_config = hf_config
         self.image_token_id = int(hf_config.image_token_id)
         self.video_token_id = int(hf_config.video_token_id)
         self.image_placeholder = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"  # (in chat string content)
@@ -74,7 +75,19 @@ class Qwen2VLProcessor(MultiModalProcessor):
         if not isinstance(mm_data, dict):
             raise ValueError(f"{where}.multi_modal_data must be a dict like {{'image': image}}")
         videos = mm_data.get("video")
+        given = mm_data.get("image")
+        given = [given] if isinstance(given, dict) else given
+        embeds = None
+        if isinstance(given, (list, tuple)) and any(isinstance(e, dict) for e in given):  # enable_mm_embeds
+            at = f"{where}.multi_modal_data['image']"
+            if not all(isinstance(e, dict) for e in given):
+                raise ValueError(f"{at}: give either images or image embeddings, not both")
+            mm_data = {k: v for k, v in mm_data.items() if k != "image"}
+            embeds = [item for e in given for item in self._grid_embeddings(e, at)]
         out = super().items({k: v for k, v in mm_data.items() if k != "video"}, where)
+        if embeds is not None:
+            self._check_limit("image", len(embeds), where)
+            out["image"] = embeds
         if videos is None:
             return out
         if "video" not in self.modalities:
@@ -91,15 +104,53 @@ class Qwen2VLProcessor(MultiModalProcessor):
                 )
             check_item_size(video.shape[2], video.shape[1], f"{where}.multi_modal_data['video'][{j}]")
             frames.append(video)
-        limit = self.config.limit_per_prompt.get("video")
-        if limit is not None and len(frames) > limit:
-            raise ValueError(
-                f"{where}.multi_modal_data['video'] has {len(frames)} items, more than "
-                f"limit_mm_per_prompt['video']={limit}: allowed range [0, {limit}]"
-            )
+        self._check_limit("video", len(frames), where)
         if frames:
             out["video"] = frames
         return out
+
+    def _check_limit(self, modality: str, count: int, where: str) -> None:
+        limit = self.config.limit_per_prompt.get(modality)
+        if limit is not None and count > limit:
+            raise ValueError(
+                f"{where}.multi_modal_data[{modality!r}] has {count} items, more than "
+                f"limit_mm_per_prompt[{modality!r}]={limit}: allowed range [0, {limit}]"
+            )
+
+    def _embeddings(self, value: Any, where: str) -> list | None:
+        if any(isinstance(v, torch.Tensor) for v in (value if isinstance(value, (list, tuple)) else [value])):
+            raise ValueError(
+                f"{where}: Qwen2-VL's image embeddings come as {{'image_embeds': tensor, 'image_grid_thw': tensor "
+                "[num_images, 3]}} (the grid places them with M-RoPE)"
+            )
+        return None
+
+    def _grid_embeddings(self, value: dict, where: str) -> list[dict]:
+        """One {"image_embeds": [length, hidden], "image_grid_thw": [1, 3]} per image from the whole prompt's
+        embeddings ([total length, hidden] or [num_images, length, hidden]) and grids [num_images, 3] of patches."""
+        if not self.config.enable_embeds:
+            raise ValueError(f"{where}: image embeddings need the engine built with enable_mm_embeds=True")
+        embeds, grids = value.get("image_embeds"), value.get("image_grid_thw")
+        if set(value) != {"image_embeds", "image_grid_thw"} or not isinstance(embeds, torch.Tensor):
+            raise ValueError(f"{where}: expected exactly the keys 'image_embeds' (a tensor) and 'image_grid_thw'")
+        try:
+            grids = torch.as_tensor(grids)
+        except (TypeError, ValueError, RuntimeError):
+            grids = torch.zeros(0)  # refused below
+        integer = not grids.is_floating_point() and grids.dtype != torch.bool
+        if grids.ndim != 2 or grids.shape[1] != 3 or not integer or not len(grids) or (grids < 1).any():
+            raise ValueError(f"{where}['image_grid_thw'] must be integers >= 1 of shape [num_images, 3]")
+        if ((grids[:, 1:] % self.merge) != 0).any():
+            raise ValueError(f"{where}['image_grid_thw']: h and w must be multiples of {self.merge}")
+        lengths = [int(g.prod()) // self.merge**2 for g in grids]
+        hidden = int(self.hf_config.text_config.hidden_size)
+        flat = embeds.reshape(-1, embeds.shape[-1]) if embeds.ndim == 3 else embeds  # [total length, hidden]
+        if not embeds.is_floating_point() or flat.ndim != 2 or flat.shape != (sum(lengths), hidden):
+            raise ValueError(
+                f"{where}['image_embeds'] has shape {tuple(embeds.shape)}; its grids need [{sum(lengths)}, {hidden}]"
+            )
+        parts = torch.split(flat.detach(), lengths)
+        return [{"image_embeds": e, "image_grid_thw": grids[i : i + 1].long()} for i, e in enumerate(parts)]
 
     def process(
         self,
@@ -176,6 +227,8 @@ class Qwen2VLProcessor(MultiModalProcessor):
         return {"modality": modality, "data": data, "grid": grid, "length": length, "time_interval": time_interval}
 
     def _image(self, image: Any, kwargs: dict) -> dict:
+        if isinstance(image, dict):  # precomputed embeddings: the encoder's output for its grid
+            return self._item("image", image, image["image_grid_thw"][0].tolist(), 1)
         ip = self.image_processor
         size = self._size(kwargs, {"min_pixels": ip.size["shortest_edge"], "max_pixels": ip.size["longest_edge"]})
         size = {"shortest_edge": size["min_pixels"], "longest_edge": size["max_pixels"]}

@@ -10,12 +10,8 @@ for the bundled models, and runs it. Nothing else changes."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import re
-import sys
-
 import pytest
+from doc_scripts import run_script as _run
 
 QUICKSTART_OFFLINE = """
 from vllm import LLM, SamplingParams
@@ -144,27 +140,6 @@ outputs = llm.chat(conversation, chat_template=custom_template)
 print(f"Prompt: {outputs[0].prompt!r}")
 """
 GENERATIVE_HUB_NAMES = ("facebook/opt-125m", "meta-llama/Llama-3.2-1B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct")
-
-
-def _as_pagedllm(script: str, models: dict[str, str]) -> str:
-    """The only changes: `vllm` -> `pagedllm` in the imports, hub names -> local models."""
-    script = re.sub(r"^from vllm([. ])", r"from pagedllm\1", script, flags=re.M)
-    for hub, local in models.items():
-        script = script.replace(f'"{hub}"', repr(local))
-    return script
-
-
-def _run(script: str, models: dict[str, str], argv: list[str] | None = None) -> str:
-    code = _as_pagedllm(script, models)
-    assert "vllm" not in code.replace("pagedllm", "")
-    out, saved = io.StringIO(), sys.argv
-    sys.argv = ["example.py", *(argv or [])]
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(compile(code, "example.py", "exec"), {"__name__": "__main__"})
-    finally:
-        sys.argv = saved
-    return out.getvalue()
 
 
 @pytest.fixture

@@ -183,6 +183,20 @@ def test_pan_and_scan_is_refused(gemma3):
         gemma3.generate(prompt, GREEDY, use_tqdm=False)
 
 
+def test_image_embeddings_are_refused(gemma3, tiny_gemma3):
+    """Gemma 3 wraps each image in its own tokens: precomputed embeddings (enable_mm_embeds) are not taken."""
+    import torch
+
+    from pagedllm.multimodal.config import MultiModalConfig
+    from pagedllm.multimodal.processor import make_processor
+
+    model = gemma3.llm_engine.config.model
+    hf_config, config = model.hf_config.vision_language_config, MultiModalConfig(enable_embeds=True)
+    processor = make_processor(model.architecture, model.model_path, hf_config, config, False)
+    with pytest.raises(ValueError, match=r"\['image'\]: image embeddings are not supported for this model"):
+        processor.process("<start_of_image>", {"image": torch.zeros(1, 4, 64)})
+
+
 def test_chat_image_url_matches_hf(gemma3, tiny_gemma3):
     import base64
     import io

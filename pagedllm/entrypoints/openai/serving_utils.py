@@ -168,6 +168,8 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
     _check_words(stop, limits.max_stop, limits.max_word_chars, "stop")
     _check_words(req.bad_words, limits.max_bad_words, limits.max_word_chars, "bad_words")
     defaults = state.engine.engine.default_sampling_fields
+    if "max_tokens" in fields and fields["max_tokens"] is None:  # generation_config's max_new_tokens, as vLLM
+        fields = {**fields, "max_tokens": defaults.get("max_tokens")}
     chosen = {name: getattr(req, name) for name in _DEFAULTED}
     chosen = {k: v if v is not None else defaults.get(k) for k, v in chosen.items()}
     values = dict(

@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 from conftest import RemoteServer
 from test_serve_multimodal import ENGINE, data_url, messages
-from tiny_gemma3 import hf_generate, image, save_tiny_gemma3
+from tiny_gemma3 import hf_generate, image
 
 from pagedllm import LLM, SamplingParams
 
 pytest.importorskip("PIL")
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory):
-    return save_tiny_gemma3(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import io
 
 import pytest
 from conftest import RemoteServer
-from tiny_llava import image, save_tiny_llava
+from tiny_llava import image
 
 from pagedllm import LLM, SamplingParams
 
@@ -27,11 +27,6 @@ def messages(*urls: str) -> list[dict]:
 
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes", "4194304"]
-
-
-@pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory):
-    return save_tiny_llava(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
