@@ -200,7 +200,13 @@ SPLIT_IN_KERNEL = False  # split K summed by each n-block's last program (no sec
 # (1 for one row, 16 for 2..16 rows; N, K) -> (BLOCK_N, BLOCK_K, warps, stages, K splits, split K summed in the
 # kernel 0/1, TMA weight reads 0/1): per-shape tiles from `benchmarks/fp8_gemv_bench.py --sweep` (it prints this
 # literal); shapes not here take the module settings above through plan()
-TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int, int]] = {}
+# measured on an H100 80GB HBM3 (benchmarks/fp8_gemv_bench.py --sweep): Llama-3.1-8B's layer shapes
+TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int, int]] = {
+    (1, 6144, 4096): (64, 128, 4, 6, 1, 0, 1),
+    (1, 4096, 4096): (64, 128, 4, 3, 5, 1, 0),
+    (1, 28672, 4096): (64, 128, 4, 3, 1, 0, 1),
+    (1, 4096, 14336): (64, 128, 4, 4, 5, 1, 1),
+}
 
 
 class Fp8GemvConfig(NamedTuple):

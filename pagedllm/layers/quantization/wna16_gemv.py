@@ -41,7 +41,25 @@ CONFIGS = {1: (256, 128, 2, 4), 2: (256, 64, 2, 4), 4: (512, 16, 2, 4), 8: (256,
 # (bits, BLOCK_M, N, K, act order) -> GemvConfig's fields but the first (block_n, block_k, warps, splits, stages):
 # per-shape tiles from `benchmarks/wna16_gemv_bench.py --sweep` (it prints this literal). An act-order shape not
 # here takes its plain entry
-TABLE: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int, int]] = {}
+# measured on an H100 80GB HBM3 (benchmarks/wna16_gemv_bench.py --sweep): Llama-3.1-8B's layer shapes, group 128
+TABLE: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int, int]] = {
+    (4, 1, 6144, 4096, False): (256, 64, 2, 32, 1),
+    (4, 2, 6144, 4096, False): (128, 64, 1, 22, 2),
+    (4, 4, 6144, 4096, False): (128, 16, 1, 22, 4),
+    (4, 1, 6144, 4096, True): (256, 64, 2, 32, 1),
+    (4, 1, 4096, 4096, False): (256, 64, 2, 32, 1),
+    (4, 2, 4096, 4096, False): (128, 64, 1, 32, 2),
+    (4, 4, 4096, 4096, False): (256, 16, 2, 32, 4),
+    (4, 1, 4096, 4096, True): (256, 128, 2, 32, 1),
+    (4, 1, 28672, 4096, False): (256, 64, 2, 10, 1),
+    (4, 2, 28672, 4096, False): (256, 32, 1, 10, 2),
+    (4, 4, 28672, 4096, False): (512, 16, 2, 19, 2),
+    (4, 1, 28672, 4096, True): (512, 64, 2, 10, 2),
+    (4, 1, 4096, 14336, False): (256, 64, 2, 56, 1),
+    (4, 2, 4096, 14336, False): (128, 64, 1, 32, 2),
+    (4, 4, 4096, 14336, False): (128, 16, 1, 32, 4),
+    (4, 1, 4096, 14336, True): (256, 64, 2, 32, 2),
+}
 SWEEP_TILES = ((128, 1), (256, 2), (256, 1), (512, 2))  # (BLOCK_N, warps) of the sweep: 4 or 8 columns a thread
 SWEEP_STAGES = (1, 2, 4)
 # codebook weights (nf4 / fp4) too: their table lookups are a gather per value, which Triton lays out across threads
