@@ -194,8 +194,10 @@ def fill_bitmasks(grammars: dict, drafts: dict[str, list[int]] | None = None) ->
     drafts = drafts or {}
     num_words = next(iter(grammars.values())).num_words
     counts = [len(drafts.get(req_id, ())) + 1 for req_id in grammars]
-    tensor = torch.full((sum(counts), num_words), -1, dtype=torch.int32)  # [num_rows, num_words]; -1: all allowed
-    array = tensor.numpy()
+    # [num_rows, num_words]; -1: all allowed. Made by numpy: torch.full this size would wait for torch's intra-op
+    # threads, which a CPU forward running meanwhile holds
+    array = np.full((sum(counts), num_words), -1, dtype=np.int32)
+    tensor = torch.from_numpy(array)
     masks, row = {}, 0
     batches: dict[int, tuple[Any, list, list[int]]] = {}  # id(filler) -> (filler, states, rows): one mask each
     for (req_id, grammar), n in zip(grammars.items(), counts):
