@@ -43,6 +43,7 @@ def lora_shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per token block and column block, each over K_SPLIT features
+    IEEE: tl.constexpr,  # float32: no TF32 in tl.dot
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -70,7 +71,10 @@ def lora_shrink_kernel(
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(xs, w)
+        if IEEE:  # float32 weights: full-precision products (tl.dot takes TF32 on the GPU otherwise)
+            acc += tl.dot(xs, w, input_precision="ieee")
+        else:
+            acc += tl.dot(xs, w)
     t_ptrs = t_ptr + pid_k * stride_tk + tok[:, None] * stride_tm + offs_n[None, :]
     tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
@@ -94,6 +98,7 @@ def lora_expand_kernel(
     NUM_N: tl.constexpr,  # column blocks per slice (enough for the largest slice)
     NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -126,7 +131,10 @@ def lora_expand_kernel(
         mask=mask_r[:, None] & mask_n[None, :],
         other=0.0,
     )  # [BLOCK_R, BLOCK_N]
-    acc = tl.dot(ts.to(w.dtype), w)
+    if IEEE:
+        acc = tl.dot(ts.to(w.dtype), w, input_precision="ieee")
+    else:
+        acc = tl.dot(ts.to(w.dtype), w)
     y_ptrs = y_ptr + tok[:, None] * stride_ym + cols[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -160,6 +168,7 @@ def lora_shrink(
     _shrink(
         programs * split_k, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
         t.stride(1), blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        IEEE=a.dtype == torch.float32,
     )  # fmt: skip
     return t
 
@@ -184,5 +193,6 @@ def lora_expand(
     _expand(
         grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), t.stride(1), b.stride(0),
         b.stride(1), y.stride(0), blocks.stride(0), NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=t.shape[0],
+        IEEE=b.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
     )  # fmt: skip
