@@ -30,6 +30,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from gpu_throughput import copy_bandwidth  # (benchmarks/: the path of a script run there)
 
 from pagedllm.layers.quantization import fp8_gemv
 from pagedllm.layers.quantization.fp8_ops import quantize_per_token_triton
@@ -199,22 +200,6 @@ def parse_grid(text: str) -> tuple[str, tuple[int, ...]]:
     return name, tuple(int(v) for v in values.split(","))
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (bytes read + written), the run's roofline."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times) / 1e9
-
-
 def grid_entries(n: int, k: int) -> list[tuple[int, ...]]:
     """TABLE entries (BLOCK_N, BLOCK_K, warps, stages, splits, in kernel, TMA) the sweep times for an [N, K] weight."""
     sms = fp8_gemv.sm_count(torch.device(DEVICE))
@@ -293,7 +278,7 @@ def sweep(shapes, batches, jobs: int) -> None:
     """Per (shape, M): the best TABLE entry, its GB/s and fraction of the copy bandwidth, the default's time; the
     shapes' sums; the TABLE literal for fp8_gemv.py."""
     began = time.perf_counter()
-    copy_gbs = copy_bandwidth()
+    copy_gbs = copy_bandwidth(1 << 30) / 1e9  # a 1 GiB device-to-device copy, bytes read + written
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
     precompile(batches, jobs)
     table, totals = {}, {}

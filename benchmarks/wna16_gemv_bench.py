@@ -28,7 +28,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from fp8_gemv_bench import copy_bandwidth, sweep_us, time_us  # (benchmarks/: the path of a script run there)
+from fp8_gemv_bench import sweep_us, time_us  # (benchmarks/: the path of a script run there)
+from gpu_throughput import copy_bandwidth
 
 from pagedllm.layers.quantization import wna16_gemv
 from pagedllm.layers.quantization.bnb_format import codebook
@@ -208,7 +209,7 @@ def sweep(args) -> None:
     """Every shape and batch of the sweep: the best tile, its GB/s and fraction of copy bandwidth; the layer's sums;
     the TABLE literal."""
     began = time.perf_counter()
-    copy_gbs = copy_bandwidth()
+    copy_gbs = copy_bandwidth(1 << 30) / 1e9  # a 1 GiB device-to-device copy, bytes read + written
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
     cases = [(m, False) for m in args.sweep_m] + ([(1, True)] if 1 in args.sweep_m and not args.no_act_order else [])
     precompile(cases, args)
