@@ -57,10 +57,11 @@ import torch
 from pagedllm.benchmarks.offline import timed_generate
 
 try:
-    from benchmarks import hf_peers
+    from benchmarks import hf_peers, roofline
     from benchmarks.common import BENCH_DIR, REPO_ROOT, emit, git_commit, machine_description, make_record, rounded
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import hf_peers
+    import roofline
     from common import BENCH_DIR, REPO_ROOT, emit, git_commit, machine_description, make_record, rounded
 
 QWEN = str(BENCH_DIR / "configs" / "qwen3-0.6b")
@@ -243,8 +244,7 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
     outs, wall = timed_generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
     made = sum(len(o.outputs[0].token_ids) for o in outs)
     weight_bytes, _, kv_per_token = model_bytes(llm)
-    kv_bytes = sum((len(p) * n + n * (n - 1) // 2) * kv_per_token for p, n in zip(prompts, max_tokens))
-    min_bytes = weight_bytes * max(max_tokens) + kv_bytes
+    min_bytes = roofline.batch_roofline_bytes(weight_bytes, kv_per_token, [len(p) for p in prompts], max_tokens)
     floor_s = min_bytes / bw
     figures = {
         "output_tok_s": rounded(sum(max_tokens) / wall),

@@ -51,12 +51,7 @@ def batch_roofline_bytes(
     weight_bytes: int, kv_bytes_per_token: int, prompt_lens: list[int], output_lens: list[int]
 ) -> int:
     """Bytes a batch of requests, all running at once, reads at least: the weights once per step (as many steps as
-    the longest output) plus, for each request, the K/V of prompt_len + t tokens at its t-th step (t < output_len).
-    The same bound as benchmarks/gpu_throughput.py's nanovllm-bench roofline."""
+    the longest output) plus, for each request, the K/V of prompt_len + t tokens at its t-th step (t < output_len):
+    the bound of benchmarks/gpu_throughput.py's nanovllm-bench roofline."""
     kv_tokens = sum(p * n + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens, strict=True))
     return weight_bytes * max(output_lens) + kv_tokens * kv_bytes_per_token
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one token over all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes

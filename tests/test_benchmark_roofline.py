@@ -43,10 +43,6 @@ def test_batch_roofline_reads_weights_per_step_of_the_longest_output():
         roofline.batch_roofline_bytes(100, 2, [1, 2], [3])
 
 
-def test_kv_bytes_per_token_of_llama_8b_is_128_kib():
-    assert roofline.kv_bytes_per_token(32, 8, 128, 2) == 128 * 1024
-
-
 @pytest.mark.parametrize(
     ("name", "peak"),
     [
