@@ -147,8 +147,7 @@ def tiny_gemma3(tmp_path_factory):
 
 
 # The documents' multimodal examples (tests/entrypoints/test_vllm_mm_doc_*.py): the tiny VLMs with greedy, short
-# generation defaults, and their media files served over HTTP.
-DOC_MAX_TOKENS = 8  # (tests/mm_doc_helpers.py's MAX_TOKENS)
+# generation defaults (tests/mm_doc_helpers.py's MAX_TOKENS new tokens), and their media files served over HTTP.
 
 
 @pytest.fixture
@@ -161,20 +160,22 @@ def mm_doc_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def llava_docs(tiny_llava, tmp_path_factory):
-    """The tiny LLaVA whose generation defaults are greedy and DOC_MAX_TOKENS long: (HF model, processor, folder)."""
+    """The tiny LLaVA whose generation defaults are greedy and MAX_TOKENS long: (HF model, processor, folder)."""
     from doc_scripts import greedy_copy
+    from mm_doc_helpers import MAX_TOKENS
 
     hf, processor, path = tiny_llava
-    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("llava_docs"), DOC_MAX_TOKENS)
+    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("llava_docs"), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def qwen_docs(tiny_qwen2_vl, tmp_path_factory):
     """The tiny Qwen2-VL (or Qwen2.5-VL) likewise."""
     from doc_scripts import greedy_copy
+    from mm_doc_helpers import MAX_TOKENS
 
     hf, processor, path = tiny_qwen2_vl
-    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("qwen2_vl_docs"), DOC_MAX_TOKENS)
+    return hf, processor, greedy_copy(path, tmp_path_factory.mktemp("qwen2_vl_docs"), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

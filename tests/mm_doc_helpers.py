@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-MAX_TOKENS = 8  # the fixtures' generation default (DOC_MAX_TOKENS in tests/conftest.py)
+MAX_TOKENS = 8  # the generation default of the fixtures llava_docs and qwen_docs (tests/conftest.py)
 EOS_ID = 96  # the char tokenizer's </s>: pagedllm stops there, HF's tiny models (no eos in their config) go on
 LLAVA_HUB = ("llava-hf/llava-1.5-7b-hf", "microsoft/Phi-3.5-vision-instruct")
 QWEN_HUB = ("Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
