@@ -61,9 +61,15 @@ def test_bad_values_are_errors():
         SchedulerConfig(long_prefill_token_threshold=1.5)
 
 
-def test_engine_args_and_flag_reach_the_scheduler():
-    config = EngineArgs(model="unused", long_prefill_token_threshold=256)
-    assert config.long_prefill_token_threshold == 256
+def test_engine_args_and_flag_reach_the_scheduler(tmp_path_factory):
+    import transformers
+    from tiny_models import TINY_DECODER, save_tiny_decoder
+
+    _, path = save_tiny_decoder(
+        "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
+    )
+    args = EngineArgs(model=path, device="cpu", skip_tokenizer_init=True, long_prefill_token_threshold=256)
+    assert args.create_engine_config().scheduler.long_prefill_token_threshold == 256
     from pagedllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
