@@ -109,15 +109,18 @@ class MultiModalProcessor:
                 items = list(value) if isinstance(value, (list, tuple)) else [value]
                 for j, item in enumerate(items):
                     check_image(item, f"{where}.multi_modal_data[{modality!r}][{j}]")
-            limit = self.config.limit_per_prompt.get(modality)
-            if limit is not None and len(items) > limit:
-                raise ValueError(
-                    f"{where}.multi_modal_data[{modality!r}] has {len(items)} items, more than "
-                    f"limit_mm_per_prompt[{modality!r}]={limit}: allowed range [0, {limit}]"
-                )
+            self._check_limit(modality, len(items), where)
             if items:
                 out[modality] = items
         return out
+
+    def _check_limit(self, modality: str, count: int, where: str) -> None:
+        limit = self.config.limit_per_prompt.get(modality)
+        if limit is not None and count > limit:
+            raise ValueError(
+                f"{where}.multi_modal_data[{modality!r}] has {count} items, more than "
+                f"limit_mm_per_prompt[{modality!r}]={limit}: allowed range [0, {limit}]"
+            )
 
     def _embeddings(self, value: Any, where: str) -> list[torch.Tensor] | None:
         """Precomputed image embeddings (enable_mm_embeds) as one [feature_size, hidden] tensor per image, from a

@@ -109,14 +109,6 @@ class Qwen2VLProcessor(MultiModalProcessor):
             out["video"] = frames
         return out
 
-    def _check_limit(self, modality: str, count: int, where: str) -> None:
-        limit = self.config.limit_per_prompt.get(modality)
-        if limit is not None and count > limit:
-            raise ValueError(
-                f"{where}.multi_modal_data[{modality!r}] has {count} items, more than "
-                f"limit_mm_per_prompt[{modality!r}]={limit}: allowed range [0, {limit}]"
-            )
-
     def _embeddings(self, value: Any, where: str) -> list | None:
         if any(isinstance(v, torch.Tensor) for v in (value if isinstance(value, (list, tuple)) else [value])):
             raise ValueError(
