@@ -26,7 +26,7 @@ Method, in order:
     python benchmarks/serve_sweep.py --no-append                           # ~4 min on an H100
     python benchmarks/serve_sweep.py --engine-args "--max-model-len 4096 --max-num-batched-tokens 1024" --no-append
     python benchmarks/serve_sweep.py --bundled --rates 1,4 --input-len 32 --output-len 8 --num-prompts 8 \\
-        --offline-prompts 8 --engine-args "--max-model-len 512" --plot /tmp/sweep.png --no-append  # CPU smoke
+        --offline-prompts 8 --engine-args "--max-model-len 512" --plot sweep.png --no-append  # CPU smoke
 """
 
 from __future__ import annotations
