@@ -61,14 +61,18 @@ def test_bad_values_are_errors():
         SchedulerConfig(long_prefill_token_threshold=1.5)
 
 
-def test_engine_args_and_flag_reach_the_scheduler(tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
     import transformers
     from tiny_models import TINY_DECODER, save_tiny_decoder
 
-    _, path = save_tiny_decoder(
+    return save_tiny_decoder(
         "llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY_DECODER), tmp_path_factory
-    )
-    args = EngineArgs(model=path, device="cpu", skip_tokenizer_init=True, long_prefill_token_threshold=256)
+    )[1]
+
+
+def test_engine_args_and_flag_reach_the_scheduler(tiny_llama):
+    args = EngineArgs(model=tiny_llama, device="cpu", skip_tokenizer_init=True, long_prefill_token_threshold=256)
     assert args.create_engine_config().scheduler.long_prefill_token_threshold == 256
     from pagedllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -77,13 +81,25 @@ def test_engine_args_and_flag_reach_the_scheduler(tmp_path_factory):
     assert args.long_prefill_token_threshold == 128
 
 
-@pytest.mark.slow
-def test_greedy_tokens_are_the_same_with_the_threshold(smollm2):
-    prompts = ["The history of the printing press begins " * 6, "Hi"]
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    outs = []
+def test_greedy_tokens_and_logprobs_are_the_same_with_the_threshold(tiny_llama):
+    prompts = [{"prompt_token_ids": [(7 * i) % 250 + 1 for i in range(45)]}, {"prompt_token_ids": [3, 4]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs, steps = [], []
     for threshold in (0, 8):
-        llm = LLM(smollm2, dtype="float32", long_prefill_token_threshold=threshold, kv_cache_memory_bytes=1 << 26)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm = LLM(
+            tiny_llama,
+            device="cpu",
+            dtype="float32",
+            skip_tokenizer_init=True,
+            long_prefill_token_threshold=threshold,
+            kv_cache_memory_bytes=1 << 22,
+        )
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+        steps.append(llm.llm_engine.core.scheduler.num_steps)
         del llm
-    assert outs[0] == outs[1]
+    assert steps[1] > steps[0]  # the 45-token prompt went in chunks of 8
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lq = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        assert lp == pytest.approx(lq, abs=1e-4)
