@@ -252,7 +252,10 @@ def bench_batched(args: argparse.Namespace, llm: Any, peer: LlamaCpp) -> dict[st
     peer.run_batch(prompts[:4], 8, 4)
     if hf:
         hf.run(prompts[:4], 8)
-    sweep = {p: tokens / peer.run_batch(prompts, args.max_tokens, p)[1] for p in args.parallel}
+    sweep = {}
+    for p in args.parallel:
+        sweep[p] = tokens / peer.run_batch(prompts, args.max_tokens, p)[1]
+        print(f"llama.cpp, {p} sequences: {sweep[p]:.1f} tok/s (load {load()})", file=sys.stderr, flush=True)
     best = max(sweep, key=sweep.__getitem__)
     runs: dict[str, list[float]] = {"pagedllm": [], "llamacpp": [], "hf": []}
     seqs: dict[str, list[list[int]]] = {}
@@ -266,6 +269,7 @@ def bench_batched(args: argparse.Namespace, llm: Any, peer: LlamaCpp) -> dict[st
         for name, run in engines.items():
             seqs[name], seconds = run()
             runs[name].append(tokens / seconds)
+            print(f"{name}: {tokens / seconds:.1f} tok/s (load {load()})", file=sys.stderr, flush=True)
     loads.append(load())
     figures = {f"{name}_tok_s": rounded(statistics.median(r)) for name, r in runs.items() if r} | {
         f"{name}_tok_s_runs": [rounded(x) for x in r] for name, r in runs.items() if r
