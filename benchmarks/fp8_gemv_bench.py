@@ -51,16 +51,7 @@ def time_us(fns) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS):
             fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+    return replay_us(graph, 10)
 
 
 def sweep_us(fns, replays: int = 5) -> float:
@@ -77,6 +68,11 @@ def sweep_us(fns, replays: int = 5) -> float:
             fns[i % len(fns)]()
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
+    return replay_us(graph, replays)
+
+
+def replay_us(graph, replays: int) -> float:
+    """Median microseconds per call over `replays` timed replays of a graph of CALLS calls (one untimed first)."""
     graph.replay()
     times = []
     for _ in range(replays):

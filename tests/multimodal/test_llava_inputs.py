@@ -8,6 +8,7 @@ import io
 
 import numpy as np
 import pytest
+from doc_scripts import http_folder
 from mm_prompts import make_llm
 from test_llava import GREEDY, tokens
 from tiny_llava import hf_generate, image
@@ -65,20 +66,8 @@ def test_chat_file_url_under_the_allowed_directory(tiny_llava, tmp_path):
 @pytest.fixture
 def image_host(tmp_path):
     """An HTTP server on 127.0.0.1 serving tmp_path; yields its base URL."""
-    import functools
-    import http.server
-    import threading
-
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    handler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        thread.join(10)
+    with http_folder(tmp_path) as url:
+        yield url
 
 
 def test_chat_http_url_fetched_within_limits(llava, tiny_llava, image_host, tmp_path, monkeypatch):
