@@ -14,6 +14,10 @@ how many leading positions of its request hold draft KV (`valid`, reset when the
 - passes 2..K feed draft i - 1 at the next position (one token per row: a decode, replayed from CUDA graphs on a
   GPU) and give draft i. The drafts stay on the device until the one copy of all of them at the end.
 
+On a GPU the draft's graphs end with its LM head and argmax (each pass's output is the rows' next tokens), and
+passes 2..K take their inputs in one upload and load them into the graphs' buffers on the device: the host queues
+all K passes without waiting for any.
+
 Positions past the blocks a request holds (its last token's and the drafts', whose blocks the scheduler allocates
 only when it schedules them) are written to scratch blocks after the shared ones, a few per row, and never count
 as valid: the next pass 1 computes them again where the target computed them."""
@@ -116,12 +120,16 @@ def scratch_block_tables(batch, rows: np.ndarray, num_blocks: int, scratch_per_r
 
 def proposer_graphs(proposer, target: CudaGraphRunner, num_kv_heads: int, extra=None):
     """A proposer's graph runners (lazy capture as the target's): one token per row (the target's decode sizes), and
-    up to K + 1 per row (its verify sizes: no drafts above them). extra: the model's third input, (width, dtype)."""
+    up to K + 1 per row (its verify sizes: no drafts above them). extra: the model's third input, (width, dtype).
+    A proposer with a `greedy_head` gets it inside its graphs: they give each row's next token."""
     verify = getattr(proposer.runner, "verify_graphs", None)
+    head = getattr(proposer, "greedy_head", None)
     runners = []
     for sizes, q_len in ((target.sizes, 1), (verify.sizes if verify is not None else target.sizes, proposer.k + 1)):
         args = (proposer.model, proposer.backend, sizes, target.max_blocks, proposer.block_size, proposer.max_model_len)
-        runners.append(CudaGraphRunner(*args, num_kv_heads, proposer.device, None, target.lazy, q_len, extra))
+        runners.append(
+            CudaGraphRunner(*args, num_kv_heads, proposer.device, None, target.lazy, q_len, extra, head=head)
+        )
     return tuple(runners)
 
 
@@ -235,10 +243,15 @@ class DraftModelProposer:
     def record_step(self, flat, hidden: torch.Tensor, drafts: dict[str, list[int]]) -> None:
         """The target's step (its flat batch, hidden states and drafts): EAGLE heads read them; a draft model not."""
 
+    def greedy_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, h] -> each row's greedy next token [rows] (model-dtype logits: their argmax is the float32 one's);
+        inside the draft's graphs on a GPU."""
+        return self.model.compute_logits(hidden, upcast=False).argmax(dim=-1)
+
     def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
         """Positions [start, start + take) of each row, as one flat varlen batch; the rows' `valid` grow over the
         blocks they hold. -> draft 1 of the proposing rows [m] on the device (None: no row proposes). In the steady
-        state every row needs its last one or two tokens: a graph of K + 1 tokens per row replays it (_forward)."""
+        state every row needs its last one or two tokens: a graph of K + 1 tokens per row replays it (_pass)."""
         if not len(rows):
             return None
         b = self.runner.batch
@@ -248,46 +261,64 @@ class DraftModelProposer:
         np.cumsum(take, out=cu[1:])
         req_idx = np.repeat(np.arange(len(rows)), take)  # [num_tokens]
         positions = start[req_idx] + np.arange(int(cu[-1])) - cu[req_idx]
-        hidden = self._forward(b.token_ids[rows[req_idx], positions], positions, cu, seq_lens, table)
+        tokens = self._pass(b.token_ids[rows[req_idx], positions], positions, cu, seq_lens, table)  # [rows]
         self.valid[rows] = np.minimum(seq_lens, b.num_blocks[rows] * self.block_size)
         if not proposing.any():
             return None
-        last = cu[1:][proposing] - 1  # [m] each proposing row's last token
-        return self.model.compute_logits(hidden[self._to_device(last)]).argmax(dim=-1)
+        return tokens if proposing.all() else tokens[self._to_device(np.flatnonzero(proposing))]
 
     def _decode_passes(self, first, num_tokens: np.ndarray, table: np.ndarray, forced) -> torch.Tensor:
         """Passes 2..K: each feeds the previous draft at the next position. first [m] -> drafts [m, K]. forced
-        [m, K] (benchmarks): where >= 0, the draft token fed on and proposed instead of the draft model's."""
-        drafts = [first if forced is None else torch.where(forced[:, 0] >= 0, forced[:, 0], first)]
-        cu = np.arange(len(num_tokens) + 1, dtype=np.int64)
-        for i in range(1, self.k):
-            positions = num_tokens + i - 1  # draft i - 1 sits at position num_tokens + i - 1
-            hidden = self._forward(drafts[-1], positions, cu, positions + 1, table)
-            token = self.model.compute_logits(hidden).argmax(dim=-1)
-            drafts.append(token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token))
+        [m, K] (benchmarks): where >= 0, the draft token fed on and proposed instead of the draft model's. On a GPU
+        the passes' inputs go up in two copies and the graphs replay back to back: the host waits for nothing."""
+        drafts = [self._forced(first, forced, 0)]
+        m, n, bsz = len(num_tokens), self.k - 1, self.block_size
+        positions = num_tokens + np.arange(n)[:, None]  # [K - 1, m] draft i - 1 sits at num_tokens + i - 1
+        slots = table[np.arange(m), positions // bsz] * bsz + positions % bsz  # [K - 1, m]
+        picked = pick_graph(self.graphs, None, np.ones(m, dtype=np.int64)) if n else None
+        if picked is None:
+            cu = np.arange(m + 1, dtype=np.int64)
+            for i in range(n):
+                token = self._eager(drafts[-1], positions[i], cu, positions[i] + 1, table, slots[i])
+                drafts.append(self._forced(token, forced, i + 1))
+            return torch.stack(drafts, dim=1)
+        graphs, bs, _ = picked
+        graphs.load_inputs(bs, np.zeros(m, dtype=np.int64), positions[0], slots[0], positions[0] + 1, table)
+        steps = None
+        if n > 1:  # passes 3..K: [K - 2, 3, bs] positions, slots, seq_lens (padding rows 0, -1, 0), one upload
+            host = np.zeros((n - 1, 3, bs), dtype=np.int64)
+            host[:, 1] = -1
+            host[:, 0, :m], host[:, 1, :m], host[:, 2, :m] = positions[1:], slots[1:], positions[1:] + 1
+            steps = self._to_device(host)
+        for i in range(n):
+            graphs.load_step(drafts[-1], steps[i - 1] if i else None)
+            drafts.append(self._forced(graphs.replay(bs, m), forced, i + 1))
         return torch.stack(drafts, dim=1)
 
-    def _forward(self, input_ids: torch.Tensor | np.ndarray, positions, cu, seq_lens, table) -> torch.Tensor:
-        """The draft over one flat batch; input_ids on the device or the host, the rest host arrays. -> hidden
-        [num_tokens, h]. One token per row replays a decode graph, at most K + 1 a first-pass graph; anything else
-        runs eagerly."""
+    @staticmethod
+    def _forced(token: torch.Tensor, forced, i: int) -> torch.Tensor:
+        return token if forced is None else torch.where(forced[:, i] >= 0, forced[:, i], token)
+
+    def _pass(self, input_ids: np.ndarray, positions, cu, seq_lens, table) -> torch.Tensor:
+        """The draft over one flat batch (host arrays) -> the greedy next token of each row's last token [rows] on
+        the device. One token per row replays a decode graph, at most K + 1 a first-pass graph (the head inside
+        them); anything else runs eagerly."""
         b = self.block_size
         req_idx = np.repeat(np.arange(len(seq_lens)), np.diff(cu))
         slots = table[req_idx, positions // b] * b + positions % b  # [num_tokens]
-        n = len(positions)
         picked = pick_graph(self.graphs, self.first_graphs, np.diff(cu))
-        if picked is not None:
-            graphs, bs, query_lens = picked
-            host = isinstance(input_ids, np.ndarray)
-            late = None if host else (torch.arange(n, device=self.device), input_ids)  # (inputs on the device)
-            ids = input_ids if host else np.zeros(n, dtype=np.int64)
-            graphs.load_inputs(bs, ids, positions, slots, seq_lens, table, late, None, query_lens)
-            return graphs.replay(bs, n)
-        if isinstance(input_ids, np.ndarray):
-            input_ids = self._to_device(input_ids)
-        layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), b, self.device)
+        if picked is None:
+            return self._eager(self._to_device(input_ids), positions, cu, seq_lens, table, slots)
+        graphs, bs, query_lens = picked
+        graphs.load_inputs(bs, input_ids, positions, slots, seq_lens, table, None, None, query_lens)
+        return graphs.replay(bs, len(seq_lens))
+
+    def _eager(self, input_ids: torch.Tensor, positions, cu, seq_lens, table, slots) -> torch.Tensor:
+        """_pass without graphs, input_ids on the device."""
+        layout = BatchLayout(cu, seq_lens, table, self._to_device(slots), self.block_size, self.device)
         with forward_context(self.backend.build_metadata(layout)):
-            return self.model(input_ids, self._to_device(positions))
+            hidden = self.model(input_ids, self._to_device(positions))  # [num_tokens, h]
+        return self.greedy_head(hidden if len(hidden) == len(seq_lens) else hidden[self._to_device(cu[1:] - 1)])
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

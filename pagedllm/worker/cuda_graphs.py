@@ -18,6 +18,11 @@ request already has (the kernel places a row's queries at seq_len - q_len ..), s
 keys they would eagerly. The outputs are gathered back to the flat batch's order on the device. An optional extra
 static input (`extra`: an EAGLE head's hidden states) is passed to the model as its third argument.
 
+A proposer's graphs may end with a head (`head`: a draft model's LM head and argmax), applied inside the graph to
+each row's last token's output (with left padding, token (i + 1) * q_len - 1 of row i): such a graph's output is
+per row, and successive decodes over the same rows (a draft's passes 2..K) load their inputs from the device
+(load_step) without the host staging and its wait.
+
 Pipeline stages (distributed/pipeline.py): each rank captures its own layers. A stage after the first takes the
 previous stage's (hidden, residual) as a static input (`intermediate` [2, tokens, hidden], the model's third argument,
 loaded after the receive); a stage before the last returns them as its static outputs. The sends and receives stay
@@ -99,11 +104,13 @@ class CudaGraphRunner:
         q_len: int = 1,
         extra: tuple[int, torch.dtype] | None = None,
         intermediate: tuple[int, torch.dtype] | None = None,
+        head=None,
     ) -> None:
         self.model, self.backend, self.sizes = model, backend, sorted(sizes)
         self.lora = lora  # StaticLoRAMapping (lora/mapping.py) of max_size * q_len tokens; None: LoRA is off
         self.lazy = lazy  # sizes outside start_sizes are captured when first used
         self.q_len = q_len  # query tokens per row
+        self.head = head  # None, or (each row's last token's output [bs, hidden]) -> per-row output [bs, ...]
         self.capture_graphs = device.type == "cuda"  # else the static buffers run eagerly (tests)
         self.max_size, self.max_blocks, self.device = self.sizes[-1], max_blocks, device
         n, t = self.max_size, self.max_size * q_len
@@ -177,7 +184,8 @@ class CudaGraphRunner:
         if self.intermediate is not None:
             extra = ((self.intermediate[0, :t], self.intermediate[1, :t]),)
         with forward_context(self.metas[bs], self.lora.view(t) if self.lora is not None else None):
-            return self.model(self.dev_i64[0, :t], self.dev_i64[1, :t], *extra)  # [t, hidden] (or a tuple)
+            out = self.model(self.dev_i64[0, :t], self.dev_i64[1, :t], *extra)  # [t, hidden] (or a tuple)
+        return out if self.head is None else self.head(out[self.q_len - 1 :: self.q_len])  # (head: [bs, ...])
 
     @torch.inference_mode()
     def capture(self, pool=None) -> float:
@@ -241,6 +249,16 @@ class CudaGraphRunner:
         if late is not None:
             self.dev_i64[0].index_copy_(0, self.dev_i64[3, : len(dest)][late[0]] if q > 1 else late[0], late[1])
 
+    def load_step(self, input_ids: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """A decode (q_len 1) over the rows and block tables of the last load_inputs, its inputs from the device: no
+        host staging, so no wait. input_ids [n] into the first n rows (the padding rows keep token 0); values
+        [3, bs] int64: positions, slots, seq_lens of all bs rows (padding rows: 0, -1, 0), None: unchanged."""
+        self.dev_i64[0, : len(input_ids)].copy_(input_ids)
+        if values is not None:
+            bs = values.shape[1]
+            self.dev_i64[1:3, :bs].copy_(values[:2])
+            self.dev_i32[:bs].copy_(values[2])
+
     def _places(self, query_lens, n: int, num_tokens: int) -> np.ndarray:
         """Each flat token's row in the graph's layout: row i's tokens end at (i + 1) * q_len (left padding)."""
         if query_lens is None or self.q_len == 1:
@@ -264,14 +282,15 @@ class CudaGraphRunner:
 
     def replay(self, bs: int, num_tokens: int):
         """Runs the graph of size bs over the loaded inputs (off CUDA: the model eagerly over them); its rows of the
-        num_tokens flat tokens, [num_tokens, hidden] (or a tuple of them)."""
+        num_tokens flat tokens, [num_tokens, hidden] (or a tuple of them). With a head: the head's outputs of the
+        first num_tokens rows (num_tokens counts rows)."""
         self.num_replays += 1
         if bs in self.graphs:
             self.graphs[bs].replay()
             out = self.outputs[bs]
         else:
             out = self.forward_eager(bs)
-        if self.q_len == 1:
+        if self.q_len == 1 or self.head is not None:
             return tuple(o[:num_tokens] for o in out) if isinstance(out, tuple) else out[:num_tokens]
         index = self.dev_i64[3, :num_tokens]
         return tuple(o.index_select(0, index) for o in out) if isinstance(out, tuple) else out.index_select(0, index)

@@ -6,6 +6,7 @@ back off (spec_decode/policy.py), and the outputs are still exact."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -192,6 +193,60 @@ def test_draft_with_another_vocabulary_is_refused(target, tmp_path_factory):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"vocab_size=300, the target model .* has 320: .* target's tokenizer"):
         make_llm(target, path)
+
+
+class CountingEvent:
+    """A graph runner's copy event off CUDA: counts the host's waits on it (each a stall on a GPU)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+    def record(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs without a GPU only")
+def test_draft_passes_through_static_buffers_wait_on_the_host_at_most_twice(target):
+    """The draft's passes over the graph runners' static buffers (LM head and argmax inside them): a proposal's
+    host staging waits (one per load_inputs) are at most two, whatever K (passes 3..K load from the device); forced
+    drafts are proposed and fed on; the outputs equal those without speculation."""
+    pytest.importorskip("triton")
+    from static_graphs import make_static
+
+    k = 5
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": k}
+    llm = LLM(target, dtype="float32", skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    make_static(llm)
+    drafter = llm.llm_engine.core.executor.runner.drafter
+    drafter.graphs.copy_done, drafter.first_graphs.copy_done = CountingEvent(), CountingEvent()
+
+    def force(histories):  # draft 2 forced to token 7 (draft 3 follows it), the others the draft model's
+        out = np.full((len(histories), k), -1, dtype=np.int64)
+        out[:, 1] = 7
+        return out
+
+    proposals, propose = [], drafter.propose
+
+    def recorded(token_ids):
+        proposals.append(propose(token_ids))
+        return proposals[-1]
+
+    drafter.propose, drafter.force_drafts = recorded, force
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS[1:3]
+    reference, _ = run(llm, prompts, params, speculate=False)
+    replays = drafter.graphs.num_replays
+    outputs, (num_drafts, _) = run(llm, prompts, params, speculate=True)
+    assert exact(outputs) == exact(reference) and num_drafts > 0
+    drafts = [d for p in proposals for d in p.values()]
+    assert drafts and all(len(d) == k and d[1] == 7 for d in drafts)
+    waits = drafter.graphs.copy_done.waits + drafter.first_graphs.copy_done.waits
+    assert 0 < waits <= 2 * len(proposals)  # (K per proposal when each pass staged its inputs on the host)
+    assert drafter.graphs.num_replays - replays >= (k - 1) * sum(bool(p) for p in proposals)
+    assert drafter.first_graphs.num_replays > 0
 
 
 @pytest.mark.gpu
