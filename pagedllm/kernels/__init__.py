@@ -20,3 +20,13 @@ def triton_available() -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the fused Triton op runs for `x`: on CUDA tensors when triton is installed (CPU keeps torch)."""
     return x.is_cuda and triton_available()
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) of [rows, vocab]: the sliced Triton kernel on CUDA (kernels/argmax.py), torch's
+    argmax elsewhere."""
+    if not use_triton(logits):
+        return logits.argmax(dim=-1)
+    from pagedllm.kernels.argmax import argmax_rows
+
+    return argmax_rows(logits)

@@ -34,7 +34,7 @@ import random
 import numpy as np
 import torch
 
-from pagedllm.kernels import cpu_sampling
+from pagedllm.kernels import cpu_sampling, greedy_tokens
 from pagedllm.sample import tiles
 from pagedllm.sample.impl import TRITON, choose_impl
 from pagedllm.sample.logits_processors import apply_penalties
@@ -220,7 +220,7 @@ class Sampler:
                 u = np.where(seeded >= 0, seeded, u)
             return cpu_sampling.sample(logits.float(), meta.params, u, self.c_scratch)
         if meta.all_greedy:
-            return logits.argmax(dim=-1) if self.on_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
+            return greedy_tokens(logits) if self.on_cuda else tiles.argmax(logits, tiles.tile_maxima(logits))
         if meta.device_inputs is not None:  # GPU: every row in one kernel
             from pagedllm.kernels.sampling import Logprobs, Memory, sample
 

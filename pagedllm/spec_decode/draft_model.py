@@ -34,6 +34,7 @@ from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.device import to_device
 from pagedllm.forward_context import forward_context
+from pagedllm.kernels import greedy_tokens
 from pagedllm.layers.attention import Attention
 from pagedllm.model_loader.loader import get_model, load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
@@ -246,7 +247,7 @@ class DraftModelProposer:
     def greedy_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, h] -> each row's greedy next token [rows] (model-dtype logits: their argmax is the float32 one's);
         inside the draft's graphs on a GPU."""
-        return self.model.compute_logits(hidden, upcast=False).argmax(dim=-1)
+        return greedy_tokens(self.model.compute_logits(hidden, upcast=False))
 
     def _first_pass(self, rows, start, take, table, proposing) -> torch.Tensor | None:
         """Positions [start, start + take) of each row, as one flat varlen batch; the rows' `valid` grow over the

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.kernels import greedy_tokens
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
@@ -119,7 +120,7 @@ class EagleHead(nn.Module):
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens (target ids) [n] from hidden [n, H]."""
-        best = self.lm_head.compute_logits(hidden).argmax(dim=-1)
+        best = greedy_tokens(self.lm_head.compute_logits(hidden))
         return best + self.d2t[best] if self.eagle3 else best
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
