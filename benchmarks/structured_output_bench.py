@@ -105,7 +105,11 @@ def per_token(llm: LLM, batch: list[str], args, backend: str) -> dict:
             tokens[mode] = n
             if be is not None:
                 finished = sum(o.outputs[0].finish_reason == "stop" for o in outs)
-                valid = sum(_valid(o.outputs[0].text) for o in outs if o.outputs[0].finish_reason == "stop")
+                ended = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+                invalid = [c for c in ended if not _valid(c.text)]
+                valid = len(ended) - len(invalid)
+                for c in invalid[:2]:  # (a row the grammar ended must validate: show what did not)
+                    print(f"invalid output ({len(c.token_ids)} tokens): {c.text!r}", file=sys.stderr)
     return {
         "unconstrained_ms_per_token": rounded(best["unconstrained"] * 1e3, 3),
         "schema_ms_per_token": rounded(best["schema"] * 1e3, 3),
