@@ -46,7 +46,8 @@ def rotary_case(heads, kv_heads, head_dim, dtype, with_norm, cache_dtype, num_to
     if with_norm:
         weights = [(1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)]
         norm = (*weights, 1e-6)
-    num_blocks, block_size = 5, 4
+    block_size = 4
+    num_blocks = -(-2 * num_tokens // block_size)  # half the slots stay unwritten
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[1] = slots[4] = -1
