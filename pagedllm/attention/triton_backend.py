@@ -2,9 +2,10 @@
 
 Same interface as the torch backend: `build_metadata(layout)` once per step (every tensor on the device, built from
 the host arrays of the layout, so no host sync happens inside the forward), then `forward(q, k, v, kv_cache, meta,
-scale, sliding_window, logits_soft_cap=None, alibi_slopes=None)` per layer: one launch writes the new K/V to the
-cache, one launch of the unified kernel attends for all prefill chunks and decodes of the batch, plus one reduce
-launch when split-K is on.
+scale, sliding_window, logits_soft_cap=None, alibi_slopes=None, rope=None, qk_norm=None)` per layer: one launch
+writes the new K/V to the cache (rotating q and k first when `rope` is given), one launch of the unified kernel
+attends for all prefill chunks and decodes of the batch; with split-K its last programs merge the splits (a reduce
+launch only while a CUDA graph is captured and the counter buffer would have to grow).
 
 An FP8 cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) holds K / k_scale and V / v_scale with per-tensor scales
 (`forward(..., k_scale=, v_scale=)`): the write quantizes, the attention kernel dequantizes as it loads."""
@@ -20,9 +21,17 @@ import torch
 
 from pagedllm.attention.common import BatchLayout
 from pagedllm.device import to_device
-from pagedllm.kernels.paged_attention import reduce_splits_kernel, unified_attention_kernel, write_kv_kernel
+from pagedllm.kernels.paged_attention import (
+    reduce_splits_kernel,
+    rotary_write_kv_kernel,
+    unified_attention_kernel,
+    write_kv_kernel,
+)
 
 SUPPORTS_CUDA_GRAPHS = True  # its metadata can live in static buffers; nothing reads them on the host
+SUPPORTS_FUSED_ROTARY = True  # forward(..., rope=) rotates q and k while writing the cache (one launch)
+SPLIT_IN_KERNEL = True  # split-K merged by the attention kernel's last programs, not by reduce_splits_kernel
+REDUCE_ROWS = 16  # (token, head) rows per reduce_splits_kernel program
 MIN_TOKENS_PER_SPLIT = 256  # a split-K run covers at least this many keys
 MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # when no CUDA device can be asked (the interpreter on CPU)
@@ -145,6 +154,10 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -181,6 +194,52 @@ def write_kv(
     )
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per (program, KV head) (at least n), kept per device and left zeroed by every launch;
+    None while a CUDA graph is being captured and the buffer would have to grow (the reduce kernel then merges)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def rotary_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [num_tokens, 1, head_dim // 2]
+    qk_norm: tuple | None = None,  # (q weight [head_dim], k weight [head_dim], eps): per-head RMSNorm first
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:  # rotated q [num_tokens, num_heads, head_dim], contiguous
+    """fused_ops.qk_rotary then write_kv in one launch (the same bits): k is rotated straight into the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, half = k.shape[1], head_dim // 2
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in rope)
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, "cache rows must be contiguous"
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unused without the norm
+    if num_tokens:
+        rotary_write_kv_kernel[(num_tokens,)](
+            q, k, v, cos, sin, q_w, k_w, q_out, kv_cache, slot_mapping, float(eps),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            sin.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), float(k_scale), float(v_scale),
+            NUM_Q=num_heads, NUM_Q_PAD=triton_next_pow2(num_heads), NUM_K=num_kv_heads,
+            NUM_K_PAD=triton_next_pow2(num_kv_heads), HALF=half, HALF_PAD=triton_next_pow2(half),
+            HAS_NORM=qk_norm is not None, BLOCK_SIZE=kv_cache.shape[2], FP8_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
+            num_warps=4,
+        )  # fmt: skip
+    return q_out
+
+
 def forward(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -193,10 +252,15 @@ def forward(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     k_scale: float = 1.0,  # FP8 cache only: its per-tensor scales
     v_scale: float = 1.0,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin: q and k not rotated yet (rotary_write_kv)
+    qk_norm: tuple | None = None,  # with rope: (q weight, k weight, eps) of a per-head RMSNorm before the rotary
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if kv_cache.dtype not in FP8_MAX:
         k_scale = v_scale = 1.0
-    write_kv(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    if rope is not None:
+        q = rotary_write_kv(q, k, v, kv_cache, meta.slot_mapping, rope, qk_norm, k_scale, v_scale)
+    else:
+        write_kv(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -212,38 +276,36 @@ def forward(
     num_splits = meta.num_splits or choose_num_splits(
         num_programs * num_kv_heads, meta.max_seq_len, meta.max_query_len, num_sms(q.device)
     )
-    part_out = part_lse = out  # unused placeholders when there is no split
+    part_out = part_lse = counters = out  # unused placeholders when there is no split
+    split_mode = 0
     if num_splits > 1:
         part_out = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
         )  # [num_tokens, num_heads, num_splits, head_dim_pad]
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        found = split_counters(q.device, num_programs * num_kv_heads) if SPLIT_IN_KERNEL else None
+        split_mode = 1 if found is None else 2
+        counters = out if found is None else found
     tiles = (block_q, block_m, block_n, num_warps, num_stages)
     extras = (sliding_window, logits_soft_cap, alibi_slopes, v_scale)
     grid = (num_programs, num_kv_heads, num_splits)
     # q . (k_scale * k8) = k_scale * (q . k8): k_scale joins the score scale
-    _launch_unified((out, part_out, part_lse), q, kv_cache, meta, scale * k_scale, extras, tiles, grid)
-    if num_splits > 1:
-        reduce_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            num_heads,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            SPLITS_PAD=triton_next_pow2(max(num_splits, MAX_SPLITS)),  # one compiled variant for the usual counts
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-        )
+    outs = (out, part_out, part_lse, counters)
+    _launch_unified(outs, q, kv_cache, meta, scale * k_scale, extras, tiles, grid, split_mode)
+    if split_mode == 1:
+        num_rows = num_tokens * num_heads
+        reduce_splits_kernel[(triton_cdiv(num_rows, REDUCE_ROWS),)](
+            out, part_out, part_lse, num_rows, num_heads, num_splits, out.stride(0), out.stride(1),
+            BLOCK_R=REDUCE_ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        )  # fmt: skip
     return out
 
 
-def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[int, int, int]) -> None:
-    """The attention kernel over the flat batch: outs = (out, partial outputs, partial log-sum-exps), extras =
-    (sliding window, logit soft-cap, ALiBi slopes, the output's scale), tiles = (BLOCK_Q, BLOCK_M, BLOCK_N, warps,
-    stages), grid = (programs, KV heads, splits)."""
-    out, part_out, part_lse = outs
+def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[int, int, int], split: int) -> None:
+    """The attention kernel over the flat batch: outs = (out, partial outputs, partial log-sum-exps, split counters
+    (split 2) or a placeholder), extras = (sliding window, logit soft-cap, ALiBi slopes, the output's scale), tiles =
+    (BLOCK_Q, BLOCK_M, BLOCK_N, warps, stages), grid = (programs, KV heads, splits), split = the kernel's SPLIT."""
+    out, part_out, part_lse, counters = outs
     sliding_window, logits_soft_cap, alibi_slopes, out_scale = extras
     block_q, block_m, block_n, num_warps, num_stages = tiles
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -252,6 +314,7 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         out,
         part_out,
         part_lse,
+        counters,
         q,
         kv_cache,
         meta.block_table,
@@ -282,7 +345,7 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton_next_pow2(head_dim)),
         BLOCK_SIZE=kv_cache.shape[2],
-        SPLIT=num_splits > 1,
+        SPLIT=split,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=bool(logits_soft_cap),
         USE_ALIBI=alibi_slopes is not None,

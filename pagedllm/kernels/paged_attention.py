@@ -1,5 +1,6 @@
 """Paged attention in Triton: one kernel for varlen prefill chunks and decodes over the paged KV cache, its
-split-K (flash-decoding) reduce, and the KV-cache write.
+split-K (flash-decoding) reduce, and the KV-cache write (`write_kv_kernel`, or `rotary_write_kv_kernel`, which first
+applies the rotary, and Qwen3's per-head q/k norm, to q and k: one launch instead of two).
 
 Tiling. A program owns BLOCK_Q query tokens of one request and all GROUP query heads that share one KV head, so its
 tile has BLOCK_M = next_pow2(BLOCK_Q * GROUP) rows (row r: token r // GROUP, head r % GROUP); each K/V tile of
@@ -14,7 +15,9 @@ program ids [start(i), start(i + 1)) with start(i) = qsl[i] // BLOCK_Q + i (an u
 extra program exits at once), or start(i) = qsl[i] when BLOCK_Q == 1. No host data beyond the grid size is needed.
 
 Split-K: with SPLIT the third grid axis splits each request's key range into num_splits equal runs of
-tiles; each writes its normalized partial output and log2-sum-exp, and `_reduce_splits_kernel` combines them.
+tiles; each writes its normalized partial output and log2-sum-exp. The last split of a (program, KV head) to finish
+(an atomic counter per pair, re-zeroed by that program) combines them; without a counter buffer
+`reduce_splits_kernel` does, in a second launch (the same arithmetic, so the same bits).
 
 FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales, written by `write_kv_kernel`).
 The attention kernel widens each loaded tile to the query's dtype; k_scale is folded into the score scale by the
@@ -137,6 +140,7 @@ def unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (not SPLIT)
     part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32 (SPLIT)
     part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (SPLIT)
+    cnt_ptr,  # [programs * num_kv_heads] int32, zero (SPLIT == 2): finished splits of each (program, KV head)
     q_ptr,  # [num_tokens, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_table_ptr,  # [num_reqs, max_blocks] int32
@@ -167,7 +171,7 @@ def unified_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr,  # 0: no split; 1: partials for reduce_splits_kernel; 2: merged by the last program
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,  # scores become cap * tanh(scores / cap)
     USE_ALIBI: tl.constexpr,  # scores gain slope[head] * (key_pos - q_pos)
@@ -257,39 +261,75 @@ def unified_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        if SPLIT == 2:  # the (program, KV head)'s last split to finish merges all, then re-zeroes the counter
+            tl.debug_barrier()  # every thread's partials stored before the program counts itself done
+            cnt = cnt_ptr + pid * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(cnt, 1, sem="acq_rel")  # release ours, acquire the others'
+            if done == num_splits - 1:
+                o_off = tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+                _merge_splits(
+                    out_ptr, part_out_ptr, part_lse_ptr, part - split, o_off, row_ok, num_splits, offs_d, d_ok,
+                    BLOCK_M, HEAD_DIM_PAD,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt, 0)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def _merge_splits(
+    out_ptr,
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    part_row,  # [R] int64: (token * num_heads + head) * num_splits of each row
+    o_off,  # [R, HEAD_DIM_PAD] offsets into out
+    row_ok,  # [R]
+    num_splits,
+    offs_d,  # [HEAD_DIM_PAD]
+    d_ok,  # [HEAD_DIM_PAD]
+    R: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Combines each row's split partial outputs by their log2-sum-exps, splits in order 0, 1, ... and elementwise
+    per row, so the reduce kernel and the attention kernel's last program give the same bits. Loads bypass L1 (.cg):
+    other programs wrote the partials."""
+    m = tl.full([R], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + part_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    acc = tl.zeros([R, HEAD_DIM_PAD], dtype=tl.float32)
+    w_sum = tl.zeros([R], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + part_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # empty splits weigh nothing
+        part_ptr = part_out_ptr + (part_row + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+        acc += tl.load(part_ptr, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
+        w_sum += w
+    out = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
 def reduce_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32
     part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    num_rows,  # num_tokens * num_heads
     num_heads,
     num_splits,
     stride_o_tok,
     stride_o_head,
-    SPLITS_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
-    """Combines the split partial outputs of one (token, head) by their log2-sum-exp."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    row = tok * num_heads + head
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_ok = offs_s < num_splits
+    """Combines the split partial outputs of BLOCK_R (token, head) rows (when the attention kernel's last
+    programs cannot: no counter buffer)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    row_ok = r < num_rows
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
-    m = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # empty splits weigh nothing
-    parts = tl.load(
-        part_out_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )  # [SPLITS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    o_off = tok * stride_o_tok + head * stride_o_head + offs_d
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    o_off = (r // num_heads)[:, None] * stride_o_tok + (r % num_heads)[:, None] * stride_o_head + offs_d[None, :]
+    _merge_splits(
+        out_ptr, part_out_ptr, part_lse_ptr, r * num_splits, o_off, row_ok, num_splits, offs_d, offs_d < HEAD_DIM,
+        BLOCK_R, HEAD_DIM_PAD,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -322,3 +362,101 @@ def write_kv_kernel(
         v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
     tl.store(kv_cache_ptr + dst, k.to(kv_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(kv_cache_ptr + stride_kv + dst, v.to(kv_cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_head, w_ptr, cos, sin, eps, NUM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, ok,
+):  # fmt: skip
+    """(first halves, second halves) [NUM_PAD, HALF_PAD] of one token's heads, per-head RMS-normalized (HAS_NORM)
+    and rotated, rounded to x's dtype: the arithmetic of fused_ops.qk_rotary, so the same bits."""
+    heads = tl.arange(0, NUM_PAD)
+    offs = tl.arange(0, HALF_PAD)
+    d_ok = offs < HALF
+    x_off = heads[:, None] * stride_head + offs[None, :]  # [NUM_PAD, HALF_PAD]
+    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
+    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:  # as RMSNorm: normalized in fp32, rounded to the model dtype, times the weight, rounded again
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        a = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+
+
+@triton.jit
+def rotary_write_kv_kernel(
+    q_ptr,  # [num_tokens, NUM_Q, head_dim] (any token and head strides)
+    k_ptr,  # [num_tokens, NUM_K, head_dim]
+    v_ptr,  # [num_tokens, NUM_K, head_dim]
+    cos_ptr,  # [num_tokens, 1, HALF]
+    sin_ptr,  # [num_tokens, 1, HALF]
+    q_w_ptr,  # [head_dim] (HAS_NORM)
+    k_w_ptr,  # [head_dim] (HAS_NORM)
+    q_out_ptr,  # [num_tokens, NUM_Q, head_dim] contiguous
+    kv_cache_ptr,  # [2, num_blocks, block_size, NUM_K, head_dim], rows contiguous
+    slot_mapping_ptr,  # [num_tokens] int64, -1: padding, k/v not written
+    eps,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cos,
+    stride_sin,
+    stride_kv,
+    stride_blk,
+    stride_slot,
+    k_scale,  # FP8 cache only: it stores k / k_scale
+    v_scale,  # FP8 cache only: it stores v / v_scale
+    NUM_Q: tl.constexpr,
+    NUM_Q_PAD: tl.constexpr,
+    NUM_K: tl.constexpr,
+    NUM_K_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0.0: the cache has the dtype of k/v; else the largest finite value of its FP8 format
+):
+    """One token per program: rotary (after the per-head norm) of its q heads into q_out, and of its k heads, which
+    go with its v heads straight into the cache slot (qk_rotary then write_kv_kernel in one launch)."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, HALF_PAD)
+    d_ok = offs < HALF
+    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    q_heads = tl.arange(0, NUM_Q_PAD)
+    q_ok = (q_heads < NUM_Q)[:, None] & d_ok[None, :]
+    q1, q2 = _rotate_heads(
+        q_ptr + tok * stride_q_tok, stride_q_head, q_w_ptr, cos, sin, eps, NUM_Q_PAD, HALF, HALF_PAD, HAS_NORM, q_ok
+    )  # fmt: skip
+    q_off = tok * NUM_Q * 2 * HALF + q_heads[:, None] * 2 * HALF + offs[None, :]
+    tl.store(q_out_ptr + q_off, q1, mask=q_ok)
+    tl.store(q_out_ptr + q_off + HALF, q2, mask=q_ok)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        k_heads = tl.arange(0, NUM_K_PAD)
+        ok = (k_heads < NUM_K)[:, None] & d_ok[None, :]
+        k1, k2 = _rotate_heads(
+            k_ptr + tok * stride_k_tok, stride_k_head, k_w_ptr, cos, sin, eps, NUM_K_PAD, HALF, HALF_PAD, HAS_NORM, ok
+        )  # fmt: skip
+        v_off = tok * stride_v_tok + k_heads[:, None] * stride_v_head + offs[None, :]
+        v1 = tl.load(v_ptr + v_off, mask=ok)
+        v2 = tl.load(v_ptr + v_off + HALF, mask=ok)
+        if FP8_MAX > 0.0:  # saturate, then round to nearest (as write_kv_kernel)
+            k1 = tl.minimum(tl.maximum(k1.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+            k2 = tl.minimum(tl.maximum(k2.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+            v1 = tl.minimum(tl.maximum(v1.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+            v2 = tl.minimum(tl.maximum(v2.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_slot
+        dst = dst + k_heads[:, None] * 2 * HALF + offs[None, :]  # [NUM_K_PAD, HALF_PAD]
+        ty = kv_cache_ptr.dtype.element_ty
+        tl.store(kv_cache_ptr + dst, k1.to(ty), mask=ok)
+        tl.store(kv_cache_ptr + dst + HALF, k2.to(ty), mask=ok)
+        tl.store(kv_cache_ptr + stride_kv + dst, v1.to(ty), mask=ok)
+        tl.store(kv_cache_ptr + stride_kv + dst + HALF, v2.to(ty), mask=ok)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.forward_context import get_attn_metadata
+from pagedllm.layers.rotary_embedding import apply_qk_rotary
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # checkpoint name endings of the per-tensor KV-cache scales: `<attention module>.k_scale` (compressed-tensors,
@@ -49,17 +50,37 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim], bound later
         self.backend = None  # module with forward(q, k, v, kv_cache, meta, scale, sliding_window), bound later
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim] -> same shape as q."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norms: tuple | None = None,
+    ) -> torch.Tensor:
+        """q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim] -> same shape as q.
+        rope: (cos, sin) when q and k are not rotated yet (rotate-half over the whole head), qk_norms: the per-head
+        (q_norm, k_norm) RMSNorm layers applied before it (Qwen3). A backend with SUPPORTS_FUSED_ROTARY rotates
+        while it writes the cache; otherwise apply_qk_rotary runs first."""
         n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         extras = self.extras
         if self.alibi_slopes is not None:
             extras = {**extras, "alibi_slopes": self.alibi_slopes}
         if self.kv_cache is not None and self.kv_cache.dtype in FP8_KV_DTYPES:
             extras = {**extras, "k_scale": self.k_scale, "v_scale": self.v_scale}
+        if rope is not None:
+            if getattr(self.backend, "SUPPORTS_FUSED_ROTARY", False) and rope[0].shape[-1] * 2 == self.head_dim:
+                extras = {**extras, "rope": rope}
+                if qk_norms is not None:
+                    assert qk_norms[0].eps == qk_norms[1].eps, "one epsilon for both norms"
+                    extras["qk_norm"] = (qk_norms[0].weight, qk_norms[1].weight, qk_norms[0].eps)
+            else:
+                q, k = apply_qk_rotary(q, k, rope, qk_norms)
         out = self.backend.forward(
-            q.view(n, self.num_heads, self.head_dim),
-            k.view(n, self.num_kv_heads, self.head_dim),
+            q,
+            k,
             v.view(n, self.num_kv_heads, self.head_dim),
             self.kv_cache,
             get_attn_metadata(),

@@ -11,7 +11,7 @@ from pagedllm.layers.build_context import current_build_context, stage_layers
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.utils import (
@@ -90,12 +90,11 @@ class LlamaAttention(nn.Module):
         return bias, bias
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        q, k = apply_qk_rotary(q, k, rope, (self.q_norm, self.k_norm) if self.qk_norm else None)
-        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
+        # rotary (after Qwen3's per-head norms) inside the attention layer: fused with the cache write when the
+        # backend can
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        return self.o_proj(self.attn(q, k, v, rope=rope, qk_norms=norms))
 
 
 class LlamaDecoderLayer(nn.Module):

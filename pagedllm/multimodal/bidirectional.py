@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagedllm.layers.attention import FP8_KV_DTYPES, Attention
+from pagedllm.layers.rotary_embedding import apply_qk_rotary
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 
@@ -52,11 +53,16 @@ class ImageBidirectionalAttention(Attention):
 
     spans: list[ImageSpan] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None, qk_norms=None) -> torch.Tensor:
+        n = q.shape[0]
+        if rope is not None:  # the image rows attend again with the rotated q: rotated here, not in the backend
+            q, k = apply_qk_rotary(
+                q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), rope, qk_norms
+            )
+            q, k = q.reshape(n, -1), k.reshape(n, -1)
         out = super().forward(q, k, v)  # [num_tokens, num_heads * head_dim]; the step's K/V are now cached
         if not self.spans:
             return out
-        n = q.shape[0]
         q, out = q.view(n, self.num_heads, self.head_dim), out.view(n, self.num_heads, self.head_dim).clone()
         for span in self.spans:
             rows = slice(span.row_start, span.row_start + len(span.positions))

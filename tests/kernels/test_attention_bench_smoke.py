@@ -57,3 +57,17 @@ def test_sweep_prints_each_config_and_the_best(capsys, monkeypatch):
     assert tuple(record["best_config"]) in [(64, 32, 4, 2), (128, 16, 8, 3)] and record["best_max_abs_diff"] < 0.05
     # the 8k prefill shrunk 256: 32 tokens
     assert record["heads"] == 32 and record["default_ms"] > 0 and record["configs_skipped"] == 0
+
+
+@pytest.mark.slow
+def test_fusion_bench_prints_identical_sides(capsys):
+    """benchmarks/decode_attention_fusion.py: one line per workload, the fused and unfused launches giving the same
+    bits (output and cache), with and without the per-head q/k norm."""
+    from benchmarks import decode_attention_fusion
+
+    for extra in ([], ["--qk-norm"]):
+        decode_attention_fusion.main(["--shrink", "64", "--iters", "1", "--warmup", "0", "--no-append", *extra])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["workload"] for r in lines] == [f"attention-fusion-{n}" for n in decode_attention_fusion.WORKLOADS] * 2
+    assert all(r["identical"] and r["fused_us"] > 0 and r["unfused_us"] > 0 for r in lines)
+    assert [r["qk_norm"] for r in lines] == [False] * 3 + [True] * 3
