@@ -239,9 +239,16 @@ class PendingBitmasks(Mapping):
         return self.future is None
 
     def __getitem__(self, req_id: str) -> np.ndarray:
+        return self.result()[req_id]
+
+    def get(self, req_id: str, default=None):
+        return self.result().get(req_id, default)  # (no KeyError raised and caught for each unmasked row)
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The masks, once filled (waits for the filler)."""
         if self.future is None:
             raise RuntimeError("grammar bitmasks read before they were filled")
-        return self.future.result()[req_id]
+        return self.future.result()
 
     def __iter__(self):
         return iter(self.req_ids)
