@@ -131,3 +131,19 @@ def test_masks_never_filled_while_the_grammars_take_tokens(async_llm, monkeypatc
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     assert overlaps and not any(overlaps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_parallel_ranks_with_async_constrained_rows(tiny_llm, tiny_char_model, layout):
+    """Tensor parallelism (the driver samples after the previous step's update, its peers join its logits' gather)
+    and pipeline stages (a constrained request waits for its token) keep the outputs of one synchronous process."""
+    params = [
+        constrained({"temperature": 0.8, "seed": i, "max_tokens": 30}, regex=r"[a-c]{3,9}\.[0-9]") for i in range(3)
+    ] + [SamplingParams(temperature=0, max_tokens=12)]
+    expected = tiny_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    llm = LLM(tiny_char_model, dtype="float32", kv_cache_memory_bytes=8 << 20, async_scheduling=True, **layout)
+    try:
+        assert summary(llm.generate(PROMPTS[:4], params, use_tqdm=False)) == summary(expected)
+    finally:
+        llm.llm_engine.shutdown()
