@@ -1,8 +1,10 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
-scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer each synchronous
-update is followed by a proposal of draft tokens for the next step. Drafts need synchronous steps (a request's last
-token must be known to draft after it): with both, steps run asynchronously without drafts while the batch is above
-disable_by_batch_size, and synchronously with drafts otherwise (the step on the device ends first).
+scheduling a step is: schedule and launch N+1, then update from N (where N+1's grammar masks need N's tokens: its
+forward launched, N's update, the masks filled while the forward runs, then N+1's sampling queued). With a
+speculative proposer each synchronous update is followed by a proposal of draft tokens for the next step. Drafts
+need synchronous steps (a request's last token must be known to draft after it): with both, steps run
+asynchronously without drafts while the batch is above disable_by_batch_size, and synchronously with drafts
+otherwise (the step on the device ends first).
 
 With pipeline parallelism (pp_size stages, no speculative proposer) up to pp_size steps are in flight, oldest first
 in a queue: a step schedules and launches one more while the queue has room and something is schedulable, else it
