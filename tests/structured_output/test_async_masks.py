@@ -56,10 +56,8 @@ def test_all_constrained_rows_match_synchronous_scheduling(tiny_llm, async_llm, 
         jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
-def test_mixed_batch_matches_synchronous_scheduling(tiny_llm, async_llm):
-    """Constrained and unconstrained rows that end at different steps: by EOS, max_tokens, a stop string, and a
-    grammar that terminates (ignore_eos: the grammar takes its EOS, then ends the request)."""
-    params = [
+def mixed_params() -> list[SamplingParams]:
+    return [
         constrained({"temperature": 0.8, "seed": 1, "max_tokens": 80}, json=SCHEMA, disable_any_whitespace=True),
         constrained({"temperature": 0, "max_tokens": 60, "logprobs": 2}, regex=r"[a-z]{3,8}\.[0-9]"),
         SamplingParams(temperature=0, max_tokens=7),
@@ -69,6 +67,12 @@ def test_mixed_batch_matches_synchronous_scheduling(tiny_llm, async_llm):
         constrained({"temperature": 0, "max_tokens": 5}, regex=r"[0-9]{10}"),  # cut by max_tokens
         constrained({"temperature": 0.5, "seed": 8, "stop": ["b"], "max_tokens": 30}, regex=r"(ab|ba){1,6}"),
     ]
+
+
+def test_mixed_batch_matches_synchronous_scheduling(tiny_llm, async_llm):
+    """Constrained and unconstrained rows that end at different steps: by EOS, max_tokens, a stop string, and a
+    grammar that terminates (ignore_eos: the grammar takes its EOS, then ends the request)."""
+    params = mixed_params()
     expected = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
     got = async_llm.generate(PROMPTS, params, use_tqdm=False)
     assert summary(got) == summary(expected)
@@ -85,6 +89,19 @@ def test_mixed_batch_matches_synchronous_scheduling(tiny_llm, async_llm):
     terminated = got[4].outputs[0]  # its grammar's end, with EOS kept as the last token
     assert terminated.finish_reason == "stop" and terminated.token_ids[-1] == EOS_ID
     assert got[6].outputs[0].finish_reason == "length" and re.fullmatch("[0-9]{5}", got[6].outputs[0].text)
+
+
+def test_preemption_and_chunked_prefill_with_async_constrained_rows(tiny_llm, tiny_char_model):
+    """A small cache and token budget: requests on their placeholders are preempted (their token dropped, their
+    grammar left where it was) and prompts are chunked; the outputs stay those of synchronous scheduling."""
+    kwargs = dict(num_gpu_blocks_override=40, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
+    llm = LLM(tiny_char_model, dtype="float32", async_scheduling=True, **kwargs)
+    params = mixed_params()
+    prompts = [p + " and some more words" for p in PROMPTS]
+    expected = summary(tiny_llm.generate(prompts, params, use_tqdm=False))
+    for _ in range(2):  # the second time from the prefix cache
+        assert summary(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
 
 
 def test_constrained_rows_take_every_step(async_llm, monkeypatch):
