@@ -160,10 +160,11 @@ class Finished:
 
 
 class PendingStep:
-    """A step launched on the first stage. sample(): the final hidden states received, the logits computed and the
-    tokens sampled (by the driver; its tensor-parallel peers gather the logits and receive the tokens), queued on
-    the device: a StepFuture, whose tokens the runner's next launch may take as inputs on the device. result(): its
-    tokens on the host (sampling first if not done). done(): whether result() would not wait."""
+    """A step launched on the first stage (or, with one stage, a step whose grammar masks are deferred: its hidden
+    states a Received with no work; worker/model_runner.py). sample(): the final hidden states received, the logits
+    computed and the tokens sampled (by the driver; its tensor-parallel peers gather the logits and receive the
+    tokens), queued on the device: a StepFuture, whose tokens the runner's next launch may take as inputs on the
+    device. result(): its tokens on the host (sampling first if not done). done(): whether result() would not wait."""
 
     def __init__(self, runner, plan, final: Received) -> None:
         self.runner, self.plan, self.final = runner, plan, final

@@ -1,8 +1,10 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
-scheduling a step is: schedule and launch N+1, then update from N. With a speculative proposer each synchronous
-update is followed by a proposal of draft tokens for the next step. Drafts need synchronous steps (a request's last
-token must be known to draft after it): with both, steps run asynchronously without drafts while the batch is above
-disable_by_batch_size, and synchronously with drafts otherwise (the step on the device ends first).
+scheduling a step is: schedule and launch N+1, then update from N (where N+1's grammar masks need N's tokens: its
+forward launched, N's update, the masks filled while the forward runs, then N+1's sampling queued). With a
+speculative proposer each synchronous update is followed by a proposal of draft tokens for the next step. Drafts
+need synchronous steps (a request's last token must be known to draft after it): with both, steps run
+asynchronously without drafts while the batch is above disable_by_batch_size, and synchronously with drafts
+otherwise (the step on the device ends first).
 
 With pipeline parallelism (pp_size stages, no speculative proposer) up to pp_size steps are in flight, oldest first
 in a queue: a step schedules and launches one more while the queue has room and something is schedulable, else it
@@ -67,6 +69,7 @@ class EngineCore:
         self.scheduler.pipeline_depth = self.pipeline_depth
         # stages with a proposer: synchronous steps (a stage's step samples only when the engine takes its result)
         self.async_steps = config.scheduler.async_scheduling and pp_size == 1
+        self.scheduler.defer_masks = self.async_steps  # (pipelined: a constrained request waits for its token)
         if config.scheduler.async_scheduling and not self.async_steps:
             self.scheduler.drafts_enabled = True
         self.batch_queue: deque = deque()  # (scheduler output, future) of the steps in flight (pipelined)
@@ -163,7 +166,10 @@ class EngineCore:
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedules and queues step N+1, then waits for step N's tokens: the host's work for N+1 (scheduling,
         inputs, launching) and for N's outputs overlaps the device running N. A request that step N ends (EOS, a
-        stop token or string) has had one more token computed in N+1, which is dropped."""
+        stop token or string) has had one more token computed in N+1, which is dropped. A step N+1 whose masks are
+        deferred (a constrained request's last token was in N) goes out as its forward alone: its masks are filled
+        after N's update, from the grammars that took N's tokens, while the forward runs, then its sampling is
+        queued."""
         launched = None
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
@@ -175,6 +181,13 @@ class EngineCore:
                 self._discard(so)
                 raise
         previous, self.in_flight = self.in_flight, launched
+        try:
+            return self._update_async(previous)
+        finally:  # (also after a failed step N: the launched step's later result() needs its masks)
+            if launched is not None and self.scheduler.start_masks(launched[0]):
+                self._sample(*launched)
+
+    def _update_async(self, previous) -> list[EngineCoreOutput]:
         if previous is None:
             return []
         so, future = previous
@@ -184,6 +197,15 @@ class EngineCore:
             self._discard(so)
             raise
         return self.scheduler.update_from_output(so, out)
+
+    def _sample(self, so, future) -> None:
+        """Queues a launched step's sampling (its masks being filled); a failure ends the step's requests."""
+        try:
+            future.sample()
+        except BaseException:
+            self.in_flight = None
+            self._discard(so)
+            raise
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Launches one more step while fewer than pipeline_depth are in flight and one was scheduled (a step with

@@ -12,10 +12,13 @@ scheduled after its known tokens and take budget and KV slots like any; the runn
 and one sampled token, and the rejected drafts' slots are reused (num_computed_tokens rolls back).
 
 A request with a grammar (structured outputs) waits until its grammar is compiled; each step it samples in carries
-its allowed-token bitmask, filled here from the tokens it has (with k drafts, k + 1 masks: after each draft too). So
-it is never scheduled while its last token is still on the device (async scheduling): it takes every other step,
-the others still overlap; drafts come only in synchronous steps, so its masks always follow its known tokens. Its
-grammar takes each emitted token, and ends it when it terminates.
+its allowed-token bitmask, filled from the tokens it has (with k drafts, k + 1 masks: after each draft too). With
+async scheduling (`defer_masks`) it is scheduled on its placeholder like any request: its input token is on the
+device, only its sampling needs the mask, and the mask needs that token accepted by the grammar. Such a step's masks
+are deferred: the engine launches its forward, updates from the previous step, then has them filled (start_masks)
+from the grammars as they are now and queues the step's sampling. (Pipeline stages keep a constrained request out of
+a step while its last token is on the device.) Drafts come only in synchronous steps, so its masks always follow its
+known tokens. Its grammar takes each emitted token, and ends it when it terminates.
 
 With LoRA, at most max_loras distinct adapters are among the running requests (the runner's device slots): a waiting
 request of another adapter is passed over, keeping its place, until one of theirs finishes.
@@ -110,6 +113,9 @@ class Scheduler:
         self.ended_in_flight: dict[str, Request] = {}  # ended while a step of theirs is in flight (pipelined)
         self._busy: set[int] = set()  # id() of the requests with a step in flight, as schedule() began (pipelined)
         self.released: set[int] = set()  # step ids whose sampling is queued: their requests may run again (pipelined)
+        # a constrained request is scheduled on its placeholder, the step's masks filled once the previous step's
+        # tokens are in (start_masks); the engine core turns it off with pipeline stages
+        self.defer_masks = config.async_scheduling
 
     # -- admission ----------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -160,14 +166,16 @@ class Scheduler:
         cached_reqs, budget, preempted = self._schedule_running(num_scheduled, spec)
         new_reqs = [] if preempted else self._schedule_waiting(num_scheduled, budget)
         grammars = {}  # the constrained requests that sample this step
+        defer = False  # whether one of them has its last token on the device: the masks wait for it
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
             num_drafts = len(spec[req_id]) if spec and req_id in spec else 0
             if req.num_computed_tokens - num_drafts == req.num_tokens + req.num_output_placeholders:
-                req.num_output_placeholders += 1  # it samples this step (after its drafts are verified)
                 if req.grammar is not None:
                     grammars[req_id] = req.grammar
+                    defer = defer or req.num_output_placeholders > 0
+                req.num_output_placeholders += 1  # it samples this step (after its drafts are verified)
         out = SchedulerOutput(
             new_reqs,
             cached_reqs,
@@ -176,13 +184,23 @@ class Scheduler:
             self.finished_req_ids,
             self.preempted_req_ids,
             self.num_steps,
-            grammar_bitmask=self.bitmasks.submit(grammars, spec),  # with drafts: one mask per verified position
+            grammar_bitmask=self.bitmasks.submit(grammars, spec, defer),  # with drafts: one mask a verified position
             scheduled_spec_decode_tokens=spec,
         )
         self.step_reqs[self.num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
         self.num_steps += 1
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         return out
+
+    def start_masks(self, so: SchedulerOutput) -> bool:
+        """Fills a step's deferred masks (schedule) from its requests' grammars as they are now, once the previous
+        step's tokens are in; the requests that ended meanwhile get none. Returns whether they were deferred."""
+        masks = so.grammar_bitmask
+        if not getattr(masks, "deferred", False):
+            return False
+        reqs = self.step_reqs.get(so.step_id, {})
+        self.bitmasks.start(masks, lambda r: r in reqs and reqs[r].status == RequestStatus.RUNNING)
+        return True
 
     def _schedule_running(
         self, num_scheduled: dict[str, int], spec: dict[str, list[int]]
@@ -199,7 +217,7 @@ class Scheduler:
             if (
                 num_known <= req.num_computed_tokens
                 or req.num_output_tokens + req.num_output_placeholders >= req.max_tokens
-                or (req.grammar is not None and req.num_output_placeholders)  # its mask needs its last token
+                or (req.grammar is not None and req.num_output_placeholders and not self.defer_masks)
                 or id(req) in self._busy  # a step of it is in flight (pipeline parallelism)
             ):  # its last token is still on the device
                 i += 1

@@ -39,11 +39,28 @@ def stack_bitmasks(masks: list[np.ndarray | None], impl: str, device: torch.devi
     words = {len(a) for a in arrays}
     if len(words) != 1:
         raise ValueError(f"grammar_bitmask: the masks of one step must have the same number of words, not {words}")
-    stacked = np.stack([a.view(np.int32) for a in arrays])  # [n, words]
+    stacked = _rows_of_one_array(arrays)
+    if stacked is None:
+        stacked = np.stack([a.view(np.int32) for a in arrays])  # [n, words]
     index = np.array(rows, dtype=np.int64)
     if impl == C:
         return Bitmask(index, stacked)
     return Bitmask(to_device(index, device), to_device(stacked, device))
+
+
+def _rows_of_one_array(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """The int32 array [n, words] whose rows the masks are, in order (as a step's filled masks usually are), so that
+    they need no copy; None where they are not."""
+    base = arrays[0].base
+    if not (isinstance(base, np.ndarray) and base.ndim == 2 and len(base) == len(arrays) and base.dtype == np.int32):
+        return None
+    if not base.flags.c_contiguous or any(a.base is not base for a in arrays):
+        return None
+    start, stride = base.__array_interface__["data"][0], base.strides[0]
+    for i, a in enumerate(arrays):
+        if a.__array_interface__["data"][0] != start + i * stride:
+            return None
+    return base
 
 
 def per_position(masks: list[np.ndarray | None], num_drafts: np.ndarray) -> list[np.ndarray | None]:

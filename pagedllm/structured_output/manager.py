@@ -224,15 +224,31 @@ def fill_bitmasks(grammars: dict, drafts: dict[str, list[int]] | None = None) ->
 class PendingBitmasks(Mapping):
     """A step's bitmasks (req id -> mask, as fill_bitmasks returns) being filled on the filler's thread while the
     step's forward is queued and runs: the runner reads them only for its sampler, after launching the forward.
-    Pickled for another rank it is an empty dict: only the driver rank samples."""
+    Deferred (async scheduling, a constrained row's last token still on the device): not filled until the engine has
+    the previous step's tokens and calls BitmaskFiller.start; the runner then launches the forward alone and samples
+    when the engine asks. Pickled for another rank it is an empty dict: only the driver rank samples."""
 
     pending = True
 
-    def __init__(self, future: Future, req_ids: list[str]) -> None:
+    def __init__(self, future: Future | None, req_ids: list[str], grammars: dict | None = None) -> None:
         self.future, self.req_ids = future, req_ids
+        self.grammars = grammars  # deferred: the grammars to fill from once started (None: started)
+
+    @property
+    def deferred(self) -> bool:
+        return self.future is None
 
     def __getitem__(self, req_id: str) -> np.ndarray:
-        return self.future.result()[req_id]
+        return self.result()[req_id]
+
+    def get(self, req_id: str, default=None):
+        return self.result().get(req_id, default)  # (no KeyError raised and caught for each unmasked row)
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The masks, once filled (waits for the filler)."""
+        if self.future is None:
+            raise RuntimeError("grammar bitmasks read before they were filled")
+        return self.future.result()
 
     def __iter__(self):
         return iter(self.req_ids)
@@ -254,12 +270,24 @@ class BitmaskFiller:
     def __init__(self) -> None:
         self.pool: ThreadPoolExecutor | None = None
 
-    def submit(self, grammars: dict, drafts: dict[str, list[int]]) -> PendingBitmasks | dict:
+    def submit(self, grammars: dict, drafts: dict[str, list[int]], defer: bool = False) -> PendingBitmasks | dict:
+        """The step's masks, filled from now on (defer: from start(), once their grammars are current)."""
         if not grammars:
             return {}
+        if defer:
+            return PendingBitmasks(None, list(grammars), grammars)
+        return PendingBitmasks(self._submit(grammars, drafts), list(grammars))
+
+    def start(self, masks: PendingBitmasks, keep) -> None:
+        """Fills deferred masks from their grammars as they are now, for the requests keep(req_id) names (the others
+        ended: their rows allow every token, and their tokens are dropped)."""
+        grammars = {r: g for r, g in masks.grammars.items() if keep(r)}
+        masks.future, masks.grammars = self._submit(grammars, {}), None
+
+    def _submit(self, grammars: dict, drafts: dict[str, list[int]]) -> Future:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
-        return PendingBitmasks(self.pool.submit(fill_bitmasks, grammars, drafts), list(grammars))
+        return self.pool.submit(fill_bitmasks, grammars, drafts)
 
 
 def validate_drafts(grammar, drafts: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig
 from pagedllm.device import HostCopies, to_device
 from pagedllm.distributed.parallel_state import ParallelGroups, kv_heads_per_rank
-from pagedllm.distributed.pipeline import PipelineStage, pipeline_step
+from pagedllm.distributed.pipeline import PendingStep, PipelineStage, Received, pipeline_step
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
@@ -227,6 +227,8 @@ class ModelRunner:
         late = None if plan.spec else self._late_inputs(plan.flat)
         if getattr(so.grammar_bitmask, "pending", False):  # masks still being filled: read after the forward is queued
             hidden = self._run_model(plan.flat, late)
+            if so.grammar_bitmask.deferred:  # filled after the previous step's update: sampled when the engine asks
+                return PendingStep(self, plan, Received(None, hidden))
             return self.finish_step(plan, hidden, self.prepare_sampling(plan))
         step = self.prepare_sampling(plan)  # the sampler's uploads come before the forward on the device's queue
         return self.finish_step(plan, self._run_model(plan.flat, late), step)

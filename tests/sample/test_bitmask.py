@@ -58,3 +58,19 @@ def test_per_position_masks_of_rows_with_drafts():
         per_position([b], np.array([2]))  # one mask for three positions: refused, never repeated
     with pytest.raises(ValueError, match="verifying 1 drafts needs 2 masks"):
         per_position([a], np.array([1]))
+
+
+def test_masks_that_are_the_rows_of_one_array_are_not_copied():
+    """A step's filled masks are the rows of one array: stacked, they are that array; rows out of order, of part
+    of it, or of several arrays are copied, and every case gives the same masks."""
+    filled = np.arange(12, dtype=np.int32).reshape(4, 3).copy()  # owns its memory, as fill_bitmasks' array
+    cases = {
+        "in order": [filled[0], filled[1], filled[2], filled[3]],
+        "swapped": [filled[1], filled[0], filled[2], filled[3]],
+        "part": [filled[0], filled[1], filled[2]],
+        "two arrays": [filled[0], filled[1], filled[2], filled.copy()[3]],
+    }
+    for name, masks in cases.items():
+        stacked = stack_bitmasks(masks, "c", torch.device("cpu")).masks
+        assert np.array_equal(stacked, np.stack(masks)), name
+        assert np.shares_memory(stacked, filled) == (name == "in order"), name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from char_tokenizer import EOS_ID, MODEL_VOCAB, char_tokenizer
 
-from pagedllm import SamplingParams, StructuredOutputsParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import StructuredOutputManager, fill_bitmasks
 from pagedllm.structured_output.manager import reasoning_ended
 
@@ -80,7 +80,12 @@ def _force(text: str):
     return force
 
 
-def test_engine_applies_grammar_after_reasoning(tiny_llm):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_applies_grammar_after_reasoning(tiny_llm, tiny_char_model, async_scheduling):
+    """(With async scheduling a step's masks are filled once the previous step's tokens, which may open the gate,
+    are in.)"""
+    if async_scheduling:
+        tiny_llm = LLM(tiny_char_model, dtype="float32", kv_cache_memory_bytes=8 << 20, async_scheduling=True)
     engine = tiny_llm.llm_engine
     regex = "[a-c]{3}"
     free = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)

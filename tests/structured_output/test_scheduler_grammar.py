@@ -1,7 +1,8 @@
 """The scheduler's side of structured outputs, with a stand-in grammar (no xgrammar): a request waits while its
 grammar compiles (keeping its place), only rows that sample get a bitmask (the grammar's, for the tokens it has),
 the grammar takes each sampled token and ends the request when it terminates, and with async scheduling a
-constrained request is never scheduled while its last token is on the device. Drafts (speculative decoding) are cut
+constrained request is scheduled on its placeholder, its mask filled once its last token is in (with pipeline
+stages it waits for that token instead). Drafts (speculative decoding) are cut
 at the first token the grammar refuses, each verified position gets its own mask, and the grammar takes only the
 emitted tokens."""
 
@@ -118,8 +119,32 @@ def test_refused_token_is_dropped():
     assert sched.requests == {}
 
 
-def test_async_never_schedules_a_constrained_request_on_its_placeholder():
+def test_async_schedules_a_constrained_request_on_its_placeholder_its_mask_deferred():
     sched = make(async_scheduling=True)
+    g, ends = StandInGrammar(3), StandInGrammar(1)
+    sched.add_request(request("a", g))
+    sched.add_request(request("b"))
+    sched.add_request(request("c", ends))
+    so1 = sched.schedule()  # all prefill and sample: the masks follow the tokens known
+    assert set(so1.grammar_bitmask) == {"a", "c"} and not so1.grammar_bitmask.deferred
+    assert so1.grammar_bitmask["a"].tolist() == [1, 0]
+    so2 = sched.schedule()  # all decode on their placeholders; the masks wait for step 1's tokens
+    assert list(so2.num_scheduled_tokens) == ["a", "b", "c"] and so2.grammar_bitmask.deferred
+    with pytest.raises(RuntimeError, match="read before they were filled"):
+        so2.grammar_bitmask["a"]
+    assert sched.start_masks(so1) is False  # (not deferred)
+    outs = answer(sched, so1, {"a": 0, "b": 5, "c": 0})
+    assert [o.finish_reason for o in outs] == [None, None, "stop"]  # c's grammar terminated
+    assert sched.start_masks(so2) is True
+    assert so2.grammar_bitmask["a"].tolist() == [2, 0]  # after the token 0 it took
+    assert so2.grammar_bitmask.get("c") is None  # ended: its row allows every token, its token is dropped
+    outs = answer(sched, so2, {"a": 1, "b": 6, "c": 3})
+    assert [(o.req_id, o.new_token_ids) for o in outs] == [("a", [1]), ("b", [6])]
+
+
+def test_pipelined_never_schedules_a_constrained_request_on_its_placeholder():
+    sched = make(async_scheduling=True)
+    sched.defer_masks = False  # as the engine core sets it with pipeline stages
     g = StandInGrammar(3)
     sched.add_request(request("a", g))
     sched.add_request(request("b"))
