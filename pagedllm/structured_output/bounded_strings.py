@@ -12,6 +12,10 @@ the closing quote (the shape of xgrammar's own unbounded string rule),
 gives every count a grammar position of its own whose mask is computed when the grammar is compiled (~0.03 ms a
 row). Compiling costs a rule per count (~8 ms of CPU each for 49k tokens), so bounds over MAX_BOUND stay as they are,
 and so do unbounded repetitions (minLength alone), whose masks xgrammar already fills without a per-count cost.
+
+xgrammar's class for the characters of such strings, [^"\\\r\n], lets raw control characters (U+0000-U+001F but CR
+and LF) into the string, which JSON forbids (json.loads refuses the output): tighten() makes it [^\0-\x1f"\\], what
+its own unbounded string rule allows unescaped (escapes stay out of length-bounded strings, as in xgrammar).
 """
 
 from __future__ import annotations
@@ -22,11 +26,20 @@ MAX_BOUND = 128  # the largest maxLength rewritten: one rule per count
 _RULE = re.compile(r"^(\w+) ::= (.*)$")
 _CLASS_ONLY = re.compile(r"^\(\(\[(?:\\.|[^\]\\])*\]\)\)$")  # a rule that is one character class: (([...]))
 _QUOTE = '"\\""'  # the closing quote as xgrammar prints it: "\""
+_LOOSE_CHARS = r"(([^\"\\\r\n]))"  # xgrammar's class of a length-bounded string's characters, as it prints it
+_JSON_CHARS = r"(([^\0-\x1f\"\\]))"  # the characters JSON allows unescaped in a string
+
+
+def tighten(text: str) -> str:
+    """The EBNF text with each rule that is xgrammar's bounded-string class made JSON's (no control characters)."""
+    return re.sub(r"^(\w+ ::= )" + re.escape(_LOOSE_CHARS) + "$", lambda m: m.group(1) + _JSON_CHARS, text, flags=re.M)
 
 
 def rewrite(text: str) -> str:
-    """The EBNF text (as xgrammar prints a grammar) with each `class{lo, hi} "\""` of hi <= MAX_BOUND replaced by the
-    equivalent chain of rules; the text itself where there is none (or a new rule's name is already taken)."""
+    """The EBNF text (as xgrammar prints a grammar), its bounded-string classes tightened, with each
+    `class{lo, hi} "\""` of hi <= MAX_BOUND replaced by the equivalent chain of rules (no chain where a new rule's
+    name is already taken)."""
+    text = tighten(text)
     lines = text.splitlines()
     names = {m.group(1): m.group(2) for m in map(_RULE.match, lines) if m}
     classes = [name for name, body in names.items() if _CLASS_ONLY.match(body)]

@@ -17,7 +17,7 @@ xgr = pytest.importorskip("xgrammar")
 from pagedllm.sampling_params import GuidedDecodingParams  # noqa: E402
 from pagedllm.structured_output import StructuredOutputManager, fill_bitmasks  # noqa: E402
 from pagedllm.structured_output import xgrammar_backend as xb  # noqa: E402
-from pagedllm.structured_output.bounded_strings import MAX_BOUND, rewrite  # noqa: E402
+from pagedllm.structured_output.bounded_strings import MAX_BOUND, rewrite, tighten  # noqa: E402
 
 SCHEMAS = [
     {  # the structured output benchmark's
@@ -56,6 +56,7 @@ def test_bounded_strings_keep_xgrammar_masks(smollm2_backend, schema):
     backend, spec = smollm2_backend, json.dumps(schema)
     ours = backend.parse(GuidedDecodingParams(json=schema), spec, "structured_outputs")
     theirs = xgr.Grammar.from_json_schema(spec, strict_mode=True, any_whitespace=True, max_whitespace_cnt=16)
+    theirs = xgr.Grammar.from_ebnf(tighten(str(theirs)))  # (without control characters: see the test below)
     assert COUNTED.search(str(theirs)) and not COUNTED.search(str(ours))
     compiled = [backend.compile(ours), backend.compile(theirs)]
     rng = np.random.default_rng(0)
@@ -74,15 +75,36 @@ def test_bounded_strings_keep_xgrammar_masks(smollm2_backend, schema):
 
 
 def test_rewrite_leaves_what_it_does_not_chain():
-    """Bounds over MAX_BOUND and unbounded strings (minLength alone) stay xgrammar's; so does a text whose new rule
-    names are taken."""
+    """Bounds over MAX_BOUND and unbounded strings (minLength alone) stay counted (their classes tightened); so does a
+    text whose new rule names are taken."""
     for schema in ({"type": "string", "maxLength": MAX_BOUND + 1}, {"type": "string", "minLength": 5}):
         text = str(xgr.Grammar.from_json_schema(json.dumps(schema)))
-        assert rewrite(text) == text
+        assert tighten(text) != text and rewrite(text) == tighten(text)
+        assert COUNTED.search(rewrite(text)) or "{5, -1}" in rewrite(text)
     text = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "maxLength": 3})))
-    assert rewrite(text) != text
+    assert rewrite(text) != tighten(text)
     taken = text + 'root_characters_upto_3 ::= (("x"))\n'
-    assert rewrite(taken) == taken
+    assert rewrite(taken) == tighten(taken)
+
+
+@pytest.mark.parametrize("max_length", [8, MAX_BOUND + 1])
+def test_bounded_strings_refuse_raw_control_characters(max_length):
+    """JSON forbids unescaped U+0000-U+001F in a string; xgrammar's class for length-bounded strings lets them in
+    (an output json.loads refuses). The backend's grammar refuses them, chained or not, and still takes the rest."""
+    manager = StructuredOutputManager(char_tokenizer(), 128, [EOS_ID], default_backend="xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": max_length}},
+        "required": ["name"],
+    }
+    grammar = manager.backend.parse(GuidedDecodingParams(json=schema), json.dumps(schema), "structured_outputs")
+    compiled = manager.backend.compile(grammar)
+    for bad in ("\x15", "\t", "\x00", "\x1f"):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string('{"name": "ab')
+        assert not matcher.accept_string(bad), repr(bad)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string('{"name": "a b~"}') and matcher.is_completed()
 
 
 def test_only_the_tokenizer_words_are_filled():
