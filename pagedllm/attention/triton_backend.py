@@ -195,6 +195,7 @@ def write_kv(
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # buffers replaced by larger ones: kept, CUDA graphs captured with them use them
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
@@ -204,6 +205,8 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if buf is not None:
+            _outgrown.append(buf)
         buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
 

@@ -291,10 +291,12 @@ class DraftModelProposer:
             host[:, 1] = -1
             host[:, 0, :m], host[:, 1, :m], host[:, 2, :m] = positions[1:], slots[1:], positions[1:] + 1
             steps = self._to_device(host)
-        for i in range(n):
-            graphs.load_step(drafts[-1], steps[i - 1] if i else None)
-            drafts.append(self._forced(graphs.replay(bs, m), forced, i + 1))
-        return torch.stack(drafts, dim=1)
+        out = torch.empty((m, self.k), dtype=torch.int64, device=self.device)  # [m, K]
+        out[:, 0] = drafts[0]
+        for i in range(n):  # (each pass's tokens copied out: the next replay rewrites the graph's output)
+            graphs.load_step(out[:, i], steps[i - 1] if i else None)
+            out[:, i + 1] = self._forced(graphs.replay(bs, m), forced, i + 1)
+        return out
 
     @staticmethod
     def _forced(token: torch.Tensor, forced, i: int) -> torch.Tensor:

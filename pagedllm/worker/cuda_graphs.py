@@ -259,6 +259,19 @@ class CudaGraphRunner:
             self.dev_i64[1:3, :bs].copy_(values[:2])
             self.dev_i32[:bs].copy_(values[2])
 
+    def _static(self, bs: int, out):
+        """An eager run's outputs copied into size bs's output buffers (made at first use), as a graph's replay
+        returns them."""
+        outs = out if isinstance(out, tuple) else (out,)
+        kept = self.outputs.get(bs)
+        kept = kept if isinstance(kept, tuple) else (kept,)
+        if kept[0] is None or any(k.shape != o.shape or k.dtype != o.dtype for k, o in zip(kept, outs)):
+            kept = tuple(torch.empty_like(o) for o in outs)
+            self.outputs[bs] = kept if isinstance(out, tuple) else kept[0]
+        for k, o in zip(kept, outs):
+            k.copy_(o)
+        return self.outputs[bs]
+
     def _places(self, query_lens, n: int, num_tokens: int) -> np.ndarray:
         """Each flat token's row in the graph's layout: row i's tokens end at (i + 1) * q_len (left padding)."""
         if query_lens is None or self.q_len == 1:
@@ -288,8 +301,8 @@ class CudaGraphRunner:
         if bs in self.graphs:
             self.graphs[bs].replay()
             out = self.outputs[bs]
-        else:
-            out = self.forward_eager(bs)
+        else:  # (off CUDA) into static outputs too: a caller keeping a replay's output sees the next replay write it
+            out = self._static(bs, self.forward_eager(bs))
         if self.q_len == 1 or self.head is not None:
             return tuple(o[:num_tokens] for o in out) if isinstance(out, tuple) else out[:num_tokens]
         index = self.dev_i64[3, :num_tokens]
