@@ -64,6 +64,7 @@ class EngineCore:
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
+        self.sampling_deferred = False  # in_flight's sampling not queued yet: its masks are being filled
         pp_size = config.parallel.pipeline_parallel_size
         self.pipeline_depth = pp_size if pp_size > 1 and config.speculative_proposer is None else 0
         self.scheduler.pipeline_depth = self.pipeline_depth
@@ -113,6 +114,7 @@ class EngineCore:
         if self.pipeline_depth:
             return self._step_pipelined()
         if self.async_steps:
+            self._queue_deferred_sampling()
             if not self._drafting():
                 if self.config.speculative_proposer is not None:
                     self.scheduler.set_drafts({})  # drafts proposed by a synchronous step are dropped
@@ -184,8 +186,14 @@ class EngineCore:
         try:
             return self._update_async(previous)
         finally:  # (also after a failed step N: the launched step's later result() needs its masks)
-            if launched is not None and self.scheduler.start_masks(launched[0]):
-                self._sample(*launched)
+            # its masks fill on the filler's threads while the caller processes N's outputs; the next step queues
+            # its sampling first (before anything else is launched)
+            self.sampling_deferred = launched is not None and self.scheduler.start_masks(launched[0])
+
+    def _queue_deferred_sampling(self) -> None:
+        if self.sampling_deferred:
+            self.sampling_deferred = False
+            self._sample(*self.in_flight)
 
     def _update_async(self, previous) -> list[EngineCoreOutput]:
         if previous is None:
