@@ -185,5 +185,7 @@ def _place(out: torch.Tensor, rows: list[int], part: torch.Tensor) -> None:
     """out[rows] = part ([len(rows), fill_words]) then zeros. Through numpy: a torch copy this size runs on torch's
     intra-op threads, which a CPU forward running meanwhile holds (milliseconds of waiting)."""
     array, words = out.numpy(), part.shape[1]
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # (the usual case: plain copies, not fancy indexing)
+        rows = slice(rows[0], rows[0] + len(rows))
     array[rows, :words] = part.numpy()
     array[rows, words:] = 0

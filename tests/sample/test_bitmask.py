@@ -74,3 +74,18 @@ def test_masks_that_are_the_rows_of_one_array_are_not_copied():
         stacked = stack_bitmasks(masks, "c", torch.device("cpu")).masks
         assert np.array_equal(stacked, np.stack(masks)), name
         assert np.shares_memory(stacked, filled) == (name == "in order"), name
+
+
+def test_masks_filled_into_reused_buffers_are_the_rows_of_one_array():
+    """The filler's buffers (MaskBuffers, taken in turn): a step's masks are the rows of the buffer taken, so they
+    are stacked without a copy; buffers come back after NUM_BUFFERS steps, grown for more rows or other widths."""
+    from pagedllm.structured_output.manager import MaskBuffers
+
+    buffers = MaskBuffers(pinned=False)
+    taken = [buffers.take(5, 3) for _ in range(MaskBuffers.NUM_BUFFERS + 1)]
+    assert np.shares_memory(taken[0], taken[-1]) and not np.shares_memory(taken[0], taken[1])
+    array = buffers.take(4, 3)
+    array[:] = np.arange(12, dtype=np.int32).reshape(4, 3)
+    stacked = stack_bitmasks([array[i] for i in range(4)], "c", torch.device("cpu")).masks
+    assert np.shares_memory(stacked, array) and np.array_equal(stacked, array)
+    assert buffers.take(200, 3).shape == (200, 3) and buffers.take(2, 7).shape == (2, 7)
