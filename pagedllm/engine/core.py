@@ -65,7 +65,6 @@ class EngineCore:
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
         self.sampling_deferred = False  # in_flight's sampling not queued yet: its masks are being filled
-        self.pending_drafts = None  # a proposal still on the device (read at the next step's start)
         pp_size = config.parallel.pipeline_parallel_size
         self.pipeline_depth = pp_size if pp_size > 1 and config.speculative_proposer is None else 0
         self.scheduler.pipeline_depth = self.pipeline_depth
@@ -112,9 +111,6 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self.in_flight is not None or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.pending_drafts is not None:  # the last step's proposal, computed while its outputs were processed
-            pending, self.pending_drafts = self.pending_drafts, None
-            self.scheduler.set_drafts(pending.result())
         if self.pipeline_depth:
             return self._step_pipelined()
         if self.async_steps:
@@ -167,11 +163,7 @@ class EngineCore:
         (spec_decode/policy.py)."""
         chosen = self.draft_policy.select(self.scheduler.running)
         token_ids = {r.request_id: r.all_token_ids for r in chosen}
-        drafts = proposer.propose(token_ids) if token_ids else {}
-        if getattr(drafts, "pending", False):  # on the device: read at the next step's start
-            self.pending_drafts = drafts
-        else:
-            self.scheduler.set_drafts(drafts)
+        self.scheduler.set_drafts(proposer.propose(token_ids) if token_ids else {})
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedules and queues step N+1, then waits for step N's tokens: the host's work for N+1 (scheduling,

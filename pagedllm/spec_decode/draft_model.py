@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -135,29 +134,6 @@ def proposer_graphs(proposer, target: CudaGraphRunner, num_kv_heads: int, extra=
     return tuple(runners)
 
 
-class PendingDrafts(Mapping):
-    """A proposal being computed on the device: request id -> drafts once read (the first read waits for them)."""
-
-    pending = True
-
-    def __init__(self, finish) -> None:
-        self._finish, self._drafts = finish, None
-
-    def result(self) -> dict[str, list[int]]:
-        if self._finish is not None:
-            self._drafts, self._finish = self._finish(), None
-        return self._drafts
-
-    def __getitem__(self, req_id: str) -> list[int]:
-        return self.result()[req_id]
-
-    def __iter__(self):
-        return iter(self.result())
-
-    def __len__(self) -> int:
-        return len(self.result())
-
-
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, runner) -> None:
         spec = config.speculative_config
@@ -204,10 +180,8 @@ class DraftModelProposer:
         return seconds + self.first_graphs.capture(self.graphs.pool)
 
     @torch.inference_mode()
-    def propose(self, token_ids: dict[str, list[int]]) -> Mapping[str, list[int]]:
-        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts: a
-        PendingDrafts, whose passes run on the device while the caller goes on (it reads them before the next
-        proposal or step)."""
+    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts."""
         start_time = time.perf_counter()
         b = self.runner.batch
         req_ids = [r for r in token_ids if r in b.row_of]
@@ -227,24 +201,16 @@ class DraftModelProposer:
         ids = [req_ids[i] for i in sel[keep].tolist()]
         table = self._block_tables(rows[sel])  # [len(sel), max_blocks]
         first = self._first_pass(rows[sel], start[sel], take[sel], table, keep)  # [m] on the device
-        if first is None:
-            self.seconds += time.perf_counter() - start_time
-            return {}
-        forced = None
-        if self.force_drafts is not None:
-            forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the draft's
-        drafts = self._decode_passes(first, num_tokens[sel][keep], table[keep], forced)  # [m, K] on the device
+        out: dict[str, list[int]] = {}
+        if first is not None:
+            forced = None
+            if self.force_drafts is not None:
+                forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the draft's
+            drafts = self._decode_passes(first, num_tokens[sel][keep], table[keep], forced).tolist()  # [m, K]
+            self._record_fed(rows[sel][keep], num_tokens[sel][keep], drafts)
+            out = dict(zip(ids, drafts))
         self.seconds += time.perf_counter() - start_time
-        fed_rows, fed_tokens = rows[sel][keep], num_tokens[sel][keep]
-
-        def finish() -> dict[str, list[int]]:
-            start_time = time.perf_counter()
-            host = drafts.tolist()
-            self._record_fed(fed_rows, fed_tokens, host)
-            self.seconds += time.perf_counter() - start_time
-            return dict(zip(ids, host))
-
-        return PendingDrafts(finish)
+        return out
 
     def _take_accepted(self, rows: np.ndarray) -> None:
         """The KV the draft wrote for its own drafts (in blocks the request held) is valid up to the first that
