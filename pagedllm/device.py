@@ -13,7 +13,7 @@ def to_device(array: np.ndarray, device: torch.device, dtype: np.dtype | None = 
     tensor = torch.from_numpy(np.ascontiguousarray(array if dtype is None else array.astype(dtype, copy=False)))
     if device.type != "cuda":
         return tensor.to(device)
-    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

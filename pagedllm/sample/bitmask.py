@@ -45,6 +45,9 @@ def stack_bitmasks(masks: list[np.ndarray | None], impl: str, device: torch.devi
     index = np.array(rows, dtype=np.int64)
     if impl == C:
         return Bitmask(index, stacked)
+    owner = stacked.base  # the filler's pinned buffer (structured_output/manager.py MaskBuffers): uploaded as it is
+    if isinstance(owner, torch.Tensor) and device.type == "cuda" and owner.is_pinned():
+        return Bitmask(to_device(index, device), torch.from_numpy(stacked).to(device, non_blocking=True))
     return Bitmask(to_device(index, device), to_device(stacked, device))
 
 
