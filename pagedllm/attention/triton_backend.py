@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.attention.common import BatchLayout
 from pagedllm.device import to_device
+from pagedllm.kernels import SplitCounters
 from pagedllm.kernels.paged_attention import (
     reduce_splits_kernel,
     rotary_write_kv_kernel,
@@ -194,21 +195,9 @@ def write_kv(
     )
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []  # buffers replaced by larger ones: kept, CUDA graphs captured with them use them
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 counter per (program, KV head) (at least n), kept per device and left zeroed by every launch;
-    None while a CUDA graph is being captured and the buffer would have to grow (the reduce kernel then merges)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _outgrown.append(buf)
-        buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+_split = SplitCounters()
+_counters, _outgrown = _split.buffers, _split.outgrown
+split_counters = _split.take  # (device, at least n) -> zeroed counters, or None while capturing a graph
 
 
 def rotary_write_kv(

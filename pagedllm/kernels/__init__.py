@@ -30,3 +30,25 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     from pagedllm.kernels.argmax import argmax_rows
 
     return argmax_rows(logits)
+
+
+class SplitCounters:
+    """Zeroed int32 arrival counters for kernels whose last program per output block sums the split-K partials (each
+    launch leaves them zeroed, so launches on one device must not overlap: one stream), kept per device. Buffers
+    outgrown are kept alive: CUDA graphs captured with them still use them."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.outgrown: list[torch.Tensor] = []
+
+    def take(self, device: torch.device, n: int) -> torch.Tensor | None:
+        """At least n counters; None while a CUDA graph is being captured and the buffer would have to grow (the
+        caller then sums in a kernel of its own)."""
+        buf = self.buffers.get(device)
+        if buf is None or buf.numel() < n:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            if buf is not None:
+                self.outgrown.append(buf)
+            buf = self.buffers[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        return buf

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.kernels import SplitCounters
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
@@ -234,21 +235,9 @@ def gemv_config(m: int, n: int, k: int, sms: int) -> Fp8GemvConfig:
     )
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []  # buffers replaced by larger ones: kept, CUDA graphs captured with them use them
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 counter per n-block (at least n), kept per device and left zeroed by every launch; None
-    while a CUDA graph is being captured and the buffer would have to grow (the reduce kernel then sums)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _outgrown.append(buf)
-        buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+_split = SplitCounters()
+_counters, _outgrown = _split.buffers, _split.outgrown
+split_counters = _split.take  # (device, at least n) -> zeroed counters, or None while capturing a graph
 
 
 def launch(
