@@ -99,12 +99,27 @@ class LoRALayerWeights:
 
 
 class LoRALinearMethod(LinearMethodVariant):
-    """The base method's output plus the adapter term of the step's adapter tokens (none: the base output)."""
+    """The base method's output plus the adapter term of the step's adapter tokens (none: the base output).
 
-    def __init__(self, base: LinearMethod) -> None:
-        self.base = base
+    With a side stream (GPU) the adapter term is computed there into a zeroed buffer while the base GEMM runs on
+    the current stream, which then waits for it and adds it: at small batches the term's kernels are bound by the
+    latency of their dependent loads, not by bandwidth, and hide behind the GEMM's weight read. The fork and join
+    are stream waits, which CUDA graphs capture."""
+
+    def __init__(self, base: LinearMethod, side: torch.cuda.Stream | None = None) -> None:
+        self.base, self.side = base, side
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        out = self.base.apply(layer, x)
         mapping = get_lora_mapping()
-        return out if mapping is None else layer.lora.add(x, out, mapping)
+        if mapping is None:
+            return self.base.apply(layer, x)
+        if self.side is None or not x.is_cuda:
+            return layer.lora.add(x, self.base.apply(layer, x), mapping)
+        main = torch.cuda.current_stream(x.device)
+        self.side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(self.side):
+            delta = torch.zeros((*x.shape[:-1], layer.output_size_per_partition), dtype=x.dtype, device=x.device)
+            layer.lora.add(x, delta, mapping)
+        out = self.base.apply(layer, x)
+        main.wait_stream(self.side)  # (the side stream's next work waits for this stream first: delta stays live)
+        return out.add_(delta)

@@ -22,10 +22,12 @@ class LoRAModel:
         self.rename = getattr(model, "rename", None)
         self.layers: dict[str, LoRALayerWeights] = {}
         skip = tuple(getattr(model, "lora_skip_prefixes", ()))  # parts adapters never touch (a vision tower)
+        # on a GPU the adapter terms run on a stream of their own, beside the base layers' GEMMs (lora/layers.py)
+        side = torch.cuda.Stream(torch.device(device), priority=-1) if torch.device(device).type == "cuda" else None
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and not name.startswith(skip):
                 module.lora = self.layers[name] = LoRALayerWeights(module, max_loras, rank, dtype, device)
-                module.quant_method = LoRALinearMethod(module.quant_method)
+                module.quant_method = LoRALinearMethod(module.quant_method, side)
         # the module names an adapter may target (the checkpoint's: q_proj ... as well as ours)
         self.target_names = {name.rsplit(".", 1)[-1] for name in self.layers}
         self.target_names |= {
