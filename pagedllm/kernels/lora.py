@@ -23,7 +23,9 @@ import triton.language as tl
 from pagedllm.kernels.launch import Launch
 
 
-@triton.jit
+# SPLIT_K (the feature split) follows the step's token blocks: a runtime argument, so that steps of any size run the
+# variants compiled at warm-up instead of compiling new ones mid-serving
+@triton.jit(do_not_specialize=["SPLIT_K"])
 def lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [max_loras, N, K]
@@ -39,10 +41,10 @@ def lora_shrink_kernel(
     stride_tm,
     stride_blk,
     K_SPLIT,  # input features per program (a multiple of BLOCK_K)
+    SPLIT_K,  # programs per token block and column block, each over K_SPLIT features
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # programs per token block and column block, each over K_SPLIT features
     IEEE: tl.constexpr,  # float32: no TF32 in tl.dot
 ):
     pid = tl.program_id(0)
@@ -79,7 +81,7 @@ def lora_shrink_kernel(
     tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT_K"])
 def lora_expand_kernel(
     t_ptr,  # [SPLIT_K, num_tokens, num_slices * R] float32: the shrink's partial sums
     b_ptr,  # [max_loras, out, R]
@@ -95,9 +97,9 @@ def lora_expand_kernel(
     stride_bn,
     stride_ym,
     stride_blk,
+    SPLIT_K,  # the shrink's parts to sum
     NUM_N: tl.constexpr,  # column blocks per slice (enough for the largest slice)
     NUM_SLICES: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -124,7 +126,7 @@ def lora_expand_kernel(
     cols = n_start + offs_n
     t_ptrs = t_ptr + tok[:, None] * stride_tm + s * R + offs_r[None, :]
     ts = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for p in tl.static_range(SPLIT_K):
+    for p in range(SPLIT_K):
         ts += tl.load(t_ptrs + p * stride_tk, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     w = tl.load(
         b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None],
@@ -167,7 +169,7 @@ def lora_shrink(
     t = torch.empty(split_k, rows, n, dtype=torch.float32, device=x.device)[:, : x.shape[0]]
     _shrink(
         programs * split_k, x, a, t, sorted_tokens, blocks, k, n, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-        t.stride(1), blocks.stride(0), k_split, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        t.stride(1), blocks.stride(0), k_split, split_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=a.dtype == torch.float32,
     )  # fmt: skip
     return t
@@ -192,7 +194,7 @@ def lora_expand(
     grid = num_blocks * num_slices * num_n
     _expand(
         grid, t, b, y, sorted_tokens, blocks, slice_starts, slice_sizes, rank, t.stride(0), t.stride(1), b.stride(0),
-        b.stride(1), y.stride(0), blocks.stride(0), NUM_N=num_n, NUM_SLICES=num_slices, SPLIT_K=t.shape[0],
+        b.stride(1), y.stride(0), blocks.stride(0), t.shape[0], NUM_N=num_n, NUM_SLICES=num_slices,
         IEEE=b.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2(rank),
     )  # fmt: skip

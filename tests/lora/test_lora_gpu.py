@@ -60,3 +60,30 @@ def test_tensor_parallel_graphs_match_peft(lora_family):
     outs, replays = _generate(lora_family[1], rows, reqs, tensor_parallel_size=2)
     assert replays > 0
     _assert_peft_tokens(lora_family, rows, outs)
+
+
+def test_steps_of_any_size_run_the_variants_compiled_at_start(lora_family):
+    """Steps of other token and block counts than the first ones (a prefix-cache hit's short prefill, mixed batches
+    of several adapters) launch the LoRA kernels compiled before them: no compile while serving."""
+    from pagedllm.kernels.lora import lora_expand_kernel, lora_shrink_kernel
+
+    rows, reqs = _rows(lora_family)
+    llm = LLM(
+        lora_family[1], dtype="float32", device="cuda", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+        enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=8,
+    )  # fmt: skip
+
+    def variants() -> int:
+        device = torch.cuda.current_device()
+        return sum(len(k.device_caches[device][0]) for k in (lora_shrink_kernel, lora_expand_kernel))
+
+    try:
+        name, prompt = rows[0]
+        llm.generate([{"prompt_token_ids": prompt * 8}], SP, use_tqdm=False, lora_request=reqs[name])
+        before = variants()
+        loras = [None if n is None else reqs[n] for n, _ in rows]
+        llm.generate([{"prompt_token_ids": p} for _, p in rows], SP, use_tqdm=False, lora_request=loras)  # mixed
+        llm.generate([{"prompt_token_ids": prompt * 8}], SP, use_tqdm=False, lora_request=reqs[name])  # cached
+        assert variants() == before
+    finally:
+        llm.llm_engine.shutdown()
