@@ -118,6 +118,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
 
 
 @triton.jit
+def rotate_heads(
+    x_ptr, stride_head, w_ptr, cos, sin, eps, NUM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, ok,
+):  # fmt: skip
+    """(first halves, second halves) [NUM_PAD, HALF_PAD] of one token's heads x [NUM_PAD, 2 * HALF] (head stride
+    stride_head; ok masks the real heads and dims), per-head RMS-normalized (HAS_NORM, weight w [2 * HALF]) and
+    rotated by cos, sin [1, HALF_PAD] fp32, rounded to x's dtype. The rotary of qk_rotary_kernel and of the attention
+    backend's rotary_write_kv_kernel: one arithmetic, the same bits."""
+    heads = tl.arange(0, NUM_PAD)
+    offs = tl.arange(0, HALF_PAD)
+    d_ok = offs < HALF
+    x_off = heads[:, None] * stride_head + offs[None, :]  # [NUM_PAD, HALF_PAD]
+    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
+    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:  # as RMSNorm: normalized in fp32, rounded to the model dtype, times the weight, rounded again
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        a = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+
+
+@triton.jit
 def _norm_rotate_heads(
     x_ptr,  # one token's heads: [num_heads, 2 * HALF] with head stride stride_head
     stride_head,
@@ -134,21 +159,11 @@ def _norm_rotate_heads(
 ):
     heads = tl.arange(0, NUM_PAD)
     offs = tl.arange(0, HALF_PAD)
-    d_ok = offs < HALF
-    ok = (heads < NUM)[:, None] & d_ok[None, :]
-    x_off = heads[:, None] * stride_head + offs[None, :]  # [NUM_PAD, HALF_PAD]
-    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
-    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    if HAS_NORM:  # as RMSNorm: normalized in fp32, rounded to the model dtype, times the weight, rounded again
-        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        a = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-        b = ((b * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    ok = (heads < NUM)[:, None] & (offs < HALF)[None, :]
+    first, second = rotate_heads(x_ptr, stride_head, w_ptr, cos, sin, eps, NUM_PAD, HALF, HALF_PAD, HAS_NORM, ok)
     o_off = heads[:, None] * 2 * HALF + offs[None, :]
-    tl.store(out_ptr + o_off, (a * cos - b * sin).to(x1.dtype), mask=ok)
-    tl.store(out_ptr + o_off + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
+    tl.store(out_ptr + o_off, first, mask=ok)
+    tl.store(out_ptr + o_off + HALF, second, mask=ok)
 
 
 @triton.jit

@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.fused_ops import rotate_heads
+
 
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
@@ -365,29 +367,6 @@ def write_kv_kernel(
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, stride_head, w_ptr, cos, sin, eps, NUM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr, ok,
-):  # fmt: skip
-    """(first halves, second halves) [NUM_PAD, HALF_PAD] of one token's heads, per-head RMS-normalized (HAS_NORM)
-    and rotated, rounded to x's dtype: the arithmetic of fused_ops.qk_rotary, so the same bits."""
-    heads = tl.arange(0, NUM_PAD)
-    offs = tl.arange(0, HALF_PAD)
-    d_ok = offs < HALF
-    x_off = heads[:, None] * stride_head + offs[None, :]  # [NUM_PAD, HALF_PAD]
-    x1 = tl.load(x_ptr + x_off, mask=ok, other=0.0)
-    x2 = tl.load(x_ptr + x_off + HALF, mask=ok, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    if HAS_NORM:  # as RMSNorm: normalized in fp32, rounded to the model dtype, times the weight, rounded again
-        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        a = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-        b = ((b * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
-
-
-@triton.jit
 def rotary_write_kv_kernel(
     q_ptr,  # [num_tokens, NUM_Q, head_dim] (any token and head strides)
     k_ptr,  # [num_tokens, NUM_K, head_dim]
@@ -432,7 +411,7 @@ def rotary_write_kv_kernel(
     sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     q_heads = tl.arange(0, NUM_Q_PAD)
     q_ok = (q_heads < NUM_Q)[:, None] & d_ok[None, :]
-    q1, q2 = _rotate_heads(
+    q1, q2 = rotate_heads(
         q_ptr + tok * stride_q_tok, stride_q_head, q_w_ptr, cos, sin, eps, NUM_Q_PAD, HALF, HALF_PAD, HAS_NORM, q_ok
     )  # fmt: skip
     q_off = tok * NUM_Q * 2 * HALF + q_heads[:, None] * 2 * HALF + offs[None, :]
@@ -442,7 +421,7 @@ def rotary_write_kv_kernel(
     if slot >= 0:
         k_heads = tl.arange(0, NUM_K_PAD)
         ok = (k_heads < NUM_K)[:, None] & d_ok[None, :]
-        k1, k2 = _rotate_heads(
+        k1, k2 = rotate_heads(
             k_ptr + tok * stride_k_tok, stride_k_head, k_w_ptr, cos, sin, eps, NUM_K_PAD, HALF, HALF_PAD, HAS_NORM, ok
         )  # fmt: skip
         v_off = tok * stride_v_tok + k_heads[:, None] * stride_v_head + offs[None, :]
