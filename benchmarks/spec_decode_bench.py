@@ -1,5 +1,8 @@
 """Output tokens/s with and without speculative decoding, in the same run. Greedy decoding, so both runs must
-produce the same tokens (checked: same_outputs; in half precision a verifying step's sums may round apart).
+produce the same tokens (checked: same_outputs; in half precision a verifying step's sums may round a near-tie
+apart, after which the row goes its own way: rows_differing and first_divergence say how many and how early). Each
+batch size is timed --repeats times (default 3), each run from an empty prefix cache, and the median run counts
+(runs_s_*: every run's seconds); the time split covers all the runs.
 
 --method ngram (default): an input-grounded workload, a ~1k-token text made here deterministically (seeded
 sentences) and chat prompts asking the model to repeat or lightly edit it, where prompt lookup finds the
@@ -56,6 +59,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -212,13 +216,18 @@ def run_engine(args, spec: dict | None) -> dict:
             drafter.force_drafts = forced = forcing.ForcedAgreement(prompts, perm, args.max_tokens, args.agree, args.k)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
         before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        if drafter is not None:
-            forced.reset()
         split.take()
-        start = time.perf_counter()
-        r["outputs"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        r["seconds"] = time.perf_counter() - start
-        r["steps"], r["split"] = split.take()
+        runs = []
+        for _ in range(args.repeats):  # each from an empty prefix cache: the same work every time
+            llm.llm_engine.reset_prefix_cache()
+            if drafter is not None:
+                forced.reset()
+            start = time.perf_counter()
+            outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            runs.append(time.perf_counter() - start)
+            r.setdefault("outputs", outs)
+        r["runs"], r["seconds"] = runs, statistics.median(runs)
+        r["steps"], r["split"] = split.take()  # (over all the runs)
         after = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
         r["drafts"] = tuple(a - b for a, b in zip(after, before))
         if drafter is not None:
@@ -250,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-by-batch-size", type=int, default=32, help="draft: no drafts above this batch")
     parser.add_argument("--prompt-len", type=int, default=None, help="draft: prompt tokens (default 128; tiny 32)")
     parser.add_argument("--max-model-len", type=int, default=None, help="draft (default 2048; tiny 512)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (the median is reported)")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args(argv)
     draft = args.method in MODEL_METHODS
@@ -273,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def divergence(ref: list[list[int]], out: list[list[int]]) -> dict:
+    """How far apart two runs' greedy outputs are: the rows that differ and the earliest position where one does (in
+    half precision a verify step's sums may round a near-tie the other way, after which the row goes its own way)."""
+    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(ref, out)]
+    differ = [i for i, (x, y) in enumerate(zip(ref, out)) if x != y]
+    return dict(rows_differing=len(differ), first_divergence=min((firsts[i] for i in differ), default=None))
+
+
 PARTS = {"propose": "propose", "verify": "forward", "sample": "sample"}  # the split's names -> StepSplit's parts
 
 
@@ -282,7 +300,7 @@ def time_split(r: dict) -> dict:
     steps, sec = r["steps"], r["split"]
     total = max(sum(steps.values()), 1)
     parts = {name: sum(v for (_, p), v in sec.items() if p == part) for name, part in PARTS.items()}
-    split = {"step": r["seconds"] / total * 1e3} | {k: v / total * 1e3 for k, v in parts.items()}
+    split = {"step": sum(r["runs"]) / total * 1e3} | {k: v / total * 1e3 for k, v in parts.items()}
     split["other"] = split["step"] - sum(split[k] for k in parts)
     per_kind = {
         f"{kind}_{part}": sec.get((kind, part), 0.0) / n * 1e3
@@ -313,7 +331,8 @@ def report(args, spec: dict, base: dict, fast: dict) -> None:
             tok_s_spec=rounded(tokens / f["seconds"], 1), speedup=rounded(b["seconds"] / f["seconds"], 3),
             acceptance_rate=rounded(accepted / drafts if drafts else None, 3),
             tokens_per_verify_step=rounded((accepted + rows) / rows if rows else None, 2),
-            same_outputs=ref == out, steps_baseline=b["steps"], steps_spec=f["steps"],
+            runs_s_baseline=[rounded(x, 4) for x in b["runs"]], runs_s_spec=[rounded(x, 4) for x in f["runs"]],
+            same_outputs=ref == out, **divergence(ref, out), steps_baseline=b["steps"], steps_spec=f["steps"],
             time_split_ms_baseline=time_split(b), time_split_ms_spec=time_split(f), **extra,
         )  # fmt: skip
         emit(record, append=not args.no_append)

@@ -71,15 +71,24 @@ def test_forced_drafts_agree_by_the_law_asked_for():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_tiny_run_measures_the_acceptance_asked_for(method, capsys):
-    args = ["--method", method, "--tiny", "--no-append", "--batch-sizes", "1,8", "--max-tokens", "96"]
+    args = ["--method", method, "--tiny", "--no-append", "--batch-sizes", "1,8", "--max-tokens", "96", "--repeats", "2"]
     assert bench.main([*args, "--dtype", "bfloat16"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["workload"] for r in lines] == [f"spec-decode-{method}-bs1", f"spec-decode-{method}-bs8"]
     for r in lines:
         assert r["same_outputs"] and r["target_follows_map"] and r["forced_share"] == 1.0
+        assert r["rows_differing"] == 0 and r["first_divergence"] is None
+        assert len(r["runs_s_baseline"]) == len(r["runs_s_spec"]) == 2  # each run forced afresh: the same rate
         assert r["acceptance_rate"] == pytest.approx(0.7, abs=0.03)
         assert r["min_top2_logit_margin"] > 10
         split = r["time_split_ms_spec"]
         assert r["steps_spec"]["verify"] > 0 and split["verify_forward"] > 0
         parts = split["propose"] + split["verify"] + split["sample"]
         assert split["propose"] > 0 and split["sample"] > 0 and parts <= split["step"] + 1e-3
+
+
+def test_divergence_reports_rows_and_first_position():
+    assert bench.divergence([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == dict(rows_differing=0, first_divergence=None)
+    apart = bench.divergence([[1, 2, 3], [4, 5, 6]], [[1, 9, 3], [4, 5, 7]])
+    assert apart == dict(rows_differing=2, first_divergence=1)
+    assert bench.divergence([[1, 2]], [[1, 2, 3]]) == dict(rows_differing=1, first_divergence=2)  # one stopped early
