@@ -286,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
 def divergence(ref: list[list[int]], out: list[list[int]]) -> dict:
     """How far apart two runs' greedy outputs are: the rows that differ and the earliest position where one does (in
     half precision a verify step's sums may round a near-tie the other way, after which the row goes its own way)."""
-    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(ref, out)]
-    differ = [i for i, (x, y) in enumerate(zip(ref, out)) if x != y]
-    return dict(rows_differing=len(differ), first_divergence=min((firsts[i] for i in differ), default=None))
+    firsts = [  # each differing row's first position that differs (or where the shorter one stopped)
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        for x, y in zip(ref, out)
+        if x != y
+    ]
+    return dict(rows_differing=len(firsts), first_divergence=min(firsts, default=None))
 
 
 PARTS = {"propose": "propose", "verify": "forward", "sample": "sample"}  # the split's names -> StepSplit's parts

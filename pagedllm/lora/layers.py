@@ -118,7 +118,7 @@ class LoRALinearMethod(LinearMethodVariant):
         mapping = get_lora_mapping()
         if mapping is None:
             return self.base.apply(layer, x)
-        if self.side is None or not x.is_cuda or x.numel() > SIDE_MAX_TOKENS * x.shape[-1]:
+        if self.side is None or not x.is_cuda or x.shape[:-1].numel() > SIDE_MAX_TOKENS:
             return layer.lora.add(x, self.base.apply(layer, x), mapping)
         main = torch.cuda.current_stream(x.device)
         self.side.wait_stream(main)  # x is ready

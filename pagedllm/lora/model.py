@@ -23,7 +23,8 @@ class LoRAModel:
         self.layers: dict[str, LoRALayerWeights] = {}
         skip = tuple(getattr(model, "lora_skip_prefixes", ()))  # parts adapters never touch (a vision tower)
         # on a GPU the adapter terms run on a stream of their own, beside the base layers' GEMMs (lora/layers.py)
-        side = torch.cuda.Stream(torch.device(device), priority=-1) if torch.device(device).type == "cuda" else None
+        device = torch.device(device)
+        side = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and not name.startswith(skip):
                 module.lora = self.layers[name] = LoRALayerWeights(module, max_loras, rank, dtype, device)
