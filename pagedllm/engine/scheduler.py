@@ -41,11 +41,13 @@ import concurrent.futures
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.spec_decode.device_drafts import DeviceDrafts
 from pagedllm.structured_output.manager import BitmaskFiller, validate_drafts
 from pagedllm.worker.scheduler_output import (
     CachedRequestData,
@@ -139,13 +141,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+    def set_drafts(self, drafts: Mapping[str, list[int]]) -> None:
         """Draft tokens proposed for the running requests' next step (the others get none); a constrained request's
-        are cut at the first its grammar refuses."""
+        are cut at the first its grammar refuses. Drafts still on the device (DeviceDrafts) are placeholders here,
+        but a constrained request's, whose values its grammar checks now."""
         for req in self.running:
             proposed = drafts.get(req.request_id, [])
             if proposed and req.grammar is not None:
-                proposed = validate_drafts(req.grammar, proposed)
+                values = drafts.tokens_of(req.request_id) if isinstance(drafts, DeviceDrafts) else proposed
+                proposed = validate_drafts(req.grammar, values)
             req.spec_token_ids = proposed
 
     def _in_flight(self, released: bool = True) -> set[int]:

@@ -12,7 +12,8 @@ how many leading positions of its request hold draft KV (`valid`, reset when the
   one-token passes. After a prefill, a prefix hit or steps without drafts it covers everything the draft has not
   seen, as one varlen batch (within max_num_batched_tokens per step);
 - passes 2..K feed draft i - 1 at the next position (one token per row: a decode, replayed from CUDA graphs on a
-  GPU) and give draft i. The drafts stay on the device until the one copy of all of them at the end.
+  GPU) and give draft i. The drafts stay on the device: the proposal is a
+  DeviceDrafts (spec_decode/device_drafts.py), read by the step that verifies them.
 
 On a GPU the draft's graphs end with its LM head and argmax (each pass's output is the rows' next tokens), and
 passes 2..K take their inputs in one upload and load them into the graphs' buffers on the device: the host queues
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -40,6 +42,7 @@ from pagedllm.model_loader.loader import get_model, load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
+from pagedllm.spec_decode.device_drafts import DeviceDrafts
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.verify_graphs import pick_graph
 
@@ -154,6 +157,8 @@ class DraftModelProposer:
         self.fed = np.zeros((max_rows, max(self.k - 1, 1)), dtype=np.int64)  # [rows, K - 1]
         self.fed_start = np.zeros(max_rows, dtype=np.int64)
         self.fed_len = np.zeros(max_rows, dtype=np.int64)
+        self.fed_rows: np.ndarray | None = None  # the rows of the last proposal whose fed drafts are not read yet
+        self.pending: DeviceDrafts | None = None  # the last proposal (its drafts stay on the device)
         self.scratch_per_row = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = 0  # the shared blocks; scratch blocks follow them
         self.graphs = None  # a CudaGraphRunner of the draft's decode passes (CUDA only)
@@ -180,8 +185,9 @@ class DraftModelProposer:
         return seconds + self.first_graphs.capture(self.graphs.pool)
 
     @torch.inference_mode()
-    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts."""
+    def propose(self, token_ids: dict[str, list[int]]) -> Mapping[str, list[int]]:
+        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts (a
+        DeviceDrafts: the host does not wait for them)."""
         start_time = time.perf_counter()
         b = self.runner.batch
         req_ids = [r for r in token_ids if r in b.row_of]
@@ -206,9 +212,10 @@ class DraftModelProposer:
             forced = None
             if self.force_drafts is not None:
                 forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the draft's
-            drafts = self._decode_passes(first, num_tokens[sel][keep], table[keep], forced).tolist()  # [m, K]
-            self._record_fed(rows[sel][keep], num_tokens[sel][keep], drafts)
-            out = dict(zip(ids, drafts))
+            drafts = self._decode_passes(first, num_tokens[sel][keep], table[keep], forced)  # [m, K] on the device
+            self.pending = DeviceDrafts(ids, drafts)
+            self._record_fed(rows[sel][keep], num_tokens[sel][keep])
+            out = self.pending
         self.seconds += time.perf_counter() - start_time
         return out
 
@@ -216,6 +223,9 @@ class DraftModelProposer:
         """The KV the draft wrote for its own drafts (in blocks the request held) is valid up to the first that
         differs from the request's tokens now (the target accepted those before it): `valid` grows over it."""
         n = self.k - 1
+        if self.fed_rows is not None:  # the last proposal's drafts, fed on: on the host by now
+            self.fed[self.fed_rows] = self.pending.host()[:, :n]
+            self.fed_rows = None
         if not len(rows) or n == 0:
             return
         b = self.runner.batch
@@ -228,14 +238,15 @@ class DraftModelProposer:
         self.valid[rows] = np.where(grows, np.maximum(self.valid[rows], start + run), self.valid[rows])
         self.fed_len[rows] = 0
 
-    def _record_fed(self, rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[int]]) -> None:
-        """Drafts 1..K-1 were fed at positions num_tokens.. : those in blocks the request holds may be reused."""
+    def _record_fed(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Drafts 1..K-1 (of self.pending) were fed at positions num_tokens.. : those in blocks the request holds
+        may be reused. Their values are read at the next proposal (_take_accepted), when they are on the host."""
         n = self.k - 1
         if not len(rows) or n == 0:
             return
         held_end = self.runner.batch.num_blocks[rows] * self.block_size
         self.fed_start[rows] = num_tokens
-        self.fed[rows] = np.asarray(drafts, dtype=np.int64)[:, :n]
+        self.fed_rows = rows
         self.fed_len[rows] = np.clip(held_end - num_tokens, 0, n)
 
     def _block_tables(self, rows: np.ndarray) -> np.ndarray:

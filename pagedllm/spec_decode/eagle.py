@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from pagedllm.model_loader.loader import load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.llama import LlamaModel
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.device_drafts import DeviceDrafts
 from pagedllm.spec_decode.draft_model import (
     allocate_draft_kv_cache,
     draft_kv_bytes_per_block,
@@ -137,6 +139,7 @@ class EagleProposer:
         self.force_drafts = None
         self.seconds = 0.0  # time spent in the head (for the benchmark's step split)
         self.graphs = self.first_graphs = None  # CudaGraphRunners of its passes (CUDA only)
+        self.pending: DeviceDrafts | None = None  # the last proposal (its drafts stay on the device)
 
     def _hook_aux_layers(self, target: torch.nn.Module, config: EngineConfig) -> None:
         """EAGLE-3 reads three of the target's layers: its decoder copies them into a buffer each forward."""
@@ -237,8 +240,9 @@ class EagleProposer:
         self.tail_pos[rows], self.tail_gen[rows] = seq_lens - 1, rec.generations[sel]
 
     @torch.inference_mode()
-    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts."""
+    def propose(self, token_ids: dict[str, list[int]]) -> Mapping[str, list[int]]:
+        """request id -> its tokens so far (as in the runner's batch) => request id -> K greedy drafts (a
+        DeviceDrafts: the host does not wait for them)."""
         start_time = time.perf_counter()
         self._consume_ready()
         b = self.runner.batch
@@ -248,14 +252,13 @@ class EagleProposer:
         ok = (self.tail_pos[rows] == num_tokens - 2) & (self.tail_gen[rows] == b.generation[rows])
         ok &= num_tokens + self.k < self.max_model_len  # room for K drafts and the token after them
         keep = np.flatnonzero(ok)
-        out: dict[str, list[int]] = {}
+        out: Mapping[str, list[int]] = {}
         if len(keep):
             ids = [req_ids[i] for i in keep.tolist()]
             forced = None
             if self.force_drafts is not None:
                 forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the head's
-            drafts = self._chain(rows[keep], num_tokens[keep], forced)
-            out = dict(zip(ids, drafts.tolist()))
+            out = self.pending = DeviceDrafts(ids, self._chain(rows[keep], num_tokens[keep], forced))
         self.seconds += time.perf_counter() - start_time
         return out
 

@@ -23,6 +23,7 @@ from pagedllm.multimodal.encoder_runner import make_multimodal_runner
 from pagedllm.sample.logprobs import LogprobTensors
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
+from pagedllm.spec_decode.device_drafts import DeviceDrafts, resolve
 from pagedllm.spec_decode.draft_model import make_drafter
 from pagedllm.startup import StartupTimer
 from pagedllm.worker.cuda_graphs import make_graph_runner
@@ -60,6 +61,8 @@ class StepPlan:
     num_tokens: np.ndarray | None = None  # [num_sampled] their tokens so far
     num_drafts: np.ndarray | None = None  # [num_sampled] their drafts (None: a step without)
     drafts: list[list[int]] | None = None
+    device_drafts: DeviceDrafts | None = None  # the proposal whose placeholder drafts (UNKNOWN) this step verifies
+    late: tuple[torch.Tensor, torch.Tensor] | None = None  # (places, values) of input ids still on the device
     logits_rows: torch.Tensor | None = None  # [num_sampled (+ drafts)] rows of the hidden states to sample from
 
 
@@ -224,7 +227,7 @@ class ModelRunner:
             return pipeline_step(self, so)
         self._wait_for_host_outputs(so)
         plan = self.plan_step(so)
-        late = None if plan.spec else self._late_inputs(plan.flat)
+        late = plan.late if plan.spec else self._late_inputs(plan.flat)
         if getattr(so.grammar_bitmask, "pending", False):  # masks still being filled: read after the forward is queued
             hidden = self._run_model(plan.flat, late)
             if so.grammar_bitmask.deferred:  # filled after the previous step's update: sampled when the engine asks
@@ -236,10 +239,15 @@ class ModelRunner:
     def plan_step(self, so: SchedulerOutput) -> StepPlan:
         """The step's flat batch and which of its rows sample (their logits rows uploaded now)."""
         spec = so.scheduled_spec_decode_tokens
-        if spec:
+        pending = getattr(self.drafter, "pending", None)
+        if spec:  # a penalized request's drafts are read now: its penalties count them (spec_decode/device_drafts.py)
+            resolve(spec, pending, [r for r in spec if self.batch.penalized[self.batch.row_of[r]]])
             self.batch.write_drafts(spec)
         flat = self._prepare_inputs(so)
-        plan = StepPlan(flat, spec)
+        plan = StepPlan(flat, spec, device_drafts=pending)
+        if spec and pending is not None:  # the drafts still on the device fill their input ids there
+            ends = flat.query_start_loc[1:]
+            plan.late = pending.fill_inputs(flat.req_ids, [spec.get(r, ()) for r in flat.req_ids], ends)
         sample_idx = np.flatnonzero(flat.sample_mask)  # [num_sampled] the requests that sample this step
         if not len(sample_idx):
             return plan
@@ -276,6 +284,7 @@ class ModelRunner:
         output = self._sample(hidden[plan.logits_rows], step, len(plan.logits_rows))
         sampled_rows = step.rows if self.is_driver else np.repeat(step, (plan.num_drafts + 1) if spec else 1)
         self.last_step = StepFuture(self, plan.req_ids, sampled_rows, output, prompt_lps, plan.drafts)
+        self.last_step.device_drafts = plan.device_drafts
         return self.last_step
 
     def _sample(self, hidden: torch.Tensor, step, n: int) -> SamplerOutput:
@@ -391,7 +400,10 @@ class ModelRunner:
         out, out_logprobs = {}, {}
         logprobs = step.logprobs.tolists() if step.logprobs is not None else None
         b, start = self.batch, 0
-        for req_id, drafts, tokens in zip(step.req_ids, step.drafts, accept(step.drafts, targets)):
+        drafts_of = dict(zip(step.req_ids, step.drafts))
+        resolve(drafts_of, step.device_drafts, step.req_ids)  # (their copy came before the sampled tokens')
+        verified = list(drafts_of.values())
+        for req_id, drafts, tokens in zip(step.req_ids, verified, accept(verified, targets)):
             row, gen = int(step.rows[start]), step.generations[start]
             if b.row_of.get(req_id) == row and b.generation[row] == gen:
                 for token in tokens:
@@ -441,6 +453,7 @@ class StepFuture:
         self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
         self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows (a request's k + 1 with drafts)
         self.drafts: list[list[int]] | None = drafts  # per request the drafts it verifies (None: a step without)
+        self.device_drafts: DeviceDrafts | None = None  # where placeholders among them (UNKNOWN) have their values
         self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
         self.index_of_row = np.full(len(runner.batch.generation), -1, dtype=np.int64)  # [max_num_seqs] -1: none
         self.index_of_row[rows] = np.arange(len(rows))  # row -> its index in sampled

@@ -219,7 +219,7 @@ def record_proposals(drafter) -> list:
 
     def recording(token_ids):
         out = propose(token_ids)
-        calls.extend((list(token_ids[r]), d) for r, d in out.items())
+        calls.extend((list(token_ids[r]), out.tokens_of(r)) for r in out)  # (a DeviceDrafts)
         return out
 
     drafter.propose = recording

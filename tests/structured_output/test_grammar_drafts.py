@@ -151,3 +151,23 @@ def test_ignore_eos_ends_where_the_grammar_ends(tiny_llm, kind):
     finally:
         config.speculative_proposer = None
     assert got == expected and num_accepted == num_drafts > 0  # every draft accepted, the EOS ones too
+
+
+def test_draft_model_mixes_constrained_penalized_and_plain_rows(tiny_llm, tiny_char_model, draft_model):
+    """One batch of a constrained row (its drafts read on the host, checked against its grammar), a penalized row
+    (its penalties count its drafts: read on the host too) and plain rows (drafts left on the device, placed into
+    the verify step's inputs there: spec_decode/device_drafts.py): the outputs are those without speculation."""
+    spec = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": K}
+    llm = LLM(tiny_char_model, dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=spec)
+    batch = [
+        params("xgrammar", "regex"),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, logprobs=1),
+    ]
+    expected = tiny_llm.generate(PROMPTS, batch, use_tqdm=False)
+    got = llm.generate(PROMPTS, batch, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    check("regex", got[0].outputs[0].text)
+    sched = llm.llm_engine.core.scheduler
+    assert sched.num_accepted_tokens > 0 and sched.num_draft_tokens > sched.num_accepted_tokens
