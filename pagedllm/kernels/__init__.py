@@ -22,6 +22,21 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(x: torch.Tensor) -> dict:
+    """The launch arguments of a kernel taking part in programmatic dependent launch (Hopper and later): launched
+    with launch_pdl, such a kernel's programs may start while the kernel before it on the stream finishes, so its
+    launch overlaps that kernel's tail. USE_PDL makes the kernel wait (gdc_wait) before it touches any memory, which
+    makes everything the kernels before it wrote visible and keeps it from writing what they still read, then let
+    the next kernel launch (gdc_launch_dependents). Off on other devices and under Triton's interpreter."""
+    on = x.is_cuda and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) of [rows, vocab]: the sliced Triton kernel on CUDA (kernels/argmax.py), torch's
     argmax elsewhere."""

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels import pdl
+
 
 def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
@@ -29,7 +31,11 @@ def rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # (kernels/__init__.py: pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
@@ -83,6 +89,7 @@ def rms_norm(
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             num_warps=_warps(block),
+            **pdl(x),
         )
     return out if residual is None else (out, res_out)
 
@@ -94,7 +101,11 @@ def silu_and_mul_kernel(
     stride_x,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # (kernels/__init__.py: pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < D
@@ -113,7 +124,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)  # [..., d]
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
-        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block)
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, x2.stride(0), D=d, BLOCK=block, **pdl(x2)
+        )
     return out
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.kernels import SplitCounters
+from pagedllm.kernels import SplitCounters, pdl
 from pagedllm.layers.quantization.fp8_ops import quantize_activations, triton
 
 GEMV_MAX_M = 16  # one 16-row MMA tile holds every row; the weight is read once whatever M is up to this
@@ -85,13 +85,17 @@ if triton is not None:
         stride_xm, stride_wn, stride_om,
         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT: tl.constexpr, W_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
-        AMAX_STAGES: tl.constexpr,
+        AMAX_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s) of S: the n-block's sum over k in [s * k_split, (s + 1) * k_split) of x[m, k] * w[n, k],
         times xs[m] * ws[n], stored by store_result (SPLIT). x [M, K]: fp8 with scales xs [M] (QUANTIZED) or float,
         quantized here (STATIC: xs [1] the scale; PER_TOKEN: xs unused); w [N, K] fp8 (W_TMA: its
         tensor descriptor of [BLOCK_N, BLOCK_K] blocks, read by the TMA unit), ws [N] float32;
-        out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K."""
+        out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K. USE_PDL: see
+        kernels/__init__.py (pdl)."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,6 +270,7 @@ def launch(
         m, n, k, splits, cfg.k_split, x.stride(0), weight.stride(0), n,
         HAS_BIAS=has_bias, QUANT=quant, ONE_ROW=one_row, SPLIT=split, W_TMA=w_tma, BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, AMAX_K=amax_k, AMAX_STAGES=AMAX_STAGES, num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl(x),
     )  # fmt: skip
     if split == SPLIT_REDUCE_KERNEL:
         block = 1024
