@@ -124,9 +124,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)  # [..., d]
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
-        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), D=d, BLOCK=block, **pdl(x2)
-        )
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block, **pdl(x2))
     return out
 
 
