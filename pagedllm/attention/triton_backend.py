@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.attention.common import BatchLayout
 from pagedllm.device import to_device
-from pagedllm.kernels import SplitCounters
+from pagedllm.kernels import SplitCounters, pdl
 from pagedllm.kernels.paged_attention import (
     reduce_splits_kernel,
     rotary_write_kv_kernel,
@@ -227,7 +227,7 @@ def rotary_write_kv(
             NUM_Q=num_heads, NUM_Q_PAD=triton_next_pow2(num_heads), NUM_K=num_kv_heads,
             NUM_K_PAD=triton_next_pow2(num_kv_heads), HALF=half, HALF_PAD=triton_next_pow2(half),
             HAS_NORM=qk_norm is not None, BLOCK_SIZE=kv_cache.shape[2], FP8_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
-            num_warps=4,
+            num_warps=4, **pdl(q),
         )  # fmt: skip
     return q_out
 
@@ -343,5 +343,6 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         USE_ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
+        **pdl(q),
         num_stages=num_stages,
     )

@@ -178,7 +178,11 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr,  # scores become cap * tanh(scores / cap)
     USE_ALIBI: tl.constexpr,  # scores gain slope[head] * (key_pos - q_pos)
     IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # (kernels/__init__.py: pdl)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -401,9 +405,13 @@ def rotary_write_kv_kernel(
     HAS_NORM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8_MAX: tl.constexpr,  # 0.0: the cache has the dtype of k/v; else the largest finite value of its FP8 format
+    USE_PDL: tl.constexpr,  # (kernels/__init__.py: pdl)
 ):
     """One token per program: rotary (after the per-head norm) of its q heads into q_out, and of its k heads, which
     go with its v heads straight into the cache slot (qk_rotary then write_kv_kernel in one launch)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HALF_PAD)
     d_ok = offs < HALF
