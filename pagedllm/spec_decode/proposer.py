@@ -6,13 +6,15 @@ room), and the model runner verifies them: the accepted drafts and one sampled t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+    def propose(self, token_ids: dict[str, list[int]]) -> Mapping[str, list[int]]:
         """request id -> its tokens so far (prompt + output; the request's own list, read only, which only grows) =>
-        request id -> draft tokens to verify after them (requests left out get none)."""
+        request id -> draft tokens to verify after them (requests left out get none): a dict, or a DeviceDrafts
+        whose tokens are still on the device (spec_decode/device_drafts.py)."""
         ...
 
 

@@ -3,6 +3,8 @@ multiprocess or Ray executor of distributed/ (make_executor picks)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pagedllm.config import EngineConfig
 from pagedllm.worker.model_runner import ModelRunner, StepFuture
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -53,6 +55,6 @@ class UniProcExecutor:
         """Queues the step on the device; the returned future's result() waits for it (async scheduling)."""
         return self.runner.launch(scheduler_output)
 
-    def propose(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Draft tokens from the runner's draft model (speculative_config method "draft_model")."""
+    def propose(self, token_ids: dict[str, list[int]]) -> Mapping[str, list[int]]:
+        """Draft tokens from the runner's draft model or EAGLE head (a DeviceDrafts: spec_decode/device_drafts.py)."""
         return self.runner.drafter.propose(token_ids)
