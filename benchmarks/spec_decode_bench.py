@@ -39,9 +39,10 @@ Workloads, one JSON line each on stdout (appended to benchmarks/results.jsonl un
                             asynchronous on a GPU), with drafts (synchronous), the speedup, the drafts' acceptance
                             rate, the mean tokens emitted per verifying row, the steps of each kind, and the time
                             split of each run in ms per target step: step (wall), propose (the proposals, host wall
-                            time: on a GPU they end with the drafts' copy to the host; and an EAGLE head's pass over
-                            each step's hidden states), verify (the target's forwards), sample (logits, sampler,
-                            verification), other (the rest: scheduling, inputs, commit), and the mean forward and
+                            time: a draft model's passes run on after it, their drafts staying on the device; and an
+                            EAGLE head's pass over each step's hidden states), verify (the target's forwards),
+                            sample (logits, sampler, verification), other (the rest: scheduling, inputs, commit, and
+                            the wait for draft passes still running), and the mean forward and
                             sampling of each kind of step (decode_*, verify_*). Forwards, sampling and the EAGLE
                             pass are device time on a GPU (CUDA events, no synchronisation), wall time on a CPU.
 

@@ -127,8 +127,8 @@ class StepSplit:
     """Times the runner's target forwards, its sampling (logits, sampler, verification) and a drafter's record of
     each step (an EAGLE head's pass over the step's hidden states) by kind of step: decode (one token a row), verify
     (drafts) or prefill: on a GPU device time between CUDA events (no synchronisation), on a CPU wall time; and the
-    engine core's proposals (host wall time: on a GPU they end with the drafts' copy to the host). Bench-only: it
-    wraps the engine objects' methods."""
+    engine core's proposals (host wall time: a draft model's passes run on after it, its drafts staying on the
+    device). Bench-only: it wraps the engine objects' methods."""
 
     def __init__(self, core) -> None:
         runner = core.executor.runner
