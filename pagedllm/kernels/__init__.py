@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -24,6 +25,13 @@ def use_triton(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _pdl_device(index: int) -> bool:
+    """Whether kernels on CUDA device `index` take part: compute capability 9.0 or later, compiled (not under
+    Triton's interpreter) by a Triton with the grid-dependency instructions (3.4 and later)."""
+    import triton.language as tl
+
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(cuda, "gdc_wait"):
+        return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -32,7 +40,7 @@ def pdl(x: torch.Tensor) -> dict:
     with launch_pdl, such a kernel's programs may start while the kernel before it on the stream finishes, so its
     launch overlaps that kernel's tail. USE_PDL makes the kernel wait (gdc_wait) before it touches any memory, which
     makes everything the kernels before it wrote visible and keeps it from writing what they still read, then let
-    the next kernel launch (gdc_launch_dependents). Off on other devices and under Triton's interpreter."""
+    the next kernel launch (gdc_launch_dependents). Off elsewhere (see _pdl_device)."""
     on = x.is_cuda and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
