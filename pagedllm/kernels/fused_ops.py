@@ -17,6 +17,15 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
+def wait_previous_kernel(USE_PDL: tl.constexpr):
+    """A kernel's first step under programmatic dependent launch (kernels/__init__.py: pdl): wait for the kernel
+    before it to finish, then let the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,  # [num_outer, num_inner, N] (any strides on the two outer dims: a [tokens, heads, dim] view works)
     res_ptr,  # [num_rows, N] residual (HAS_RESIDUAL)
@@ -33,9 +42,7 @@ def rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # (kernels/__init__.py: pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
@@ -103,9 +110,7 @@ def silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # (kernels/__init__.py: pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < D

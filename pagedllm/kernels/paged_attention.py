@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.fused_ops import rotate_heads
+from pagedllm.kernels.fused_ops import rotate_heads, wait_previous_kernel
 
 
 @triton.jit
@@ -180,9 +180,7 @@ def unified_attention_kernel(
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,  # (kernels/__init__.py: pdl)
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -409,9 +407,7 @@ def rotary_write_kv_kernel(
 ):
     """One token per program: rotary (after the per-head norm) of its q heads into q_out, and of its k heads, which
     go with its v heads straight into the cache slot (qk_rotary then write_kv_kernel in one launch)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_kernel(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HALF_PAD)
     d_ok = offs < HALF

@@ -283,8 +283,9 @@ class ModelRunner:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
         output = self._sample(hidden[plan.logits_rows], step, len(plan.logits_rows))
         sampled_rows = step.rows if self.is_driver else np.repeat(step, (plan.num_drafts + 1) if spec else 1)
-        self.last_step = StepFuture(self, plan.req_ids, sampled_rows, output, prompt_lps, plan.drafts)
-        self.last_step.device_drafts = plan.device_drafts
+        self.last_step = StepFuture(
+            self, plan.req_ids, sampled_rows, output, prompt_lps, plan.drafts, plan.device_drafts
+        )
         return self.last_step
 
     def _sample(self, hidden: torch.Tensor, step, n: int) -> SamplerOutput:
@@ -447,13 +448,15 @@ class ModelRunner:
 class StepFuture:
     """A launched step: its sampled ids stay on the device until result() copies them to the host (once)."""
 
-    def __init__(self, runner, req_ids, rows, output: SamplerOutput, prompt_logprobs, drafts=None) -> None:
+    def __init__(
+        self, runner, req_ids, rows, output: SamplerOutput, prompt_logprobs, drafts=None, device_drafts=None
+    ) -> None:
         sampled, logprobs = output.sampled, output.logprobs
         self.runner: ModelRunner | None = runner
         self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
         self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows (a request's k + 1 with drafts)
         self.drafts: list[list[int]] | None = drafts  # per request the drafts it verifies (None: a step without)
-        self.device_drafts: DeviceDrafts | None = None  # where placeholders among them (UNKNOWN) have their values
+        self.device_drafts: DeviceDrafts | None = device_drafts  # the values of placeholders (UNKNOWN) among them
         self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
         self.index_of_row = np.full(len(runner.batch.generation), -1, dtype=np.int64)  # [max_num_seqs] -1: none
         self.index_of_row[rows] = np.arange(len(rows))  # row -> its index in sampled

@@ -44,6 +44,7 @@ if triton is not None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from pagedllm.kernels.fused_ops import wait_previous_kernel
     from pagedllm.layers.quantization.fp8_ops import fp8_quantize, fp8_scale_of
 
     @triton.jit
@@ -93,9 +94,7 @@ if triton is not None:
         tensor descriptor of [BLOCK_N, BLOCK_K] blocks, read by the TMA unit), ws [N] float32;
         out [M, N]; part [S, M, N] float32 and cnt [cdiv(N, BLOCK_N)] int32 (zeros) for split K. USE_PDL: see
         kernels/__init__.py (pdl)."""
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_previous_kernel(USE_PDL)
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
