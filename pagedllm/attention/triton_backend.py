@@ -33,8 +33,8 @@ SUPPORTS_CUDA_GRAPHS = True  # its metadata can live in static buffers; nothing 
 SUPPORTS_FUSED_ROTARY = True  # forward(..., rope=) rotates q and k while writing the cache (one launch)
 SPLIT_IN_KERNEL = True  # split-K merged by the attention kernel's last programs, not by reduce_splits_kernel
 REDUCE_ROWS = 16  # (token, head) rows per reduce_splits_kernel program
-MIN_TOKENS_PER_SPLIT = 256  # a split-K run covers at least this many keys
-MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 128  # a split-K run covers at least this many keys (H100 sweep: see RESULTS.md)
+MAX_SPLITS = 32  # a power of two (the merge loads a row's split sums as one vector of this width)
 DEFAULT_NUM_SMS = 132  # when no CUDA device can be asked (the interpreter on CPU)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite value of each FP8 cache dtype
 
@@ -268,6 +268,8 @@ def forward(
     num_splits = meta.num_splits or choose_num_splits(
         num_programs * num_kv_heads, meta.max_seq_len, meta.max_query_len, num_sms(q.device)
     )
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: the attention kernel splits a key range 1..{MAX_SPLITS} ways")
     part_out = part_lse = counters = out  # unused placeholders when there is no split
     split_mode = 0
     if num_splits > 1:
@@ -288,7 +290,7 @@ def forward(
         num_rows = num_tokens * num_heads
         reduce_splits_kernel[(triton_cdiv(num_rows, REDUCE_ROWS),)](
             out, part_out, part_lse, num_rows, num_heads, num_splits, out.stride(0), out.stride(1),
-            BLOCK_R=REDUCE_ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_R=REDUCE_ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=MAX_SPLITS,
         )  # fmt: skip
     return out
 
@@ -338,6 +340,8 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         HEAD_DIM_PAD=max(16, triton_next_pow2(head_dim)),
         BLOCK_SIZE=kv_cache.shape[2],
         SPLIT=split,
+        MIN_SPLIT_TILES=max(1, MIN_TOKENS_PER_SPLIT // block_n),
+        SPLITS_PAD=MAX_SPLITS,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=bool(logits_soft_cap),
         USE_ALIBI=alibi_slopes is not None,

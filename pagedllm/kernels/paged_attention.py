@@ -14,10 +14,12 @@ Which request a program serves is found on the device by a binary search over qu
 program ids [start(i), start(i + 1)) with start(i) = qsl[i] // BLOCK_Q + i (an upper bound of its q blocks; the
 extra program exits at once), or start(i) = qsl[i] when BLOCK_Q == 1. No host data beyond the grid size is needed.
 
-Split-K: with SPLIT the third grid axis splits each request's key range into num_splits equal runs of
-tiles; each writes its normalized partial output and log2-sum-exp. The last split of a (program, KV head) to finish
-(an atomic counter per pair, re-zeroed by that program) combines them; without a counter buffer
-`reduce_splits_kernel` does, in a second launch (the same arithmetic, so the same bits).
+Split-K: with SPLIT the third grid axis splits each request's key range into runs of equal tile counts, at
+most num_splits and at least MIN_SPLIT_TILES tiles each (a short context uses fewer splits than the grid has: the
+grid is fixed when a CUDA graph is captured); each writes its normalized partial output and log2-sum-exp. The last
+split holding keys of a (program, KV head) to finish (an atomic counter per pair, re-zeroed by that program)
+combines them, and the splits past the keys exit at once; without a counter buffer every split writes (-inf for
+none) and `reduce_splits_kernel` combines them in a second launch (the same arithmetic, so the same bits).
 
 FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales, written by `write_kv_kernel`).
 The attention kernel widens each loaded tile to the query's dtype; k_scale is folded into the score scale by the
@@ -174,6 +176,8 @@ def unified_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,  # 0: no split; 1: partials for reduce_splits_kernel; 2: merged by the last program
+    MIN_SPLIT_TILES: tl.constexpr,  # (SPLIT) a split covers at least this many key tiles
+    SPLITS_PAD: tl.constexpr,  # (SPLIT) a power of two >= num_splits
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,  # scores become cap * tanh(scores / cap)
     USE_ALIBI: tl.constexpr,  # scores gain slope[head] * (key_pos - q_pos)
@@ -211,8 +215,13 @@ def unified_attention_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(context + q_first - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    used = 1  # splits holding keys (SPLIT)
     if SPLIT:
-        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+        tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), MIN_SPLIT_TILES)
+        used = tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)
+        if SPLIT == 2 and split >= used:  # no keys: nothing to write, and the merge skips it
+            return
         lo = lo + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
 
@@ -269,11 +278,11 @@ def unified_attention_kernel(
             tl.debug_barrier()  # every thread's partials stored before the program counts itself done
             cnt = cnt_ptr + pid * tl.num_programs(1) + kv_head
             done = tl.atomic_add(cnt, 1, sem="acq_rel")  # release ours, acquire the others'
-            if done == num_splits - 1:
+            if done == used - 1:
                 o_off = tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
                 _merge_splits(
-                    out_ptr, part_out_ptr, part_lse_ptr, part - split, o_off, row_ok, num_splits, offs_d, d_ok,
-                    BLOCK_M, HEAD_DIM_PAD,
+                    out_ptr, part_out_ptr, part_lse_ptr, part - split, o_off, row_ok, used, offs_d, d_ok,
+                    BLOCK_M, HEAD_DIM_PAD, SPLITS_PAD,
                 )  # fmt: skip
                 tl.atomic_xchg(cnt, 0)
 
@@ -286,27 +295,29 @@ def _merge_splits(
     part_row,  # [R] int64: (token * num_heads + head) * num_splits of each row
     o_off,  # [R, HEAD_DIM_PAD] offsets into out
     row_ok,  # [R]
-    num_splits,
+    num_splits,  # the first num_splits splits of each row are merged
     offs_d,  # [HEAD_DIM_PAD]
     d_ok,  # [HEAD_DIM_PAD]
     R: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # >= num_splits, a power of two
 ):
-    """Combines each row's split partial outputs by their log2-sum-exps, splits in order 0, 1, ... and elementwise
-    per row, so the reduce kernel and the attention kernel's last program give the same bits. Loads bypass L1 (.cg):
-    other programs wrote the partials."""
-    m = tl.full([R], float("-inf"), dtype=tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + part_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    """Combines each row's split partial outputs by their log2-sum-exps: the weights from all the row's sums in one
+    load, the outputs added in split order 0, 1, ... elementwise per row, so the reduce kernel and the attention
+    kernel's last program give the same bits. Loads bypass L1 (.cg): other programs wrote the partials."""
+    cols = tl.arange(0, SPLITS_PAD)
+    lse_ptr = part_lse_ptr + part_row[:, None] + cols[None, :]  # [R, SPLITS_PAD]
+    lse_ok = row_ok[:, None] & (cols < num_splits)[None, :]
+    lse = tl.load(lse_ptr, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, axis=1)  # [R]
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None]))
+    w_sum = tl.sum(w, axis=1)  # [R]; empty splits weigh nothing
     acc = tl.zeros([R, HEAD_DIM_PAD], dtype=tl.float32)
-    w_sum = tl.zeros([R], dtype=tl.float32)
     for s in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + part_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # empty splits weigh nothing
+        w_s = tl.sum(tl.where(cols[None, :] == s, w, 0.0), axis=1)  # [R]
         part_ptr = part_out_ptr + (part_row + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
-        acc += tl.load(part_ptr, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
-        w_sum += w
-    out = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
+        acc += tl.load(part_ptr, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") * w_s[:, None]
+    out = acc / tl.where(row_ok & (w_sum > 0.0), w_sum, 1.0)[:, None]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -323,6 +334,7 @@ def reduce_splits_kernel(
     BLOCK_R: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Combines the split partial outputs of BLOCK_R (token, head) rows (when the attention kernel's last
     programs cannot: no counter buffer)."""
@@ -332,7 +344,7 @@ def reduce_splits_kernel(
     o_off = (r // num_heads)[:, None] * stride_o_tok + (r % num_heads)[:, None] * stride_o_head + offs_d[None, :]
     _merge_splits(
         out_ptr, part_out_ptr, part_lse_ptr, r * num_splits, o_off, row_ok, num_splits, offs_d, offs_d < HEAD_DIM,
-        BLOCK_R, HEAD_DIM_PAD,
+        BLOCK_R, HEAD_DIM_PAD, SPLITS_PAD,
     )  # fmt: skip
 
 

@@ -91,6 +91,12 @@ def run_both(q, k, v, kv_cache, layout, sliding_window=None, num_splits=None, bl
     return out[:num_real].cpu(), ref.cpu(), kv_cache.cpu(), torch_backend.to_slot_major(ref_cache, q.shape[-1]).cpu()
 
 
+@pytest.fixture
+def one_tile_splits(monkeypatch):
+    """Splits as short as one key tile, so the tiny contexts here still split (the default minimum is 128 keys)."""
+    monkeypatch.setattr(triton_backend, "MIN_TOKENS_PER_SPLIT", 1)
+
+
 def check(q, k, v, kv_cache, layout, dtype, **kw):
     out, ref, cache, ref_cache = run_both(q, k, v, kv_cache, layout, **kw)
     assert torch.equal(cache, ref_cache), "the KV-cache write differs"
@@ -103,6 +109,7 @@ def check(q, k, v, kv_cache, layout, dtype, **kw):
 MIXED = [(0, 7), (5, 6), (37, 1), (12, 1), (3, 1)]
 
 
+@pytest.mark.usefixtures("one_tile_splits")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
@@ -119,6 +126,7 @@ def test_head_dims(dtype, head_dim):
     check(q, k, v, cache, layout, dtype, block_n=16)
 
 
+@pytest.mark.usefixtures("one_tile_splits")
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 @pytest.mark.parametrize("window", [5, 16])
 def test_sliding_window(num_splits, window):
@@ -126,6 +134,7 @@ def test_sliding_window(num_splits, window):
     check(q, k, v, cache, layout, torch.float32, sliding_window=window, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.usefixtures("one_tile_splits")
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_only_long_context(num_splits, dtype):
@@ -134,12 +143,30 @@ def test_decode_only_long_context(num_splits, dtype):
     check(q, k, v, cache, layout, dtype, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_split_minimum_keys(monkeypatch, in_kernel):
+    """Splits of at least MIN_TOKENS_PER_SPLIT keys: a grid of 4 splits over 16-key tiles uses 1, 2 and all 4 of
+    them for contexts of 4, 301 and 1,001 keys; the splits past the keys exit (merged in the kernel) or write empty
+    partials (merged by the reduce kernel), and every row still equals the reference."""
+    monkeypatch.setattr(triton_backend, "SPLIT_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(triton_backend, "MIN_TOKENS_PER_SPLIT", 256)  # 16 tiles of 16 keys
+    q, k, v, cache, layout = make_batch([(3, 1), (300, 1), (1000, 1)], 4, 2, 32, 16, torch.float32, seed=11)
+    check(q, k, v, cache, layout, torch.float32, num_splits=4, block_n=16)
+
+
+def test_num_splits_bounds():
+    q, k, v, cache, layout = make_batch([(30, 1)], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_splits=33"):
+        run_both(q, k, v, cache, layout, num_splits=triton_backend.MAX_SPLITS + 1)
+
+
 def test_default_tiles_and_padding_rows():
     """Default key tile (64, several cache blocks per tile) and padded rows (slot -1) that write nothing."""
     q, k, v, cache, layout = make_batch([(0, 20), (70, 1), (100, 3)], 4, 1, 32, 16, torch.float32, seed=4, pad_tokens=2)
     check(q, k, v, cache, layout, torch.float32)
 
 
+@pytest.mark.usefixtures("one_tile_splits")
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("extras", ["softcap", "alibi", "both+window"])
 def test_softcap_and_alibi(extras, num_splits):
@@ -167,6 +194,7 @@ def test_softcap_and_alibi(extras, num_splits):
 LONG_PREFILL = [(0, 45), (40, 30), (19, 26), (50, 1), (7, 1)]
 
 
+@pytest.mark.usefixtures("one_tile_splits")
 @pytest.mark.parametrize(
     "extras",
     [
@@ -211,11 +239,11 @@ def test_prefill_tiles_override(monkeypatch, tiles):
 def test_choose_num_splits():
     f = triton_backend.choose_num_splits
     assert f(num_programs=8 * 8, max_seq_len=4096, max_query_len=1, sms=132) == 5  # ceil(264 / 64) waves
-    assert f(num_programs=8, max_seq_len=4096, max_query_len=1, sms=132) == 16  # capped by 4096 / 256 keys
+    assert f(num_programs=8, max_seq_len=2048, max_query_len=1, sms=132) == 16  # capped by 2048 / 128 keys
     assert f(num_programs=1, max_seq_len=100_000, max_query_len=1, sms=132) == 32  # MAX_SPLITS
     assert f(num_programs=32 * 8, max_seq_len=2048, max_query_len=1, sms=132) == 2  # under two waves
     assert f(num_programs=512, max_seq_len=4096, max_query_len=1, sms=132) == 1  # two waves and more
-    assert f(num_programs=8, max_seq_len=300, max_query_len=1, sms=132) == 1  # short contexts
+    assert f(num_programs=8, max_seq_len=200, max_query_len=1, sms=132) == 1  # short contexts
     assert f(num_programs=8, max_seq_len=4096, max_query_len=5, sms=132) == 1  # a prefill chunk in the batch
 
 
