@@ -15,6 +15,7 @@ from torch import nn
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.build_context import current_build_context, divide
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
+from pagedllm.layers.quantization.fp8_gemv import dense_gemv, dense_gemv_applies
 
 # Batches of up to this many tokens take the AMX tile kernel (cpu_matmul.c): it reads the weights once per call and
 # beat oneDNN's matmul at 1-64 rows (one call of each of SmolLM2's linears at 64 rows, weights in cache: 31/22/115/43
@@ -89,13 +90,28 @@ class TiledLinearMethod(LinearMethodVariant):
         return self.large.apply(layer, x)
 
 
-DENSE, ONEDNN = DenseLinearMethod(), OneDNNLinearMethod()
+class GemvLinearMethod(LinearMethodVariant):
+    """The dense weight on a GPU: one-row batches of bfloat16/float16 (decode at batch 1) through the skinny Triton
+    kernel (quantization/fp8_gemv.py: dense_gemv), which launches while the kernel before it finishes; the rest
+    through F.linear (cuBLAS)."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if dense_gemv_applies(x2, layer.weight):
+            return dense_gemv(x2, layer.weight, layer.bias).view(*x.shape[:-1], -1)
+        return F.linear(x, layer.weight, layer.bias)
+
+
+DENSE, ONEDNN, GEMV = DenseLinearMethod(), OneDNNLinearMethod(), GemvLinearMethod()
 
 
 def pack_dense(layer: LinearBase) -> LinearMethod:
     """Packs the loaded dense weight for this machine and returns the method that applies it: for bfloat16 on a
     CPU with AMX the tile packing (batches of up to TILE_ROWS tokens), then oneDNN's order (larger batches; the
-    plain copy is dropped), else the plain weight (GPU)."""
+    plain copy is dropped), else the plain weight (GPU: GemvLinearMethod)."""
+    if layer.weight.is_cuda:
+        layer.cpu_tiles = layer.tile_bias = layer.cpu_weight = None
+        return GEMV
     tiles = cpu_kernels.pack_tiles(layer.weight) if layer.use_tiles else None
     layer.cpu_tiles = tiles  # [packed bfloat16 tiles] or None
     layer.tile_bias = layer.bias.float() if tiles is not None and layer.bias is not None else None

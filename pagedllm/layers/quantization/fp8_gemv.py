@@ -1,5 +1,8 @@
 """FP8 (W8A8) skinny GEMM for small batches (decode): out [M, N] = (qx [M, K] fp8 @ qw [N, K].T fp8) * sx [M] * sw [N]
-+ bias, for M <= GEMV_MAX_M, where cuBLASLt's scaled GEMM leaves most of the memory bandwidth unused.
++ bias, for M <= GEMV_MAX_M, where cuBLASLt's scaled GEMM leaves most of the memory bandwidth unused. The same kernel
+multiplies bfloat16/float16 weights with activations of their dtype (DENSE, no scales: `dense_gemv`), which the dense
+linear layers take on the GPU for one row (decode at batch 1): its launch overlaps the kernel before it (PDL), which
+cuBLAS's cannot.
 
 The weight read dominates (N * K bytes against M * K of activations, whose rows past M are masked off, so not
 read): each program owns BLOCK_N weight rows and a slice of K, streams its [BLOCK_N, BLOCK_K] fp8 tiles and multiplies
@@ -38,7 +41,8 @@ PROGRAMS_PER_SM = 1  # programs per SM wanted before settling for one wave, or s
 NUM_WARPS, NUM_STAGES = 4, 4  # 4 stages of weight tiles in flight per program
 # how the kernel gets its activations: fp8 with their scales | float, one static scale | float, a scale per row
 # (amax / 448) | float, one scale per batch (the batch's amax / 448)
-QUANTIZED, STATIC, PER_TOKEN = 0, 1, 2
+QUANTIZED, STATIC, PER_TOKEN, DENSE = 0, 1, 2, 3
+DENSE_MAX_M = 1  # rows up to which the dense linear layers take the kernel (dense_gemv_applies)
 
 if triton is not None:
     import triton.language as tl
@@ -56,7 +60,9 @@ if triton is not None:
         all of K (PER_TOKEN), AMAX_K columns a step, AMAX_STAGES steps in
         flight. ONE_ROW: M is 1, the scale in every lane."""
         offs_m = tl.arange(0, BLOCK_M)
-        if QUANT == 0:
+        if QUANT == 3:
+            xs = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)  # unused
+        elif QUANT == 0:
             xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
         elif QUANT == 1:
             xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
@@ -114,7 +120,7 @@ if triton is not None:
             x_next = tl.load(x_ptr + k_lo + offs_k, mask=offs_k < K - k_lo, other=0.0)
         for start in range(k_lo, k_hi, BLOCK_K):
             mask_k = offs_k < K - start
-            if QUANT == 0:
+            if QUANT == 0 or QUANT == 3:
                 x = tl.load(x_ptrs + start, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
             elif ONE_ROW:  # one row quantized, copied to every column (columns past M are never stored)
                 x_row = x_next.to(tl.float32)  # [BLOCK_K]
@@ -127,10 +133,13 @@ if triton is not None:
                 w = w_ptr.load([pid_n * BLOCK_N, start])
             else:
                 w = tl.load(w_ptrs + start, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            # Hopper's fp8 MMA accumulates with a short mantissa: fold into the float32 sum every 128 products
-            acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
-        ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
-        acc = acc * xs[None, :] * ws[:, None]
+            if QUANT == 3:
+                acc = tl.dot(w, x, acc)  # [BLOCK_N, BLOCK_M]
+            else:  # Hopper's fp8 MMA accumulates with a short mantissa: fold into the float32 sum every 128 products
+                acc = tl.dot(w, x, acc, max_num_imprecise_acc=128)  # [BLOCK_N, BLOCK_M]
+        if QUANT != 3:
+            ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+            acc = acc * xs[None, :] * ws[:, None]
         offs = offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M] into [M, N]
         mask = mask_n[:, None] & mask_m[None, :]
         if SPLIT == 0:
@@ -224,13 +233,14 @@ class Fp8GemvConfig(NamedTuple):
     w_tma: bool
 
 
-def gemv_config(m: int, n: int, k: int, sms: int) -> Fp8GemvConfig:
-    """The tiles for x [m, k] @ W [n, k].T: TABLE's entry for the shape (splits capped by K's chunks), else plan()
-    with the module settings."""
-    entry = TABLE.get((1 if m == 1 else 16, n, k))
+def gemv_config(m: int, n: int, k: int, sms: int, fp8: bool = True) -> Fp8GemvConfig:
+    """The tiles for x [m, k] @ W [n, k].T: TABLE's entry for the fp8 shape (splits capped by K's chunks), else
+    plan() with the module settings."""
+    entry = TABLE.get((1 if m == 1 else 16, n, k)) if fp8 else None
     if entry is None:
         block_n, splits, k_split = plan(n, k, sms)
-        return Fp8GemvConfig(block_n, BLOCK_K, NUM_WARPS, NUM_STAGES, splits, k_split, SPLIT_IN_KERNEL, W_TMA)
+        in_kernel = SPLIT_IN_KERNEL or not fp8  # (DENSE: its split K summed without a second, non-PDL launch)
+        return Fp8GemvConfig(block_n, BLOCK_K, NUM_WARPS, NUM_STAGES, splits, k_split, in_kernel, W_TMA)
     block_n, block_k, warps, stages, want, in_kernel, w_tma = entry
     k_split = triton.cdiv(triton.cdiv(k, block_k), max(1, want)) * block_k
     return Fp8GemvConfig(
@@ -251,7 +261,7 @@ def launch(
     kernel's last programs (SPLIT_IN_KERNEL) or by split_k_reduce_kernel after it."""
     m, k = x.shape
     n = weight.shape[0]
-    cfg = gemv_config(m, n, k, sm_count(x.device))
+    cfg = gemv_config(m, n, k, sm_count(x.device), quant != DENSE)
     block_n, splits, block_k = cfg.block_n, cfg.splits, cfg.block_k
     grid_n = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=dtype, device=x.device)  # [M, N]
@@ -260,7 +270,7 @@ def launch(
     split = SPLIT_ONE if splits == 1 else SPLIT_LAST_PROGRAM if counters is not None else SPLIT_REDUCE_KERNEL
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight_scale
-    one_row = m == 1 and quant != QUANTIZED
+    one_row = m == 1 and quant not in (QUANTIZED, DENSE)
     w_tma = cfg.w_tma and k % 16 == 0 and weight.data_ptr() % 16 == 0 and block_k <= 256 and block_n <= 256
     w_arg = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if w_tma else weight
     amax_k = min(triton.next_power_of_2(max(k, 16)), AMAX_ROW if one_row else AMAX_COLS)
@@ -302,6 +312,29 @@ def fp8_gemv_fused(
     if input_scale is not None:
         return launch(x2, input_scale.float().reshape(1), weight, weight_scale, bias, x2.dtype, STATIC)
     return launch(x2, weight_scale, weight, weight_scale, bias, x2.dtype, PER_TOKEN)  # xs unused: a dummy
+
+
+def dense_gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 [M, K] (1 <= M <= GEMV_MAX_M) @ weight [N, K].T (+ bias) -> [M, N], all in x2's dtype (bfloat16 or
+    float16; summed in float32)."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    ones = _ones(x2.device)
+    return launch(x2, ones, weight, ones, bias, x2.dtype, DENSE)
+
+
+@functools.cache
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)  # the DENSE launch's unused scale arguments
+
+
+def dense_gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """dense_gemv takes CUDA batches of 1..DENSE_MAX_M rows of bfloat16/float16 with a contiguous weight of theirs
+    (float32 stays on cuBLAS: tl.dot would round it to TF32)."""
+    return (
+        x2.is_cuda and triton is not None and 0 < x2.shape[0] <= DENSE_MAX_M and weight.stride(1) == 1
+        and x2.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2.dtype
+    )  # fmt: skip
 
 
 def gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
