@@ -1,10 +1,13 @@
-"""One-shot all-reduce over symmetric GPU memory, through torch's symmetric-memory ops.
+"""One-shot all-reduce over symmetric GPU memory: pagedllm's Triton kernel (kernels/all_reduce.py) on buffers that
+torch's symmetric memory maps into every rank, or torch's own one-shot op where Triton is missing.
 
 A decode step's all-reduces are small (batch x hidden, a few KB to a few hundred KB) and bound by latency, not
-bandwidth. The one-shot kernel copies each rank's input into its peer-mapped buffer, meets the peers at a barrier
-of signal flags, then every rank reads all peers' buffers over NVLink and sums them: one kernel, no protocol
-round trips, capturable in CUDA graphs. Larger tensors, float16 (the op sums float32 and bfloat16 only) and any
-failure to set the buffers up fall back to NCCL.
+bandwidth. The Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink, raises a
+flag at each peer, waits for the peers' flags and sums the slots: one kernel, capturable in CUDA graphs, launched
+with programmatic dependent launch like the kernels around it (torch's op copies its input into its own buffer,
+meets the peers at a barrier and reads their buffers, without PDL). Larger tensors, float16 (torch's op sums
+float32 and bfloat16 only; the Triton path keeps the same dtypes) and any failure to set the buffers up fall back
+to NCCL.
 
 torch's op finds the group by name in c10d's registry, so the NCCL group is wrapped in a `ProcessGroup` and
 registered under a name unique to its engine (the only entry pagedllm puts there; removed at shutdown).
@@ -23,7 +26,13 @@ import uuid
 import torch
 import torch.distributed as dist
 
+try:
+    from pagedllm.kernels import all_reduce as all_reduce_kernel
+except ImportError:  # no Triton: torch's one-shot op
+    all_reduce_kernel = None
+
 logger = logging.getLogger(__name__)
+USE_TRITON = True  # the Triton kernel where Triton is (False: torch's op; benchmarks compare the two)
 
 # the largest all-reduce taken by the one-shot kernel, by group size: each rank reads size x bytes, so the
 # crossover with NCCL's ring falls as the group grows
@@ -63,8 +72,15 @@ class SymmAllReduce:
     """The one-shot path of one group: `all_reduce(x)` sums x in place and says True, or says False (x untouched)
     when x is not for this path."""
 
-    def __init__(self, name: str, buffer: torch.Tensor, max_bytes: int) -> None:
-        self.name, self.buffer, self.max_bytes = name, buffer, max_bytes  # buffer: [max_bytes] uint8, symmetric
+    def __init__(
+        self, name: str, buffer: torch.Tensor, max_bytes: int, rank: int, size: int, bufs: torch.Tensor | None
+    ) -> None:
+        self.name, self.buffer, self.max_bytes = name, buffer, max_bytes  # buffer: uint8, symmetric
+        self.rank, self.size = rank, size
+        self.bufs = bufs  # [size] int64: every rank's buffer address here (the Triton kernel), or None (torch's op)
+        self.calls = (
+            None if bufs is None else torch.zeros(all_reduce_kernel.MAX_PROGRAMS, dtype=torch.int32, device=bufs.device)
+        )
 
     @classmethod
     def create(
@@ -74,27 +90,33 @@ class SymmAllReduce:
         max_bytes = MAX_BYTES.get(size)
         buffer = None
         ok = max_bytes is not None and not _SET_UP and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        kernel = all_reduce_kernel is not None and USE_TRITON
         if ok:
             try:
                 from torch._C._distributed_c10d import _SymmetricMemory
                 from torch.distributed import _symmetric_memory as symm_mem
 
                 _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm/", store))
-                buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+                nbytes = all_reduce_kernel.buffer_bytes(size, max_bytes) if kernel else max_bytes
+                buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+                buffer.zero_()  # the Triton kernel's flags start at 0 (every rank zeroes before the agreement below)
             except Exception as e:  # no symmetric memory in this torch build or driver
                 logger.info("one-shot all-reduce unavailable (%s: %s); NCCL only", type(e).__name__, e)
                 ok = False
         if not _all_agree(pg, ok, device):
             return None
+        bufs = None
         try:
-            symm_mem.rendezvous(buffer, name)
+            handle = symm_mem.rendezvous(buffer, name)
+            if kernel:
+                bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         except Exception as e:
             logger.warning("one-shot all-reduce rendezvous failed (%s: %s); NCCL only", type(e).__name__, e)
             ok = False
         if not _all_agree(pg, ok, device):
             return None
         _SET_UP.append(name)
-        return cls(name, buffer, max_bytes)
+        return cls(name, buffer, max_bytes, rank, size, bufs)
 
     def all_reduce(self, x: torch.Tensor) -> bool:
         """The choice depends only on x's dtype, size and layout, which every rank shares (a rank taking NCCL
@@ -103,6 +125,9 @@ class SymmAllReduce:
         if x.dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 16 or not x.is_contiguous():
             return False
         flat = x.view(-1)
+        if self.bufs is not None:
+            all_reduce_kernel.one_shot_all_reduce(flat, self.bufs, self.calls, self.rank, self.size, self.max_bytes)
+            return True
         symm = self.buffer[:nbytes].view(x.dtype)  # [numel] this rank's peer-mapped staging
         if x.data_ptr() % 16 == 0:
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.name, flat)

@@ -3,7 +3,8 @@ one-shot symmetric-memory all-reduce, checked against the exact sum of the ranks
 the additions in the tensor's dtype), eagerly and inside a CUDA graph.
 
 `python tests/distributed/test_collectives.py N [cpu|cuda] [bench]` runs the same check (and, with bench, a latency
-table per message size) outside pytest."""
+table per message size) outside pytest. On GPUs the one-shot path is pagedllm's Triton kernel (kernels/all_reduce.py)
+wherever Triton is installed; the report says which ran (`triton`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out:
     comm = Communicator.create(store, "tp0", rank, list(range(world)), device, 60.0)
     plain = Communicator.create(store, "plain", rank, list(range(world)), device, 60.0, custom_all_reduce=False)
     report = {"rank": rank, "one_shot": comm.symm is not None, "errors": []}
+    report["triton"] = comm.symm is not None and comm.symm.bufs is not None
     assert plain.symm is None
     if device_type == "cpu":
         assert comm.symm is None  # no symmetric memory on CPU: every all-reduce is gloo's
@@ -90,11 +92,17 @@ def _graph_check(comm: Communicator, device: torch.device) -> list[str]:
 
 
 def _latency(comm: Communicator, plain: Communicator, device: torch.device, world: int) -> dict:
-    """Microseconds per all-reduce inside a CUDA graph of 64, one-shot path vs NCCL, per message size."""
+    """Microseconds per all-reduce inside a CUDA graph of 64 per message size: the one-shot path (pagedllm's Triton
+    kernel where it set up), torch's one-shot op on the same buffers, NCCL."""
     table = {}
+    bufs = comm.symm.bufs if comm.symm is not None else None
     for n in _sizes(world):
         row = {}
-        for name, c in (("custom", comm), ("nccl", plain)):
+        for name, c in (("custom", comm), ("torch-one-shot", comm), ("nccl", plain)):
+            if name == "torch-one-shot" and bufs is None:
+                continue
+            if comm.symm is not None:
+                comm.symm.bufs = None if name == "torch-one-shot" else bufs
             x = torch.randn(64, n, device=device).to(torch.bfloat16)
             c.all_reduce(x[0])
             torch.cuda.synchronize()
@@ -111,6 +119,8 @@ def _latency(comm: Communicator, plain: Communicator, device: torch.device, worl
                 graph.replay()
             torch.cuda.synchronize()
             row[name] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
+        if comm.symm is not None:
+            comm.symm.bufs = bufs
         table[f"{n * 2 // 1024}KB"] = row
     return table
 
