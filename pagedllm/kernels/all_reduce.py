@@ -6,11 +6,16 @@ dtype, then int32 flags [world][MAX_PROGRAMS]. Program p on rank r owns the chun
 tensor (P programs): it stores them into slot r of every rank's buffer (slot set e % 2, e counting the program's
 calls), raises its flag to e at every rank (a system-scope release after a system fence), waits until the flag of
 every rank's program p at r reaches e (acquire), then sums the world slots in rank order into the tensor: every rank
-gets the same bits. Reusing a slot set every other call is safe: a rank starts call e + 2 of program p only after
-each peer's program p raised its flag for call e + 1, which (stream order; PDL waits for the whole kernel before)
-follows that peer's reads of call e. Calls are counted per program on the device, so every rank must run the same
-sequence of all-reduces, as tensor-parallel ranks do. The grid stays at MAX_PROGRAMS programs or fewer (all resident
-at once, so no program waits on a peer program that cannot be scheduled)."""
+gets the same bits.
+
+A chunk is CHUNK_BYTES whatever the dtype, so program p owns the same bytes of every slot in every call (chunk c
+belongs to program c % MAX_PROGRAMS). Reusing a slot set every other call is then safe: a rank starts call e + 2 of
+program p only after each peer's program p raised its flag for call e + 1, which (stream order; PDL waits for the
+whole kernel before) follows that peer's reads of call e. Calls are counted per program on the device, so every rank
+must run the same sequence of all-reduces, as tensor-parallel ranks do; the int32 counts wrap around, so parity and
+"reached" are taken modulo 2**32. A wait that outlasts MAX_SPINS polls (a peer that skipped an all-reduce, or died)
+traps: the kernel fails with a CUDA error instead of hanging. The grid stays at MAX_PROGRAMS programs or fewer (all
+resident at once, so no program waits on a peer program that cannot be scheduled)."""
 
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ import triton.language as tl
 from pagedllm.kernels import pdl
 from pagedllm.kernels.fused_ops import wait_previous_kernel
 
-CHUNK = 1024  # elements a program moves per step
+CHUNK_BYTES = 2048  # bytes a program moves per step
 MAX_PROGRAMS = 64
+MAX_SPINS = 1 << 26  # polls of one flag before the kernel gives up (tens of seconds)
 
 
 @triton.jit
@@ -31,6 +37,12 @@ def _fence_system(token):
     return tl.inline_asm_elementwise(
         "fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1
     )
+
+
+@triton.jit
+def _trap(token):
+    """Ends the kernel with an error (a wait that cannot end)."""
+    return tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -43,15 +55,16 @@ def one_shot_all_reduce_kernel(
     FLAGS_OFFSET: tl.constexpr,  # bytes from a buffer's start to its flags
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr,  # elements: CHUNK_BYTES of the dtype
     MAX_PROGRAMS: tl.constexpr,
+    MAX_SPINS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * CHUNK
-    e = tl.load(calls_ptr + pid) + 1
-    slots = (e % 2) * WORLD  # this call's slot set
+    e = tl.load(calls_ptr + pid) + 1  # wraps from 2**31 - 1 to -2**31
+    slots = (e & 1) * WORLD  # this call's slot set
     offs = tl.arange(0, CHUNK)
     dtype = x_ptr.dtype.element_ty
     for start in range(pid * CHUNK, numel, step):
@@ -70,8 +83,12 @@ def one_shot_all_reduce_kernel(
     flags = (mine + FLAGS_OFFSET).to(tl.pointer_type(tl.int32))
     for q in tl.static_range(WORLD):
         seen = tl.atomic_add(flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
-        while seen < e:
+        spins = 0
+        while seen - e < 0:  # not reached e yet, modulo 2**32 (flags are never more than one call apart)
             seen = tl.atomic_add(flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
+            spins += 1
+            if spins > MAX_SPINS:
+                _trap(spins)
     tl.debug_barrier()  # the peers' data visible to every thread
     data = tl.multiple_of(mine.to(tl.pointer_type(dtype)), 16)
     for start in range(pid * CHUNK, numel, step):
@@ -94,9 +111,9 @@ def one_shot_all_reduce(
 ) -> None:
     """Sums contiguous x (numel * itemsize <= max_bytes) over the ranks in place; bufs [world] int64 the buffers'
     addresses, calls [MAX_PROGRAMS] int32 (zeros at first, then the kernel's)."""
-    numel = x.numel()
-    grid = min(MAX_PROGRAMS, triton.cdiv(numel, CHUNK))
+    numel, chunk = x.numel(), CHUNK_BYTES // x.element_size()
+    grid = min(MAX_PROGRAMS, triton.cdiv(numel, chunk))
     one_shot_all_reduce_kernel[(grid,)](
         x, bufs, calls, numel, CAPACITY=max_bytes // x.element_size(), FLAGS_OFFSET=2 * world * max_bytes,
-        RANK=rank, WORLD=world, CHUNK=CHUNK, MAX_PROGRAMS=MAX_PROGRAMS, num_warps=4, **pdl(x),
+        RANK=rank, WORLD=world, CHUNK=chunk, MAX_PROGRAMS=MAX_PROGRAMS, MAX_SPINS=MAX_SPINS, num_warps=4, **pdl(x),
     )  # fmt: skip

@@ -9,6 +9,7 @@ wherever Triton is installed; the report says which ran (`triton`)."""
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out:
                 if error:
                     report["errors"].append(f"{name} {dtype} n={n}: {error}")
     if device_type == "cuda":
+        report["errors"] += _sequence_check(comm, device)
         report["errors"] += _graph_check(comm, device)
         if bench:
             report["latency_us"] = _latency(comm, plain, device, world)
@@ -67,6 +69,26 @@ def _sum_error(got: torch.Tensor, inputs: list[torch.Tensor], dtype: torch.dtype
     bound = len(inputs) * torch.finfo(dtype).eps * scale + 1e-30
     excess = ((got.double().cpu() - exact).abs() / bound).max().item()
     return None if excess <= 1.0 else f"error {excess:.2f}x the rounding bound"
+
+
+def _sequence_check(comm: Communicator, device: torch.device) -> list[str]:
+    """All-reduces back to back with no other collective between them, sizes and dtypes mixed (a chunk owns the same
+    bytes whatever the dtype), first from the counts so far, then from call counts just below the int32 wrap."""
+    plan = [(torch.bfloat16, HIDDEN), (torch.float32, HIDDEN), (torch.bfloat16, 16 * HIDDEN), (torch.float32, 256)]
+    plan += [(torch.bfloat16, 8), (torch.float32, 32 * HIDDEN), (torch.bfloat16, 2 * HIDDEN)] * 2
+    errors = []
+    for start in ("as is", "near the wrap"):
+        if start == "near the wrap" and comm.symm is not None and comm.symm.calls is not None:
+            comm.symm.calls.fill_(2**31 - 3)  # every rank alike: the counts stay in step
+        results = []
+        for i, (dtype, n) in enumerate(plan):
+            inputs = [torch.randn(n, generator=torch.Generator().manual_seed(50 * i + r)) for r in range(comm.size)]
+            results.append((comm.all_reduce(inputs[comm.rank].to(device, dtype)), inputs, dtype, n))
+        for got, inputs, dtype, n in results:
+            error = _sum_error(got, inputs, dtype)
+            if error:
+                errors.append(f"sequence ({start}) {dtype} n={n}: {error}")
+    return errors
 
 
 def _graph_check(comm: Communicator, device: torch.device) -> list[str]:
@@ -151,6 +173,8 @@ def test_one_shot_all_reduce_equals_nccl(world, tmp_path):
         pytest.skip(f"needs {world} GPUs")
     reports = run(world, "cuda", False, str(tmp_path / "r"))
     assert all(r["one_shot"] for r in reports), "symmetric memory did not set up"
+    if importlib.util.find_spec("triton") is not None:
+        assert all(r["triton"] for r in reports), "the Triton one-shot kernel did not set up (torch's op ran)"
     assert all(not r["errors"] for r in reports), reports
 
 

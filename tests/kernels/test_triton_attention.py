@@ -154,6 +154,31 @@ def test_split_minimum_keys(monkeypatch, in_kernel):
     check(q, k, v, cache, layout, torch.float32, num_splits=4, block_n=16)
 
 
+@pytest.mark.usefixtures("one_tile_splits")
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_split_padding_row(monkeypatch, in_kernel):
+    """A CUDA graph's padding row (sequence length 0, slot -1) beside a real decode, 4 splits: zeros for it (no NaN),
+    and the real row as without it."""
+    monkeypatch.setattr(triton_backend, "SPLIT_IN_KERNEL", in_kernel)
+    q, k, v, cache, layout = make_batch([(40, 1)], 4, 2, 32, 16, torch.float32, seed=12)
+    want, _, _, _ = run_both(q, k, v, cache.clone(), layout, num_splits=4, block_n=16)
+    table = torch.from_numpy(layout.block_table).to(torch.int32)
+    meta = triton_backend.static_decode_metadata(
+        slot_mapping=torch.cat([layout.slot_mapping, torch.tensor([-1])]).to(DEVICE),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([41, 0], dtype=torch.int32, device=DEVICE),
+        block_table=torch.cat([table, torch.zeros_like(table)]).to(DEVICE),
+        block_size=16,
+        max_seq_len=41,
+        num_splits=4,
+    )
+    meta.block_n = 16
+    q2, k2, v2 = (torch.cat([x, torch.zeros_like(x)]).to(DEVICE) for x in (q, k, v))
+    out = triton_backend.forward(q2, k2, v2, cache.clone().to(DEVICE), meta, q.shape[-1] ** -0.5).cpu()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[:1], want, atol=1e-6, rtol=1e-6)
+
+
 def test_num_splits_bounds():
     q, k, v, cache, layout = make_batch([(30, 1)], 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="num_splits=33"):

@@ -39,12 +39,12 @@ def check(out, x, w, bias):
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n,k", [(17, 33), (70, 300)])
+@pytest.mark.parametrize("n,k", [(17, 33), (70, 300), (40, 700)])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dense_gemv(m, n, k, split, dtype, monkeypatch):
-    """Odd N and K (partial tiles both ways); 16-row tiles with K split (summed by the last program), or 64-row
-    tiles, one program over all of K."""
+    """Odd N and K (partial tiles both ways); K split over the SMs (several 128-column chunks: summed by the last
+    program), or 64-row tiles, one program over all of K."""
     if not split:
         monkeypatch.setattr(gemv, "PROGRAMS_PER_SM", 0)
     x, w, bias = case(m, n, k, dtype, seed=m * n + k)
@@ -52,6 +52,11 @@ def test_dense_gemv(m, n, k, split, dtype, monkeypatch):
     out = gemv.dense_gemv(x.to(DEVICE), w.to(DEVICE), None if with_bias is None else with_bias.to(DEVICE))
     assert out.shape == (m, n) and out.dtype == dtype
     check(out, x, w, with_bias)
+
+
+def test_dense_gemv_splits_k_in_the_tests():
+    """The split cases above do split K (a test of the split path that never splits could not fail there)."""
+    assert gemv.gemv_config(1, 40, 700, gemv.sm_count(DEVICE), fp8=False).splits > 1
 
 
 def test_dense_gemv_plan_splits_k():
@@ -72,7 +77,7 @@ def test_dense_gemv_applies():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096)])
-def test_linear_one_row_in_cuda_graph(n, k):
+def test_linear_one_row_in_cuda_graph(n, k, monkeypatch):
     """A dense layer on the GPU takes the kernel for one row (captured in a CUDA graph) and F.linear for more."""
     from pagedllm.layers import linear as L
 
@@ -89,5 +94,8 @@ def test_linear_one_row_in_cuda_graph(n, k):
     x.copy_(torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16))
     graph.replay()
     check(out, x.cpu(), layer.weight.cpu(), layer.bias.cpu())
-    many = torch.randn(5, k, device=DEVICE, dtype=torch.bfloat16)
-    torch.testing.assert_close(layer(many), torch.nn.functional.linear(many, layer.weight, layer.bias))
+    calls, kernel = [], L.dense_gemv
+    monkeypatch.setattr(L, "dense_gemv", lambda *a: calls.append(tuple(a[0].shape)) or kernel(*a))
+    layer(x)
+    layer(torch.randn(5, k, device=DEVICE, dtype=torch.bfloat16))  # more rows: F.linear
+    assert calls == [(1, k)]
