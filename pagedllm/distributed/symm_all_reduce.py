@@ -32,7 +32,6 @@ except ImportError:  # no Triton: torch's one-shot op
     all_reduce_kernel = None
 
 logger = logging.getLogger(__name__)
-USE_TRITON = True  # the Triton kernel where Triton is (False: torch's op; benchmarks compare the two)
 
 # the largest all-reduce taken by the one-shot kernel, by group size: each rank reads size x bytes, so the
 # crossover with NCCL's ring falls as the group grows
@@ -90,7 +89,7 @@ class SymmAllReduce:
         max_bytes = MAX_BYTES.get(size)
         buffer = None
         ok = max_bytes is not None and not _SET_UP and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
-        kernel = all_reduce_kernel is not None and USE_TRITON
+        kernel = all_reduce_kernel is not None
         if ok:
             try:
                 from torch._C._distributed_c10d import _SymmetricMemory

@@ -319,20 +319,14 @@ def dense_gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     float16; summed in float32)."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    ones = _ones(x2.device)
-    return launch(x2, ones, weight, ones, bias, x2.dtype, DENSE)
-
-
-@functools.cache
-def _ones(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)  # the DENSE launch's unused scale arguments
+    return launch(x2, weight, weight, weight, bias, x2.dtype, DENSE)  # (DENSE reads no scales: placeholders)
 
 
 def dense_gemv_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """dense_gemv takes CUDA batches of 1..DENSE_MAX_M rows of bfloat16/float16 with a contiguous weight of theirs
-    (float32 stays on cuBLAS: tl.dot would round it to TF32)."""
+    """dense_gemv takes what gemv_applies takes, up to DENSE_MAX_M rows, in bfloat16/float16 with a weight of the
+    same dtype (float32 stays on cuBLAS: tl.dot would round it to TF32)."""
     return (
-        x2.is_cuda and triton is not None and 0 < x2.shape[0] <= DENSE_MAX_M and weight.stride(1) == 1
+        gemv_applies(x2, weight) and x2.shape[0] <= DENSE_MAX_M
         and x2.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2.dtype
     )  # fmt: skip
 
