@@ -81,6 +81,13 @@ class Communicator:
             self.pg.allreduce([x]).wait()
         return x
 
+    def all_reduce_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(norm(s + residual) * weight, s + residual), s = x summed over the group, in one fused kernel; None where
+        the group has none for these tensors (the caller then all-reduces and normalizes)."""
+        return None if self.symm is None else self.symm.all_reduce_rms_norm(x, residual, weight, eps)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[*, d] on each rank -> [*, size * d], the ranks' parts in rank order along the last dim."""
         if self.pg is None:

@@ -2,12 +2,13 @@
 torch's symmetric memory maps into every rank, or torch's own one-shot op where Triton is missing.
 
 A decode step's all-reduces are small (batch x hidden, a few KB to a few hundred KB) and bound by latency, not
-bandwidth. The Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink, raises a
-flag at each peer, waits for the peers' flags and sums the slots: one kernel, capturable in CUDA graphs, launched
-with programmatic dependent launch like the kernels around it (torch's op copies its input into its own buffer,
-meets the peers at a barrier and reads their buffers, without PDL). Larger tensors, float16 (torch's op sums
-float32 and bfloat16 only; the Triton path keeps the same dtypes) and any failure to set the buffers up fall back
-to NCCL.
+bandwidth. The Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink and sums the
+slots as their data arrive (no flags: the data carry their arrival): one kernel, capturable in CUDA graphs, launched
+with programmatic dependent launch like the kernels around it, and optionally fused with the residual add and RMSNorm
+after it (`all_reduce_rms_norm`: the decoder layers' row-parallel outputs, models/llama.py). torch's op (without
+Triton) copies its input into its own buffer, meets the peers at a barrier and reads their buffers, without PDL.
+Larger tensors, float16 on torch's op (it sums float32 and bfloat16 only) and any failure to set the buffers up fall
+back to NCCL.
 
 torch's op finds the group by name in c10d's registry, so the NCCL group is wrapped in a `ProcessGroup` and
 registered under a name unique to its engine (the only entry pagedllm puts there; removed at shutdown).
@@ -33,10 +34,11 @@ except ImportError:  # no Triton: torch's one-shot op
 
 logger = logging.getLogger(__name__)
 
-# the largest all-reduce taken by the one-shot kernel, by group size: each rank reads size x bytes, so the
-# crossover with NCCL's ring falls as the group grows
-MAX_BYTES = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
-DTYPES = (torch.bfloat16, torch.float32)
+# the largest all-reduce taken by the one-shot kernel, by group size: each rank sends (size - 1) x bytes, so the
+# crossover with NCCL's ring falls as the group grows (TP=2: a decode batch of 256 rows of hidden 4096 in bfloat16
+# is 2 MB; 2x H100, benchmarks in tests/distributed/test_collectives.py)
+MAX_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
+DTYPES = (torch.bfloat16, torch.float32)  # torch's op (the Triton kernel's: all_reduce_kernel.DTYPES)
 _SET_UP: list[str] = []  # the group that set symmetric memory up in this process (at most one; see above)
 
 
@@ -98,7 +100,8 @@ class SymmAllReduce:
                 _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm/", store))
                 nbytes = all_reduce_kernel.buffer_bytes(size, max_bytes) if kernel else max_bytes
                 buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-                buffer.zero_()  # the Triton kernel's flags start at 0 (every rank zeroes before the agreement below)
+                if kernel:  # every slot starts empty (every rank fills its own before the agreement below)
+                    all_reduce_kernel.fill_empty(buffer)
             except Exception as e:  # no symmetric memory in this torch build or driver
                 logger.info("one-shot all-reduce unavailable (%s: %s); NCCL only", type(e).__name__, e)
                 ok = False
@@ -121,7 +124,8 @@ class SymmAllReduce:
         """The choice depends only on x's dtype, size and layout, which every rank shares (a rank taking NCCL
         while another takes the one-shot kernel would wait forever)."""
         nbytes = x.numel() * x.element_size()
-        if x.dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 16 or not x.is_contiguous():
+        dtypes = DTYPES if self.bufs is None else all_reduce_kernel.DTYPES
+        if x.dtype not in dtypes or nbytes > self.max_bytes or nbytes % 16 or not x.is_contiguous():
             return False
         flat = x.view(-1)
         if self.bufs is not None:
@@ -134,6 +138,29 @@ class SymmAllReduce:
             symm.copy_(flat)
             flat.copy_(torch.ops.symm_mem.one_shot_all_reduce(symm, "sum", self.name))
         return True
+
+    def all_reduce_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(norm(s + residual) * weight, s + residual), s the sum of [M, N] x over the ranks, in one kernel; None
+        (nothing done) where the Triton kernel does not take these tensors. Like all_reduce, the choice depends only
+        on what every rank shares (shapes, dtypes, layouts)."""
+        if self.bufs is None or x.dim() != 2 or residual.shape != x.shape or weight.shape != x.shape[-1:]:
+            return None
+        n, size = x.shape[-1], x.element_size()
+        if (
+            x.dtype not in all_reduce_kernel.DTYPES
+            or residual.dtype != x.dtype
+            or weight.dtype != x.dtype
+            or x.numel() * size > self.max_bytes
+            or (n * size) % 16
+            or n > all_reduce_kernel.MAX_NORM_ELEMENTS
+            or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())
+        ):
+            return None
+        return all_reduce_kernel.all_reduce_rms_norm(
+            x, residual, weight, eps, self.bufs, self.calls, self.rank, self.size, self.max_bytes
+        )
 
 
 def _all_agree(pg: dist.ProcessGroup, ok: bool, device: torch.device) -> bool:

@@ -1,21 +1,23 @@
-"""A one-shot all-reduce of small tensors over peer-mapped (symmetric) GPU memory, in Triton: one kernel, launched
-with programmatic dependent launch like the decode path's other kernels (kernels/__init__.py: pdl).
+"""A one-shot all-reduce of small tensors over peer-mapped (symmetric) GPU memory, in Triton, optionally fused with
+the residual add and RMSNorm that follow it in a decoder layer: one kernel, launched with programmatic dependent
+launch like the decode path's other kernels (kernels/__init__.py: pdl).
 
-Each rank's buffer (set up by distributed/symm_all_reduce.py) holds data slots [2][world][capacity] in the tensor's
-dtype, then int32 flags [world][MAX_PROGRAMS]. Program p on rank r owns the chunks p, p + P, ... of the flat
-tensor (P programs): it stores them into slot r of every rank's buffer (slot set e % 2, e counting the program's
-calls), raises its flag to e at every rank (a system-scope release after a system fence), waits until the flag of
-every rank's program p at r reaches e (acquire), then sums the world slots in rank order into the tensor: every rank
-gets the same bits.
+Each rank's buffer (set up by distributed/symm_all_reduce.py) holds data slots [2][world][capacity]. The data carry
+their own arrival (a Lamport-style buffer, no flags): every slot starts filled with EMPTY, a bit pattern no value
+sent ever has (-0.0 in 16-bit dtypes, which is sent as +0.0; a negative denormal in float32, sent as -0.0). The
+tensor is cut into units (rows with the norm, CHUNK_BYTES chunks without) and program p of the fixed grid of
+MAX_PROGRAMS owns units p, p + P, ...: it stores each unit into slot `rank` of every peer's buffer (slot set e % 2,
+e counting the program's calls), then polls its own buffer's peer slots until no element is EMPTY, sums the ranks in
+rank order (every rank gets the same bits), and fills the slots it read with EMPTY again.
 
-A chunk is CHUNK_BYTES whatever the dtype, so program p owns the same bytes of every slot in every call (chunk c
-belongs to program c % MAX_PROGRAMS). Reusing a slot set every other call is then safe: a rank starts call e + 2 of
-program p only after each peer's program p raised its flag for call e + 1, which (stream order; PDL waits for the
-whole kernel before) follows that peer's reads of call e. Calls are counted per program on the device, so every rank
-must run the same sequence of all-reduces, as tensor-parallel ranks do; the int32 counts wrap around, so parity and
-"reached" are taken modulo 2**32. A wait that outlasts MAX_SPINS polls (a peer that skipped an all-reduce, or died)
-traps: the kernel fails with a CUDA error instead of hanging. The grid stays at MAX_PROGRAMS programs or fewer (all
-resident at once, so no program waits on a peer program that cannot be scheduled)."""
+Alternating slot sets is safe: a peer writes set e % 2 again only in call e + 2, which it starts after finishing
+call e + 1, which needed this rank's call e + 1 data, which this rank sends only after its call e (reads and refills
+included) finished: stream order, and under PDL every kernel waits for the whole kernel before it. Every call refills
+all it read, so units may change size between calls. Calls are counted per program on the device (the grid is always
+MAX_PROGRAMS, so every count is the call count), so every rank must run the same sequence of all-reduces, as
+tensor-parallel ranks do; parity survives the int32 wrap. A wait that outlasts MAX_SPINS polls (a peer that skipped an
+all-reduce, or died) traps: the kernel fails with a CUDA error instead of hanging. All programs are resident at once
+and each sends all its units before it waits, so no program waits on one that cannot run."""
 
 from __future__ import annotations
 
@@ -26,17 +28,13 @@ import triton.language as tl
 from pagedllm.kernels import pdl
 from pagedllm.kernels.fused_ops import wait_previous_kernel
 
-CHUNK_BYTES = 2048  # bytes a program moves per step
+CHUNK_BYTES = 2048  # bytes of a unit without the norm
 MAX_PROGRAMS = 64
-MAX_SPINS = 1 << 26  # polls of one flag before the kernel gives up (tens of seconds)
-
-
-@triton.jit
-def _fence_system(token):
-    """fence.acq_rel.sys: this thread's stores (to peers' memory too) are ordered before its later ones."""
-    return tl.inline_asm_elementwise(
-        "fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1
-    )
+MAX_SPINS = 1 << 26  # polls of one unit before the kernel gives up (tens of seconds)
+MAX_NORM_ELEMENTS = 16384  # the longest row the fused norm takes (one program holds a row)
+EMPTY_16 = tl.constexpr(-32768)  # 0x8000: -0.0 in float16 and bfloat16
+EMPTY_32 = tl.constexpr(-2147450880)  # 0x80008000: two 16-bit EMPTYs, so one refill pattern serves every dtype
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -46,74 +44,144 @@ def _trap(token):
 
 
 @triton.jit
-def one_shot_all_reduce_kernel(
-    x_ptr,  # [numel] this rank's input, replaced by the sum
+def _sendable(x, WIDE: tl.constexpr):
+    """x with the EMPTY pattern replaced (by +0.0 in 16-bit dtypes, by -0.0 in float32)."""
+    if WIDE:
+        bits = x.to(tl.int32, bitcast=True)
+        y = tl.where(bits == EMPTY_32, (bits & -2147483648).to(x.dtype, bitcast=True), x)
+    else:
+        y = tl.where(x.to(tl.int16, bitcast=True) == EMPTY_16, tl.zeros_like(x), x)
+    return y
+
+
+@triton.jit
+def _arrived(v, ok, WIDE: tl.constexpr):
+    """1 when no element of v (where ok) is EMPTY."""
+    if WIDE:
+        empty = v.to(tl.int32, bitcast=True) == EMPTY_32
+    else:
+        empty = v.to(tl.int16, bitcast=True) == EMPTY_16
+    return 1 - tl.max((empty & ok).to(tl.int32), 0)
+
+
+@triton.jit
+def all_reduce_kernel(
+    x_ptr,  # [num_units * UNIT] this rank's input; without NORM replaced by the sum
+    res_ptr,  # [num_units * UNIT] the residual (NORM)
+    w_ptr,  # [UNIT] the norm's weight (NORM)
+    out_ptr,  # [num_units * UNIT] norm(sum + residual) * weight (NORM)
+    res_out_ptr,  # [num_units * UNIT] sum + residual (NORM)
     bufs_ptr,  # [WORLD] int64: each rank's buffer address (as mapped in this process)
     calls_ptr,  # [MAX_PROGRAMS] int32: calls so far of each program (this rank's)
     numel,
+    num_units,
+    eps,
+    UNIT: tl.constexpr,  # elements of a unit: a row (NORM) or CHUNK_BYTES
+    BLOCK: tl.constexpr,  # UNIT rounded up to a power of two
     CAPACITY: tl.constexpr,  # elements per data slot
-    FLAGS_OFFSET: tl.constexpr,  # bytes from a buffer's start to its flags
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
-    CHUNK: tl.constexpr,  # elements: CHUNK_BYTES of the dtype
-    MAX_PROGRAMS: tl.constexpr,
+    NORM: tl.constexpr,
+    WIDE: tl.constexpr,  # 32-bit dtype
+    PROGRAMS: tl.constexpr,  # the grid (MAX_PROGRAMS)
     MAX_SPINS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * CHUNK
-    e = tl.load(calls_ptr + pid) + 1  # wraps from 2**31 - 1 to -2**31
+    e = tl.load(calls_ptr + pid) + 1  # wraps from 2**31 - 1 to -2**31: parity kept
     slots = (e & 1) * WORLD  # this call's slot set
-    offs = tl.arange(0, CHUNK)
+    offs = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
-    for start in range(pid * CHUNK, numel, step):
-        start = tl.multiple_of(start, CHUNK)
-        mask = start + offs < numel
-        x = tl.load(x_ptr + start + offs, mask=mask)
+    for first in range(0, num_units, PROGRAMS):
+        start = (first + pid) * UNIT  # past the tensor (all masked) in a program without a unit this round
+        ok = (offs < UNIT) & (start + offs < numel)
+        x = _sendable(tl.load(x_ptr + start + offs, mask=ok), WIDE)
         for p in tl.static_range(WORLD):
-            peer = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)), 16)
-            tl.store(peer + (slots + RANK) * CAPACITY + start + offs, x, mask=mask)
-    _fence_system(e)
-    tl.debug_barrier()  # every thread's stores fenced before the flags go up
-    for p in tl.static_range(WORLD):
-        flags = (tl.load(bufs_ptr + p) + FLAGS_OFFSET).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(flags + RANK * MAX_PROGRAMS + pid, e, sem="release", scope="sys")
-    mine = tl.load(bufs_ptr + RANK)
-    flags = (mine + FLAGS_OFFSET).to(tl.pointer_type(tl.int32))
-    for q in tl.static_range(WORLD):
-        seen = tl.atomic_add(flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
-        spins = 0
-        while seen - e < 0:  # not reached e yet, modulo 2**32 (flags are never more than one call apart)
-            seen = tl.atomic_add(flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
-            spins += 1
-            if spins > MAX_SPINS:
-                _trap(spins)
-    tl.debug_barrier()  # the peers' data visible to every thread
-    data = tl.multiple_of(mine.to(tl.pointer_type(dtype)), 16)
-    for start in range(pid * CHUNK, numel, step):
-        start = tl.multiple_of(start, CHUNK)
-        mask = start + offs < numel
-        acc = tl.zeros((CHUNK,), dtype=tl.float32)
+            if p != RANK:
+                peer = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)), 16)
+                tl.store(peer + (slots + RANK) * CAPACITY + start + offs, x, mask=ok)
+    mine = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
+    for first in range(0, num_units, PROGRAMS):
+        start = (first + pid) * UNIT  # past the tensor (all masked) in a program without a unit this round
+        ok = (offs < UNIT) & (start + offs < numel)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for q in tl.static_range(WORLD):
-            acc += tl.load(data + (slots + q) * CAPACITY + start + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
-        tl.store(x_ptr + start + offs, acc.to(dtype), mask=mask)
+            if q == RANK:
+                v = _sendable(tl.load(x_ptr + start + offs, mask=ok), WIDE)
+            else:
+                slot = mine + (slots + q) * CAPACITY + start + offs
+                v = tl.load(slot, mask=ok, volatile=True)
+                spins = 0
+                while _arrived(v, ok, WIDE) == 0:
+                    v = tl.load(slot, mask=ok, volatile=True)
+                    spins += 1
+                    if spins > MAX_SPINS:
+                        _trap(spins)
+                if WIDE:
+                    tl.store(slot.to(tl.pointer_type(tl.int32)), tl.full((BLOCK,), EMPTY_32, tl.int32), mask=ok)
+                else:
+                    tl.store(slot.to(tl.pointer_type(tl.int16)), tl.full((BLOCK,), EMPTY_16, tl.int16), mask=ok)
+            acc += v.to(tl.float32)
+        total = acc.to(dtype)  # the sum in the tensor's dtype, as the unfused all-reduce leaves it
+        if NORM:
+            r = tl.load(res_ptr + start + offs, mask=ok, other=0.0)
+            h = (total.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the new residual, rounded to the dtype
+            tl.store(res_out_ptr + start + offs, h, mask=ok)
+            hf = h.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(hf * hf, 0) / UNIT + eps)
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            y = (hf * rstd).to(dtype).to(tl.float32) * w
+            tl.store(out_ptr + start + offs, y.to(dtype), mask=ok)
+        else:
+            tl.store(x_ptr + start + offs, total, mask=ok)
     tl.store(calls_ptr + pid, e)
 
 
 def buffer_bytes(world: int, max_bytes: int) -> int:
-    """A rank's buffer: two slot sets of `world` slots of max_bytes, then the flags."""
-    return 2 * world * max_bytes + world * MAX_PROGRAMS * 4
+    """A rank's buffer: two slot sets of `world` slots of max_bytes."""
+    return 2 * world * max_bytes
+
+
+def fill_empty(buffer: torch.Tensor) -> None:
+    """Fills a (uint8) buffer with the EMPTY pattern: every slot starts empty."""
+    buffer.view(torch.int16).fill_(EMPTY_16.value)
 
 
 def one_shot_all_reduce(
     x: torch.Tensor, bufs: torch.Tensor, calls: torch.Tensor, rank: int, world: int, max_bytes: int
 ) -> None:
-    """Sums contiguous x (numel * itemsize <= max_bytes) over the ranks in place; bufs [world] int64 the buffers'
-    addresses, calls [MAX_PROGRAMS] int32 (zeros at first, then the kernel's)."""
-    numel, chunk = x.numel(), CHUNK_BYTES // x.element_size()
-    grid = min(MAX_PROGRAMS, triton.cdiv(numel, chunk))
-    one_shot_all_reduce_kernel[(grid,)](
-        x, bufs, calls, numel, CAPACITY=max_bytes // x.element_size(), FLAGS_OFFSET=2 * world * max_bytes,
-        RANK=rank, WORLD=world, CHUNK=chunk, MAX_PROGRAMS=MAX_PROGRAMS, MAX_SPINS=MAX_SPINS, num_warps=4, **pdl(x),
+    """Sums contiguous x (numel * itemsize <= max_bytes, a multiple of 16 bytes) over the ranks in place; bufs
+    [world] int64 the buffers' addresses, calls [MAX_PROGRAMS] int32 (zeros at first, then the kernel's)."""
+    chunk = CHUNK_BYTES // x.element_size()
+    _launch(x, None, None, None, None, bufs, calls, triton.cdiv(x.numel(), chunk), chunk, 0.0, rank, world, max_bytes)
+
+
+def all_reduce_rms_norm(
+    x: torch.Tensor,  # [M, N] this rank's partial sums
+    residual: torch.Tensor,  # [M, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    bufs: torch.Tensor,
+    calls: torch.Tensor,
+    rank: int,
+    world: int,
+    max_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s + residual) * weight, s + residual), s the sum of x over the ranks; x, residual and weight contiguous,
+    one dtype, M * N * itemsize <= max_bytes, N * itemsize a multiple of 16, N <= MAX_NORM_ELEMENTS."""
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    m, n = x.shape
+    _launch(x, residual, weight, out, res_out, bufs, calls, m, n, eps, rank, world, max_bytes)
+    return out, res_out
+
+
+def _launch(x, res, w, out, res_out, bufs, calls, num_units, unit, eps, rank, world, max_bytes) -> None:
+    norm = res is not None
+    block = triton.next_power_of_2(unit)
+    all_reduce_kernel[(MAX_PROGRAMS,)](
+        x, res if norm else x, w if norm else x, out if norm else x, res_out if norm else x, bufs, calls, x.numel(),
+        num_units, eps, UNIT=unit, BLOCK=block, CAPACITY=max_bytes // x.element_size(), RANK=rank, WORLD=world,
+        NORM=norm, WIDE=x.element_size() == 4, PROGRAMS=MAX_PROGRAMS, MAX_SPINS=MAX_SPINS,
+        num_warps=4 if block <= 4096 else 8, **pdl(x),
     )  # fmt: skip

@@ -10,10 +10,15 @@ from pagedllm.kernels import cpu_kernels, use_triton
 
 
 class RMSNorm(nn.Module):
+    """reduce_group (set by a model, models/llama.py: defer_reductions): x is a row-parallel layer's partial output,
+    summed over the group's ranks here, fused with the residual add and the norm where the group has a kernel for it
+    (Communicator.all_reduce_rms_norm)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.reduce_group = None  # Communicator | None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -24,6 +29,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if self.reduce_group is not None:
+            if residual is not None:
+                fused = self.reduce_group.all_reduce_rms_norm(x, residual, self.weight, self.eps)
+                if fused is not None:
+                    return fused
+            self.reduce_group.all_reduce(x)
         if use_triton(x):  # CUDA: one fused Triton kernel
             from pagedllm.kernels.fused_ops import rms_norm
 

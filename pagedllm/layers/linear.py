@@ -226,7 +226,10 @@ class ColumnParallelLinear(SingleLinear):
 
 class RowParallelLinear(SingleLinear):
     """Input features split across ranks, their outputs summed over the ranks (one all-reduce). The bias is added
-    once: the first rank holds it, the others zeros."""
+    once: the first rank holds it, the others zeros. reduce_results False (set by a model, models/llama.py:
+    defer_reductions): the output is this rank's partial sum, and the layer after it sums it."""
+
+    reduce_results = True
 
     def partition_input(self, input_size: int) -> int:
         return divide(input_size, self.tp_size, "input_size")
@@ -239,7 +242,7 @@ class RowParallelLinear(SingleLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             self.tp_group.all_reduce(out)
         return out
 

@@ -128,6 +128,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def _plain_norm(norm: nn.Module) -> bool:
+    return isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """A tensor-parallel decoder layer running Llama's forwards, whose row-parallel outputs go to RMSNorms."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return (
+        type(layer).forward is LlamaDecoderLayer.forward
+        and type(attn).forward is LlamaAttention.forward
+        and type(mlp).forward is LlamaMLP.forward
+        and type(attn.o_proj) is RowParallelLinear
+        and type(mlp.down_proj) is RowParallelLinear
+        and attn.o_proj.tp_size > 1
+        and _plain_norm(layer.input_layernorm)
+        and _plain_norm(layer.post_attention_layernorm)
+    )
+
+
 class LlamaModel(nn.Module):
     """The decoder. With pipeline parallelism a stage builds only its layers (the others are placeholders without
     weights, so checkpoint names keep their indices); the first stage also holds the embedding, the last the final
@@ -162,6 +181,34 @@ class LlamaModel(nn.Module):
             self.embed_tokens = MissingLayer()
         if not self.is_last_stage:
             self.norm = MissingLayer()
+        self.defer_reductions()
+
+    def defer_reductions(self) -> None:
+        """With tensor parallelism, each decoder layer's o_proj and down_proj leave their all-reduce to the RMSNorm
+        that takes their output next (post_attention_layernorm, the next layer's input_layernorm, the final norm),
+        which sums it fused with its residual add: one kernel where there were two. Only where Llama's own forwards
+        run between the two (a family overriding the model's, a layer's, its attention's or MLP's forward, or with
+        another norm, keeps the plain all-reduce) and the output goes nowhere else: not from a stage's last layer to
+        the next stage, not into a layer whose input EAGLE-3 copies (aux_hidden_state_layers; called again when
+        those are set)."""
+        if type(self).forward is not LlamaModel.forward:
+            return
+        fusable = {i: _fusable(self.layers[i]) for i in range(self.first, self.last)}
+        for i in range(self.first, self.last):
+            if not fusable[i]:
+                continue
+            layer = self.layers[i]
+            group = layer.self_attn.o_proj.tp_group
+            layer.self_attn.o_proj.reduce_results = False
+            layer.post_attention_layernorm.reduce_group = group
+            if i + 1 < self.last:
+                defer = fusable[i + 1] and i + 1 not in self.aux_hidden_state_layers
+                consumer = self.layers[i + 1].input_layernorm
+            else:
+                defer, consumer = self.is_last_stage and _plain_norm(self.norm), self.norm
+            layer.mlp.down_proj.reduce_results = not defer
+            if _plain_norm(consumer):
+                consumer.reduce_group = group if defer else None
 
     def make_rotary(self, config, max_position: int) -> nn.Module:
         """The model's one cos/sin table module (a family with other rope dims or scaling overrides this)."""

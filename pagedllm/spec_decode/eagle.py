@@ -152,6 +152,7 @@ class EagleProposer:
         ids = aux_layer_ids(self.model_config.hf_config, len(decoder.layers))
         rows = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         decoder.aux_hidden_state_layers = ids
+        decoder.defer_reductions()  # the copied layers' inputs must be whole sums
         decoder.aux_hidden_states = torch.zeros(  # [max tokens, 3 * target H]
             rows, 3 * target.config.hidden_size, dtype=config.model.dtype, device=self.device
         )

@@ -28,7 +28,8 @@ HIDDEN = 4096
 
 def _sizes(world: int) -> list[int]:
     """Element counts of bfloat16 all-reduces: decode-sized rows (one-shot) up to prefill-sized (NCCL)."""
-    return [HIDDEN, 8 * HIDDEN, 64 * HIDDEN, MAX_BYTES.get(world, 1 << 20) // 2, 4 * (1 << 20)]
+    top = MAX_BYTES.get(world, 1 << 20) // 2
+    return [HIDDEN, 8 * HIDDEN, 64 * HIDDEN, *([128 * HIDDEN] if top > 128 * HIDDEN else []), top, 4 * (1 << 20)]
 
 
 def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out: str) -> None:
@@ -55,6 +56,7 @@ def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out:
     if device_type == "cuda":
         report["errors"] += _sequence_check(comm, device)
         report["errors"] += _graph_check(comm, device)
+        report["errors"] += _fused_check(comm, device)
         if bench:
             report["latency_us"] = _latency(comm, plain, device, world)
     with open(f"{out}.{rank}", "w") as f:
@@ -113,6 +115,54 @@ def _graph_check(comm: Communicator, device: torch.device) -> list[str]:
     return errors
 
 
+def _fused_check(comm: Communicator, device: torch.device) -> list[str]:
+    """all_reduce_rms_norm against all_reduce then rms_norm: the new residual bit for bit, the output within the
+    norm's rounding, eagerly and (interleaved with plain all-reduces) replayed from a CUDA graph."""
+    from pagedllm.kernels.fused_ops import rms_norm
+
+    if comm.symm is None or comm.symm.bufs is None:
+        return []
+    errors = []
+    cases = [(torch.bfloat16, 1, HIDDEN), (torch.bfloat16, 7, HIDDEN), (torch.float32, 3, 1000)]
+    cases.append((torch.bfloat16, 2, 8192))
+    for dtype, m, n in cases:
+        g = torch.Generator().manual_seed(m * n)
+        x = torch.randn(comm.size, m, n, generator=g)[comm.rank].to(device, dtype)
+        res, w = torch.randn(m, n, generator=g).to(device, dtype), torch.randn(n, generator=g).to(device, dtype)
+        fused = comm.all_reduce_rms_norm(x.clone(), res, w, 1e-5)
+        if fused is None:
+            errors.append(f"fused {dtype} {m}x{n}: not taken")
+            continue
+        want = rms_norm(comm.all_reduce(x.clone()), w, 1e-5, res)
+        errors += _norm_mismatch(fused, want, f"fused {dtype} {m}x{n}")
+    x = torch.randn(4, HIDDEN, device=device).to(torch.bfloat16)
+    res, w = torch.randn_like(x), torch.randn(HIDDEN, device=device).to(torch.bfloat16)
+    comm.all_reduce_rms_norm(x.clone(), res, w, 1e-5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused = comm.all_reduce_rms_norm(x.clone(), res, w, 1e-5)
+        plain = comm.all_reduce(x.clone())
+        again = comm.all_reduce_rms_norm(x.clone(), res, w, 1e-5)
+    for trial in range(3):
+        x.copy_(torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(trial * 9 + comm.rank)).to(device))
+        graph.replay()
+        total = comm.all_reduce(x.clone())
+        want = rms_norm(total, w, 1e-5, res)
+        errors += _norm_mismatch(fused, want, f"graph {trial}") + _norm_mismatch(again, want, f"graph {trial} again")
+        if not torch.equal(plain, total):
+            errors.append(f"graph {trial}: the plain all-reduce between the fused ones")
+    return errors
+
+
+def _norm_mismatch(got: tuple, want: tuple, what: str) -> list[str]:
+    errors = [] if torch.equal(got[1], want[1]) else [f"{what}: residual not bit for bit"]
+    tol = 1e-5 if got[0].dtype == torch.float32 else 2e-2
+    if not torch.allclose(got[0].float(), want[0].float(), rtol=tol, atol=tol):
+        errors.append(f"{what}: norm off by {(got[0].float() - want[0].float()).abs().max().item():.3g}")
+    return errors
+
+
 def _latency(comm: Communicator, plain: Communicator, device: torch.device, world: int) -> dict:
     """Microseconds per all-reduce inside a CUDA graph of 64 per message size: the one-shot path (pagedllm's Triton
     kernel where it set up), torch's one-shot op on the same buffers, NCCL."""
@@ -143,8 +193,51 @@ def _latency(comm: Communicator, plain: Communicator, device: torch.device, worl
             row[name] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
         if comm.symm is not None:
             comm.symm.bufs = bufs
+            if bufs is not None:  # torch's op staged data in the buffer: empty again for the Triton kernel
+                from pagedllm.kernels.all_reduce import fill_empty
+
+                torch.cuda.synchronize()
+                fill_empty(comm.symm.buffer)
+                torch.cuda.synchronize()
+                plain.barrier()
         table[f"{n * 2 // 1024}KB"] = row
+    if bufs is not None:
+        table["8KB fused with RMSNorm"] = _norm_latency(comm, plain, device)
     return table
+
+
+def _norm_latency(comm: Communicator, plain: Communicator, device: torch.device) -> dict:
+    """Microseconds per decode-sized all-reduce + residual add + RMSNorm (64 in a CUDA graph): fused, and as two
+    kernels."""
+    from pagedllm.kernels.fused_ops import rms_norm
+
+    row = {}
+    x = torch.randn(64, 1, HIDDEN, device=device).to(torch.bfloat16)
+    res, w = torch.randn(1, HIDDEN, device=device).to(torch.bfloat16), torch.ones(HIDDEN, device=device)
+    w = w.to(torch.bfloat16)
+    for name in ("fused", "two kernels"):
+
+        def step(i, fused=name == "fused"):
+            if fused:
+                return comm.all_reduce_rms_norm(x[i], res, w, 1e-5)
+            return rms_norm(comm.all_reduce(x[i]), w, 1e-5, res)
+
+        step(0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(64):
+                step(i)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        plain.barrier()
+        start = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        row[name] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
+    return row
 
 
 def run(world: int, device_type: str, bench: bool, tmp: str) -> list[dict]:

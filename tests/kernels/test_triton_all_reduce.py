@@ -1,0 +1,127 @@
+"""The one-shot all-reduce kernel (kernels/all_reduce.py) and its fused residual-add + RMSNorm form, on CPU: the
+ranks are threads running Triton's interpreter over buffers in one process (each rank's "peer-mapped" buffer is a
+plain tensor whose address the others hold), so the protocol itself is checked: the sums, the norm, the EMPTY
+pattern restored after every call, the slot sets alternating, inputs that hold the EMPTY pattern. On GPUs the same
+kernel runs across processes in tests/distributed/test_collectives.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():  # compiled kernels take GPU memory: test_collectives.py runs them across GPUs
+    pytest.skip("the interpreter's check; on GPUs see tests/distributed/test_collectives.py", allow_module_level=True)
+from pagedllm.kernels import all_reduce as ar  # noqa: E402
+
+MAX_BYTES = 1 << 15
+
+
+class Ranks:
+    """`world` ranks as forked processes sharing their buffers (each maps them at its own addresses, as GPUs map
+    their peers'), with call counters that persist from one `run` to the next."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.buffers = [torch.empty(ar.buffer_bytes(world, MAX_BYTES), dtype=torch.uint8) for _ in range(world)]
+        for b in self.buffers:
+            ar.fill_empty(b)
+            b.share_memory_()
+        self.calls = [torch.zeros(ar.MAX_PROGRAMS, dtype=torch.int32).share_memory_() for _ in range(world)]
+
+    def run(self, fn) -> list:
+        """fn(rank, ptrs, calls) -> tensors, on every rank at once; their results in rank order."""
+        ctx = multiprocessing.get_context("fork")  # no CUDA here; the interpreter is not thread-safe
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(self, fn, r, queue)) for r in range(self.world)]
+        for p in procs:
+            p.start()
+        try:
+            got = dict(queue.get(timeout=300) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+        assert all(not isinstance(v, str) for v in got.values()), got
+        return [[_tensor(*t) for t in got[r]] for r in range(self.world)]
+
+    def all_empty(self) -> bool:
+        return all(bool((b.view(torch.int16) == ar.EMPTY_16.value).all()) for b in self.buffers)
+
+
+def _tensor(dtype: torch.dtype, shape: torch.Size, data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _rank_main(ranks: Ranks, fn, rank: int, queue) -> None:
+    try:
+        ptrs = torch.tensor([b.data_ptr() for b in ranks.buffers], dtype=torch.int64)
+        out = fn(rank, ptrs, ranks.calls[rank])
+        queue.put((rank, [(t.dtype, t.shape, t.contiguous().view(torch.uint8).numpy().tobytes()) for t in out]))
+    except Exception as e:
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def _inputs(world: int, shape, dtype, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(world)]
+    xs[0].view(-1)[:3] = -0.0  # the 16-bit EMPTY pattern, sent as +0.0
+    if dtype == torch.float32:  # float32's EMPTY pattern (a negative denormal), sent as -0.0
+        xs[-1].view(-1)[5:7] = torch.tensor([ar.EMPTY_32.value] * 2, dtype=torch.int32).view(torch.float32)
+    return xs
+
+
+def _reference_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    acc = torch.zeros(xs[0].shape, dtype=torch.float32)
+    for x in xs:
+        acc += x.float()
+    return acc.to(xs[0].dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_all_reduce_sums_and_leaves_buffers_empty(world, dtype):
+    ranks = Ranks(world)
+    # sizes that change between calls (units refilled whatever their size), an odd last chunk, both slot sets
+    for call, numel in enumerate([1024, 3000, 8, 1024]):
+        xs = _inputs(world, (numel,), dtype, seed=call)
+
+        def fn(rank, ptrs, calls, xs=xs):
+            x = xs[rank].clone()
+            ar.one_shot_all_reduce(x, ptrs, calls, rank, world, MAX_BYTES)
+            return [x]
+
+        outs = ranks.run(fn)
+        ref = _reference_sum(xs)
+        for (out,) in outs:
+            assert torch.equal(out, outs[0][0])  # same bits on every rank
+            torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=1e-30 if dtype == torch.float32 else 0)
+        assert ranks.all_empty()
+        assert all(int(c[0]) == call + 1 for c in ranks.calls)
+
+
+def test_all_reduce_rms_norm_matches_the_unfused_ops():
+    world, dtype, eps = 2, torch.bfloat16, 1e-5
+    ranks = Ranks(world)
+    for call, (m, n) in enumerate([(1, 512), (3, 264), (2, 512)]):
+        xs = _inputs(world, (m, n), dtype, seed=10 + call)
+        g = torch.Generator().manual_seed(call)
+        residual = torch.randn(m, n, generator=g).to(dtype)
+        weight = torch.randn(n, generator=g).to(dtype)
+
+        def fn(rank, ptrs, calls, xs=xs, residual=residual, weight=weight):
+            return ar.all_reduce_rms_norm(xs[rank].clone(), residual, weight, eps, ptrs, calls, rank, world, MAX_BYTES)
+
+        outs = ranks.run(fn)
+        total = _reference_sum(xs)
+        h = (total.float() + residual.float()).to(dtype)
+        hf = h.float()
+        y = ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).float() * weight.float()).to(dtype)
+        for out, res_out in outs:
+            assert torch.equal(res_out, h)
+            torch.testing.assert_close(out.float(), y.float(), rtol=0.02, atol=0.02)  # rsqrt / sum order vs torch
+            assert torch.equal(out, outs[0][0])
+        assert ranks.all_empty()
