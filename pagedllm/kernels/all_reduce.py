@@ -13,7 +13,8 @@ rank order (every rank gets the same bits), and fills the slots it read with EMP
 Alternating slot sets is safe: a peer writes set e % 2 again only in call e + 2, which it starts after finishing
 call e + 1, which needed this rank's call e + 1 data, which this rank sends only after its call e (reads and refills
 included) finished: stream order, and under PDL every kernel waits for the whole kernel before it. Every call refills
-all it read, so units may change size between calls. Calls are counted per program on the device (the grid is always
+all it read, so units may change size between calls. An empty tensor launches nothing: a call without units would
+count without the exchange that makes the reuse safe. Calls are counted per program on the device (the grid is always
 MAX_PROGRAMS, so every count is the call count), so every rank must run the same sequence of all-reduces, as
 tensor-parallel ranks do; parity survives the int32 wrap. A wait that outlasts MAX_SPINS polls (a peer that skipped an
 all-reduce, or died) traps: the kernel fails with a CUDA error instead of hanging. All programs are resident at once
@@ -96,7 +97,7 @@ def all_reduce_kernel(
     for first in range(0, num_units, PROGRAMS):
         start = (first + pid) * UNIT  # past the tensor (all masked) in a program without a unit this round
         ok = (offs < UNIT) & (start + offs < numel)
-        x = _sendable(tl.load(x_ptr + start + offs, mask=ok), WIDE)
+        x = _sendable(tl.load(x_ptr + start + offs, mask=ok, other=0.0), WIDE)
         for p in tl.static_range(WORLD):
             if p != RANK:
                 peer = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)), 16)
@@ -108,13 +109,13 @@ def all_reduce_kernel(
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for q in tl.static_range(WORLD):
             if q == RANK:
-                v = _sendable(tl.load(x_ptr + start + offs, mask=ok), WIDE)
+                v = _sendable(tl.load(x_ptr + start + offs, mask=ok, other=0.0), WIDE)
             else:
                 slot = mine + (slots + q) * CAPACITY + start + offs
-                v = tl.load(slot, mask=ok, volatile=True)
+                v = tl.load(slot, mask=ok, other=0.0, volatile=True)
                 spins = 0
                 while _arrived(v, ok, WIDE) == 0:
-                    v = tl.load(slot, mask=ok, volatile=True)
+                    v = tl.load(slot, mask=ok, other=0.0, volatile=True)
                     spins += 1
                     if spins > MAX_SPINS:
                         _trap(spins)
@@ -177,6 +178,8 @@ def all_reduce_rms_norm(
 
 
 def _launch(x, res, w, out, res_out, bufs, calls, num_units, unit, eps, rank, world, max_bytes) -> None:
+    if x.numel() == 0:  # nothing to sum; and a call without units must not count (see the module's docstring)
+        return
     norm = res is not None
     block = triton.next_power_of_2(unit)
     all_reduce_kernel[(MAX_PROGRAMS,)](
