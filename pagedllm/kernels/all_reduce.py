@@ -45,24 +45,29 @@ def _trap(token):
 
 
 @triton.jit
+def _empty(v, WIDE: tl.constexpr):
+    """Where v holds the EMPTY pattern."""
+    if WIDE:
+        empty = v.to(tl.int32, bitcast=True) == EMPTY_32
+    else:
+        empty = v.to(tl.int16, bitcast=True) == EMPTY_16
+    return empty
+
+
+@triton.jit
 def _sendable(x, WIDE: tl.constexpr):
     """x with the EMPTY pattern replaced (by +0.0 in 16-bit dtypes, by -0.0 in float32)."""
     if WIDE:
-        bits = x.to(tl.int32, bitcast=True)
-        y = tl.where(bits == EMPTY_32, (bits & -2147483648).to(x.dtype, bitcast=True), x)
+        replacement = tl.full(x.shape, -2147483648, tl.int32).to(x.dtype, bitcast=True)
     else:
-        y = tl.where(x.to(tl.int16, bitcast=True) == EMPTY_16, tl.zeros_like(x), x)
-    return y
+        replacement = tl.zeros_like(x)
+    return tl.where(_empty(x, WIDE), replacement, x)
 
 
 @triton.jit
 def _arrived(v, ok, WIDE: tl.constexpr):
     """1 when no element of v (where ok) is EMPTY."""
-    if WIDE:
-        empty = v.to(tl.int32, bitcast=True) == EMPTY_32
-    else:
-        empty = v.to(tl.int16, bitcast=True) == EMPTY_16
-    return 1 - tl.max((empty & ok).to(tl.int32), 0)
+    return 1 - tl.max((_empty(v, WIDE) & ok).to(tl.int32), 0)
 
 
 @triton.jit

@@ -178,21 +178,7 @@ def _latency(comm: Communicator, plain: Communicator, device: torch.device, worl
             if comm.symm is not None:
                 comm.symm.bufs = None if name == "torch-one-shot" else bufs
             x = torch.randn(64, n, device=device).to(torch.bfloat16)
-            c.all_reduce(x[0])
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for i in range(64):
-                    c.all_reduce(x[i])
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            plain.barrier()
-            start = time.perf_counter()
-            for _ in range(20):
-                graph.replay()
-            torch.cuda.synchronize()
-            row[name] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
+            row[name] = _graph_us(lambda i, c=c, x=x: c.all_reduce(x[i]), plain)
         if comm.symm is not None:
             comm.symm.bufs = bufs
             if bufs is not None:  # torch's op staged data in the buffer: empty again for the Triton kernel
@@ -224,22 +210,28 @@ def _norm_latency(comm: Communicator, plain: Communicator, device: torch.device)
                 return comm.all_reduce_rms_norm(x[i], res, w, 1e-5)
             return rms_norm(comm.all_reduce(x[i]), w, 1e-5, res)
 
-        step(0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(64):
-                step(i)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        plain.barrier()
-        start = time.perf_counter()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        row[name] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
+        row[name] = _graph_us(step, plain)
     return row
+
+
+def _graph_us(step, plain: Communicator) -> float:
+    """Microseconds per step(i) in a CUDA graph of step(0..63), replayed 20 times after the ranks meet (step(0) run
+    once first, outside the capture)."""
+    step(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(64):
+            step(i)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    plain.barrier()
+    start = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
 
 
 def run(world: int, device_type: str, bench: bool, tmp: str) -> list[dict]:

@@ -1,6 +1,6 @@
 """The one-shot all-reduce kernel (kernels/all_reduce.py) and its fused residual-add + RMSNorm form, on CPU: the
-ranks are threads running Triton's interpreter over buffers in one process (each rank's "peer-mapped" buffer is a
-plain tensor whose address the others hold), so the protocol itself is checked: the sums, the norm, the EMPTY
+ranks are forked processes running Triton's interpreter over shared-memory buffers (each maps every rank's buffer,
+as GPUs map their peers'), so the protocol itself is checked: the sums, the norm, the EMPTY
 pattern restored after every call, the slot sets alternating, inputs that hold the EMPTY pattern. On GPUs the same
 kernel runs across processes in tests/distributed/test_collectives.py."""
 
