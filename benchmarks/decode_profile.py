@@ -1,8 +1,9 @@
-"""Where a decode-bs1 step's device time goes: per-kernel time of one request's decode steps on Llama-3.1-8B shapes
-(dummy weights), kernels inside the CUDA graphs included (torch profiler), plus the step time measured without the
-profiler. With -tp N the first rank (the engine's process) is profiled.
+"""Where a decode step's device time goes: per-kernel time of the decode steps of `--batch` requests (one by default)
+on Llama-3.1-8B shapes (dummy weights), kernels inside the CUDA graphs included (torch profiler), plus the step time
+measured without the profiler. With -tp N the first rank (the engine's process) is profiled. The prompts are in the
+prefix cache after the warm-up, so the profiled steps are decode steps but the first.
 
-    python benchmarks/decode_profile.py [--quantization fp8] [-tp 2] [--steps 64]
+    python benchmarks/decode_profile.py [--quantization fp8] [-tp 2] [--steps 64] [--batch 256 --prompt-len 512]
 """
 
 from __future__ import annotations
@@ -29,20 +30,22 @@ def main() -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=64, help="decode steps profiled")
     p.add_argument("--top", type=int, default=30, help="kernels listed")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together (a step of this many rows)")
+    p.add_argument("--prompt-len", type=int, default=128, help="each request's prompt tokens")
     args = p.parse_args()
     llm = LLM(
         str(BENCH_DIR / "configs" / "llama-3.1-8b"), load_format="dummy", skip_tokenizer_init=True,
         max_model_len=8192, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     rng = random.Random(1)
-    prompt = [{"prompt_token_ids": [rng.randint(0, 100000) for _ in range(128)]}]
+    prompt = [{"prompt_token_ids": [rng.randint(0, 100000) for _ in range(args.prompt_len)]} for _ in range(args.batch)]
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     step = (time.perf_counter() - start) / 256
-    print(f"step {step * 1e3:.3f} ms ({1 / step:.1f} tok/s) without the profiler")
+    print(f"step {step * 1e3:.3f} ms ({args.batch / step:.1f} tok/s) without the profiler (prefill included)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
         torch.cuda.synchronize()

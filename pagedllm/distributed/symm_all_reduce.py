@@ -1,11 +1,13 @@
 """One-shot all-reduce over symmetric GPU memory: pagedllm's Triton kernel (kernels/all_reduce.py) on buffers that
 torch's symmetric memory maps into every rank, or torch's own one-shot op where Triton is missing.
 
-A decode step's all-reduces are small (batch x hidden, a few KB to a few hundred KB) and bound by latency, not
-bandwidth. The Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink and sums the
-slots as their data arrive (no flags: the data carry their arrival): one kernel, capturable in CUDA graphs, launched
-with programmatic dependent launch like the kernels around it, and optionally fused with the residual add and RMSNorm
-after it (`all_reduce_rms_norm`: the decoder layers' row-parallel outputs, models/llama.py). torch's op (without
+A decode step's all-reduces are small (batch x hidden, a few KB to a few MB) and bound by latency, not bandwidth.
+The Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink and sums the slots as
+their data arrive (no flags: the data carry their arrival); in groups of four or more, larger tensors take its
+two-shot form (each rank sums a 1 / size share of the tensor and sends the sums to every rank), which sends less.
+One kernel, capturable in CUDA graphs, launched with programmatic dependent launch like the kernels around it, and
+optionally fused with the residual add and RMSNorm after it (`all_reduce_rms_norm`: the decoder layers'
+row-parallel outputs, models/llama.py). torch's op (without
 Triton) copies its input into its own buffer, meets the peers at a barrier and reads their buffers, without PDL.
 Larger tensors, float16 on torch's op (it sums float32 and bfloat16 only) and any failure to set the buffers up fall
 back to NCCL.
@@ -34,10 +36,12 @@ except ImportError:  # no Triton: torch's one-shot op
 
 logger = logging.getLogger(__name__)
 
-# the largest all-reduce taken by the one-shot kernel, by group size: each rank sends (size - 1) x bytes, so the
-# crossover with NCCL's ring falls as the group grows (TP=2: a decode batch of 256 rows of hidden 4096 in bfloat16
-# is 2 MB; 2x H100, benchmarks in tests/distributed/test_collectives.py)
-MAX_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
+# the largest all-reduce taken by the Triton kernels, by group size (TP=2: a decode batch of 256 rows of hidden 4096
+# in bfloat16 is 2 MB; 2x and 4x H100, benchmarks in tests/distributed/test_collectives.py). One-shot, each rank
+# sends (size - 1) x bytes; two-shot (from TWO_SHOT_BYTES on), 2 (size - 1) / size x bytes, in two hops
+MAX_BYTES = {2: 4 << 20, 4: 8 << 20, 8: 256 << 10}
+TWO_SHOT_BYTES = {4: 512 << 10}
+ONE_SHOT_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}  # torch's one-shot op (without Triton)
 DTYPES = (torch.bfloat16, torch.float32)  # torch's op (the Triton kernel's: all_reduce_kernel.DTYPES)
 _SET_UP: list[str] = []  # the group that set symmetric memory up in this process (at most one; see above)
 
@@ -98,6 +102,8 @@ class SymmAllReduce:
                 from torch.distributed import _symmetric_memory as symm_mem
 
                 _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm/", store))
+                if not kernel:
+                    max_bytes = ONE_SHOT_BYTES[size]
                 nbytes = all_reduce_kernel.buffer_bytes(size, max_bytes) if kernel else max_bytes
                 buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
                 if kernel:  # every slot starts empty (every rank fills its own before the agreement below)
@@ -129,7 +135,8 @@ class SymmAllReduce:
             return False
         flat = x.view(-1)
         if self.bufs is not None:
-            all_reduce_kernel.one_shot_all_reduce(flat, self.bufs, self.calls, self.rank, self.size, self.max_bytes)
+            two_shot = self._two_shot(nbytes) and all_reduce_kernel.two_shot_fits(flat, self.size, norm=False)
+            all_reduce_kernel.all_reduce(flat, self.bufs, self.calls, self.rank, self.size, self.max_bytes, two_shot)
             return True
         symm = self.buffer[:nbytes].view(x.dtype)  # [numel] this rank's peer-mapped staging
         if x.data_ptr() % 16 == 0:
@@ -158,9 +165,13 @@ class SymmAllReduce:
             or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())
         ):
             return None
+        two_shot = self._two_shot(x.numel() * size) and all_reduce_kernel.two_shot_fits(x, self.size, norm=True)
         return all_reduce_kernel.all_reduce_rms_norm(
-            x, residual, weight, eps, self.bufs, self.calls, self.rank, self.size, self.max_bytes
+            x, residual, weight, eps, self.bufs, self.calls, self.rank, self.size, self.max_bytes, two_shot
         )
+
+    def _two_shot(self, nbytes: int) -> bool:
+        return nbytes >= TWO_SHOT_BYTES.get(self.size, self.max_bytes + 1)
 
 
 def _all_agree(pg: dist.ProcessGroup, ok: bool, device: torch.device) -> bool:

@@ -27,9 +27,10 @@ HIDDEN = 4096
 
 
 def _sizes(world: int) -> list[int]:
-    """Element counts of bfloat16 all-reduces: decode-sized rows (one-shot) up to prefill-sized (NCCL)."""
+    """Element counts of bfloat16 all-reduces: decode-sized rows (one-shot, two-shot) up to prefill-sized (NCCL)."""
     top = MAX_BYTES.get(world, 1 << 20) // 2
-    return [HIDDEN, 8 * HIDDEN, 64 * HIDDEN, *([128 * HIDDEN] if top > 128 * HIDDEN else []), top, 4 * (1 << 20)]
+    rows = [1, 8, 64, 128, 256, 512]
+    return sorted({*(r * HIDDEN for r in rows if r * HIDDEN < top), top, 4 * (1 << 20), 8 * (1 << 20)})
 
 
 def _check(rank: int, world: int, port: int, device_type: str, bench: bool, out: str) -> None:
@@ -80,6 +81,7 @@ def _sequence_check(comm: Communicator, device: torch.device) -> list[str]:
     bytes whatever the dtype), first from the counts so far, then from call counts just below the int32 wrap."""
     plan = [(torch.bfloat16, HIDDEN), (torch.float32, HIDDEN), (torch.bfloat16, 16 * HIDDEN), (torch.float32, 256)]
     plan += [(torch.bfloat16, 8), (torch.float32, 32 * HIDDEN), (torch.bfloat16, 0), (torch.bfloat16, 2 * HIDDEN)] * 2
+    plan += [(torch.bfloat16, 256 * HIDDEN), (torch.bfloat16, HIDDEN), (torch.float32, 96 * HIDDEN)]  # two-shot (TP=4)
     errors = []
     for start in ("as is", "near the wrap"):
         if start == "near the wrap" and comm.symm is not None and comm.symm.calls is not None:
@@ -96,24 +98,31 @@ def _sequence_check(comm: Communicator, device: torch.device) -> list[str]:
 
 
 def _graph_check(comm: Communicator, device: torch.device) -> list[str]:
-    """Eight all-reduces captured in one CUDA graph, replayed on fresh inputs, give the exact sums."""
+    """Eight decode-row all-reduces and two of 256 rows (two-shot at TP=4) captured in one CUDA graph, replayed on
+    fresh inputs, give the exact sums."""
     x = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=device)
+    big = torch.zeros(2, 256, HIDDEN, dtype=torch.bfloat16, device=device)
     graph = torch.cuda.CUDAGraph()
     comm.all_reduce(x[0].clone())  # warm-up outside capture
+    comm.all_reduce(big[0].clone())
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         for i in range(8):
             comm.all_reduce(x[i])
+            if i % 4 == 1:
+                comm.all_reduce(big[i // 4])
     errors = []
     for trial in range(3):
-        inputs = [
-            torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(trial + 7 * r)) for r in range(comm.size)
-        ]
-        x.copy_(inputs[comm.rank].to(device, torch.bfloat16))
+        inputs = {}
+        for name, t in (("rows", x), ("256 rows", big)):
+            g = torch.Generator().manual_seed(trial)
+            inputs[name] = [torch.randn(t.shape, generator=g) for _ in range(comm.size)]
+            t.copy_(inputs[name][comm.rank].to(device, torch.bfloat16))
         graph.replay()
-        error = _sum_error(x, inputs, torch.bfloat16)
-        if error:
-            errors.append(f"graph replay {trial}: {error}")
+        for name, t in (("rows", x), ("256 rows", big)):
+            error = _sum_error(t, inputs[name], torch.bfloat16)
+            if error:
+                errors.append(f"graph replay {trial} ({name}): {error}")
     return errors
 
 
@@ -126,7 +135,7 @@ def _fused_check(comm: Communicator, device: torch.device) -> list[str]:
         return []
     errors = []
     cases = [(torch.bfloat16, 1, HIDDEN), (torch.bfloat16, 7, HIDDEN), (torch.float32, 3, 1000)]
-    cases.append((torch.bfloat16, 2, 8192))
+    cases += [(torch.bfloat16, 2, 8192), (torch.bfloat16, 256, HIDDEN), (torch.float32, 160, 1024)]  # two-shot (TP=4)
     for dtype, m, n in cases:
         g = torch.Generator().manual_seed(m * n)
         x = torch.randn(comm.size, m, n, generator=g)[comm.rank].to(device, dtype)

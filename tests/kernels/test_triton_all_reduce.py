@@ -1,8 +1,9 @@
-"""The one-shot all-reduce kernel (kernels/all_reduce.py) and its fused residual-add + RMSNorm form, on CPU: the
-ranks are forked processes running Triton's interpreter over shared-memory buffers (each maps every rank's buffer,
-as GPUs map their peers'), so the protocol itself is checked: the sums, the norm, the EMPTY
-pattern restored after every call, the slot sets alternating, inputs that hold the EMPTY pattern. On GPUs the same
-kernel runs across processes in tests/distributed/test_collectives.py."""
+"""The one-shot and two-shot all-reduce kernels (kernels/all_reduce.py) and their fused residual-add + RMSNorm form,
+on CPU: the ranks are forked processes running Triton's interpreter over shared-memory buffers (each maps every
+rank's buffer, as GPUs map their peers'), so the protocol itself is checked: the sums, the norm, the EMPTY pattern
+restored after every call, the slot sets alternating, inputs that hold the EMPTY pattern, one-shot and two-shot
+calls mixed on the same buffers. On GPUs the same kernels run across processes in
+tests/distributed/test_collectives.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ if torch.cuda.is_available():  # compiled kernels take GPU memory: test_collecti
     pytest.skip("the interpreter's check; on GPUs see tests/distributed/test_collectives.py", allow_module_level=True)
 from pagedllm.kernels import all_reduce as ar  # noqa: E402
 
-MAX_BYTES = 1 << 15
+MAX_BYTES = 1 << 16
+
+
+@pytest.fixture(autouse=True)
+def few_programs(monkeypatch):
+    """A smaller fixed grid: the interpreter runs programs one after another, and with few programs each one takes
+    several units (the protocol is the same for any grid)."""
+    monkeypatch.setattr(ar, "MAX_PROGRAMS", 4)
 
 
 class Ranks:
@@ -88,14 +96,18 @@ def _reference_sum(xs: list[torch.Tensor]) -> torch.Tensor:
 def test_all_reduce_sums_and_leaves_buffers_empty(world, dtype):
     ranks = Ranks(world)
     # sizes that change between calls (units refilled whatever their size), an odd last chunk, both slot sets, an
-    # empty tensor (no launch, not counted)
+    # empty tensor (no launch, not counted); one-shot and two-shot calls mixed on the same buffers
     counted = 0
-    for call, numel in enumerate([1024, 3000, 0, 8, 1024]):
+    calls = [(1024, False), (3000, False), (0, False), (8, False), (7000, True), (1024, False), (4104, True)]
+    calls += [(16000, False), (16000, True)]  # more units than programs
+    for call, (numel, two_shot) in enumerate(calls):
         xs = _inputs(world, (numel,), dtype, seed=call)
+        if two_shot:
+            assert ar.two_shot_fits(xs[0], world, norm=False)
 
-        def fn(rank, ptrs, calls, xs=xs):
+        def fn(rank, ptrs, calls, xs=xs, two_shot=two_shot):
             x = xs[rank].clone()
-            ar.one_shot_all_reduce(x, ptrs, calls, rank, world, MAX_BYTES)
+            ar.all_reduce(x, ptrs, calls, rank, world, MAX_BYTES, two_shot=two_shot)
             return [x]
 
         outs = ranks.run(fn)
@@ -108,17 +120,29 @@ def test_all_reduce_sums_and_leaves_buffers_empty(world, dtype):
         assert all(int(c[0]) == counted for c in ranks.calls)
 
 
-def test_all_reduce_rms_norm_matches_the_unfused_ops():
-    world, dtype, eps = 2, torch.bfloat16, 1e-5
+def test_two_shot_fits_only_where_every_rank_owns_part_of_the_first_unit():
+    assert ar.two_shot_fits(torch.empty(4 * ar.CHUNK_BYTES // 2, dtype=torch.bfloat16), 4, norm=False)
+    assert not ar.two_shot_fits(torch.empty(4 * ar.CHUNK_BYTES // 2 - 8, dtype=torch.bfloat16), 4, norm=False)
+    assert ar.two_shot_fits(torch.empty(3, 4096, dtype=torch.bfloat16), 4, norm=True)
+    assert not ar.two_shot_fits(torch.empty(3, 252, dtype=torch.bfloat16), 3, norm=True)  # 84 columns: 168 bytes
+    assert not ar.two_shot_fits(torch.empty(3, 4100, dtype=torch.bfloat16), 4, norm=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_rms_norm_matches_the_unfused_ops(world):
+    dtype, eps = torch.bfloat16, 1e-5
     ranks = Ranks(world)
-    for call, (m, n) in enumerate([(1, 512), (3, 264), (2, 512)]):
+    shapes = [(1, 528, False), (3, 264, False), (2, 528, True), (5, 48 * world, True), (2, 528, False)]
+    for call, (m, n, two_shot) in enumerate(shapes):
         xs = _inputs(world, (m, n), dtype, seed=10 + call)
         g = torch.Generator().manual_seed(call)
         residual = torch.randn(m, n, generator=g).to(dtype)
         weight = torch.randn(n, generator=g).to(dtype)
+        assert not two_shot or ar.two_shot_fits(xs[0], world, norm=True)
 
-        def fn(rank, ptrs, calls, xs=xs, residual=residual, weight=weight):
-            return ar.all_reduce_rms_norm(xs[rank].clone(), residual, weight, eps, ptrs, calls, rank, world, MAX_BYTES)
+        def fn(rank, ptrs, calls, xs=xs, residual=residual, weight=weight, two_shot=two_shot):
+            x = xs[rank].clone()
+            return ar.all_reduce_rms_norm(x, residual, weight, eps, ptrs, calls, rank, world, MAX_BYTES, two_shot)
 
         outs = ranks.run(fn)
         total = _reference_sum(xs)
