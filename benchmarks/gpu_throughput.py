@@ -244,7 +244,8 @@ def run_nano(args, bw: float, prompts, max_tokens) -> dict:
     outs, wall = timed_generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
     made = sum(len(o.outputs[0].token_ids) for o in outs)
     weight_bytes, _, kv_per_token = model_bytes(llm)
-    min_bytes = roofline.batch_roofline_bytes(weight_bytes, kv_per_token, [len(p) for p in prompts], max_tokens)
+    stages = args.pipeline_parallel_size  # (each stage's weights read once per micro-batch: see roofline.py)
+    min_bytes = roofline.batch_roofline_bytes(weight_bytes, kv_per_token, [len(p) for p in prompts], max_tokens, stages)
     floor_s = min_bytes / bw
     figures = {
         "output_tok_s": rounded(sum(max_tokens) / wall),

@@ -48,10 +48,15 @@ def decode_bytes(step_weight_bytes: int, kv_bytes_per_token: int, prompt_len: in
 
 
 def batch_roofline_bytes(
-    weight_bytes: int, kv_bytes_per_token: int, prompt_lens: list[int], output_lens: list[int]
+    weight_bytes: int, kv_bytes_per_token: int, prompt_lens: list[int], output_lens: list[int], stages: int = 1
 ) -> int:
     """Bytes a batch of requests, all running at once, reads at least: the weights once per step (as many steps as
     the longest output) plus, for each request, the K/V of prompt_len + t tokens at its t-th step (t < output_len):
-    the bound of benchmarks/gpu_throughput.py's nanovllm-bench roofline."""
+    the bound of benchmarks/gpu_throughput.py's nanovllm-bench roofline.
+
+    With pipeline stages (weight_bytes and kv_bytes_per_token then one stage's), the bound of one stage's GPU: a
+    stage idles unless the running requests are split into (at least) `stages` micro-batches, and each micro-batch
+    reads the stage's weights again, so every step of the batch reads them `stages` times (the K/V once). Against
+    one GPU's bound, S stages gain (W + KV) / (W + KV / S) in decode, not S."""
     kv_tokens = sum(p * n + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens, strict=True))
-    return weight_bytes * max(output_lens) + kv_tokens * kv_bytes_per_token
+    return stages * weight_bytes * max(output_lens) + kv_tokens * kv_bytes_per_token

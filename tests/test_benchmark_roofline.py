@@ -43,6 +43,16 @@ def test_batch_roofline_reads_weights_per_step_of_the_longest_output():
         roofline.batch_roofline_bytes(100, 2, [1, 2], [3])
 
 
+def test_pipeline_stages_read_their_weights_once_per_micro_batch():
+    prompts, outputs = [5, 9, 2], [3, 1, 4]
+    one_gpu = roofline.batch_roofline_bytes(100, 2, prompts, outputs)
+    kv = one_gpu - 100 * 4
+    # two stages, each half the weights and half the K/V: weights twice per step (two micro-batches), K/V once
+    assert roofline.batch_roofline_bytes(50, 1, prompts, outputs, stages=2) == 2 * 50 * 4 + kv // 2
+    # so two stages gain (W + KV) / (W + KV / 2) over one GPU, less than 2
+    assert one_gpu / roofline.batch_roofline_bytes(50, 1, prompts, outputs, stages=2) == (400 + kv) / (400 + kv / 2)
+
+
 @pytest.mark.parametrize(
     ("name", "peak"),
     [
