@@ -165,7 +165,11 @@ class SymmAllReduce:
             or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())
         ):
             return None
-        two_shot = self._two_shot(x.numel() * size) and all_reduce_kernel.two_shot_fits(x, self.size, norm=True)
+        two_shot = self._two_shot(x.numel() * size)
+        if two_shot and not all_reduce_kernel.two_shot_fits(x, self.size, norm=True):
+            if x.numel() * size > ONE_SHOT_BYTES[self.size]:  # too large for one-shot: plain two-shot, then norm
+                return None
+            two_shot = False
         return all_reduce_kernel.all_reduce_rms_norm(
             x, residual, weight, eps, self.bufs, self.calls, self.rank, self.size, self.max_bytes, two_shot
         )
