@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 # sends (size - 1) x bytes; two-shot (from TWO_SHOT_BYTES on), 2 (size - 1) / size x bytes, in two hops
 MAX_BYTES = {2: 4 << 20, 4: 8 << 20, 8: 256 << 10}
 TWO_SHOT_BYTES = {4: 512 << 10}
-ONE_SHOT_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}  # torch's one-shot op (without Triton)
+# the largest all-reduce a one-shot kernel takes where the two-shot one does not: torch's op (without Triton), and
+# the Triton kernel's fused RMSNorm over rows that do not split into 16-byte shards
+ONE_SHOT_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
 DTYPES = (torch.bfloat16, torch.float32)  # torch's op (the Triton kernel's: all_reduce_kernel.DTYPES)
 _SET_UP: list[str] = []  # the group that set symmetric memory up in this process (at most one; see above)
 
@@ -104,7 +106,9 @@ class SymmAllReduce:
                 _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm/", store))
                 if not kernel:
                     max_bytes = ONE_SHOT_BYTES[size]
-                nbytes = all_reduce_kernel.buffer_bytes(size, max_bytes) if kernel else max_bytes
+                nbytes = (
+                    all_reduce_kernel.buffer_bytes(size, max_bytes, size in TWO_SHOT_BYTES) if kernel else max_bytes
+                )
                 buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
                 if kernel:  # every slot starts empty (every rank fills its own before the agreement below)
                     all_reduce_kernel.fill_empty(buffer)

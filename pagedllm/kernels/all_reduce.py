@@ -25,9 +25,9 @@ nothing: a call without units would count without the exchange that makes the re
 program on the device (the grid is always MAX_PROGRAMS, so every count is the call count), so every rank must run
 the same sequence of all-reduces, as tensor-parallel ranks do; parity survives the int32 wrap. A wait that outlasts
 MAX_SPINS polls (a peer that skipped an all-reduce, or died) traps: the kernel fails with a CUDA error instead of
-hanging. All programs are resident at once, and a program waits only for what its peers' same-numbered programs send
-before they wait (or, two-shot, after waiting only for what was sent first), so no wait depends on one that cannot
-end."""
+hanging. A program waits only for what its peers' same-numbered programs send before they wait (or, two-shot, after
+waiting only for what was sent first), so no wait depends on one that cannot end, even where the grid is not
+resident all at once (rows past 4096 columns take one program an SM)."""
 
 from __future__ import annotations
 
@@ -232,10 +232,10 @@ def _finish(
         tl.store(x_ptr + start + offs, total, mask=ok)
 
 
-def buffer_bytes(world: int, max_bytes: int) -> int:
-    """A rank's buffer: two sets of `world` data slots (one-shot; the two-shot's scatter), then two gather regions
-    (the two-shot's), each of max_bytes."""
-    return (2 * world + 2) * max_bytes
+def buffer_bytes(world: int, max_bytes: int, two_shot: bool) -> int:
+    """A rank's buffer: two sets of `world` data slots (one-shot; the two-shot's scatter), then, where the two-shot
+    kernel may run, two gather regions, each of max_bytes."""
+    return (2 * world + (2 if two_shot else 0)) * max_bytes
 
 
 def fill_empty(buffer: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ tests/distributed/test_collectives.py."""
 from __future__ import annotations
 
 import multiprocessing
+import random
+import time
 
 import pytest
 import torch
@@ -33,7 +35,9 @@ class Ranks:
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.buffers = [torch.empty(ar.buffer_bytes(world, MAX_BYTES), dtype=torch.uint8) for _ in range(world)]
+        self.buffers = [
+            torch.empty(ar.buffer_bytes(world, MAX_BYTES, two_shot=True), dtype=torch.uint8) for _ in range(world)
+        ]
         for b in self.buffers:
             ar.fill_empty(b)
             b.share_memory_()
@@ -154,3 +158,72 @@ def test_all_reduce_rms_norm_matches_the_unfused_ops(world):
             torch.testing.assert_close(out.float(), y.float(), rtol=0.02, atol=0.02)  # rsqrt / sum order vs torch
             assert torch.equal(out, outs[0][0])
         assert ranks.all_empty()
+
+
+def _drift(rank: int) -> None:
+    """Random pauses (longer than a kernel launch in the interpreter) before the interpreted stores of every rank but
+    the first: the first rank runs ahead and starts its next call while a peer has read but not yet refilled the
+    last one's slots, which the alternating slot sets keep apart."""
+    from triton.runtime import interpreter
+
+    if rank == 0:
+        return
+    rnd = random.Random(rank)
+    original = interpreter.InterpreterBuilder.create_masked_store
+
+    def paused(self, *args, **kwargs):
+        if rnd.random() < 0.3:
+            time.sleep(rnd.random() * 0.3)
+        return original(self, *args, **kwargs)
+
+    interpreter.InterpreterBuilder.create_masked_store = paused
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_call_sequences_without_barriers(world):
+    """Each rank runs the whole sequence in one process, drifting: plain and fused, one-shot and two-shot, sizes and
+    dtypes changing from call to call, and a float32 two-shot sum that is the EMPTY pattern itself (sent as -0.0)."""
+    ranks, eps = Ranks(world), 1e-5
+    empty = torch.tensor([ar.EMPTY_32.value], dtype=torch.int32).view(torch.float32)
+    # back-to-back calls of one unit: a rank done with its only program starts the next call while its peer still
+    # reads the same unit's slot (the parity keeps them apart)
+    plan = [("plain", torch.bfloat16, (1000,), False)] * 3 + [("norm", torch.bfloat16, (1, 64 * world), True)] * 2
+    plan += [("plain", torch.bfloat16, (3000,), False), ("plain", torch.bfloat16, (world * 1024 + 40,), True)]
+    plan += [("norm", torch.bfloat16, (3, 64 * world), True), ("plain", torch.float32, (2048,), True)]
+    plan += [("norm", torch.float32, (2, 48), False), ("plain", torch.bfloat16, (8,), False)]
+    plan += [("norm", torch.bfloat16, (5, 32 * world), True), ("plain", torch.bfloat16, (8 * world * 1024,), True)]
+    inputs = []
+    for i, (kind, dtype, shape, two_shot) in enumerate(plan):
+        xs = _inputs(world, shape, dtype, seed=100 + i)
+        if kind == "plain" and dtype == torch.float32 and two_shot:  # halves of EMPTY: their sum is EMPTY
+            for x in xs[:2]:
+                x.view(-1)[:4] = empty / 2
+            for x in xs[2:]:
+                x.view(-1)[:4] = 0.0
+        g = torch.Generator().manual_seed(i)
+        inputs.append((xs, torch.randn(shape, generator=g).to(dtype), torch.randn(shape[-1:], generator=g).to(dtype)))
+        assert not two_shot or ar.two_shot_fits(xs[0], world, norm=kind == "norm")
+
+    def fn(rank, ptrs, calls):
+        _drift(rank)
+        out = []
+        for (kind, _, _, two_shot), (xs, residual, weight) in zip(plan, inputs):
+            x = xs[rank].clone()
+            if kind == "plain":
+                ar.all_reduce(x, ptrs, calls, rank, world, MAX_BYTES, two_shot=two_shot)
+                out += [x, x]
+            else:
+                out += ar.all_reduce_rms_norm(x, residual, weight, eps, ptrs, calls, rank, world, MAX_BYTES, two_shot)
+        return out
+
+    outs = ranks.run(fn)
+    for i, ((kind, dtype, _, _), (xs, residual, _)) in enumerate(zip(plan, inputs)):
+        for rank_out in outs:
+            assert torch.equal(rank_out[2 * i], outs[0][2 * i]) and torch.equal(rank_out[2 * i + 1], outs[0][2 * i + 1])
+        total = _reference_sum(xs)
+        if kind == "plain":
+            torch.testing.assert_close(outs[0][2 * i].float(), total.float(), rtol=0, atol=1e-30)
+        else:
+            assert torch.equal(outs[0][2 * i + 1], (total.float() + residual.float()).to(dtype))
+    assert ranks.all_empty()
+    assert all(int(c[0]) == len(plan) for c in ranks.calls)
