@@ -1,16 +1,15 @@
 """One-shot all-reduce over symmetric GPU memory: pagedllm's Triton kernel (kernels/all_reduce.py) on buffers that
 torch's symmetric memory maps into every rank, or torch's own one-shot op where Triton is missing.
 
-A decode step's all-reduces are small (batch x hidden, a few KB to a few MB) and bound by latency, not bandwidth.
-The Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink and sums the slots as
-their data arrive (no flags: the data carry their arrival); in groups of four or more, larger tensors take its
-two-shot form (each rank sums a 1 / size share of the tensor and sends the sums to every rank), which sends less.
-One kernel, capturable in CUDA graphs, launched with programmatic dependent launch like the kernels around it, and
-optionally fused with the residual add and RMSNorm after it (`all_reduce_rms_norm`: the decoder layers'
-row-parallel outputs, models/llama.py). torch's op (without
-Triton) copies its input into its own buffer, meets the peers at a barrier and reads their buffers, without PDL.
-Larger tensors, float16 on torch's op (it sums float32 and bfloat16 only) and any failure to set the buffers up fall
-back to NCCL.
+A decode step's all-reduces are small (batch x hidden, a few KB to a few MB) and bound by latency, not bandwidth. The
+Triton kernel stores each rank's input into its slot of every peer's buffer over NVLink and sums the slots as their data
+arrive (no flags: the data carry their arrival); in groups of four or more, larger tensors take its two-shot form (each
+rank sums a 1 / size share of the tensor and sends the sums to every rank), which sends less. One kernel, capturable in
+CUDA graphs, launched with programmatic dependent launch like the kernels around it, and optionally fused with the
+residual add and RMSNorm after it (`all_reduce_rms_norm`: the decoder layers' row-parallel outputs, models/llama.py).
+torch's op (without Triton) copies its input into its own buffer, meets the peers at a barrier and reads their buffers,
+without PDL. Larger tensors, float16 on torch's op (it sums float32 and bfloat16 only) and any failure to set the
+buffers up fall back to NCCL.
 
 torch's op finds the group by name in c10d's registry, so the NCCL group is wrapped in a `ProcessGroup` and
 registered under a name unique to its engine (the only entry pagedllm puts there; removed at shutdown).
@@ -36,14 +35,14 @@ except ImportError:  # no Triton: torch's one-shot op
 
 logger = logging.getLogger(__name__)
 
-# the largest all-reduce taken by the Triton kernels, by group size (TP=2: a decode batch of 256 rows of hidden 4096
-# in bfloat16 is 2 MB; 2x and 4x H100, benchmarks in tests/distributed/test_collectives.py). One-shot, each rank
-# sends (size - 1) x bytes; two-shot (from TWO_SHOT_BYTES on), 2 (size - 1) / size x bytes, in two hops
-MAX_BYTES = {2: 4 << 20, 4: 8 << 20, 8: 256 << 10}
-TWO_SHOT_BYTES = {4: 512 << 10}
 # the largest all-reduce a one-shot kernel takes where the two-shot one does not: torch's op (without Triton), and
 # the Triton kernel's fused RMSNorm over rows that do not split into 16-byte shards
 ONE_SHOT_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
+TWO_SHOT_BYTES = {4: 512 << 10}
+# the largest all-reduce taken by the Triton kernels, by group size (TP=2: a decode batch of 256 rows of hidden 4096
+# in bfloat16 is 2 MB; 2x and 4x H100, benchmarks in tests/distributed/test_collectives.py). One-shot, each rank
+# sends (size - 1) x bytes; two-shot (from TWO_SHOT_BYTES on), 2 (size - 1) / size x bytes, in two hops
+MAX_BYTES = {**ONE_SHOT_BYTES, 4: 8 << 20}
 DTYPES = (torch.bfloat16, torch.float32)  # torch's op (the Triton kernel's: all_reduce_kernel.DTYPES)
 _SET_UP: list[str] = []  # the group that set symmetric memory up in this process (at most one; see above)
 
@@ -104,11 +103,10 @@ class SymmAllReduce:
                 from torch.distributed import _symmetric_memory as symm_mem
 
                 _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm/", store))
-                if not kernel:
-                    max_bytes = ONE_SHOT_BYTES[size]
-                nbytes = (
-                    all_reduce_kernel.buffer_bytes(size, max_bytes, size in TWO_SHOT_BYTES) if kernel else max_bytes
-                )
+                if kernel:
+                    nbytes = all_reduce_kernel.buffer_bytes(size, max_bytes, size in TWO_SHOT_BYTES)
+                else:
+                    max_bytes = nbytes = ONE_SHOT_BYTES[size]
                 buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
                 if kernel:  # every slot starts empty (every rank fills its own before the agreement below)
                     all_reduce_kernel.fill_empty(buffer)

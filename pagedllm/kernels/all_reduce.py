@@ -114,19 +114,12 @@ def all_reduce_kernel(
         x = _sendable(tl.load(x_ptr + start + offs, mask=ok, other=0.0), WIDE)
         for p in tl.static_range(WORLD):
             if p != RANK:
-                peer = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)), 16)
-                tl.store(peer + (slots + RANK) * CAPACITY + start + offs, x, mask=ok)
-    mine = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
+                tl.store(_buffer(bufs_ptr, p, dtype) + (slots + RANK) * CAPACITY + start + offs, x, mask=ok)
+    mine = _buffer(bufs_ptr, RANK, dtype)
     for first in range(0, num_units, PROGRAMS):
         start = (first + pid) * UNIT  # past the tensor (all masked) in a program without a unit this round
         ok = (offs < UNIT) & (start + offs < numel)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for q in tl.static_range(WORLD):
-            if q == RANK:
-                v = _sendable(tl.load(x_ptr + start + offs, mask=ok, other=0.0), WIDE)
-            else:
-                v = _receive(mine + (slots + q) * CAPACITY + start + offs, ok, BLOCK, WIDE, MAX_SPINS)
-            acc += v.to(tl.float32)
+        acc = _sum_ranks(x_ptr, mine, slots, start, offs, ok, BLOCK, CAPACITY, RANK, WORLD, WIDE, MAX_SPINS)
         total = acc.to(dtype)  # the sum in the tensor's dtype, as the unfused all-reduce leaves it
         _finish(total, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, start, offs, ok, eps, UNIT, NORM)
     tl.store(calls_ptr + pid, e)
@@ -163,30 +156,23 @@ def two_shot_kernel(
     slots = (e & 1) * WORLD  # this call's scatter slot set
     gathered = (2 * WORLD + (e & 1)) * CAPACITY  # this call's gather region
     dtype = x_ptr.dtype.element_ty
-    mine = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
+    mine = _buffer(bufs_ptr, RANK, dtype)
     soffs = tl.arange(0, SBLOCK)
+    # (a program past the last unit is all masked: num_units * UNIT >= numel)
     for first in range(0, num_units, PROGRAMS):  # 1. each unit's q-th shard to rank q (slot `RANK`)
         for q in tl.static_range(WORLD):
             if q != RANK:
                 start = (first + pid) * UNIT + q * SHARD
-                ok = (soffs < SHARD) & (start + soffs < numel) & (first + pid < num_units)
+                ok = (soffs < SHARD) & (start + soffs < numel)
                 x = _sendable(tl.load(x_ptr + start + soffs, mask=ok, other=0.0), WIDE)
-                peer = tl.multiple_of(tl.load(bufs_ptr + q).to(tl.pointer_type(dtype)), 16)
-                tl.store(peer + (slots + RANK) * CAPACITY + start + soffs, x, mask=ok)
+                tl.store(_buffer(bufs_ptr, q, dtype) + (slots + RANK) * CAPACITY + start + soffs, x, mask=ok)
     for first in range(0, num_units, PROGRAMS):  # 2. this rank's shards summed, the sums to every rank's region
         start = (first + pid) * UNIT + RANK * SHARD
-        ok = (soffs < SHARD) & (start + soffs < numel) & (first + pid < num_units)
-        acc = tl.zeros((SBLOCK,), dtype=tl.float32)
-        for q in tl.static_range(WORLD):
-            if q == RANK:
-                v = _sendable(tl.load(x_ptr + start + soffs, mask=ok, other=0.0), WIDE)
-            else:
-                v = _receive(mine + (slots + q) * CAPACITY + start + soffs, ok, SBLOCK, WIDE, MAX_SPINS)
-            acc += v.to(tl.float32)
+        ok = (soffs < SHARD) & (start + soffs < numel)
+        acc = _sum_ranks(x_ptr, mine, slots, start, soffs, ok, SBLOCK, CAPACITY, RANK, WORLD, WIDE, MAX_SPINS)
         total = _sendable(acc.to(dtype), WIDE)
         for q in tl.static_range(WORLD):
-            peer = tl.multiple_of(tl.load(bufs_ptr + q).to(tl.pointer_type(dtype)), 16)
-            tl.store(peer + gathered + start + soffs, total, mask=ok)
+            tl.store(_buffer(bufs_ptr, q, dtype) + gathered + start + soffs, total, mask=ok)
     offs = tl.arange(0, BLOCK)
     for first in range(0, num_units, PROGRAMS):  # 3. the units whole, from this rank's gather region
         start = (first + pid) * UNIT
@@ -194,6 +180,29 @@ def two_shot_kernel(
         total = _receive(mine + gathered + start + offs, ok, BLOCK, WIDE, MAX_SPINS)
         _finish(total, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, start, offs, ok, eps, UNIT, NORM)
     tl.store(calls_ptr + pid, e)
+
+
+@triton.jit
+def _buffer(bufs_ptr, rank, dtype: tl.constexpr):
+    """Rank `rank`'s buffer, as mapped in this process, holding `dtype`."""
+    return tl.multiple_of(tl.load(bufs_ptr + rank).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _sum_ranks(
+    x_ptr, mine, slots, start, offs, ok, BLOCK: tl.constexpr, CAPACITY: tl.constexpr, RANK: tl.constexpr,
+    WORLD: tl.constexpr, WIDE: tl.constexpr, MAX_SPINS: tl.constexpr,
+):  # fmt: skip
+    """The float32 sum over the ranks, in rank order, of x[start + offs] (this rank's, as sent) and the peers' parts
+    in this rank's slots of set `slots` (each received, then refilled)."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        if q == RANK:
+            v = _sendable(tl.load(x_ptr + start + offs, mask=ok, other=0.0), WIDE)
+        else:
+            v = _receive(mine + (slots + q) * CAPACITY + start + offs, ok, BLOCK, WIDE, MAX_SPINS)
+        acc += v.to(tl.float32)
+    return acc
 
 
 @triton.jit
