@@ -30,7 +30,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "VLLM_LOG_STATS_INTERVAL": ("10", "seconds between the server's stats lines"),
     "VLLM_TORCH_PROFILER_DIR": (
         "unset",
-        "enables LLM.start_profile / stop_profile and the server's /start_profile, /stop_profile; traces go here",
+        "enables LLM.start_profile / stop_profile and the server's /start_profile, /stop_profile; traces go here "
+        "(one per rank)",
     ),
     "HF_HUB_OFFLINE": ("0", "1: models only from local paths and the local Hugging Face cache (no download)"),
     "HF_ENDPOINT": ("https://huggingface.co", "the Hugging Face Hub that models are downloaded from"),

@@ -79,7 +79,7 @@ def _latency(args: argparse.Namespace) -> int:
     for _ in range(args.num_iters_warmup):
         run()
     if args.profile:
-        return _profile(run)
+        return _profile(llm, run)
     latencies = []
     for _ in range(args.num_iters):
         start = time.perf_counter()
@@ -93,11 +93,12 @@ def _latency(args: argparse.Namespace) -> int:
     return _report(result, args.output_json)
 
 
-def _profile(run) -> int:
-    """One run under the torch profiler; the trace goes to VLLM_TORCH_PROFILER_DIR, as vLLM's --profile."""
+def _profile(llm, run) -> int:
+    """One run under the torch profiler; the trace (one per rank) goes to VLLM_TORCH_PROFILER_DIR, as vLLM's
+    --profile."""
     from pagedllm.profiler import profiler_from_env
 
-    profiler = profiler_from_env()
+    profiler = profiler_from_env(llm.llm_engine)
     profiler.start()
     run()
     profiler.stop()

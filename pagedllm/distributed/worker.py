@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import ParallelGroups, RankInfo
+from pagedllm.profiler import EngineProfiler
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.scheduler_output import SchedulerOutput
 
@@ -72,6 +73,7 @@ class Worker:
         self.runner = ModelRunner(config, self.groups)
         self.pending = None  # the launched step whose tokens this rank has not put in its batch yet
         self.unfinished: deque = deque()  # pipeline stages, first-stage followers: steps launched, not finished
+        self.profiler: EngineProfiler | None = None  # LLM.start_profile's, on this rank (profiler.RanksProfiler)
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
@@ -118,6 +120,15 @@ class Worker:
         if self.pending is not None:
             self.pending.result()
             self.pending = None
+
+    def start_profile(self, trace_dir: str) -> None:
+        """This rank's part of LLM.start_profile: its own trace, named by its rank."""
+        self.profiler = EngineProfiler(trace_dir, f"pagedllm-rank{self.info.rank}")
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
+        self.profiler = None
 
     def shutdown(self) -> None:
         self._end_groups()

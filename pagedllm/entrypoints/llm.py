@@ -169,11 +169,12 @@ class LLM(PoolingAPI):
 
     def start_profile(self) -> None:
         """vLLM's LLM.start_profile(): the torch profiler runs until stop_profile(), which writes the trace into
-        VLLM_TORCH_PROFILER_DIR (a ValueError when it is unset)."""
+        VLLM_TORCH_PROFILER_DIR (a ValueError when it is unset); with several tensor/pipeline-parallel ranks, one
+        trace per rank."""
         from pagedllm.profiler import profiler_from_env
 
         if getattr(self, "_profiler", None) is None:
-            self._profiler = profiler_from_env()
+            self._profiler = profiler_from_env(self.llm_engine)
         self._profiler.start()
 
     def stop_profile(self) -> None:

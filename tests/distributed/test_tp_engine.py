@@ -130,3 +130,26 @@ def test_tp_size_checks(llama_path):
 def test_stage_layers_split():
     assert [stage_layers(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert [stage_layers(3, 2, r) for r in range(2)] == [(0, 2), (2, 3)]
+
+
+def test_profile_traces_every_rank(llama_path, tmp_path, monkeypatch):
+    """LLM.start_profile / stop_profile at TP=2: one trace per rank (each rank profiles itself, in its process), and
+    the misuse errors come before any rank is asked (a worker whose call fails ends)."""
+    import os
+
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    llm = LLM(llama_path, tensor_parallel_size=2, **ENGINE)
+    try:
+        with pytest.raises(ValueError, match="not running"):
+            llm.stop_profile()
+        llm.start_profile()
+        with pytest.raises(ValueError, match="already running"):
+            llm.start_profile()
+        llm.generate(_prompts(2), SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.stop_profile()
+        traces = sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json"))
+        assert [f.split(".")[0] for f in traces] == ["pagedllm-rank0", "pagedllm-rank1"], traces
+        out = llm.generate(_prompts(2), SamplingParams(max_tokens=2), use_tqdm=False)  # the workers live on
+        assert all(len(o.outputs[0].token_ids) == 2 for o in out)
+    finally:
+        llm.llm_engine.shutdown()

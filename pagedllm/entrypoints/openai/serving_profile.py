@@ -1,6 +1,6 @@
 """POST /start_profile and /stop_profile, only when VLLM_TORCH_PROFILER_DIR is set (as vLLM): the torch profiler
 runs on the engine's thread between the two calls, and /stop_profile writes its trace into that directory
-(`*.pt.trace.json`, for Perfetto, chrome://tracing or TensorBoard)."""
+(`*.pt.trace.json`, for Perfetto, chrome://tracing or TensorBoard; one per rank with several ranks)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from fastapi.responses import Response
 
 from pagedllm import envs
 from pagedllm.entrypoints.openai.serving_utils import ServerState, bad
-from pagedllm.profiler import EngineProfiler
+from pagedllm.profiler import engine_profiler
 
 
 def add_profile_routes(app: FastAPI, state: ServerState) -> None:
     trace_dir = envs.torch_profiler_dir()
     if trace_dir is None:
         return
-    profiler = EngineProfiler(trace_dir)
+    profiler = engine_profiler(state.engine.engine, trace_dir)  # every rank's with several
 
     async def run(fn) -> Response:
         try:
