@@ -9,6 +9,7 @@ collective is then the identity, so single-process code paths never touch torch.
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ class Communicator:
             return cls(None, 0, ranks, device)
         store = dist.PrefixStore(f"pagedllm/{name}/", store)
         timeout = datetime.timedelta(seconds=timeout_s)
+        quiet_flight_recorder(os.environ)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -135,6 +137,16 @@ class Communicator:
         if self.name is not None:
             unregister(self.name)
         self.pg, self.symm, self.name = None, None, None
+
+
+def quiet_flight_recorder(environ) -> None:
+    """Turns torch's flight recorder off (a buffer size of 0) unless the user sized it: it records every collective
+    (NCCL and gloo) with its call stack, which cost 60 us of host time per eager logits all-gather and 24 us per
+    token broadcast on 2x H100 (112 -> 51 us and 48 -> 25 us), on the host path of every tensor-parallel step. Set
+    TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE) to keep it; torch reads it once, when the process's first
+    process group is made."""
+    if "TORCH_FR_BUFFER_SIZE" not in environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:
+        environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "0"  # (the older name: torch 2.11 reads only it, 2.13 both)
 
 
 _RETIRED: list = []  # NCCL process groups (and their symmetric buffers) of engines shut down (see shutdown)
