@@ -282,3 +282,29 @@ def test_hit_statistics_count_recorded_lookups_only():
     assert (kv.num_queries - queries, kv.num_hits - hits) == (13 + 5, 12)
     kv.record_lookup(make_request("d", PROMPT12, prompt_logprobs=1), 0)  # skips the cache: not a lookup
     assert kv.num_queries - queries == 18
+
+
+def test_decode_steps_cache_each_block_as_it_fills():
+    """Decode steps, one token each, through several block boundaries (most steps need no new block and fill none:
+    allocate_slots' fast path): a block joins the prefix cache, under its chained hash, the step its last token is
+    computed, never earlier; new blocks come exactly at the boundaries."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    req = make_request("a", [5, 6, 7, 8, 9, 10])
+    req.max_tokens = req.sampling_params.max_tokens = 20
+    compute(kv, req)  # the prompt: 6 tokens, one full block
+    for step in range(11):
+        req.append_output_token(100 + step)  # sampled, computed by the next step
+        owned_before = len(kv.req_to_blocks["a"])
+        new = kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        assert len(new) == (1 if req.num_computed_tokens % BS == 1 else 0), step
+        assert len(kv.req_to_blocks["a"]) == owned_before + len(new)
+        full = req.num_computed_tokens // BS
+        assert kv.num_cached_blocks["a"] == full, step
+        parent, tokens = None, req.all_token_ids
+        for i, block in enumerate(kv.req_to_blocks["a"]):
+            expected = hash_block_tokens(parent, tokens[i * BS : (i + 1) * BS]) if i < full else None
+            assert block.block_hash == expected, (step, i)
+            if expected is not None:
+                assert kv.pool.get_cached_block(expected) is block
+            parent = expected
