@@ -18,10 +18,6 @@ class EngineProfiler:
         self.trace_dir, self.worker_name = trace_dir, worker_name
         self.profiler: torch.profiler.profile | None = None
 
-    @property
-    def running(self) -> bool:
-        return self.profiler is not None
-
     def start(self) -> None:
         if self.profiler is not None:
             raise ValueError("the profiler is already running: stop it first (stop_profile)")
