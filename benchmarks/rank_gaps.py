@@ -72,11 +72,12 @@ def report(trace_dir: str, steps: int, top: int) -> list[dict]:
             events = json.load(f)["traceEvents"]
         span, gaps = kernel_gaps(events)
         host = HostOps(events)
+        launches = [host.launch(after) for _, _, _, after in gaps]  # None: inside a graph (no runtime call)
+        via = [host.op_around(launch["ts"]) if launch is not None else "-" for launch in launches]
         late = collections.Counter()
-        for length, end, _, after in gaps:
-            launch = host.launch(after)
+        for (length, end, _, _), launch, op in zip(gaps, launches, via):
             if launch is not None and launch["ts"] > end:  # launched after the device had run out of work
-                late[host.op_around(launch["ts"])] += length
+                late[op] += length
         idle = sum(g[0] for g in gaps)
         rank = os.path.basename(path).split(".")[0]
         print(
@@ -84,11 +85,12 @@ def report(trace_dir: str, steps: int, top: int) -> list[dict]:
             f"in {len(gaps)} gaps; idle after late launches, by host op: "
             + ", ".join(f"{name} {t / 1e3:.2f} ms" for name, t in late.most_common(4))
         )
-        for length, end, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
-            launch = host.launch(after)
-            lag = f"{launch['ts'] - end:+8.1f} us" if launch is not None else "  (in a graph)"
-            via = host.op_around(launch["ts"]) if launch is not None else "-"
-            print(f"   gap {length:7.1f} us, launched {lag}: {before['name'][:36]} -> {after['name'][:36]} via {via}")
+        longest = sorted(range(len(gaps)), key=lambda i: -gaps[i][0])[:top]
+        for i in longest:
+            length, end, before, after = gaps[i]
+            lag = f"{launches[i]['ts'] - end:+8.1f} us" if launches[i] is not None else "  (in a graph)"
+            kernels = f"{before['name'][:36]} -> {after['name'][:36]}"
+            print(f"   gap {length:7.1f} us, launched {lag}: {kernels} via {via[i]}")
         rows.append({"rank": rank, "span_ms": span / 1e3, "idle_ms": idle / 1e3, "gaps": len(gaps)})
     return rows
 

@@ -66,15 +66,8 @@ class KVCacheManager:
         """Gives the request room for num_new_tokens more tokens after its computed (and newly cached) ones.
 
         Returns the newly allocated blocks, or None (nothing changed) when the pool cannot supply them."""
-        owned = self.req_to_blocks.setdefault(request.request_id, [])
-        if not new_computed_blocks:  # a running request's step (most of them): often within the blocks it owns
-            end = request.num_computed_tokens + num_new_tokens
-            if end <= len(owned) * self.block_size and (
-                not self.enable_caching
-                or min(end, request.num_tokens) // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)
-            ):  # no block to add, none newly full to cache
-                return []
         new_computed_blocks = new_computed_blocks or []
+        owned = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(owned) - len(new_computed_blocks)
@@ -96,8 +89,10 @@ class KVCacheManager:
             self._cache_full_blocks(request, self.req_to_blocks.get(request.request_id, []), num_tokens)
 
     def _cache_full_blocks(self, request: Request, owned: list[KVCacheBlock], num_tokens: int) -> None:
-        self.update_block_hashes(request)
         start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:  # no block newly full (most decode steps): no hashing
+            return
+        self.update_block_hashes(request)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, end):
             self.pool.cache_block(owned[i], request.block_hashes[i])
