@@ -1,6 +1,8 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the scheduler and the executor. With async
-scheduling a step is: schedule and launch N+1, then update from N (where N+1's grammar masks need N's tokens: its
-forward launched, N's update, the masks filled while the forward runs, then N+1's sampling queued). With a
+scheduling two steps are in flight: a step waits for N's tokens, updates from them, schedules and launches N+2
+behind N+1, then returns N's outputs (so their processing overlaps the device too). Where N+1's grammar masks need
+N's tokens, its sampling waits: N's update, the masks filled while the caller processes N's outputs, N+1's
+sampling queued, then N+2 launched. With a
 speculative proposer each synchronous update is followed by a proposal of draft tokens for the next step. Drafts
 need synchronous steps (a request's last token must be known to draft after it): with both, steps run
 asynchronously without drafts while the batch is above disable_by_batch_size, and synchronously with drafts
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from dataclasses import dataclass
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
@@ -26,6 +29,7 @@ from pagedllm.engine.scheduler import EngineCoreOutput, Scheduler
 from pagedllm.spec_decode.config import MODEL_METHODS
 from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.worker.executor import make_executor
+from pagedllm.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,16 @@ def default_cpu_kv_cache_bytes() -> int:
     return int(min(4 * _GiB, available // 4))
 
 
+@dataclass(eq=False)
+class Launched:
+    """A step on the device (async scheduling)."""
+
+    so: SchedulerOutput
+    future: object  # StepFuture, or PendingStep while its sampling waits for its masks
+    masks_wait: bool  # its masks wait for the previous step's update; its sampling is queued once they are filled
+    filling: bool = False  # its masks are being filled
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None) -> None:
         self.config = config
@@ -63,8 +77,7 @@ class EngineCore:
         if spec is not None and spec.method in MODEL_METHODS:  # the draft model / head runs where the target does
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
-        self.in_flight = None  # (scheduler output, StepFuture) of the step on the device (async scheduling)
-        self.sampling_deferred = False  # in_flight's sampling not queued yet: its masks are being filled
+        self.in_flight: deque[Launched] = deque()  # the steps on the device, oldest first (async scheduling)
         pp_size = config.parallel.pipeline_parallel_size
         self.pipeline_depth = pp_size if pp_size > 1 and config.speculative_proposer is None else 0
         self.scheduler.pipeline_depth = self.pipeline_depth
@@ -108,7 +121,7 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight) or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
         if self.pipeline_depth:
@@ -120,15 +133,16 @@ class EngineCore:
                     self.scheduler.set_drafts({})  # drafts proposed by a synchronous step are dropped
                 return self._step_async()
             self.scheduler.drafts_enabled = True  # a synchronous step: drafts may be verified (see _drafting)
-            if self.in_flight is not None:  # to synchronous steps with drafts: the step on the device ends first
-                so, future = self.in_flight
-                self.in_flight = None
+            if self.in_flight:  # to synchronous steps with drafts: the steps on the device end first
+                step = self.in_flight.popleft()
                 try:
-                    out = future.result()
+                    out = step.future.result()
                 except BaseException:
-                    self._discard(so)
+                    self._discard(step.so)
                     raise
-                return self._update(so, out)
+                finally:
+                    self._start_masks()
+                return self._update(step.so, out)
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
@@ -166,54 +180,64 @@ class EngineCore:
         self.scheduler.set_drafts(proposer.propose(token_ids) if token_ids else {})
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Schedules and queues step N+1, then waits for step N's tokens: the host's work for N+1 (scheduling,
-        inputs, launching) and for N's outputs overlaps the device running N. A request that step N ends (EOS, a
-        stop token or string) has had one more token computed in N+1, which is dropped. A step N+1 whose masks are
-        deferred (a constrained request's last token was in N) goes out as its forward alone: its masks are filled
-        after N's update, from the grammars that took N's tokens, while the forward runs, then its sampling is
-        queued."""
-        launched = None
-        if self.scheduler.has_unfinished_requests():
-            so = self.scheduler.schedule()
-            if not so.num_scheduled_tokens and self.in_flight is None:
-                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
-            try:
-                launched = (so, self.executor.launch(so))
-            except BaseException:
-                self._discard(so)
-                raise
-        previous, self.in_flight = self.in_flight, launched
+        """Waits for the oldest step N's tokens and updates from them, then schedules and launches N+2 (N+1 is on
+        the device already): the host's work for N+2 and for N's outputs (returned, processed by the caller) overlaps
+        the device running N+1. The first call launches two steps first. A request that step N ends (EOS, a stop
+        token) has had one more token computed in N+1, which is dropped; one that the caller ends after N (a stop
+        string, an abort) two. A step whose masks are deferred (a constrained request's last token was in the step
+        before it) goes out as its forward alone: its masks are filled after that step's update, from the grammars
+        that took its tokens, while the caller processes the outputs; the next call queues its sampling, then
+        launches the next step behind it."""
+        queue, sched = self.in_flight, self.scheduler
+        while len(queue) < 2 and not (queue and queue[-1].masks_wait) and sched.has_unfinished_requests():
+            if not self._launch_async().so.num_scheduled_tokens:
+                break
+        if not queue:
+            return []
+        oldest = queue.popleft()
         try:
-            return self._update_async(previous)
-        finally:  # (also after a failed step N: the launched step's later result() needs its masks)
-            # its masks fill on the filler's threads while the caller processes N's outputs; the next step queues
-            # its sampling first (before anything else is launched)
-            self.sampling_deferred = launched is not None and self.scheduler.start_masks(launched[0])
+            out = oldest.future.result()
+        except BaseException:
+            self._discard(oldest.so)
+            self._start_masks()  # (the step behind it: its later result() needs its masks)
+            raise
+        outputs = sched.update_from_output(oldest.so, out)
+        if not self._start_masks() and len(queue) < 2 and sched.has_unfinished_requests():
+            self._launch_async()
+        return outputs
+
+    def _launch_async(self) -> Launched:
+        """Schedules a step and launches it behind the steps in flight."""
+        so = self.scheduler.schedule()
+        if not so.num_scheduled_tokens and not self.in_flight:
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+        try:
+            step = Launched(so, self.executor.launch(so), getattr(so.grammar_bitmask, "deferred", False))
+        except BaseException:
+            self._discard(so)
+            raise
+        self.in_flight.append(step)
+        return step
+
+    def _start_masks(self) -> bool:
+        """After a step's update: the masks of the step behind it, if deferred, start filling (on the filler's
+        threads, while the caller processes the outputs); the next call queues its sampling. Returns whether."""
+        step = self.in_flight[0] if self.in_flight else None
+        if step is None or not step.masks_wait or step.filling:
+            return False
+        step.filling = self.scheduler.start_masks(step.so)
+        return step.filling
 
     def _queue_deferred_sampling(self) -> None:
-        if self.sampling_deferred:
-            self.sampling_deferred = False
-            self._sample(*self.in_flight)
-
-    def _update_async(self, previous) -> list[EngineCoreOutput]:
-        if previous is None:
-            return []
-        so, future = previous
-        try:
-            out = future.result()
-        except BaseException:
-            self._discard(so)
-            raise
-        return self.scheduler.update_from_output(so, out)
-
-    def _sample(self, so, future) -> None:
-        """Queues a launched step's sampling (its masks being filled); a failure ends the step's requests."""
-        try:
-            future.sample()
-        except BaseException:
-            self.in_flight = None
-            self._discard(so)
-            raise
+        step = self.in_flight[-1] if self.in_flight else None
+        if step is not None and step.filling:
+            step.masks_wait = step.filling = False
+            try:
+                step.future.sample()
+            except BaseException:  # a failure ends the step's requests
+                self.in_flight.pop()
+                self._discard(step.so)
+                raise
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Launches one more step while fewer than pipeline_depth are in flight and one was scheduled (a step with

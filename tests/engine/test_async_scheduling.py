@@ -78,7 +78,7 @@ def test_async_engine_is_idle_after_each_call(engines):
     _, async_ = engines
     eng = async_.llm_engine
     async_.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
-    assert not eng.has_unfinished_requests() and eng.core.in_flight is None
+    assert not eng.has_unfinished_requests() and not eng.core.in_flight
     assert eng.core.scheduler.kv.pool.usage() == 0
 
 
@@ -91,7 +91,7 @@ def test_async_abort_while_a_step_is_on_the_device(engines):
     finished = []
     for _ in range(4):
         finished += eng.step()
-    assert eng.core.in_flight is not None
+    assert eng.core.in_flight
     eng.abort_request(["drop"])
     while eng.has_unfinished_requests():
         finished += eng.step()
@@ -110,7 +110,7 @@ def test_async_request_id_used_again_while_a_step_is_on_the_device(engines):
     eng.add_request("x", tok.encode(PROMPTS[0]), params)
     for _ in range(3):
         eng.step()
-    assert eng.core.in_flight is not None
+    assert eng.core.in_flight
     eng.abort_request(["x"])
     eng.add_request("x", tok.encode(PROMPTS[2]), params)
     finished = []
@@ -142,3 +142,37 @@ def test_async_failing_launch_ends_its_requests_and_the_engine_serves_on(engines
     while eng.has_unfinished_requests():  # the step still on the device is read; its request has ended
         assert eng.step() == []
     assert async_.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_async_launches_two_steps_ahead_of_the_outputs(engines, monkeypatch):
+    """A step returns step N's outputs with N+1 and N+2 already launched: the outputs' processing (detokenizing,
+    stop strings) overlaps the device. The update from N comes right before N+2 is scheduled."""
+    _, async_ = engines
+    eng, core = async_.llm_engine, async_.llm_engine.core
+    events = []
+    update, schedule = core.scheduler.update_from_output, core.scheduler.schedule
+
+    def logged_update(so, out):
+        events.append(("update", so.step_id))
+        return update(so, out)
+
+    def logged_schedule():
+        so = schedule()
+        events.append(("schedule", so.step_id))
+        return so
+
+    monkeypatch.setattr(core.scheduler, "update_from_output", logged_update)
+    monkeypatch.setattr(core.scheduler, "schedule", logged_schedule)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eng.add_request("a", async_.get_tokenizer().encode(PROMPTS[3]), params)
+    in_flight_at_return = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        in_flight_at_return.append([step.so.step_id for step in core.in_flight])
+    first = events[0][1]
+    steps = [s - first for kind, s in events if kind == "update"]
+    assert steps == list(range(len(steps)))
+    for n in steps[:-2]:  # every update but the last two (nothing left to schedule) is followed by N+2's schedule
+        i = events.index(("update", n + first))
+        assert events[i + 1] == ("schedule", n + first + 2)
+    assert in_flight_at_return[:4] == [[first + n + 1, first + n + 2] for n in range(4)]
