@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import RankInfo
-from pagedllm.distributed.worker import Worker, WorkerSpec
+from pagedllm.distributed.worker import Worker, WorkerSpec, worker_threads
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN_WAIT_S = 5.0
@@ -86,7 +86,7 @@ class MultiprocExecutor(RanksExecutor):
                 f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                 "use distributed_executor_backend='ray' to span machines"
             )
-        threads = 0 if on_cuda else max(1, torch.get_num_threads() // world)
+        threads = worker_threads(on_cuda, world)
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
         self.failure: str | None = None
         self.closing = False

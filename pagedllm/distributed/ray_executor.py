@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.mp_executor import RanksExecutor, WorkerFailed
 from pagedllm.distributed.parallel_state import RankInfo
-from pagedllm.distributed.worker import Worker, WorkerSpec, warm_cpu_kernels
+from pagedllm.distributed.worker import Worker, WorkerSpec, warm_cpu_kernels, worker_threads
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 PLACEMENT_TIMEOUT_S = 60.0  # the cluster has this long to reserve every rank's bundle
@@ -170,7 +170,7 @@ class RayExecutor(RanksExecutor):
             holder = ray.remote(GpuHolder).options(**self._options(0, on_cuda)).remote()
             self.owned.append(holder)
             driver_device = visible_index(self._get([holder.gpu_id.remote()])[0])
-        threads = 0 if on_cuda else max(1, torch.get_num_threads() // world)
+        threads = worker_threads(on_cuda, world)
         host = ray.util.get_node_ip_address()
         store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
         actor_cls = ray.remote(RayWorker)
