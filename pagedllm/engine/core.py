@@ -142,6 +142,8 @@ class EngineCore:
                     raise
                 finally:
                     self._start_masks()
+                if self.in_flight:  # (drafts follow the last step's tokens: proposed after its update)
+                    return self.scheduler.update_from_output(step.so, out)
                 return self._update(step.so, out)
         if not self.scheduler.has_unfinished_requests():
             return []
