@@ -78,6 +78,7 @@ class EngineCore:
             config.speculative_proposer = self.executor
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens  # blocks for the draft's KV writes
         self.in_flight: deque[Launched] = deque()  # the steps on the device, oldest first (async scheduling)
+        self.launch_error: BaseException | None = None  # raised by the next step (see _step_async)
         pp_size = config.parallel.pipeline_parallel_size
         self.pipeline_depth = pp_size if pp_size > 1 and config.speculative_proposer is None else 0
         self.scheduler.pipeline_depth = self.pipeline_depth
@@ -121,9 +122,15 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.in_flight) or bool(self.batch_queue)
+        sched = self.scheduler
+        return (
+            sched.has_unfinished_requests() or bool(self.in_flight or self.batch_queue) or self.launch_error is not None
+        )
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.launch_error is not None:  # a launch that failed after the last step's update (_step_async)
+            error, self.launch_error = self.launch_error, None
+            raise error
         if self.pipeline_depth:
             return self._step_pipelined()
         if self.async_steps:
@@ -134,17 +141,13 @@ class EngineCore:
                 return self._step_async()
             self.scheduler.drafts_enabled = True  # a synchronous step: drafts may be verified (see _drafting)
             if self.in_flight:  # to synchronous steps with drafts: the steps on the device end first
-                step = self.in_flight.popleft()
-                try:
-                    out = step.future.result()
-                except BaseException:
-                    self._discard(step.so)
-                    raise
-                finally:
-                    self._start_masks()
-                if self.in_flight:  # (drafts follow the last step's tokens: proposed after its update)
+                step, out = self._oldest_result()
+                if not self.in_flight:
+                    return self._update(step.so, out)
+                try:  # (drafts follow the last step's tokens: proposed after its update)
                     return self.scheduler.update_from_output(step.so, out)
-                return self._update(step.so, out)
+                finally:  # the masks of the step behind it follow its tokens
+                    self._start_masks()
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
@@ -196,17 +199,27 @@ class EngineCore:
                 break
         if not queue:
             return []
-        oldest = queue.popleft()
+        oldest, out = self._oldest_result()
         try:
-            out = oldest.future.result()
+            outputs = sched.update_from_output(oldest.so, out)
+        finally:  # the masks of the step behind it follow its tokens (also after a failure: its result needs them)
+            masks_wait = self._start_masks()
+        if not masks_wait and len(queue) < 2 and sched.has_unfinished_requests():
+            try:
+                self._launch_async()
+            except BaseException as e:  # the caller takes N's outputs first; the next call raises
+                self.launch_error = e
+        return outputs
+
+    def _oldest_result(self):
+        """(the oldest step in flight, taken off the queue, and its result); a failed step ends its requests."""
+        oldest = self.in_flight.popleft()
+        try:
+            return oldest, oldest.future.result()
         except BaseException:
             self._discard(oldest.so)
             self._start_masks()  # (the step behind it: its later result() needs its masks)
             raise
-        outputs = sched.update_from_output(oldest.so, out)
-        if not self._start_masks() and len(queue) < 2 and sched.has_unfinished_requests():
-            self._launch_async()
-        return outputs
 
     def _launch_async(self) -> Launched:
         """Schedules a step and launches it behind the steps in flight."""
