@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import RankInfo
-from pagedllm.distributed.worker import Worker, WorkerSpec, worker_threads
+from pagedllm.distributed.worker import Worker, WorkerSpec
+from pagedllm.worker.cpu_threads import worker_threads
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN_WAIT_S = 5.0

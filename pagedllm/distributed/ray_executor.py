@@ -21,7 +21,8 @@ import torch.distributed as dist
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.mp_executor import RanksExecutor, WorkerFailed
 from pagedllm.distributed.parallel_state import RankInfo
-from pagedllm.distributed.worker import Worker, WorkerSpec, warm_cpu_kernels, worker_threads
+from pagedllm.distributed.worker import Worker, WorkerSpec, warm_cpu_kernels
+from pagedllm.worker.cpu_threads import worker_threads
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 PLACEMENT_TIMEOUT_S = 60.0  # the cluster has this long to reserve every rank's bundle

@@ -44,16 +44,6 @@ class WorkerSpec:
     num_threads: int  # torch CPU threads (0: leave torch's default)
 
 
-def worker_threads(on_cuda: bool, world: int) -> int:
-    """torch's CPU threads in each rank's process (0: torch's default). On CPUs the machine's threads shared among the
-    ranks. On GPUs one, as vLLM does, unless OMP_NUM_THREADS is set: a step's host work is Python and small ops, and
-    every rank's process with a thread per core (OpenMP threads that spin after a parallel op) contends with the
-    host paths of the other ranks, which every all-reduce waits for."""
-    if not on_cuda:
-        return max(1, torch.get_num_threads() // world)
-    return 0 if "OMP_NUM_THREADS" in os.environ else 1
-
-
 class Worker:
     def __init__(self, config: EngineConfig, spec: WorkerSpec, store: dist.Store | None = None) -> None:
         device = config.device.device

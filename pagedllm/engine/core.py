@@ -122,10 +122,8 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        sched = self.scheduler
-        return (
-            sched.has_unfinished_requests() or bool(self.in_flight or self.batch_queue) or self.launch_error is not None
-        )
+        in_flight = bool(self.in_flight or self.batch_queue) or self.launch_error is not None
+        return in_flight or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         if self.launch_error is not None:  # a launch that failed after the last step's update (_step_async)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.worker.cpu_threads import worker_threads
+
 _SHUTDOWN_WAIT_S = 5.0
 
 
@@ -66,8 +68,6 @@ class ReplicaSet:
     def __init__(self, llm_kwargs: dict, size: int, backend: str | None, on_cuda: bool) -> None:
         world = llm_kwargs["tensor_parallel_size"] * llm_kwargs["pipeline_parallel_size"]
         kwargs = {**llm_kwargs, "data_parallel_size": 1}
-        from pagedllm.distributed.worker import worker_threads
-
         threads = worker_threads(on_cuda, size)
         if backend == "ray":
             self.replicas = [RayReplica(kwargs, world, on_cuda, threads) for _ in range(1, size)]

@@ -1,5 +1,6 @@
-"""VLLM_CPU_OMP_THREADS_BIND on CPU: the engine's process runs on the listed cores, one torch thread each (threads
-started later, OpenMP's among them, inherit the affinity)."""
+"""torch's CPU threads. VLLM_CPU_OMP_THREADS_BIND on CPU: the engine's process runs on the listed cores, one torch
+thread each (threads started later, OpenMP's among them, inherit the affinity). worker_threads: how many each rank's
+process runs with several ranks."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ def bind_cpu_threads() -> list[int] | None:
     torch.set_num_threads(len(cpus))
     logger.info("CPU threads bound to cores %s", cpus)
     return cpus
+
+
+def worker_threads(on_cuda: bool, world: int) -> int:
+    """torch's CPU threads in each rank's process (0: torch's default). On CPUs the machine's threads shared among the
+    ranks. On GPUs one, as vLLM does, unless OMP_NUM_THREADS is set: a step's host work is Python and small ops, and
+    every rank's process with a thread per core (OpenMP threads that spin after a parallel op) contends with the
+    host paths of the other ranks, which every all-reduce waits for."""
+    if not on_cuda:
+        return max(1, torch.get_num_threads() // world)
+    return 0 if "OMP_NUM_THREADS" in os.environ else 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.distributed.worker import worker_threads
+from pagedllm.worker.cpu_threads import worker_threads
 
 
 def test_gpu_ranks_run_one_thread_unless_omp_num_threads_is_set(monkeypatch):

@@ -88,6 +88,17 @@ def req(rid, grammar=None):
     return r
 
 
+def deferred_behind(core) -> None:
+    """Brings two steps in flight, the newer one's masks waiting for the older one's tokens (request "a"
+    constrained, "b" not)."""
+    core.scheduler.add_request(req("b"))
+    core.step()
+    core.scheduler.add_request(req("a", StandInGrammar(6)))
+    core.step()
+    core.step()
+    assert [s.masks_wait for s in core.in_flight] == [False, True]
+
+
 def test_masks_follow_the_update_when_steps_turn_synchronous_with_drafts():
     """Two steps in flight, the newer one's masks waiting for the older one's tokens, when the batch falls within
     disable_by_batch_size: the older step's update comes before the masks start, and the constrained request gets
@@ -96,12 +107,7 @@ def test_masks_follow_the_update_when_steps_turn_synchronous_with_drafts():
     core = make_core()
     drafting = [False]
     core._drafting = lambda: drafting[0]
-    core.scheduler.add_request(req("b"))
-    core.step()
-    core.scheduler.add_request(req("a", StandInGrammar(6)))
-    core.step()
-    core.step()
-    assert [s.masks_wait for s in core.in_flight] == [False, True]
+    deferred_behind(core)
     older, newer = (s.so.step_id for s in core.in_flight)
     drafting[0] = True
     outs = []
@@ -115,12 +121,7 @@ def test_a_failed_update_still_starts_the_masks_behind_it():
     EVENTS.clear()
     core = make_core()
     core._drafting = lambda: False
-    core.scheduler.add_request(req("b"))
-    core.step()
-    core.scheduler.add_request(req("a", StandInGrammar(6)))
-    core.step()
-    core.step()
-    assert [s.masks_wait for s in core.in_flight] == [False, True]
+    deferred_behind(core)
     update = core.scheduler.update_from_output
     calls = []
 
