@@ -83,6 +83,14 @@ class Communicator:
             self.pg.allreduce([x]).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise max of x over the group, in place."""
+        if self.pg is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.pg.allreduce([x], opts).wait()
+        return x
+
     def all_reduce_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:

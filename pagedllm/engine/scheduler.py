@@ -337,6 +337,7 @@ class Scheduler:
                     req.min_tokens_stop_ids(),
                     req.lora_request,
                     req.mm_features,
+                    bool(req.sampling_params.logits_processors),
                 )
             )
             num_scheduled[req.request_id] = n

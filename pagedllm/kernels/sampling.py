@@ -12,11 +12,13 @@ likely slowest first (program_order): programs start in order, and a big batch's
 Every pass over a row keeps per lane (tokens lane, lane + BLOCK, lane + 2 BLOCK, ...) running values, reduced once
 at the end (pagedllm/kernels/row_passes.py: the passes it shares with the logprobs kernel).
 
-The draw is by inverse CDF over the lanes: one pass keeps each lane's max and sum of exp(x / T - max) over the tokens
-the row keeps (online, as a softmax), then the lane where a uniform share of the total falls is picked from the
-lanes' running sums, and the token inside it from the running sum of its own few tokens. One uniform number per draw
-(Philox, keyed by the row's 64-bit key: a seeded request keys by (seed, position), so it gets the same token whatever
-shares its batch; the others by the step's key plus the row).
+A row without filters (min-p, top-k, top-p) is drawn by the exponential race of pagedllm/kernels/race.py, exactly as
+the engine's steps of such rows alone draw it there (over chunks of the row, or each rank over its slice of the
+vocabulary). A filtered row's draw is by inverse CDF over the lanes: one pass keeps each lane's max and sum of
+exp(x / T - max) over the tokens the row keeps (online, as a softmax), then the lane where a uniform share of the total
+falls is picked from the lanes' running sums, and the token inside it from the running sum of its own few tokens. One
+uniform number per draw. Every draw is keyed by the row's 64-bit Philox key: a seeded request keys by (seed,
+position), so it gets the same token whatever shares its batch; the others by the step's key plus the row.
 
 Filters. min-p keeps x / T >= max(x / T) + log(min_p): a threshold after a pass for the max. top-p is drawn by
 rejection: a draw is kept when the tokens more likely than it weigh less than top_p of the kept mass (the sorted
@@ -53,6 +55,7 @@ from pagedllm.kernels.launch import Launch, Memory
 from pagedllm.kernels.logprobs import LIST, _rank, row_logprobs
 from pagedllm.kernels.logprobs import TILE as LP_TILE
 from pagedllm.kernels.penalties import penalize_in_place, penalize_row, restore_row
+from pagedllm.kernels.race import QUADS, _log_exp1, race_over
 from pagedllm.kernels.row_passes import (
     _LOG2E,
     _at_or_above,
@@ -69,6 +72,7 @@ from pagedllm.kernels.row_passes import (
 from pagedllm.kernels.sampling_inputs import GREEDY_BELOW, PARAMS, DeviceInputs
 
 _GREEDY_BELOW = tl.constexpr(GREEDY_BELOW)
+_QUADS = tl.constexpr(QUADS)  # the race's tile (its draws do not depend on it)
 _BLOCK = 1024  # lanes of a pass over a row
 _DEPTH = 2  # blocks of tokens per iteration of a pass (more loads in flight)
 _WARPS = 8  # warps per program (BLOCK >= 1024); 16 was no faster
@@ -76,14 +80,6 @@ _PIVOTS = 16  # points per threshold-search pass
 _SMALL = 256  # entries per tile of a candidate list
 _CAP = 8192  # candidates listed per top-k row: more, and the row itself is searched
 _ROUND = tl.constexpr(1 << 30)  # the Philox counter of a draw's uniform, plus the round (counters by token stay below)
-
-
-@triton.jit
-def _log_exp1(bits):
-    """log E for E ~ Exp(1) from uint32 random bits: E = -log(1 - u), u = (bits + 1/2) / 2**32 in (0, 1)."""
-    u = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
-    series = u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25)))  # -log(1 - u), relative error < 2e-7 below 2**-5
-    return tl.log(tl.where(u < 0.03125, series, -tl.log(1.0 - u)))
 
 
 @triton.jit
@@ -419,7 +415,9 @@ def _draw_row(
                     row_ptr, vocab, inv_t, top, lane_top, floor, top_k, top_p, vals_ptr, ids_ptr, count_ptr, cap, BLOCK,
                     DEPTH, SMALL, PIVOTS,
                 )  # fmt: skip
-    if listed > SMALL:
+    if (min_p <= 0) & (top_k <= 0) & (top_p >= 1.0):  # a plain row: as pagedllm/kernels/race.py draws it
+        token = race_over(row_ptr, vocab, inv_t, key, _QUADS)
+    elif listed > SMALL:
         token = _race_listed(vals_ptr, ids_ptr, listed, key, floor.to(tl.int32), SMALL)
     elif listed >= 0:
         token = _draw_sorted(vals_ptr, ids_ptr, listed, top, top_k, top_p, _uniform(key, 0), SMALL)

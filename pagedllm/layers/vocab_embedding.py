@@ -70,6 +70,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.cpu_weight is not None and not self.tied:
             self.weight = None
 
+    def shards_logits(self) -> bool:
+        """Whether shard_logits gives this rank's slice of the logits as they are (a GPU weight, no bias)."""
+        plain = type(self).compute_logits is ParallelLMHead.compute_logits
+        return plain and self.weight is not None and self.cpu_weight is None and self.q8_weight is None
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> this rank's slice of the logits [n, rows_per_rank] in the model's dtype: tokens first_row
+        .. first_row + num_rows, then zero padding (see shards_logits)."""
+        return F.linear(hidden, self.weight)
+
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] logits, float32 unless upcast=False (then in the model dtype: the argmax and
         the GPU sampling kernel read them as they are, exactly, without a float32 copy). With several ranks every

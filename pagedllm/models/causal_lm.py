@@ -73,6 +73,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         return getattr(self, self.head_attr).compute_logits(hidden, upcast)  # [n, vocab] float32 unless not upcast
 
+    def logits_head(self):
+        """The LM head whose slices of the logits are the model's logits as they are (each rank may sample over its
+        own: pagedllm/sample/vocab_race.py), or None where the model changes them after the head."""
+        head = getattr(self, self.head_attr)
+        plain = type(self).compute_logits is CausalLM.compute_logits
+        return head if plain and isinstance(head, ParallelLMHead) and head.shards_logits() else None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ignore = (*tied_ignore(self.tied, self.tied_head_ignore or f"{self.head_attr}."), *self.extra_ignore)
         return load_weights(self, weights, self.stacked, self.rename, ignore, self.convert)

@@ -1,9 +1,11 @@
 """The sampler: greedy, temperature, min-p, top-k and top-p with per-request values, and per-request seeds, in one
 vectorized pass over the batch (no loop over requests, no sort of the vocabulary).
 
-On the GPU one Triton kernel takes every row of the batch (pagedllm/kernels/sampling.py): the argmax, or an
-inverse-CDF draw over the row's per-lane softmax sums after min-p (a threshold), top-k (over a list of candidates)
-and top-p (by rejection), with Philox numbers keyed per row; the logits are read in place, no host sync.
+On the GPU one Triton kernel takes every row of the batch (pagedllm/kernels/sampling.py): the argmax, the
+exponential race of a plain row (pagedllm/kernels/race.py; the engine's steps of plain rows alone race without this
+kernel, sample/vocab_race.py), or an inverse-CDF draw over the row's per-lane softmax sums after min-p (a threshold),
+top-k (over a list of candidates) and top-p (by rejection), with Philox numbers keyed per row; the logits are read in
+place, no host sync.
 
 On the CPU one C call takes every row (pagedllm/kernels/cpu_sampling.c), a row at a time per thread with its passes
 in cache: the argmax, or an inverse-CDF draw after min-p, top-k (over candidates from the tiles with the largest

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagedllm.config import EngineConfig
-from pagedllm.worker.model_runner import ModelRunner, StepFuture
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.step_future import StepFuture
 
 
 def make_executor(config: EngineConfig):

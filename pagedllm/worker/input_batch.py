@@ -31,6 +31,7 @@ class InputBatch:
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
         self.adjusts_logits = np.zeros(max_num_reqs, dtype=bool)  # adjust_logits changes them (not the penalties)
         self.penalized = np.zeros(max_num_reqs, dtype=bool)
+        self.plain = np.zeros(max_num_reqs, dtype=bool)  # greedy or a temperature alone, nothing else on its logits
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
@@ -76,6 +77,12 @@ class InputBatch:
             params.bad_words_token_ids or logits_processors or params.allowed_token_ids or params.logit_bias
         )
         self.penalized[row] = params.has_penalties
+        # the same on every rank (a follower gets no logits processors and no masks): sample/vocab_race.py
+        self.plain[row] = not (
+            self.adjusts_logits[row] or new.has_logits_processors or params.has_penalties
+            or params.logprobs is not None or params.structured_outputs is not None
+            or params.guided_decoding is not None or params.top_k_enabled or params.top_p < 1 or params.min_p > 0
+        )  # fmt: skip
         self.repetition_penalty[row] = params.repetition_penalty
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty

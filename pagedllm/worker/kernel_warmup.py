@@ -161,3 +161,5 @@ def _plain_sample(runner, logits: torch.Tensor) -> None:
         impl=runner.sampler.impl,
     )
     runner.sampler.rules(logits, meta)
+    if runner.race is not None:  # the same rows as a racing step samples them
+        runner.race.warm_up(logits)

@@ -20,9 +20,10 @@ from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
 from pagedllm.model_loader.loader import get_model
 from pagedllm.multimodal.encoder_runner import make_multimodal_runner
-from pagedllm.sample.logprobs import LogprobTensors
+from pagedllm.sample.impl import TRITON
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
+from pagedllm.sample.vocab_race import RaceStep, VocabRace, plain_rows
 from pagedllm.spec_decode.device_drafts import DeviceDrafts, resolve
 from pagedllm.spec_decode.draft_model import make_drafter
 from pagedllm.startup import StartupTimer
@@ -30,6 +31,7 @@ from pagedllm.worker.cuda_graphs import make_graph_runner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kernel_warmup import KernelPrecompile, first_steps, sampler_steps
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.step_future import StepFuture
 from pagedllm.worker.verify_graphs import make_verify_graphs, pick_graph
 
 
@@ -68,7 +70,8 @@ class StepPlan:
 
 class ModelRunner:
     """One rank's runner. With tensor parallelism every rank of the group runs the same steps on its shard of the
-    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch. With
+    model; the driver (rank 0) samples and broadcasts the sampled tokens, which every rank keeps in its batch (a
+    plain step: every rank samples over its slice of the vocabulary, sample/vocab_race.py). With
     pipeline stages a step is split in two (distributed/pipeline.py)."""
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
@@ -87,6 +90,7 @@ class ModelRunner:
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
         with self.startup.phase("compile"):  # (the CPU's C kernels build here, once per machine)
             self.sampler = StepSampler(self.batch, self.device, config.model.seed)
+        self.race: VocabRace | None = None  # plain steps' sampling over each rank's slice of the vocabulary
         # GPU: the first steps' Triton kernels compile on a thread pool while the model is built (kernel_warmup)
         with KernelPrecompile(self, config.compilation.compile_threads) as precompile:
             precompile.record(sampler_steps)
@@ -115,6 +119,9 @@ class ModelRunner:
         with self.startup.phase("weights"):
             self.drafter = make_drafter(config, self)  # the draft model of speculative decoding, if any
             self.mm = make_multimodal_runner(self.model, config)  # None: a text-only model
+        head = self.model.logits_head() if hasattr(self.model, "logits_head") else None
+        if self.sampler.impl == TRITON and self.stage is None and self.drafter is None and head is not None:
+            self.race = VocabRace(self.device, config.model.seed, config.scheduler.max_num_seqs, head)
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -268,6 +275,10 @@ class ModelRunner:
         """The driver's sampler inputs for the plan's sampled rows (other ranks: the rows; None: nothing samples)."""
         if plan.req_ids is None:
             return None
+        if self.race is not None and plan.num_drafts is None and plain_rows(self.batch, plan.rows, plan.num_tokens):
+            if self.sampler.resident is not None:  # its state does not advance past this step: rebuilt when next used
+                self.sampler.resident.last = None
+            return self.race.prepare(self.batch, plan.rows, plan.num_tokens)  # every rank: RaceStep
         if not self.is_driver:
             return plan.rows
         bitmasks = [plan.bitmasks.get(r) for r in plan.req_ids] if plan.bitmasks else None
@@ -282,7 +293,10 @@ class ModelRunner:
         if step is None:
             return StepFuture.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_lps))
         output = self._sample(hidden[plan.logits_rows], step, len(plan.logits_rows))
-        sampled_rows = step.rows if self.is_driver else np.repeat(step, (plan.num_drafts + 1) if spec else 1)
+        if self.is_driver or isinstance(step, RaceStep):
+            sampled_rows = step.rows
+        else:
+            sampled_rows = np.repeat(step, (plan.num_drafts + 1) if spec else 1)
         self.last_step = StepFuture(
             self, plan.req_ids, sampled_rows, output, prompt_lps, plan.drafts, plan.device_drafts
         )
@@ -291,7 +305,10 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, step, n: int) -> SamplerOutput:
         """The driver samples n tokens from the logits of hidden [n, hidden]; the other ranks of its stage take part
         in the logits' gather. The sampled tokens reach every rank (with pipeline stages, the first stage's ranks
-        only: the later ones take hidden states, not tokens)."""
+        only: the later ones take hidden states, not tokens). A plain step (RaceStep): every rank samples over its
+        own slice of the vocabulary (sample/vocab_race.py)."""
+        if isinstance(step, RaceStep):
+            return SamplerOutput(self.race.sample(hidden, step, self.groups.tp), None)
         upcast = self.sampler.needs_float32(step) if self.is_driver else False
         logits = self.model.compute_logits(hidden, upcast)  # [n, vocab]
         if self.is_driver:
@@ -443,58 +460,3 @@ class ModelRunner:
             out[req_id] = (first_pos, entries[offset : offset + count])
             offset += count
         return out
-
-
-class StepFuture:
-    """A launched step: its sampled ids stay on the device until result() copies them to the host (once)."""
-
-    def __init__(
-        self, runner, req_ids, rows, output: SamplerOutput, prompt_logprobs, drafts=None, device_drafts=None
-    ) -> None:
-        sampled, logprobs = output.sampled, output.logprobs
-        self.runner: ModelRunner | None = runner
-        self.req_ids: list[str] = req_ids  # the requests that sampled, in sampled order
-        self.rows: np.ndarray = rows  # [num_sampled] their persistent-batch rows (a request's k + 1 with drafts)
-        self.drafts: list[list[int]] | None = drafts  # per request the drafts it verifies (None: a step without)
-        self.device_drafts: DeviceDrafts | None = device_drafts  # the values of placeholders (UNKNOWN) among them
-        self.generations: list[int] = runner.batch.generation[rows].tolist()  # which admission held each row
-        self.index_of_row = np.full(len(runner.batch.generation), -1, dtype=np.int64)  # [max_num_seqs] -1: none
-        self.index_of_row[rows] = np.arange(len(rows))  # row -> its index in sampled
-        self.sampled: torch.Tensor = sampled  # [num_sampled] on the device
-        self.logprobs: LogprobTensors | None = logprobs
-        self.prompt_logprobs: dict = prompt_logprobs
-        self.committed = False
-        self._output: ModelRunnerOutput | None = None
-        self._host = sampled
-        self._copied = self._pinned = None
-        if runner.on_cuda:  # start the copies now; result() only waits for them
-            if logprobs is None:
-                (self._host,), self._pinned = runner.host_copies.copy(sampled)
-            else:  # one copy where the sampling kernel wrote both into one buffer
-                (self._host, packed), self._pinned = runner.host_copies.copy(sampled, logprobs.packed)
-                self.logprobs = LogprobTensors(logprobs.num_top, packed)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    @classmethod
-    def ready(cls, output: ModelRunnerOutput) -> StepFuture:
-        step = cls.__new__(cls)
-        step.committed, step._output = True, output
-        return step
-
-    def done(self) -> bool:
-        """Whether result() would return without waiting for the device."""
-        return self._output is not None or self._copied is None or self._copied.query()
-
-    def sample(self) -> StepFuture:
-        """Its tokens are sampled already (as a pipelined step's, distributed/pipeline.py)."""
-        return self
-
-    def result(self) -> ModelRunnerOutput:
-        if self._output is None:
-            if self._copied is not None:
-                self._copied.synchronize()
-            self._output = self.runner.commit(self, self._host.tolist())
-            self.runner.host_copies.give_back(self._pinned)  # read into lists: the next copies may use it
-            self.committed, self.runner, self._host, self._pinned, self.logprobs = True, None, None, None, None
-        return self._output

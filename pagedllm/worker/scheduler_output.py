@@ -27,6 +27,7 @@ class NewRequestData:
     min_tokens_stop_ids: list[int]  # EOS and stop token ids, masked while fewer than min_tokens are out
     lora_request: Any = None  # the request's LoRARequest (plain data: name, id, folder); None: the base model
     mm_features: list = field(default_factory=list)  # MultiModalFeature per item (tensors, hash, placeholder span)
+    has_logits_processors: bool = False  # its params had logits processors (they stay in the engine's process)
 
 
 @dataclass

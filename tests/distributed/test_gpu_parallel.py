@@ -74,3 +74,33 @@ def test_layout_equals_one_gpu(layout, reference):
     for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
         assert tokens == want_tokens
         np.testing.assert_allclose(lps, want_lps, atol=1e-3, rtol=0)
+
+
+def _sample_plain(path: str, tp: int, prompts: list[dict]) -> list[list[int]]:
+    """Plain requests (greedy, seeded and unseeded temperatures: no logprobs or filters), sampled by every rank over
+    its slice of the vocabulary (sample/vocab_race.py)."""
+    llm = LLM(path, tensor_parallel_size=tp, seed=5, **ENGINE)
+    try:
+        executor = llm.llm_engine.core.executor
+        if tp > 1:  # each rank's slice of the vocabulary (an AttributeError where a rank does not race)
+            assert sum(executor._call("apply", operator.attrgetter("race.head.num_rows"))) == MODEL["vocab_size"]
+        else:
+            assert executor.runner.race is not None
+        params = [
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=21, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+        ]
+        outs = llm.generate(prompts[:3], params, use_tqdm=False)
+        return [c.token_ids for o in outs for c in o.outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plain_sampling_over_vocabulary_slices_equals_one_gpu(tp, reference):
+    """Greedy, seeded and (with the engine's seed) unseeded draws: the same tokens at every tensor-parallel size."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    path, prompts, _ = reference
+    assert _sample_plain(path, tp, prompts) == _sample_plain(path, 1, prompts)

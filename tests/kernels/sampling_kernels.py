@@ -8,7 +8,7 @@ import importlib
 
 import torch
 
-_ORDER = ("row_passes", "penalties", "logprobs", "sampling")  # each after the modules it imports
+_ORDER = ("row_passes", "race", "penalties", "logprobs", "sampling")  # each after the modules it imports
 
 
 def load():
@@ -16,7 +16,13 @@ def load():
     modules = [importlib.import_module(f"pagedllm.kernels.{name}") for name in _ORDER]
     if not torch.cuda.is_available() and type(modules[0]._tokens).__name__ != "InterpretedFunction":
         modules = [importlib.reload(module) for module in modules]
-    return modules[1:]
+    return modules[2:]
+
+
+def race_module():
+    """pagedllm/kernels/race.py, interpreted where there is no CUDA (after load())."""
+    load()
+    return importlib.import_module("pagedllm.kernels.race")
 
 
 def device_inputs(params, penalized=None, tokens=None, wanted=None, device=None, advance=False):
