@@ -51,6 +51,7 @@ def _scores(row_ptr, base, first, count, inv_t, key, QUADS: tl.constexpr):
     valid = (local >= 0) & (local < count)
     x = tl.load(row_ptr + local, mask=valid, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))  # NaN never wins
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with 0.0 (the packed scores would order them)
     if inv_t > 0:
         r0, r1, r2, r3 = tl.randint4x(key, base // 4 + quad)
         bits = tl.where(lane < 2, tl.where(lane == 0, r0[:, None], r1[:, None]),

@@ -79,7 +79,8 @@ class InputBatch:
         self.penalized[row] = params.has_penalties
         # the same on every rank (a follower gets no logits processors and no masks): sample/vocab_race.py
         self.plain[row] = not (
-            self.adjusts_logits[row] or new.has_logits_processors or params.has_penalties
+            params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias
+            or new.has_logits_processors or params.has_penalties
             or params.logprobs is not None or params.structured_outputs is not None
             or params.guided_decoding is not None or params.top_k_enabled or params.top_p < 1 or params.min_p > 0
         )  # fmt: skip

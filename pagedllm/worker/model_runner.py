@@ -186,6 +186,8 @@ class ModelRunner:
             if new.lora_request is not None:  # known already (checked when the request was made)
                 self.add_lora(new.lora_request)
             self.batch.remove(new.req_id)  # a resumed request re-enters with all its blocks
+            if not new.has_logits_processors:  # (an entry of an earlier request with this id: not this one's)
+                self.logits_processors.pop(new.req_id, None)
             self.batch.add(new, self.logits_processors.get(new.req_id))
         for cached in so.cached_reqs:
             row = self.batch.row_of[cached.req_id]

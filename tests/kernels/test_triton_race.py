@@ -51,19 +51,21 @@ def test_any_split_of_the_vocabulary_finds_the_same_winner(dtype):
 
 
 def test_greedy_rows_take_the_first_largest_and_never_nan():
-    x = torch.zeros(4, 40)
+    x = torch.zeros(5, 40)
     x[0, [7, 30]] = 5.0  # a tie: the lower token
     x[1] = float("nan")
     x[1, 33] = -1.0  # the only number
     x[2] = float("-inf")  # every token banned: token 0
     x[3, [12, 25]] = float("inf")
-    keys, temperature = torch.zeros(4, dtype=torch.int64), torch.zeros(4)
-    expected = torch.tensor([7, 33, 0, 12])
+    x[4] = -1.0
+    x[4, [5, 30]] = torch.tensor([-0.0, 0.0])  # equal values: the lower token, whichever slice holds it
+    keys, temperature = torch.zeros(5, dtype=torch.int64), torch.zeros(5)
+    expected = torch.tensor([7, 33, 0, 12, 5])
     assert torch.equal(winners(x, keys, temperature), expected)
     assert torch.equal(winners(x, keys, temperature, (9, 26)), expected)
     # temperature rows: NaN never drawn, +inf always wins, a banned row takes token 0
-    temperature = torch.ones(4)
-    got = winners(x, torch.arange(4), temperature, (9,))
+    temperature = torch.ones(5)
+    got = winners(x, torch.arange(5), temperature, (9,))
     assert got[1] == 33 and got[2] == 0 and got[3] in (12, 25)
 
 
