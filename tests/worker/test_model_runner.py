@@ -33,7 +33,10 @@ class Steps:
         new = []
         for req_id, (prompt, params) in reqs.items():
             blocks = list(range(self.num_joined * BLOCKS_PER_REQ, (self.num_joined + 1) * BLOCKS_PER_REQ))
-            new.append(NewRequestData(req_id, prompt, len(prompt), params, blocks, 0, []))
+            processors = req_id in self.runner.logits_processors  # (the scheduler says so from the request)
+            new.append(
+                NewRequestData(req_id, prompt, len(prompt), params, blocks, 0, [], has_logits_processors=processors)
+            )
             self.num_tokens[req_id] = len(prompt)
             self.num_joined += 1
         so = SchedulerOutput(new, [], {r: len(p) for r, (p, _) in reqs.items()}, 0, grammar_bitmask=masks or {})
