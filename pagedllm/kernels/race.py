@@ -152,8 +152,9 @@ def race(
         return
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    chunk = chunk_size(rows, count + first % 4, num_sms)
-    chunks = -(-(count + first % 4) // chunk)
+    span = count + first % 4  # from the counter of four tokens that holds the slice's first
+    chunk = chunk_size(rows, span, num_sms)
+    chunks = -(-span // chunk)
     _race_launch(rows * chunks, logits, keys, temperature, packed, logits.stride(0), first, count, chunk, chunks,
                  QUADS=QUADS, num_warps=4)  # fmt: skip
 

@@ -258,6 +258,13 @@ def _seeded_bits(seeds: np.ndarray, positions: np.ndarray, salt: int) -> np.ndar
     return _hash32(key ^ _hash32((positions & 0xFFFFFFFF) + salt))
 
 
+def seeded_key(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The GPU sampling kernel's 63-bit Philox key of a seeded row (kernels/sampling.py's _seeded_key), per (seed,
+    position) (int64 arrays). [rows] int64"""
+    top = _seeded_bits(seeds, positions, 0x2545F491) & 0x7FFFFFFF
+    return (top << 32) | _seeded_bits(seeds, positions, 0x7F4A7C15)
+
+
 def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """One number in [0, 1) per (seed, position) (int64 arrays), whatever else is in the batch. [rows] float32"""
     return ((_seeded_bits(seeds, positions, 0x7F4A7C15) >> 8) * (1.0 / (1 << 24))).astype(np.float32)

@@ -21,8 +21,7 @@ import torch
 
 from pagedllm.device import Staging
 from pagedllm.kernels.sampling_inputs import GREEDY_BELOW
-
-_M32 = np.uint64(0xFFFFFFFF)
+from pagedllm.sample.metadata import seeded_key
 
 
 @dataclass
@@ -39,23 +38,6 @@ def plain_rows(batch, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
     tokens so far, for min_tokens)."""
     short = num_tokens - batch.num_prompt[rows] < batch.min_tokens[rows]
     return bool(batch.plain[rows].all() and not short.any())
-
-
-def _hash32(x: np.ndarray) -> np.ndarray:
-    """sampling.py's _hash32 on uint64 values below 2**32."""
-    x = ((x >> np.uint64(16)) ^ x) * np.uint64(0x45D9F3B) & _M32
-    x = ((x >> np.uint64(16)) ^ x) * np.uint64(0x45D9F3B) & _M32
-    return (x >> np.uint64(16)) ^ x
-
-
-def seeded_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """The sampling kernel's Philox keys of seeded rows (its _seeded_key): seeds [n] int64, positions [n] (tokens
-    generated so far) -> [n] int64."""
-    s = seeds.astype(np.int64).view(np.uint64)
-    lo, hi, pos = s & _M32, (s >> np.uint64(32)) & _M32, positions.astype(np.int64).view(np.uint64) & _M32
-    seed = _hash32(lo ^ _hash32(hi + np.uint64(0x9E3779B9)))
-    top = _hash32(seed ^ _hash32(pos + np.uint64(0x2545F491))) & np.uint64(0x7FFFFFFF)
-    return ((top << np.uint64(32)) | _hash32(seed ^ _hash32(pos + np.uint64(0x7F4A7C15)))).view(np.int64)
 
 
 class VocabRace:
@@ -82,7 +64,7 @@ class VocabRace:
         seeded = batch.has_seed[rows] & sampling
         if seeded.any():
             positions = num_tokens[seeded] - batch.num_prompt[rows[seeded]]
-            keys[seeded] = seeded_keys(batch.seed[rows[seeded]], positions)
+            keys[seeded] = seeded_key(batch.seed[rows[seeded]], positions)
         words = np.empty(3 * n, dtype=np.int32)
         words[: 2 * n] = keys.view(np.int32)
         words[2 * n :] = np.where(sampling, temperature, 0.0).astype(np.float32).view(np.int32)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pagedllm.kernels.sampling_inputs import is_filtered
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.scheduler_output import NewRequestData
 
@@ -73,16 +74,13 @@ class InputBatch:
         self.has_seed[row] = params.seed is not None
         self.reads_outputs[row] = bool(params.bad_words_token_ids or logits_processors)
         # the request changes its logits before sampling (besides min_tokens, which depends on the step)
-        self.adjusts_logits[row] = bool(
-            params.bad_words_token_ids or logits_processors or params.allowed_token_ids or params.logit_bias
-        )
+        by_params = bool(params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias)
+        self.adjusts_logits[row] = by_params or bool(logits_processors)
         self.penalized[row] = params.has_penalties
-        # the same on every rank (a follower gets no logits processors and no masks): sample/vocab_race.py
+        # from what every rank receives (a follower gets no logits processors and no masks): sample/vocab_race.py
         self.plain[row] = not (
-            params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias
-            or new.has_logits_processors or params.has_penalties
-            or params.logprobs is not None or params.structured_outputs is not None
-            or params.guided_decoding is not None or params.top_k_enabled or params.top_p < 1 or params.min_p > 0
+            by_params or new.has_logits_processors or params.has_penalties or params.logprobs is not None
+            or params.structured_outputs is not None or is_filtered(params.top_k_enabled, params.top_p, params.min_p)
         )  # fmt: skip
         self.repetition_penalty[row] = params.repetition_penalty
         self.presence_penalty[row] = params.presence_penalty

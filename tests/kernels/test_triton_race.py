@@ -12,7 +12,7 @@ import torch
 from test_triton_sampling import chi_square_pvalue, random_seeds
 
 from pagedllm.kernels import sampling_inputs
-from pagedllm.sample.vocab_race import seeded_keys
+from pagedllm.sample.metadata import seeded_key
 
 pytest.importorskip("triton")
 
@@ -91,7 +91,7 @@ def test_the_sampling_kernel_draws_plain_rows_as_the_race():
         seeds, np.ones(rows, dtype=bool), positions,
     )  # fmt: skip
     kernel = sampling.sample(logits.to(DEVICE), sampling_kernels.device_inputs(params), 0, block=64).cpu()
-    keys = torch.from_numpy(seeded_keys(seeds, positions))
+    keys = torch.from_numpy(seeded_key(seeds, positions))
     assert torch.equal(kernel, winners(logits, keys, torch.from_numpy(temperature), (97,)))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import sampling_kernels
-from tiny_models import save_tiny_decoder
+from tiny_models import TINY_DECODER, save_tiny_decoder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -15,15 +15,6 @@ from pagedllm.sample.vocab_race import VocabRace
 pytest.importorskip("triton")
 sampling_kernels.race_module()  # interpreted where there is no CUDA
 
-MODEL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=300,
-    max_position_embeddings=256,
-)
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 9, 2, 77], [1, 250, 3], [8] * 11)]
 
 
@@ -39,11 +30,11 @@ class _WholeHead:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    _, path = save_tiny_decoder("llama-race-engine", LlamaConfig, LlamaForCausalLM, MODEL, tmp_path_factory)
+    _, path = save_tiny_decoder("llama-race-engine", LlamaConfig, LlamaForCausalLM, TINY_DECODER, tmp_path_factory)
     plain = LLM(path, dtype="float32", skip_tokenizer_init=True, block_size=16, seed=3)
     racing = LLM(path, dtype="float32", skip_tokenizer_init=True, block_size=16, seed=3)
     runner = racing.llm_engine.core.executor.runner
-    runner.race = VocabRace(runner.device, 3, 8, _WholeHead(runner.model, MODEL["vocab_size"]))
+    runner.race = VocabRace(runner.device, 3, 8, _WholeHead(runner.model, TINY_DECODER["vocab_size"]))
     calls = []
     sample = runner.race.sample
     runner.race.sample = lambda *args: calls.append(1) or sample(*args)
