@@ -35,7 +35,7 @@ def _alive(pid: int) -> bool:
     try:  # a zombie (exited, not yet reaped) counts as gone
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between the two checks
         return False
 
 
