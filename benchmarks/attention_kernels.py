@@ -20,6 +20,7 @@ smoke run only, with --shrink dividing every context length and batch size (test
 test_attention_bench_smoke.py runs it so, with the interpreter fixes of tests/kernels/conftest.py).
     python benchmarks/attention_kernels.py --no-append                               # all, ~1 min on an H100
     python benchmarks/attention_kernels.py --workloads limit-decode-1x131072,limit-prefill-8192 --no-append
+--kv-cache-dtype fp8 runs every workload over an E4M3 cache (K/V bytes and GB/s count one byte a value).
 --sweep times the prefill tile configs of SWEEP_GRID (triton_backend.PREFILL_TILES entries: BLOCK_M rows, BLOCK_N,
 warps, stages) on SWEEP_WORKLOADS instead (compiled in parallel first; a config over the shared memory is skipped),
 one line per config, then the fastest as a line for PREFILL_TILES:
@@ -84,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
     p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/results.jsonl")
     p.add_argument("--sweep", action="store_true", help="time the prefill tile configs of SWEEP_GRID instead")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: an E4M3 cache (scales 1)")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - set(WORKLOADS)
@@ -160,12 +162,16 @@ def time_ms(fn, iters: int, warmup: int) -> float:
 @torch.inference_mode()
 def run_workload(name: str, reqs, args, num_splits: int | None = None) -> dict:
     q, k, v, kv_cache, layout = make_step(reqs, args)
+    ref_cache = kv_cache
+    if args.kv_cache_dtype == "fp8":  # (scales 1.0: randn values lie well inside E4M3's range)
+        kv_cache = kv_cache.to(torch.float8_e4m3fn)
+        ref_cache = kv_cache.to(q.dtype)
     scale = args.head_dim**-0.5
     t_meta = triton_backend.build_metadata(layout)
     t_meta.num_splits = num_splits
     r_meta = torch_backend.build_metadata(layout)
     out_t = triton_backend.forward(q, k, v, kv_cache, t_meta, scale)
-    r_cache = torch_backend.from_slot_major(kv_cache)
+    r_cache = torch_backend.from_slot_major(ref_cache)
     out_r = torch_backend.forward(q, k, v, r_cache, r_meta, scale)
     max_err = (out_t.float() - out_r.float()).abs().max().item()
     del out_t, out_r
@@ -174,7 +180,7 @@ def run_workload(name: str, reqs, args, num_splits: int | None = None) -> dict:
     kv_bytes = sum(c + n for c, n in reqs) * args.kv_heads * args.head_dim * 2 * kv_cache.element_size()
     flops = sum(roofline.causal_attention_flops(1, args.heads, args.head_dim, n, c) for c, n in reqs)
     return dict(
-        workload=f"attention-{name}",
+        workload=f"attention-{name}" + ("-fp8-cache" if args.kv_cache_dtype == "fp8" else ""),
         triton_ms=rounded(triton_ms, 4),
         torch_ms=rounded(torch_ms, 4),
         speedup=rounded(torch_ms / triton_ms, 2),

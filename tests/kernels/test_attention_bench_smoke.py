@@ -35,6 +35,18 @@ def test_every_workload_prints_a_line(capsys):
 
 
 @pytest.mark.slow
+def test_fp8_cache_workloads(capsys):
+    """--kv-cache-dtype fp8: an E4M3 cache, its bytes counted one a value, the reference over the same values."""
+    attention_kernels.main(
+        ["--shrink", "512", "--iters", "1", "--warmup", "0", "--no-append", "--workloads", "limit-decode-1x131072",
+         "--kv-cache-dtype", "fp8"]
+    )  # fmt: skip
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert r["workload"] == "attention-limit-decode-1x131072-fp8-cache"
+    assert r["kv_bytes"] == 256 * 8 * 128 * 2 and r["max_abs_diff"] < 0.05
+
+
+@pytest.mark.slow
 def test_sweep_prints_each_config_and_the_best(capsys, monkeypatch):
     """--sweep: one line per config (the default's first), the fastest as a PREFILL_TILES line, one JSON summary
     per workload; PREFILL_TILES is left as it was."""
