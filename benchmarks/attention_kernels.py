@@ -3,6 +3,8 @@
 Workloads (Qwen3-0.6B attention shapes by default: 16 query heads, 8 KV heads, head_dim 128, bf16, block 16):
   decode-64x1024   64 decodes over 1024-token contexts (KV read bound: figure is GB/s of K/V read)
   decode-4x8192    4 decodes over 8192-token contexts (split-K's case), with split-K forced off for comparison
+  tp1-decode-256-mixed[-split4|-split8], tp2-...   256 decodes over 100..2047-token contexts, Llama-3.1-8B's heads
+      per rank at TP=1 / TP=2, default splits or forced
   prefill-2048     one 2048-token prefill chunk after 2048 cached tokens (compute bound: figure is TFLOP/s)
 At its limit, Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16):
   limit-decode-256x1024, limit-decode-32x8192, limit-decode-1x131072   decodes over 1k / 8k / 128k contexts:
@@ -66,6 +68,17 @@ WORKLOADS = {
     "limit-decode-1x131072": ([(131071, 1)], None, LLAMA_8B),
     "limit-prefill-8192": ([(0, 8192)], None, LLAMA_8B),
 }
+# nanovllm-bench's decode batches: 256 contexts of 100..2047 tokens, per rank at TP=1 and TP=2 (Llama-3.1-8B's heads
+# halved), by the default split rule and with the key ranges forced into 4 or 8 splits (long contexts in several
+# programs: does the spread of lengths leave the last wave's SMs idle?)
+MIXED = [(int(c), 1) for c in np.random.default_rng(0).integers(100, 2048, 256)]
+WORKLOADS.update(
+    {
+        f"tp{tp}-decode-256-mixed" + (f"-split{splits}" if splits else ""): (MIXED, splits, heads)
+        for tp, heads in ((1, LLAMA_8B), (2, (16, 4)))
+        for splits in (None, 4, 8)
+    }
+)
 DECODE_GOAL, PREFILL_GOAL = 0.85, 0.5  # of the copy bandwidth, of the dense bf16 peak
 SWEEP_WORKLOADS = ("limit-prefill-8192", "prefill-2048-after-2048")
 # (BLOCK_M rows, BLOCK_N, num_warps, num_stages): BLOCK_Q = rows // group, 16 / 32 query tokens at group 4

@@ -16,7 +16,10 @@ from benchmarks import attention_kernels  # noqa: E402
 
 @pytest.mark.slow
 def test_every_workload_prints_a_line(capsys):
-    names = ["decode-4x8192-nosplit", "limit-decode-32x8192", "limit-decode-1x131072", "limit-prefill-8192"]
+    names = [
+        "decode-4x8192-nosplit", "limit-decode-32x8192", "limit-decode-1x131072", "limit-prefill-8192",
+        "tp2-decode-256-mixed-split4",
+    ]  # fmt: skip
     attention_kernels.main(
         ["--shrink", "512", "--iters", "1", "--warmup", "0", "--no-append", "--workloads", ",".join(names)]
     )
@@ -24,7 +27,8 @@ def test_every_workload_prints_a_line(capsys):
     assert [r["workload"] for r in lines] == [f"attention-{n}" for n in names]
     for r in lines:
         assert r["max_abs_diff"] < 0.05 and r["triton_ms"] > 0 and r["shrink"] == 512
-    nosplit, dec8k, dec128k, prefill = lines
+    nosplit, dec8k, dec128k, prefill, mixed = lines
+    assert mixed["num_splits"] == 4 and (mixed["heads"], mixed["kv_heads"]) == (16, 4)
     assert nosplit["num_splits"] == 1 and (nosplit["heads"], nosplit["kv_heads"]) == (16, 8)
     assert (dec128k["heads"], dec128k["kv_heads"], dec128k["head_dim"]) == (32, 8, 128)
     # 1 x 128k shrunk 512: 131071 // 512 = 255 context tokens + the new one, K and V of 8 heads x 128 dims in bf16
