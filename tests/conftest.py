@@ -3,10 +3,12 @@ sampling paths (C kernels, C kernels without AVX-512, torch)."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.util
 import os
 import platform
+import sys
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from pagedllm.kernels import cpu_kernels  # noqa: E402
 # (their fixtures), the OpenAI server (a real server process each), and the Triton kernels run in Triton's CPU
 # interpreter. Everything else builds tiny models or none and runs in a few minutes on two cores.
 REAL_MODEL_FIXTURES = {"smollm2", "minilm"}
+EXIT_STATUS = pytest.StashKey[int]()
 SLOW_PATHS = ("entrypoints/openai/", "kernels/test_triton_", "kernels/test_resident_inputs.py")
 
 
@@ -38,6 +41,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After the last report: the exit handlers (leaked engines' workers ended, Ray shut down), then the process ends
+    with pytest's status without the interpreter's teardown. That teardown ends daemon threads still running (an
+    engine's helper threads of a test that left one alive) wherever they next take the GIL, also inside torch's C++
+    tensor deallocation, which then aborts the process (std::terminate) after every test has passed."""
+    status = config.stash.get(EXIT_STATUS, None)
+    if status is None:
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def smollm2_path() -> str | None:
