@@ -26,7 +26,6 @@ from pagedllm.kernels import cpu_kernels  # noqa: E402
 # (their fixtures), the OpenAI server (a real server process each), and the Triton kernels run in Triton's CPU
 # interpreter. Everything else builds tiny models or none and runs in a few minutes on two cores.
 REAL_MODEL_FIXTURES = {"smollm2", "minilm"}
-EXIT_STATUS = pytest.StashKey[int]()
 SLOW_PATHS = ("entrypoints/openai/", "kernels/test_triton_", "kernels/test_resident_inputs.py")
 
 
@@ -41,6 +40,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+EXIT_STATUS = pytest.StashKey[int]()  # pytest's exit status, kept for pytest_unconfigure
 
 
 def pytest_sessionfinish(session, exitstatus):
