@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.attention.common import BatchLayout
 from pagedllm.device import to_device
-from pagedllm.kernels import SplitCounters, pdl
+from pagedllm.kernels import SplitCounters, interpreting, pdl
 from pagedllm.kernels.paged_attention import (
     reduce_splits_kernel,
     rotary_write_kv_kernel,
@@ -295,6 +295,16 @@ def forward(
     return out
 
 
+def fp8_ptx(cache_dtype: torch.dtype, q: torch.Tensor) -> int:
+    """The attention kernel's FP8_PTX: an FP8 cache read by half-precision queries on a GPU with the FP8 -> float16
+    pair conversion (compute capability 8.9+), compiled (not under Triton's interpreter): 1 e4m3, 2 e5m2; else 0."""
+    if cache_dtype not in FP8_MAX or q.dtype == torch.float32 or not q.is_cuda or interpreting():
+        return 0
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return 0
+    return 1 if cache_dtype == torch.float8_e4m3fn else 2
+
+
 def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[int, int, int], split: int) -> None:
     """The attention kernel over the flat batch: outs = (out, partial outputs, partial log-sum-exps, split counters
     (split 2) or a placeholder), extras = (sliding window, logit soft-cap, ALiBi slopes, the output's scale), tiles =
@@ -346,6 +356,7 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         USE_SOFTCAP=bool(logits_soft_cap),
         USE_ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32,
+        FP8_PTX=fp8_ptx(kv_cache.dtype, q),
         num_warps=num_warps,
         **pdl(q),
         num_stages=num_stages,

@@ -23,6 +23,11 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1): no inline PTX, no PDL."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def _pdl_device(index: int) -> bool:
     """Whether kernels on CUDA device `index` take part: compute capability 9.0 or later, compiled (not under
@@ -30,7 +35,7 @@ def _pdl_device(index: int) -> bool:
     import triton.language as tl
 
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(cuda, "gdc_wait"):
+    if interpreting() or not hasattr(cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 

@@ -22,8 +22,9 @@ combines them, and the splits past the keys exit at once; without a counter buff
 none) and `reduce_splits_kernel` combines them in a second launch (the same arithmetic, so the same bits).
 
 FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales, written by `write_kv_kernel`).
-The attention kernel widens each loaded tile to the query's dtype; k_scale is folded into the score scale by the
-caller and v_scale multiplies the output (both are linear, so the tiles need no per-element multiply)."""
+The attention kernel widens each loaded tile to the query's dtype (on compute capability 8.9+ to float16 in inline
+PTX, the query cast to float16 once: `_widen`); k_scale is folded into the score scale by the caller and v_scale
+multiplies the output (both are linear, so the tiles need no per-element multiply)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,27 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     if BLOCK_Q > 1:
         start = start // BLOCK_Q + lo
     return lo, start
+
+
+@triton.jit
+def _widen(x, dtype: tl.constexpr, FP8_PTX: tl.constexpr):
+    """A loaded K or V tile in the compute dtype. FP8_PTX (an FP8 cache on compute capability 8.9+, float16 compute):
+    four FP8 values a register widen to float16 with one `cvt` per pair, in inline PTX that the compiler keeps where
+    it stands, right after the load (a plain cast sank past tl.dot's shared-memory staging, where each byte was read
+    and widened apart: about twice the instructions a tile of a bfloat16 cache takes). 1: e4m3, 2: e5m2."""
+    if FP8_PTX == 1:
+        y = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )  # fmt: skip
+    elif FP8_PTX == 2:
+        y = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )  # fmt: skip
+    else:
+        y = x.to(dtype)
+    return y
 
 
 @triton.jit
@@ -84,6 +106,7 @@ def _attend(
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8_PTX: tl.constexpr,
 ):
     """The online softmax over the key tiles starting at tile_lo, tile_lo + BLOCK_N, ... below tile_hi."""
     for kv_start in range(tile_lo, tile_hi, BLOCK_N):
@@ -100,9 +123,9 @@ def _attend(
         slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
         k_ptr = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
         if MASK or HEAD_DIM != HEAD_DIM_PAD:
-            k = tl.load(k_ptr, mask=k_mask, other=0.0).to(q.dtype)  # an FP8 cache widens here
+            k = _widen(tl.load(k_ptr, mask=k_mask, other=0.0), q.dtype, FP8_PTX)  # an FP8 cache widens here
         else:
-            k = tl.load(k_ptr).to(q.dtype)
+            k = _widen(tl.load(k_ptr), q.dtype, FP8_PTX)
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -125,9 +148,9 @@ def _attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptr = k_base + stride_kv + slot_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         if MASK or HEAD_DIM != HEAD_DIM_PAD:
-            v = tl.load(v_ptr, mask=v_mask, other=0.0).to(q.dtype)
+            v = _widen(tl.load(v_ptr, mask=v_mask, other=0.0), q.dtype, FP8_PTX)
         else:
-            v = tl.load(v_ptr).to(q.dtype)
+            v = _widen(tl.load(v_ptr), q.dtype, FP8_PTX)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -182,6 +205,7 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr,  # scores become cap * tanh(scores / cap)
     USE_ALIBI: tl.constexpr,  # scores gain slope[head] * (key_pos - q_pos)
     IEEE: tl.constexpr,
+    FP8_PTX: tl.constexpr,  # 0, or an FP8 cache widened in PTX to float16 (1: e4m3, 2: e5m2); see _widen
     USE_PDL: tl.constexpr,  # (kernels/__init__.py: pdl)
 ):
     wait_previous_kernel(USE_PDL)
@@ -206,6 +230,8 @@ def unified_attention_kernel(
     tok = (q_start + q_idx).to(tl.int64)
     q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if FP8_PTX:  # the products run in float16 (float32 sums): a bfloat16 query clamped to its range once
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     q_pos = context + q_idx  # [BLOCK_M] absolute position of each row's query
     if USE_ALIBI:
         slopes_log2 = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634  # [BLOCK_M]
@@ -236,7 +262,7 @@ def unified_attention_kernel(
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, lo, hi, hi,
             stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
         )  # fmt: skip
     else:
         # tiles [mid_lo, mid_hi) hold keys that every row sees (none before a row's window, none after the tile's
@@ -252,17 +278,17 @@ def unified_attention_kernel(
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, lo, mid_lo, hi,
                 stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-                True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+                True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
             )  # fmt: skip
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, mid_lo, mid_hi, hi,
             stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-            False, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+            False, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
         )  # fmt: skip
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, mid_hi, hi, hi,
             stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
         )  # fmt: skip
 
     out = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]

@@ -74,7 +74,7 @@ def check(reqs, heads, head_dim, block_size, dtype, fp8, **kw):
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mixed_batch_fp8_cache(fp8, dtype, num_splits):
     check(base.MIXED, (4, 2), 32, 4, dtype, fp8, num_splits=num_splits, block_n=16)
@@ -100,6 +100,21 @@ def test_write_saturates_and_skips_padding():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic shapes: compiled kernels on CUDA")
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_realistic_shapes_fp8_cache(fp8):
-    """Llama-3.1-8B's attention shapes (32 / 8 heads of 128), prefill chunks and long decodes (split-K chosen)."""
-    check([(0, 300), (1000, 1), (2047, 1), (37, 64)], (32, 8), 128, 16, torch.bfloat16, fp8, seed=5)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_realistic_shapes_fp8_cache(fp8, dtype):
+    """Llama-3.1-8B's attention shapes (32 / 8 heads of 128), prefill chunks and long decodes (split-K chosen).
+    On compute capability 8.9+ the tiles widen in inline PTX to float16 (asserted, so the PTX path is what ran)."""
+    q = torch.empty(1, dtype=dtype, device="cuda")
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert triton_backend.fp8_ptx(fp8, q) == (1 if fp8 == torch.float8_e4m3fn else 2)
+    check([(0, 300), (1000, 1), (2047, 1), (37, 64)], (32, 8), 128, 16, dtype, fp8, seed=5)
+
+
+def test_fp8_ptx_only_where_it_compiles():
+    """The PTX widening is for half-precision queries over an FP8 cache on CUDA: never for float32 queries, a
+    bfloat16 cache, or CPU tensors (Triton's interpreter cannot run inline PTX)."""
+    cpu = torch.empty(1, dtype=torch.bfloat16)
+    assert triton_backend.fp8_ptx(torch.float8_e4m3fn, cpu) == 0
+    if torch.cuda.is_available():
+        assert triton_backend.fp8_ptx(torch.float8_e4m3fn, torch.empty(1, device="cuda")) == 0  # float32
+        assert triton_backend.fp8_ptx(torch.bfloat16, torch.empty(1, dtype=torch.bfloat16, device="cuda")) == 0
