@@ -3,7 +3,8 @@ on Llama-3.1-8B shapes (dummy weights), kernels inside the CUDA graphs included 
 measured without the profiler. With -tp N the first rank (the engine's process) is profiled. The prompts are in the
 prefix cache after the warm-up, so the profiled steps are decode steps but the first.
 
-    python benchmarks/decode_profile.py [--quantization fp8] [-tp 2] [--steps 64] [--batch 256 --prompt-len 512]
+    python benchmarks/decode_profile.py [--quantization fp8] [--kv-cache-dtype fp8] [-tp 2] [--steps 64]
+        [--batch 256 --prompt-len 512]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ except ImportError:  # run as a script
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=64, help="decode steps profiled")
     p.add_argument("--top", type=int, default=30, help="kernels listed")
@@ -36,6 +38,7 @@ def main() -> None:
     llm = LLM(
         str(BENCH_DIR / "configs" / "llama-3.1-8b"), load_format="dummy", skip_tokenizer_init=True,
         max_model_len=8192, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     rng = random.Random(1)
     prompt = [{"prompt_token_ids": [rng.randint(0, 100000) for _ in range(args.prompt_len)]} for _ in range(args.batch)]
