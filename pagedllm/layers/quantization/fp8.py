@@ -5,9 +5,10 @@ activations per token on the fly).
 
 On CUDA the weights stay fp8 and each matmul runs through the scaled FP8 GEMM with the activations quantized first
 (fp8_ops.fp8_linear; batches of up to 16 rows: the skinny Triton GEMM of fp8_gemv.py, which quantizes the activations
-itself; block-wise weights: the Triton GEMM of fp8_block.py). Elsewhere the fp8 weights are dequantized
-to the compute dtype once, at load, and take the dense path, with the activations rounded to their fp8 values first:
-the same numbers the GEMM computes with (and that transformers computes with on a compressed-tensors checkpoint)."""
+itself; the batch sizes fp8_gemm.TABLE holds: its Triton GEMM; block-wise weights: the Triton GEMM of fp8_block.py).
+Elsewhere the fp8 weights are dequantized to the compute dtype once, at load, and take the dense path, with the
+activations rounded to their fp8 values first: the same numbers the GEMM computes with (and that transformers
+computes with on a compressed-tensors checkpoint)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from torch import nn
 from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 from pagedllm.layers.quantization.fp8_block import block_fp8_linear, block_gemm_supported
+from pagedllm.layers.quantization.fp8_gemm import fp8_rowwise_mm, gemm_applies
 from pagedllm.layers.quantization.fp8_gemv import fp8_gemv_linear, gemv_applies
 from pagedllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize_weight,
     fake_quantize_activations,
     fp8_linear,
+    quantize_activations,
     quantize_weight_per_channel,
 )
 
@@ -220,6 +223,12 @@ class Fp8ScaledMMMethod(LinearMethodVariant):
             out = fp8_gemv_linear(
                 x2, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic
             )
+            return out.reshape(*x.shape[:-1], n)
+        if gemm_applies(x2, layer.weight):  # mid-sized batches: the Triton GEMM where it measured faster
+            xq, xs = quantize_activations(x2, layer.input_scale, self.per_tensor_dynamic)
+            out = fp8_rowwise_mm(xq, xs, layer.weight, layer.weight_scale, x.dtype)
+            if layer.bias is not None:
+                out += layer.bias
             return out.reshape(*x.shape[:-1], n)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic)
 
