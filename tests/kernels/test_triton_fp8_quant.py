@@ -29,7 +29,7 @@ def reference(x: torch.Tensor, static: float | None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 16), (3, 33), (5, 1500), (2, 7)])
+@pytest.mark.parametrize("shape", [(1, 16), (3, 33), (5, 1500), (2, 7), (2, 16500)])  # the last: two passes
 @pytest.mark.parametrize("static", [None, 0.05])
 def test_per_token_quant(dtype, shape, static):
     g = torch.Generator().manual_seed(shape[0] * shape[1])

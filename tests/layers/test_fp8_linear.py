@@ -345,3 +345,26 @@ def test_cuda_decode_rows_quantize_in_the_gemv(strategy, activations):
         xq, xs = quantize_activations(x, layer.input_scale, activations == "dynamic-tensor")
         want = fp8_gemv(xq, xs, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16)), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_cuda_mid_batches_take_the_triton_gemm(activations):
+    """Batches in fp8_gemm.TABLE's buckets (17..64 rows) run the Triton GEMM: against torch._scaled_mm on the same
+    quantized activations (both sum exact fp8 products in float32 and round once to bfloat16, then add the bias)."""
+    from pagedllm.layers.quantization.fp8_gemm import gemm_applies
+    from pagedllm.layers.quantization.fp8_ops import quantize_activations
+
+    layer = decode_layer("channel", activations, "cuda")
+    for rows in (17, 33, 64):
+        x = 3 * torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        assert gemm_applies(x, layer.weight), rows
+        xq, xs = quantize_activations(x, layer.input_scale)
+        want = (
+            torch._scaled_mm(
+                xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16
+            ).float()
+            + layer.bias.float()
+        )
+        got = layer(x).float()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())

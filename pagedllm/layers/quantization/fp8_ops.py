@@ -15,6 +15,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite scale (vLLM's floor)
 SCALED_MM_ALIGN = 16  # cuBLASLt's FP8 GEMM needs K and N divisible by 16
+ONE_PASS_MAX = 16384  # the quantization keeps rows of up to this many features in registers (read once)
 
 try:
     import triton
@@ -36,25 +37,37 @@ if triton is not None:
 
     @triton.jit
     def per_token_quant_kernel(
-        x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x, stride_q, HAS_STATIC: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        """One program per row: x [M, K] -> q [M, K] fp8, scale [M] float32 (amax / FP8_MAX, or the static one)."""
+        x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x, stride_q, HAS_STATIC: tl.constexpr, BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row: x [M, K] -> q [M, K] fp8, scale [M] float32 (amax / FP8_MAX, or the static one).
+        ONE_PASS (K <= BLOCK): the row is read once, kept in registers between the amax and the division."""
         row = tl.program_id(0)
         x_row = x_ptr + row * stride_x
-        if HAS_STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            if HAS_STATIC:
+                scale = tl.load(static_ptr).to(tl.float32)
+            else:
+                scale = fp8_scale_of(tl.max(tl.abs(x), axis=0))
+            tl.store(scale_ptr + row, scale)
+            tl.store(q_ptr + row * stride_q + cols, fp8_quantize(x, scale), mask=cols < K)
         else:
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            if HAS_STATIC:
+                scale = tl.load(static_ptr).to(tl.float32)
+            else:
+                amax = tl.zeros([BLOCK], dtype=tl.float32)
+                for start in range(0, K, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(x))
+                scale = fp8_scale_of(tl.max(amax, axis=0))
+            tl.store(scale_ptr + row, scale)
             for start in range(0, K, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(x))
-            scale = fp8_scale_of(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row, scale)
-        for start in range(0, K, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * stride_q + cols, fp8_quantize(x, scale), mask=cols < K)
+                tl.store(q_ptr + row * stride_q + cols, fp8_quantize(x, scale), mask=cols < K)
 
 
 def quantize_per_token_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None):
@@ -78,10 +91,13 @@ def quantize_per_token_triton(x: torch.Tensor, static_scale: torch.Tensor | None
     if m == 0:
         return q, scale
     static = static_scale.float().reshape(1) if static_scale is not None else scale
-    block = min(1024, triton.next_power_of_2(max(k, 16)))
+    block = triton.next_power_of_2(max(k, 16))
+    block = block if block <= ONE_PASS_MAX else 1024  # a row of up to ONE_PASS_MAX read once, else twice
+    warps = max(1, min(16, block // 512))  # 16 values a thread per pass
     per_token_quant_kernel[(m,)](
-        x, q, scale, static, k, x.stride(0), q.stride(0), HAS_STATIC=static_scale is not None, BLOCK=block
-    )
+        x, q, scale, static, k, x.stride(0), q.stride(0), HAS_STATIC=static_scale is not None, BLOCK=block,
+        ONE_PASS=k <= block, num_warps=warps,
+    )  # fmt: skip
     return q, scale
 
 
