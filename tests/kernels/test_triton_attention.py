@@ -254,7 +254,7 @@ def test_prefill_tiles_override(monkeypatch, tiles):
     monkeypatch.setitem(triton_backend.PREFILL_TILES, 128, tiles)
     block_q, block_m = rows // 4, max(16, rows)
     assert triton_backend._tiles(4, 100, 128) == (block_q, block_m, block_n, warps, stages)
-    assert triton_backend._tiles(4, 1, 128) == (1, 16, 64, 2, 3)
+    assert triton_backend._tiles(4, 1, 128) == (1, 16, 128, 4, 3)
     assert triton_backend._tiles(4, 100, 64) == (16, 64, 64, 4, 2)  # another head dim keeps the rule
     q, k, v, cache, layout = make_batch([(0, 40), (21, 19), (33, 1)], 8, 2, 80, 4, torch.bfloat16, seed=10)
     monkeypatch.setitem(triton_backend.PREFILL_TILES, 128, (rows // 2, block_n, warps, stages))  # group 4 -> 2
