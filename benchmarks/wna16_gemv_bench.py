@@ -4,7 +4,8 @@ group 128 (--group), symmetric (--zero-points: a zero point per group; --codeboo
 the input features, read by the GEMV inside, gathered before the tensor-core kernel). Each op is captured 20 times
 into a CUDA graph (no launch overhead, and a check that the op is capturable) cycling over enough weight copies to
 miss the L2 cache; printed: the median time per call over CUDA events and GB/s = (packed weight + scales +
-activation + output bytes) / time, then one decoder layer's linears summed per M.
+activation + output bytes) / time, then one decoder layer's linears summed per M. At M = 1 the column gemv_f32 times
+the GEMV with wna16_gemv.PAIRS off (the float32 step instead of the bf16x2 one of wna16_pairs.py).
 
     PYTHONPATH=. python benchmarks/wna16_gemv_bench.py                 # the table
     PYTHONPATH=. python benchmarks/wna16_gemv_bench.py --sweep         # the tile sweep instead (about 2 minutes)
@@ -61,6 +62,19 @@ def weights(n: int, k: int, args, copies: int = 0):
     return out, nbytes + scales.numel() * 4 * (2 if zero_points else 1)
 
 
+def float32_step(fn):
+    """fn run with wna16_gemv.PAIRS off (a CUDA graph captured over it keeps the float32 step)."""
+
+    def run():
+        saved, wna16_gemv.PAIRS = wna16_gemv.PAIRS, False
+        try:
+            return fn()
+        finally:
+            wna16_gemv.PAIRS = saved
+
+    return run
+
+
 def ops_for(m: int, n: int, k: int, args) -> dict:
     """name -> (list of callables over weight copies, bytes one call moves)."""
     dev = torch.device(DEVICE)
@@ -83,11 +97,14 @@ def ops_for(m: int, n: int, k: int, args) -> dict:
             return lambda: fn(x[:, perm], w[0], w[1], w[2], None, args.bits, args.group)
         return lambda: fn(x, w[0], w[1], w[2], None, args.bits, args.group, None, perm)
 
-    return {
+    ops = {
         "gemv": ([call_perm(wna16_gemv.wna16_gemv, w) for w in packed], wbytes + io),
         "tc_gemm": ([call_perm(wna16_gemm, w) for w in packed], wbytes + io),
         "bf16_linear": ([(lambda w=w: F.linear(x, w)) for w in w16], 2 * n * k + io),
     }
+    if m == 1:  # the float32 step next to the default (the bf16x2 one where it applies)
+        ops["gemv_f32"] = ([float32_step(fn) for fn in ops["gemv"][0]], wbytes + io)
+    return ops
 
 
 def check(args) -> None:
@@ -106,14 +123,17 @@ def check(args) -> None:
 
 def table(args) -> dict:
     """Print one row per (N, K, M); return {(n, k, m): {op name: microseconds}}."""
-    names = ["gemv", "tc_gemm", "bf16_linear"]
+    names = ["gemv", "gemv_f32", "tc_gemm", "bf16_linear"]
     print(f"{'N':>6} {'K':>6} {'M':>3} " + " ".join(f"{name + ' us (GB/s)':>26}" for name in names) + "  speedup")
     results = {}
     for n, k in SHAPES:
         for m in BATCHES:
             ops = ops_for(m, n, k, args)
-            us = results[n, k, m] = {name: time_us(ops[name][0]) for name in names}
-            cells = " ".join(f"{us[name]:>14.1f} ({ops[name][1] / us[name] / 1e3:>7.0f})" for name in names)
+            us = results[n, k, m] = {name: time_us(ops[name][0]) for name in names if name in ops}
+            cells = " ".join(
+                f"{us[name]:>14.1f} ({ops[name][1] / us[name] / 1e3:>7.0f})" if name in us else f"{'-':>26}"
+                for name in names
+            )
             g = us["gemv"]
             print(f"{n:>6} {k:>6} {m:>3} {cells}  x{us['tc_gemm'] / g:.2f} vs tc, x{us['bf16_linear'] / g:.2f} vs bf16")
             del ops
@@ -129,6 +149,7 @@ def layer_summary(results: dict) -> None:
         print(
             f"  M={m}: gemv {g:.1f}, tc_gemm {total['tc_gemm']:.1f}, bf16 {total['bf16_linear']:.1f}"
             f"  -> x{total['bf16_linear'] / g:.2f} vs bf16, x{total['tc_gemm'] / g:.2f} vs tc_gemm"
+            + (f"; gemv_f32 {total['gemv_f32']:.1f} (x{total['gemv_f32'] / g:.2f})" if "gemv_f32" in total else "")
         )
 
 

@@ -17,11 +17,13 @@ pytest.importorskip("triton")
 
 ops = importlib.import_module("pagedllm.layers.quantization.fp8_ops")
 fp8_gemv = importlib.import_module("pagedllm.layers.quantization.fp8_gemv")
+pairs = importlib.import_module("pagedllm.layers.quantization.wna16_pairs")
 gemv = importlib.import_module("pagedllm.layers.quantization.wna16_gemv")
 gemm = importlib.import_module("pagedllm.layers.quantization.wna16_gemm")
 if DEVICE.type == "cpu" and type(gemv.wna16_gemv_kernel).__name__ != "InterpretedFunction":
     ops = importlib.reload(ops)  # imported before the interpreter was switched on
     fp8_gemv = importlib.reload(fp8_gemv)
+    pairs = importlib.reload(pairs)  # (its step: called by the GEMV's kernel)
     gemv = importlib.reload(gemv)
     gemm = importlib.reload(gemm)
 

@@ -18,7 +18,10 @@ with few instructions per value, so it runs on the CUDA cores (float32 FMA), not
   (filled from the bench's --sweep), else from CONFIGS; with stages > 1 the packed words of the next steps stream
   into shared memory asynchronously while a step computes.
 
-Group sizes that no K step divides (and K steps that straddle groups) take a per-value gather of scales and zeros."""
+Group sizes that no K step divides (and K steps that straddle groups) take a per-value gather of scales and zeros.
+One bfloat16 row of 4-bit weights (one group per step) takes wna16_pairs.py's step instead: two values per bf16x2
+instruction, products and 4-term sums rounded to bfloat16 (PAIRS = False: the float32 path). The kernel takes part
+in programmatic dependent launch (kernels/__init__.py: pdl)."""
 
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.kernels import pdl
 from pagedllm.layers.quantization.fp8_gemv import sm_count, split_k_reduce_kernel
 from pagedllm.layers.quantization.fp8_ops import triton
+from pagedllm.layers.quantization.wna16_pairs import pairs_apply, pairs_mode
 
 # Batches up to this many rows take the GEMV. Per 4-bit value: one and-or, one add, then M FMAs and the activation
 # loads; an H100 issues about 4.4 instructions per value at full memory speed, so M = 1 (about 3.4, compiled) runs near
@@ -67,6 +72,7 @@ SWEEP_STAGES = (1, 2, 4)
 CODEBOOK_GEMV = True
 # act order: the GEMV reads x through the permutation (its loads then gathers) instead of a gather launch first
 PERM_IN_KERNEL = True
+PAIRS = True  # M = 1, 4-bit, bfloat16: the bf16x2 step of wna16_pairs.py (False: the float32 path everywhere)
 FUSED_REDUCE = True  # the last program of a column block sums the K splits (else: a second launch)
 MAX_COUNTERS = 1 << 14  # arrival counters per device (column blocks of one launch)
 
@@ -75,6 +81,9 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 if triton is not None:
     import triton.language as tl
+
+    from pagedllm.kernels.fused_ops import wait_previous_kernel
+    from pagedllm.layers.quantization.wna16_pairs import pairs_step
 
     @triton.jit
     def values_of(
@@ -123,13 +132,19 @@ if triton is not None:
         magic, sixteen,
         BITS: tl.constexpr, HAS_ZP: tl.constexpr, ONE_GROUP: tl.constexpr, CODEBOOK: tl.constexpr, PERM: tl.constexpr,
         MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PAIRS: tl.constexpr,
     ):  # fmt: skip
         """sum over k in [start, start + BLOCK_K) of x[m, k] * w[k, n] -> [BLOCK_M, BLOCK_N] float32, unscaled
         (w / scale of the step's group) when ONE_GROUP, else scaled. MASKED: the step may pass K (else no K masks,
         so the activation loads take constant offsets). magic = 0x4B000000 and sixteen = 16 come as arguments, not
         literals: with a literal magic the and-or takes two instructions (two immediates), and with a literal shift
         the compiler rewrites each use of the high half into its own shift. Rows of x: one accumulator each
-        (a [BLOCK_M, ROWS, BLOCK_N] product would spill)."""
+        (a [BLOCK_M, ROWS, BLOCK_N] product would spill). PAIRS: wna16_pairs' bf16x2 step (2: its emulation)."""
+        if PAIRS != 0:
+            return pairs_step(
+                x_ptr, qw_ptr, z_ptr, start, offs_n, mask_n, N, K, group_size, HAS_ZP, MASKED, BLOCK_N, BLOCK_K,
+                PAIRS == 2,
+            )[None, :]  # fmt: skip
         PACK: tl.constexpr = 32 // BITS
         HALF: tl.constexpr = PACK // 2  # values per 16-bit half word: in place under the float32 exponent
         ROWS: tl.constexpr = BLOCK_K // PACK
@@ -212,14 +227,16 @@ if triton is not None:
         BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
         CODEBOOK: tl.constexpr, PERM: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-        UNROLL: tl.constexpr,
+        UNROLL: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (n, s): the columns of block n summed over K split s. One split (SPLIT false): out [M, N] =
         x @ W + bias in out's dtype. Else part [S, M, N] float32 takes the partial sums; with FUSED the last program
         of column block n to arrive (counter cnt[n]) writes out = sum over s in order + bias and resets cnt[n].
         The whole steps of a split run in a loop without masks on K, STAGES steps of packed words in flight (loaded
         asynchronously through shared memory; 1: each step's loads issued when the step starts); a step past K's
-        end (the last split's, when BLOCK_K does not divide K) runs after it with masks."""
+        end (the last split's, when BLOCK_K does not divide K) runs after it with masks. PAIRS: see gemv_step;
+        USE_PDL: see kernels/__init__.py (pdl)."""
+        wait_previous_kernel(USE_PDL)
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -235,13 +252,13 @@ if triton is not None:
                     t = gemv_step(
                         x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K,
                         group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, False, BLOCK_M,
-                        BLOCK_N, BLOCK_K,
+                        BLOCK_N, BLOCK_K, PAIRS,
                     )  # fmt: skip
                 else:
                     t = gemv_step(
                         x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K,
                         group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, True, BLOCK_M,
-                        BLOCK_N, BLOCK_K,
+                        BLOCK_N, BLOCK_K, PAIRS,
                     )  # fmt: skip
                 acc = scale_step(acc, t, s_ptr, start, offs_n, mask_n, N, group_size, ONE_GROUP)
         else:  # no branch in the loop body: the compiler pipelines its loads
@@ -249,14 +266,14 @@ if triton is not None:
                 t = gemv_step(
                     x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, start, offs_m, offs_n, mask_n, M, N, K,
                     group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, False, BLOCK_M,
-                    BLOCK_N, BLOCK_K,
+                    BLOCK_N, BLOCK_K, PAIRS,
                 )  # fmt: skip
                 acc = scale_step(acc, t, s_ptr, start, offs_n, mask_n, N, group_size, ONE_GROUP)
             if k_even < k_hi:
                 t = gemv_step(
                     x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, perm_ptr, k_even, offs_m, offs_n, mask_n, M, N, K,
                     group_size, stride_xm, magic, sixteen, BITS, HAS_ZP, ONE_GROUP, CODEBOOK, PERM, True, BLOCK_M,
-                    BLOCK_N, BLOCK_K,
+                    BLOCK_N, BLOCK_K, PAIRS,
                 )  # fmt: skip
                 acc = scale_step(acc, t, s_ptr, k_even, offs_n, mask_n, N, group_size, ONE_GROUP)
         ptrs = offs_m[:, None] * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N] offsets in an [M, N] matrix
@@ -398,6 +415,7 @@ def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, cod
     bias_arg = bias if has_bias else scales
     # the fused reduction's loads in flight: up to 8, within about 32 registers a thread
     unroll = max(1, min(8, 32 * 32 * cfg.warps // (cfg.block_m * cfg.block_n)))
+    pairs = pairs_mode(x2) if PAIRS and pairs_apply(x2, bits, cfg.one_group, codebook, perm) else 0
     wna16_gemv_kernel[(grid_n, splits)](
         x2, qweight, scales, zeros if zeros is not None else scales, codebook if codebook is not None else scales,
         perm if perm is not None else qweight, bias_arg, part, out, counters if counters is not None else qweight,
@@ -405,7 +423,7 @@ def wna16_gemv(x2, qweight, scales, zeros, bias, bits: int, group_size: int, cod
         BITS=bits, HAS_ZP=zeros is not None, HAS_BIAS=has_bias, ONE_GROUP=cfg.one_group,
         CODEBOOK=codebook is not None, PERM=perm is not None, SPLIT=splits > 1, FUSED=counters is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, UNROLL=unroll,
-        num_warps=cfg.warps,
+        PAIRS=pairs, num_warps=cfg.warps, **pdl(x2),
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = 1024
