@@ -43,7 +43,8 @@ def test_per_token_quant(dtype, shape, static):
     assert q.dtype == FP8 and q.shape == shape and s.shape == (shape[0], 1)
     torch.testing.assert_close(s.cpu(), ref_s, rtol=1e-6, atol=0)
     assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
-    torch.testing.assert_close(ops.quantize_per_token_torch(x, static_t)[1].cpu(), ref_s, rtol=1e-6, atol=0)
+    static_cpu = None if static_t is None else static_t.cpu()  # the torch rule runs on the host tensor
+    torch.testing.assert_close(ops.quantize_per_token_torch(x, static_cpu)[1], ref_s, rtol=1e-6, atol=0)
 
 
 def test_no_rows():
@@ -78,6 +79,8 @@ def block_case(m, n, k, bn, bk, seed=0):
 )
 def test_block_fp8_gemm(m, n, k, bn, bk):
     """Odd M, N not a multiple of the tile or the block, K not a multiple of the group."""
+    if not blk.block_gemm_supported(DEVICE, (bn, bk)) and DEVICE.type == "cuda":
+        pytest.skip("compiled fp8 tl.dot takes k-groups of 32+: the layer keeps the dense path for smaller ones")
     x, q, scales, ref = block_case(m, n, k, bn, bk, seed=m + n + k)
     bias = torch.randn(n)
     out = blk.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scales.to(DEVICE), (bn, bk), bias.to(DEVICE))
@@ -85,8 +88,8 @@ def test_block_fp8_gemm(m, n, k, bn, bk):
 
 
 def test_block_fp8_gemm_leading_dims_and_no_rows():
-    x, q, scales, ref = block_case(6, 32, 32, 16, 16)
-    out = blk.block_fp8_linear(x.reshape(2, 3, 32).to(DEVICE), q.to(DEVICE), scales.to(DEVICE), (16, 16), None)
+    x, q, scales, ref = block_case(6, 32, 64, 16, 32)
+    out = blk.block_fp8_linear(x.reshape(2, 3, 64).to(DEVICE), q.to(DEVICE), scales.to(DEVICE), (16, 32), None)
     torch.testing.assert_close(out.cpu(), ref.reshape(2, 3, 32), atol=1e-3, rtol=1e-4)
-    empty = blk.block_fp8_linear(torch.empty(0, 32, device=DEVICE), q.to(DEVICE), scales.to(DEVICE), (16, 16), None)
+    empty = blk.block_fp8_linear(torch.empty(0, 64, device=DEVICE), q.to(DEVICE), scales.to(DEVICE), (16, 32), None)
     assert empty.shape == (0, 32)
