@@ -139,7 +139,8 @@ def _tiles(group: int, max_query_len: int, head_dim_pad: int) -> tuple[int, int,
     """(BLOCK_Q, BLOCK_M, BLOCK_N, num_warps, num_stages). Decodes: one query token per program, 16+ rows for
     tl.dot; head dims up to 128: 128 keys a tile, 4 warps, 3 stages (H100, Llama-3.1-8B's heads per rank, 256
     decodes over 100..2047 keys: against 64 keys and 2 warps, TP=2's 16/4 heads 15% faster with a bfloat16 cache
-    and 29% with an FP8 one, TP=1's 32/8 heads 1% / 5%; 256 x 1024 keys even), larger ones 32 keys, 2 warps.
+    and 29% with an FP8 one, TP=1's 32/8 heads 1% / 5%; equal 1024-key contexts 0.4%+ / 4%+ slower), larger ones
+    32 keys, 2 warps.
     Prefill: PREFILL_TILES, else about 64 rows (query tokens x heads of one KV group)."""
     if max_query_len == 1:
         if head_dim_pad <= 128:
