@@ -57,12 +57,20 @@ def test_dp2_matches_one_replica(tiny_llama):
         assert "in data-parallel replica 1" in "".join(info.value.__notes__)
         with pytest.raises(ValueError, match="sampling_params has 2 entries but there are 6 prompts"):
             llm.generate(_prompts(), [SamplingParams()] * 2, use_tqdm=False)
-        assert _run(llm)[0] == greedy  # both replicas still serve
+        # both replicas still serve; the prompts now hit the prefix cache, so the rows batch differently and the
+        # float32 logprobs may move in their last bits (4.8e-7 seen): the same tolerance as against one replica
+        assert_same_greedy(_run(llm)[0], greedy)
     finally:
         llm.data_parallel.shutdown()
     assert replica.proc.poll() is not None  # the replica process ended
     assert sampled == expected_sampled
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy, expected_greedy):
+    assert_same_greedy(greedy, expected_greedy)
+
+
+def assert_same_greedy(greedy: list, expected: list) -> None:
+    """The same tokens and top-2 ids at every step, logprobs within 1e-5 (float32 sums in another order)."""
+    assert len(greedy) == len(expected)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy, expected):
         assert tokens == ref_tokens
         for step, ref_step in zip(logprobs, ref_logprobs):
             assert step.keys() == ref_step.keys()
