@@ -3,7 +3,7 @@
 and openai-client calls (extra_body, content parts, guided_choice, X-Request-Id); several --api-key keys are each
 accepted (key rotation). The test adds only --host/--port (a free port) and a small CPU
 KV cache through the environment (room for one request of the full context, which a request without max_tokens
-asks for)."""
+asks for, in float32 too: `--dtype auto` picks it on CPUs without bfloat16 instructions)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_documented_server(smollm2, line, tmp_path):
     words = line.replace("vllm", "pagedllm").split()
     command = ("-m", "pagedllm", "serve") if words[0] == "pagedllm" else tuple(words[1:3])
     rest = words[2:] if words[0] == "pagedllm" else words[3:]
-    server = RemoteServer(rest, command=command, env={"VLLM_CPU_KVCACHE_SPACE": "0.25"})
+    server = RemoteServer(rest, command=command, env={"VLLM_CPU_KVCACHE_SPACE": "0.5"})
     keys = [None]
     if "--api-key" in rest:  # the values up to the next flag
         after = rest[rest.index("--api-key") + 1 :]
