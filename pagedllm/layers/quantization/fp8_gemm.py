@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kernels import interpreting
+from pagedllm.kernels import SplitCounters, interpreting
 from pagedllm.layers.quantization.fp8_gemv import sm_count
 from pagedllm.layers.quantization.fp8_ops import triton
 
@@ -29,8 +29,7 @@ SWEEP = (
     (64, 256, 128, 8, 3),
 )  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the bench tries, each with 1, 2 and 4 programs per SM
 MIN_SPLIT_STEPS = 4  # BLOCK_K steps a K split runs at least
-MAX_COUNTERS = 1 << 14
-_counters: dict[torch.device, torch.Tensor] = {}
+_split = SplitCounters()  # the arrival counters of split launches, per device
 
 if triton is not None:
     import triton.language as tl
@@ -105,17 +104,6 @@ def plan(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, per_s
     return triton.cdiv(k, k_split), k_split
 
 
-def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed counters (the kernel leaves them zeroed), or None for more tiles than counters, or when
-    they would have to be made while a CUDA graph is captured."""
-    counters = _counters.get(device)
-    if counters is None and tiles <= MAX_COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return counters if tiles <= MAX_COUNTERS else None
-
-
 def fp8_rowwise_mm(xq, xs, weight, weight_scale, out_dtype, config=None) -> torch.Tensor:
     """xq [M, K] fp8, xs [M, 1] or [M] float32, weight [N, K] fp8, weight_scale [N] float32 -> [M, N] out_dtype.
     config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM), TABLE's entry for the batch if None."""
@@ -129,8 +117,8 @@ def fp8_rowwise_mm(xq, xs, weight, weight_scale, out_dtype, config=None) -> torc
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     counters = part = out
     if splits > 1:
-        counters = arrival_counters(xq.device, grid[0] * grid[1])
-        if counters is None:  # no split then
+        counters = _split.take(xq.device, grid[0] * grid[1])
+        if counters is None:  # no split then (a CUDA graph is being captured and the counters would have to grow)
             splits, k_split, counters = 1, k, out
             grid = grid[:2] + (1,)
         else:
