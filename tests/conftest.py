@@ -22,6 +22,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pagedllm.kernels import cpu_kernels  # noqa: E402
 
+
+def vectorize_interpreted_xor_reductions() -> None:
+    """Triton's interpreter reduces with numpy for sum, min, max and argmin/argmax, and element by element in Python
+    for any other combine function: tl.sort's bitonic stages xor-reduce their integer views that way, one Python call
+    per element (most of the interpreted sampling kernel's time). An xor reduction is the same over numpy's
+    bitwise_xor (associative and exact on integers); anything else keeps the interpreter's own path."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    ops = interpreter.ReduceOps
+    generic = ops.generic_reduce
+    xor = tl.standard._xor_combine.fn  # (the interpreter wraps the JIT function: compare the Python one)
+
+    def reduce(self, input):
+        data = input[0].handle.data
+        if getattr(self.combine_fn, "fn", None) is not xor or len(input) != 1 or data.dtype.kind not in "iub":
+            return generic(self, input)
+        axis = self.axis
+        out = np.bitwise_xor.reduce(data if axis is not None else data.reshape(-1), axis=axis or 0)
+        if self.keep_dims:
+            out = np.expand_dims(out, axis) if axis is not None else out.reshape((1,) * data.ndim)
+        return [self.to_tensor(out, input[0].dtype)]
+
+    ops.generic_reduce = reduce
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    vectorize_interpreted_xor_reductions()
+
 # The slow tier (`pytest -m "not slow"` leaves it out; CI runs it): tests of the bundled real models end to end
 # (their fixtures), the OpenAI server (a real server process each), and the Triton kernels run in Triton's CPU
 # interpreter. Everything else builds tiny models or none and runs in a few minutes on two cores.

@@ -87,11 +87,19 @@ def test_frequencies_follow_the_softmax(min_p):
         assert set(tokens.tolist()) <= {1, 17, 9}
 
 
-@pytest.mark.parametrize(
-    "top_k, top_p, min_p",
-    [(3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.7, 0.0), (0, 0.9, 0.1), (4, 0.95, 0.05), (1, 1.0, 0.0), (40, 0.8, 0.0)],
-)
-@pytest.mark.parametrize("cap, small", [(None, None), (None, 2), (2, None)], ids=["sorted", "searched", "row"])
+FILTERS = [(3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.7, 0.0), (0, 0.9, 0.1), (4, 0.95, 0.05), (1, 1.0, 0.0), (40, 0.8, 0.0)]
+MODES = {"sorted": (None, None), "searched": (None, 2), "row": (2, None)}  # (cap, small): see the test
+# every filter in every mode on CUDA; in the interpreter (about 25 s a case) every filter once and every mode at least
+# twice, the modes taken in turn
+FILTER_CASES = [
+    pytest.param(*f, *MODES[m], id=f"{m}-{'-'.join(map(str, f))}")
+    for i, f in enumerate(FILTERS)
+    for j, m in enumerate(MODES)
+    if GPU or i % len(MODES) == j
+]
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p, cap, small", FILTER_CASES)
 def test_filters_keep_exactly_what_hf_keeps(top_k, top_p, min_p, cap, small, monkeypatch):
     """Over a few tiles of tokens (two tied near the top), no token HF drops is drawn, every kept one of some mass
     is, at the renormalized softmax's frequencies: with the candidates listed and sorted, listed but too many to sort
