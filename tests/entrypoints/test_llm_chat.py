@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -66,12 +67,10 @@ def hf_tok(smollm2):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32
-    ).eval()
+def hf_model(smollm2_hf):
+    model = copy.copy(smollm2_hf)  # the shared weights with its own generation config (_hf_greedy sets it)
+    model.generation_config = copy.deepcopy(smollm2_hf.generation_config)
+    return model
 
 
 def _hf_ids(hf_tok, conversation, **kwargs) -> list[int]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,14 +16,8 @@ def llm(smollm2):
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None
-    return model
+def hf(smollm2_hf_no_eos):
+    return smollm2_hf_no_eos
 
 
 def test_logprobs_match_hf_log_softmax(llm, hf):

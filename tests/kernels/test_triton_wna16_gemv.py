@@ -80,8 +80,7 @@ def test_gemv(bits, n, k, group, m, small_tiles):
     assert_close(out, reference(x, w, b), torch.float32)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("bits, asym", [(4, True), (8, False)])  # (zero points meet the split sums nowhere)
 @pytest.mark.parametrize("fused", [True, False])
 def test_split_k_reduction(bits, asym, fused, small_tiles, monkeypatch):
     """Many K splits (one program per SM wanted on 64 SMs) summed by the last program to arrive or by the reduce

@@ -13,7 +13,7 @@ Allow header for undeclared methods. Left out: status_code_conformance (the sche
 server answers OpenAI's 400/401/404, which no route declares) and negative_data_rejection (pydantic's lax mode
 accepts e.g. "5" or 5.0 for an int, which the schema calls invalid).
 
-PAGEDLLM_SCHEMATHESIS_EXAMPLES sets the fuzzed cases per operation (default 25, for CI's time budget); a long run,
+PAGEDLLM_SCHEMATHESIS_EXAMPLES sets the fuzzed cases per operation (default 10, for CI's time budget); a long run,
 e.g. 1000 per operation (over 10,000 cases in all):
 
     PAGEDLLM_SCHEMATHESIS_EXAMPLES=1000 pytest -s tests/entrypoints/openai/test_serve_schemathesis.py
@@ -43,7 +43,7 @@ from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 from pagedllm.entrypoints.openai.limits import ServerLimits  # noqa: E402
 
 # fuzzed cases per operation (the examples and coverage cases come on top)
-MAX_EXAMPLES = int(os.environ.get("PAGEDLLM_SCHEMATHESIS_EXAMPLES", "25"))
+MAX_EXAMPLES = int(os.environ.get("PAGEDLLM_SCHEMATHESIS_EXAMPLES", "10"))
 SENT: Counter[str] = Counter()  # cases sent per operation
 CHECKS = [
     not_a_server_error,
