@@ -384,7 +384,7 @@ def test_proposals_through_static_buffers_equal_the_oracle(method, target, force
     make_static(llm)
     runner = llm.llm_engine.core.executor.runner
     drafter = runner.drafter
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     reference, _ = run(llm, PROMPTS[:3], params, speculate=False)
     calls = record_proposals(drafter)
     drafter.force_drafts = forced
