@@ -110,7 +110,8 @@ def run_split(reqs, heads, head_dim, dtype, num_splits, in_kernel, monkeypatch, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [2, 3, 5, 8])
+# (the interpreter: an even and an odd split count; CUDA all four)
+@pytest.mark.parametrize("num_splits", [2, 3, 5, 8] if DEVICE.type == "cuda" else [2, 5])
 @pytest.mark.parametrize(
     "reqs,heads",
     [([(300, 1), (77, 1), (513, 1)], (4, 2)), ([(150, 1), (40, 1)], (6, 1)), ([(200, 3), (90, 2)], (4, 4))],

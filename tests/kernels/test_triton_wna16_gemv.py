@@ -186,7 +186,13 @@ def test_llama_shapes_on_gpu(n, k, m, group, asym):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
 
 
-SWEEP_CASES = [(m, tile) for m in (1, 2, 3) for tile in gemv.sweep_tiles(gemv.block_m_for(m))]
+# (the interpreter ignores pipelining: stages 4 runs stages 2's code there, so only CUDA runs it)
+SWEEP_CASES = [
+    (m, tile)
+    for m in (1, 2, 3)
+    for tile in gemv.sweep_tiles(gemv.block_m_for(m))
+    if DEVICE.type == "cuda" or tile[3] != 4
+]
 
 
 @pytest.mark.parametrize("case", range(len(SWEEP_CASES)))
