@@ -41,9 +41,7 @@ def vectorize_interpreted_xor_reductions() -> None:
         if getattr(self.combine_fn, "fn", None) is not xor or len(input) != 1 or data.dtype.kind not in "iub":
             return generic(self, input)
         axis = self.axis
-        out = np.bitwise_xor.reduce(data if axis is not None else data.reshape(-1), axis=axis or 0)
-        if self.keep_dims:
-            out = np.expand_dims(out, axis) if axis is not None else out.reshape((1,) * data.ndim)
+        out = np.bitwise_xor.reduce(data, axis=axis, keepdims=self.keep_dims)  # (axis None: over every element)
         return [self.to_tensor(out, input[0].dtype)]
 
     ops.generic_reduce = reduce
@@ -120,15 +118,13 @@ def smollm2_hf(smollm2):
     ).eval()
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf_no_eos(smollm2_hf):
-    """smollm2_hf's weights with generate() running all max_new_tokens (as pagedllm with ignore_eos): a shallow
-    copy with its own generation config."""
+@pytest.fixture(scope="module")
+def smollm2_hf_copy(smollm2_hf):
+    """smollm2_hf's weights with the module's own generation config (a shallow copy): set it freely."""
     import copy
 
     model = copy.copy(smollm2_hf)
     model.generation_config = copy.deepcopy(smollm2_hf.generation_config)
-    model.generation_config.eos_token_id = None
     return model
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -67,10 +66,8 @@ def hf_tok(smollm2):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_hf):
-    model = copy.copy(smollm2_hf)  # the shared weights with its own generation config (_hf_greedy sets it)
-    model.generation_config = copy.deepcopy(smollm2_hf.generation_config)
-    return model
+def hf_model(smollm2_hf_copy):
+    return smollm2_hf_copy  # (_hf_greedy sets its generation config)
 
 
 def _hf_ids(hf_tok, conversation, **kwargs) -> list[int]:

@@ -16,8 +16,9 @@ def llm(smollm2):
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_hf_no_eos):
-    return smollm2_hf_no_eos
+def hf(smollm2_hf_copy):
+    smollm2_hf_copy.generation_config.eos_token_id = None  # all max_new_tokens, as with ignore_eos
+    return smollm2_hf_copy
 
 
 def test_logprobs_match_hf_log_softmax(llm, hf):

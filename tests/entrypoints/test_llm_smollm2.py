@@ -32,9 +32,10 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_hf_no_eos):
+def hf_reference(smollm2_hf_copy):
     """HF transformers' greedy continuation of each prompt, one prompt at a time (no padding), float32."""
-    return smollm2_hf_no_eos
+    smollm2_hf_copy.generation_config.eos_token_id = None  # all max_new_tokens, as with ignore_eos
+    return smollm2_hf_copy
 
 
 @pytest.fixture(scope="module")
