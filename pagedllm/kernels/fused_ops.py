@@ -1,5 +1,6 @@
 """The small fused ops of the decoder layers in Triton: RMSNorm (optionally fused with the residual add before it),
-SiLU-and-mul, and neox-style rotary of q and k in one launch (with Qwen3's per-head RMSNorm before it). Each
+SiLU-and-mul (both optionally quantizing their output to fp8 per token for the FP8 linear after them), and
+neox-style rotary of q and k in one launch (with Qwen3's per-head RMSNorm before it). Each
 rounds where the torch layer code rounds (the residual sum and the normalized activations in the model dtype), so
 the two paths agree to the last bit or two."""
 
@@ -26,12 +27,37 @@ def wait_previous_kernel(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def fp8_scale_of(amax):
+    """A row's scale from its float32 amax: max(amax / 448, 1 / (448 * 512)), IEEE-rounded as torch divides."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+
+
+@triton.jit
+def fp8_quantize(x, scale):
+    """float32 x / scale clamped to the e4m3 range, as fp8 (IEEE division: torch's rounding to fp8)."""
+    return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def store_row(out_ptr, scale_ptr, row, offs, ok, y, QUANT: tl.constexpr):
+    """A row of a layer's output y (float32, holding values of out_ptr's dtype) stored as they are, or QUANT: as
+    fp8 with the row's scale (scale_ptr [rows]), what the per-token quantization of the stored row would give."""
+    if QUANT:
+        scale = fp8_scale_of(tl.max(tl.where(ok, tl.abs(y), 0.0), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + offs, fp8_quantize(y, scale), mask=ok)
+    else:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,  # [num_outer, num_inner, N] (any strides on the two outer dims: a [tokens, heads, dim] view works)
     res_ptr,  # [num_rows, N] residual (HAS_RESIDUAL)
     out_ptr,  # [num_rows, N]
     res_out_ptr,  # [num_rows, N] x + residual (HAS_RESIDUAL)
     w_ptr,  # [N]
+    scale_ptr,  # [num_rows] float32: each row's fp8 scale (QUANT: out_ptr is fp8)
     eps,
     num_inner,
     stride_x_outer,
@@ -40,6 +66,7 @@ def rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_previous_kernel(USE_PDL)
@@ -55,8 +82,11 @@ def rms_norm_kernel(
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
     y = (h * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    out = y * w.to(tl.float32)
+    if QUANT:  # the value the plain kernel stores (the weight in x's dtype)
+        out = out.to(w.dtype).to(tl.float32)
+    store_row(out_ptr + row * N, scale_ptr, row, offs, ok, out, QUANT)
 
 
 def rms_norm(
@@ -64,15 +94,25 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # same shape as x
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
+    quantize: bool = False,
+):
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual). quantize (x 2-D, weight in
+    x's dtype): the normalized rows as (fp8 [M, N], scale [M, 1] float32), quantized per token as
+    fp8_ops.quantize_per_token would quantize the unquantized output: in the same kernel."""
     n = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()
     x3 = x if x.dim() == 3 else x.reshape(-1, 1, n)  # [num_outer, num_inner, N], a view where the strides allow
     num_outer, num_inner = x3.shape[0], x3.shape[1]
     num_rows = num_outer * num_inner
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)  # [..., N]
+    if quantize and (x.dim() != 2 or weight.dtype != x.dtype):
+        raise ValueError(
+            f"rms_norm(quantize=True) takes 2-D x with a weight of its dtype: x {tuple(x.shape)} {x.dtype}, "
+            f"weight {weight.dtype}"
+        )
+    out_dtype = torch.float8_e4m3fn if quantize else torch.result_type(x, weight)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # [..., N]
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device) if quantize else out  # [M, 1]
     res_out = res = out
     if residual is not None:
         res = residual.reshape(num_rows, n)
@@ -87,6 +127,7 @@ def rms_norm(
             out,
             res_out,
             weight,
+            scale,
             eps,
             num_inner,
             x3.stride(0),
@@ -95,19 +136,24 @@ def rms_norm(
             N=n,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            QUANT=quantize,
             num_warps=_warps(block),
             **pdl(x),
         )
+    if quantize:
+        out = (out, scale)
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
 def silu_and_mul_kernel(
     x_ptr,  # [num_rows, 2 * D]
-    out_ptr,  # [num_rows, D]
+    out_ptr,  # [num_rows, D] (QUANT: fp8)
+    scale_ptr,  # [num_rows] float32: each row's fp8 scale (QUANT)
     stride_x,
     D: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # QUANT: the whole row
+    QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_previous_kernel(USE_PDL)
@@ -118,19 +164,33 @@ def silu_and_mul_kernel(
     up = tl.load(x_ptr + row * stride_x + D + offs, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded like F.silu in the model dtype
-    tl.store(out_ptr + row * D + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    store_row(out_ptr + row * D, scale_ptr, row, offs, ok, out, QUANT)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+QUANT_ROW_MAX = 16384  # quantize=True: a row of up to this many values in one program's registers
+
+
+def silu_and_mul(x: torch.Tensor, quantize: bool = False):  # [..., 2 * d] -> [..., d]
+    """silu(gate) * up over [gate | up] halves. quantize (x 2-D, d <= QUANT_ROW_MAX): the rows as (fp8 [M, d],
+    scale [M, 1] float32), quantized per token as fp8_ops.quantize_per_token would quantize the output."""
     d = x.shape[-1] // 2
+    if quantize and (x.dim() != 2 or d > QUANT_ROW_MAX):
+        raise ValueError(
+            f"silu_and_mul(quantize=True) takes 2-D x of up to {2 * QUANT_ROW_MAX} features: x {tuple(x.shape)}"
+        )
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)  # [..., d]
+    out = torch.empty((*x.shape[:-1], d), dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
+    scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device) if quantize else out  # [M, 1]
     if x2.shape[0]:
-        block = min(1024, triton.next_power_of_2(d))
-        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block, **pdl(x2))
-    return out
+        block = triton.next_power_of_2(d) if quantize else min(1024, triton.next_power_of_2(d))
+        warps = _warps(block) if quantize else 4
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, scale, x2.stride(0), D=d, BLOCK=block, QUANT=quantize, num_warps=warps, **pdl(x2)
+        )
+    return (out, scale) if quantize else out
 
 
 @triton.jit

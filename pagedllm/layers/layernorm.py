@@ -12,13 +12,16 @@ from pagedllm.kernels import cpu_kernels, use_triton
 class RMSNorm(nn.Module):
     """reduce_group (set by a model, models/llama.py: defer_reductions): x is a row-parallel layer's partial output,
     summed over the group's ranks here, fused with the residual add and the norm where the group has a kernel for it
-    (Communicator.all_reduce_rms_norm)."""
+    (Communicator.all_reduce_rms_norm). fp8_output_for (set by a model whose norm output goes to one linear layer
+    only: that layer's takes_fp8_input): on CUDA, where it says so for the rows, the norm's kernel returns them
+    quantized (an fp8_ops.QuantizedActivations)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.reduce_group = None  # Communicator | None
+        self.fp8_output_for = None  # Callable[[torch.Tensor], bool] | None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -38,6 +41,10 @@ class RMSNorm(nn.Module):
         if use_triton(x):  # CUDA: one fused Triton kernel
             from pagedllm.kernels.fused_ops import rms_norm
 
+            if self.fp8_output_for is not None and x.dtype == self.weight.dtype and self.fp8_output_for(x):
+                from pagedllm.layers.quantization.fp8_ops import as_quantized
+
+                return as_quantized(rms_norm(x, self.weight, self.eps, residual, quantize=True), x.dtype)
             return rms_norm(x, self.weight, self.eps, residual)
         if cpu_kernels.runs(x):  # CPU: one C pass
             return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)

@@ -191,6 +191,13 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def takes_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether the kernel making this layer's input x may hand it over quantized to fp8 per token (an
+        fp8_ops.QuantizedActivations): the layer's method says so (FP8 with dynamic per-token activations; not
+        LoRA's wrapper, which adds its term on the unquantized input)."""
+        wants = getattr(self.quant_method, "takes_fp8_input", None)
+        return wants is not None and wants(self, x)
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, method={type(self.quant_method).__name__}"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import gated_activation
+from pagedllm.layers.activation import SiluAndMul, gated_activation
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.build_context import current_build_context, stage_layers
 from pagedllm.layers.layernorm import RMSNorm
@@ -109,6 +109,26 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, quant_config, join_prefix(prefix, "mlp"))
         self.input_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
+        self.link_fp8_inputs()
+
+    def link_fp8_inputs(self) -> None:
+        """Where Llama's own forwards run, each norm and the SiLU-and-mul feed one linear layer: an FP8 layer with
+        per-token activations takes its input quantized by their kernels (RMSNorm.fp8_output_for), not by a
+        launch of its own. A family overriding the layer's, its attention's or its MLP's forward, or with another
+        norm, keeps them plain."""
+        attn, mlp = self.self_attn, self.mlp
+        if not (
+            type(self).forward is LlamaDecoderLayer.forward
+            and type(attn).forward is LlamaAttention.forward
+            and type(mlp).forward is LlamaMLP.forward
+        ):
+            return
+        if _plain_norm(self.input_layernorm):
+            self.input_layernorm.fp8_output_for = attn.qkv_proj.takes_fp8_input
+        if _plain_norm(self.post_attention_layernorm):
+            self.post_attention_layernorm.fp8_output_for = mlp.gate_up_proj.takes_fp8_input
+        if type(mlp.act_fn) is SiluAndMul:
+            mlp.act_fn.fp8_output_for = mlp.down_proj.takes_fp8_input
 
     @staticmethod
     def make_mlp(config, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:

@@ -350,8 +350,9 @@ def test_cuda_decode_rows_quantize_in_the_gemv(strategy, activations):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 def test_cuda_mid_batches_take_the_triton_gemm(activations):
-    """Batches in fp8_gemm.TABLE's buckets (17..64 rows) run the Triton GEMM: against torch._scaled_mm on the same
-    quantized activations (both sum exact fp8 products in float32 and round once to bfloat16, then add the bias)."""
+    """Batches in fp8_gemm.TABLE's buckets (17..64 rows) run the Triton GEMM: against the float32 sums of the same
+    fp8 products, scaled and rounded once to bfloat16, then the bias added (torch._scaled_mm cannot be the
+    reference: it needs N divisible by 16, and this layer's 1000 outputs are not)."""
     from pagedllm.layers.quantization.fp8_gemm import gemm_applies
     from pagedllm.layers.quantization.fp8_ops import quantize_activations
 
@@ -360,11 +361,46 @@ def test_cuda_mid_batches_take_the_triton_gemm(activations):
         x = 3 * torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         assert gemm_applies(x, layer.weight), rows
         xq, xs = quantize_activations(x, layer.input_scale)
-        want = (
-            torch._scaled_mm(
-                xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16
-            ).float()
-            + layer.bias.float()
-        )
+        sums = xq.float() @ layer.weight.float().t()  # exact products of fp8 values, summed in float32
+        want = (sums * xs * layer.weight_scale.reshape(1, -1)).to(torch.bfloat16).float() + layer.bias.float()
         got = layer(x).float()
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 1024])  # N % 16: the dequantized matmul / cuBLASLt's at 256 rows
+def test_cuda_norm_and_silu_hand_over_quantized_rows(n):
+    """An RMSNorm or SiLU-and-mul linked to a dynamic per-token FP8 layer (models/llama.py: link_fp8_inputs) hands
+    over fp8 rows and scales for batches the layer would quantize itself (2+ rows): its output is bit-identical to
+    the layer's on the plain rows, on the GEMV (2..16 rows), the Triton GEMM (17..64) and the large-batch paths."""
+    from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.layernorm import RMSNorm
+    from pagedllm.layers.quantization.fp8_ops import QuantizedActivations
+
+    with torch.device("cuda"):
+        layer = L.ColumnParallelLinear(4096, n, True, OneMethod(Fp8LinearMethod("channel", "dynamic")), "proj")
+        norm, act = RMSNorm(4096).to(torch.bfloat16), SiluAndMul()
+    g = torch.Generator().manual_seed(n)
+    q, scale = quantized(torch.randn(n, 4096, generator=g), per_row=True)
+    layer.weight.weight_loader(layer.weight, q)
+    layer.weight_scale.weight_loader(layer.weight_scale, scale)
+    layer.bias.data.copy_(torch.randn(n, generator=g))
+    layer.process_weights_after_loading()
+    norm.weight.data.copy_(1 + 0.2 * torch.randn(4096, generator=g))
+    norm.fp8_output_for = act.fp8_output_for = layer.takes_fp8_input
+    for rows in (1, 2, 17, 64, 256):
+        x = 3 * torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        handed, res = norm(x, residual)
+        assert isinstance(handed, QuantizedActivations) == (rows > 1), rows
+        norm.fp8_output_for = None
+        plain, plain_res = norm(x, residual)
+        norm.fp8_output_for = layer.takes_fp8_input
+        assert torch.equal(res, plain_res)
+        assert torch.equal(layer(handed).view(torch.int16), layer(plain).view(torch.int16)), rows
+        gate_up = torch.randn(rows, 8192, device="cuda", dtype=torch.bfloat16)
+        handed = act(gate_up)
+        act.fp8_output_for = None
+        plain = act(gate_up)
+        act.fp8_output_for = layer.takes_fp8_input
+        assert torch.equal(layer(handed).view(torch.int16), layer(plain).view(torch.int16)), rows

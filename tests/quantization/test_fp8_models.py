@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import TINY_DECODER, save_tiny_decoder
 from tiny_models import our_logits as _our_logits
 
+import pagedllm.layers.quantization.fp8 as fp8_method
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import supported_quantizations
@@ -116,6 +117,12 @@ def test_every_projection_takes_the_fp8_method(fp8_pair):
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert len(linears) == 8
     assert all(type(m.quant_method).__name__ == "Fp8EmulatedMethod" for m in linears)
+    for layer in model.model.layers:  # each norm and the SiLU feed their one linear (taken quantized on CUDA only)
+        attn, mlp = layer.self_attn, layer.mlp
+        assert layer.input_layernorm.fp8_output_for.__self__ is attn.qkv_proj
+        assert layer.post_attention_layernorm.fp8_output_for.__self__ is mlp.gate_up_proj
+        assert mlp.act_fn.fp8_output_for.__self__ is mlp.down_proj
+        assert not mlp.down_proj.takes_fp8_input(torch.zeros(4, mlp.down_proj.input_size))
 
 
 def test_logits_match_the_oracle(fp8_pair, float_model):
@@ -212,9 +219,11 @@ def test_static_checkpoint_without_input_scales(float_model, tmp_path):
     "fmt,method",
     [("at-load", "Fp8ScaledMMMethod"), ("ct-FP8", "Fp8ScaledMMMethod"), ("fp8-block", "Fp8BlockGemmMethod")],
 )
-def test_cuda_fp8_end_to_end(float_model, tmp_path_factory, fmt, method):
+def test_cuda_fp8_end_to_end(float_model, tmp_path_factory, fmt, method, monkeypatch):
     """On CUDA in bfloat16 (CUDA graphs on): every projection on its FP8 GEMM with fp8 weights; logits near the
-    float32 oracle, and the same argmax wherever the oracle's top two logits are 0.1 or more apart."""
+    float32 oracle, and the same argmax wherever the oracle's top two logits are 0.1 or more apart. Per-token
+    activations come quantized from the norms' and SiLU's kernels: the same logits, to the bit, as quantizing them
+    in the layers."""
     engine = dict(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=256)
     llm, oracle = _build(fmt, float_model, tmp_path_factory, engine)
     model = llm.llm_engine.core.executor.runner.model
@@ -225,6 +234,10 @@ def test_cuda_fp8_end_to_end(float_model, tmp_path_factory, fmt, method):
         ref = oracle(torch.tensor([IDS])).logits[0]
     ours = _our_logits(llm, IDS).float()
     torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)
+    if method == "Fp8ScaledMMMethod":
+        monkeypatch.setattr(fp8_method, "FUSE_INPUT_QUANT", False)
+        assert torch.equal(_our_logits(llm, IDS).float(), ours)
+        monkeypatch.undo()
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= 0.1
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
@@ -251,12 +264,15 @@ def test_dummy_weights_quantized_at_load(float_model):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_block_layout_as_transformers_reads_it(float_model, tmp_path):
-    """transformers dequantizes a block-wise "fp8" checkpoint on CPU (weights only): its weights are the ones the
-    reference above takes (weight_scale_inv multiplies, one per [16, 32] block)."""
+def test_block_layout_as_transformers_reads_it(float_model, tmp_path, monkeypatch):
+    """transformers dequantizes a block-wise "fp8" checkpoint where it finds no GPU (weights only; with one it keeps
+    them fp8, so the GPU is hidden from it): its weights are the ones the reference above takes (weight_scale_inv
+    multiplies, one per [16, 32] block)."""
     path = str(tmp_path / "blk")
     write_fp8(float_model[1], path, None, BLOCK)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    monkeypatch.undo()
     ours = dequantized_weights(path)
     name = "model.layers.1.self_attn.k_proj.weight"
     theirs = dict(hf.named_parameters())[name].float()

@@ -23,12 +23,14 @@ from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 from pagedllm.layers.quantization.fp8_block import block_fp8_linear, block_gemm_supported
 from pagedllm.layers.quantization.fp8_gemm import fp8_rowwise_mm, gemm_applies
-from pagedllm.layers.quantization.fp8_gemv import fp8_gemv_linear, gemv_applies
+from pagedllm.layers.quantization.fp8_gemv import FUSE_MAX_M, fp8_gemv, fp8_gemv_linear, gemv_applies
 from pagedllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
+    QuantizedActivations,
     dequantize_weight,
     fake_quantize_activations,
     fp8_linear,
+    fp8_matmul,
     quantize_activations,
     quantize_weight_per_channel,
 )
@@ -38,6 +40,9 @@ WEIGHT_STRATEGIES = ("tensor", "channel", "block")  # a weight scale per project
 ACTIVATION_SCHEMES = ("dynamic", "static", "dynamic-tensor", "dynamic-group", None)
 MERGED_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+# CUDA, activations quantized per token on the fly: the RMSNorm or SiLU-and-mul before the layer writes them as fp8
+# with their scales in its own kernel (Fp8ScaledMMMethod.takes_fp8_input), not a quantization launch of their own
+FUSE_INPUT_QUANT = True
 
 
 def checkpoint_names(prefix: str) -> list[str]:
@@ -216,8 +221,22 @@ class Fp8ScaledMMMethod(LinearMethodVariant):
     def __init__(self, per_tensor_dynamic: bool = False) -> None:
         self.per_tensor_dynamic = per_tensor_dynamic
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether the kernel making x [M, K] may hand it over quantized (a QuantizedActivations): the activations
+        are quantized per token on the fly, and the batch does not take the GEMV that quantizes inside itself."""
+        if layer.input_scale is not None or self.per_tensor_dynamic or not FUSE_INPUT_QUANT:
+            return False
+        return x.dim() == 2 and x.shape[0] > FUSE_MAX_M
+
+    def apply(self, layer: LinearBase, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         n, k = layer.weight.shape
+        if isinstance(x, QuantizedActivations):  # quantized per token by the kernel that made it
+            if gemv_applies(x.q, layer.weight):
+                return fp8_gemv(x.q, x.scale, layer.weight, layer.weight_scale.float(), layer.bias, x.dtype)
+            if gemm_applies(x.q, layer.weight):
+                out = fp8_rowwise_mm(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype)
+                return out if layer.bias is None else out.add_(layer.bias)
+            return fp8_matmul(x.q, x.scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         x2 = x.reshape(-1, k)  # [M, K]
         if gemv_applies(x2, layer.weight):  # decode-sized batches: the bandwidth-bound skinny kernel
             out = fp8_gemv_linear(

@@ -8,6 +8,8 @@ F.linear."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -24,16 +26,7 @@ except ImportError:  # the CPU engine runs without Triton
     triton = None
 
 if triton is not None:
-
-    @triton.jit
-    def fp8_scale_of(amax):
-        """A row's scale from its float32 amax: max(amax / 448, 1 / (448 * 512)), IEEE-rounded as torch divides."""
-        return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
-
-    @triton.jit
-    def fp8_quantize(x, scale):
-        """float32 x / scale clamped to the e4m3 range, as fp8 (IEEE division: torch's rounding to fp8)."""
-        return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
+    from pagedllm.kernels.fused_ops import fp8_quantize, fp8_scale_of
 
     @triton.jit
     def per_token_quant_kernel(
@@ -68,6 +61,24 @@ if triton is not None:
                 cols = start + tl.arange(0, BLOCK)
                 x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
                 tl.store(q_ptr + row * stride_q + cols, fp8_quantize(x, scale), mask=cols < K)
+
+
+class QuantizedActivations(NamedTuple):
+    """A linear layer's input quantized per token by the kernel that made it (fused_ops' RMSNorm or SiLU-and-mul):
+    what the layer's own dynamic per-token quantization would make of the unquantized rows (FP8 methods with
+    `takes_fp8_input`)."""
+
+    q: torch.Tensor  # [M, K] fp8
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the unquantized rows' dtype (the layer's output dtype)
+
+
+def as_quantized(out: tuple, dtype: torch.dtype):
+    """A fused kernel's (fp8 rows, scales) as QuantizedActivations of `dtype` rows; with a residual, its
+    ((fp8 rows, scales), residual) as (QuantizedActivations, residual)."""
+    if isinstance(out[0], tuple):
+        return QuantizedActivations(*out[0], dtype), out[1]
+    return QuantizedActivations(*out, dtype)
 
 
 def quantize_per_token_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None):
@@ -155,12 +166,26 @@ def fp8_linear(
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # [M, K]
     xq, xs = quantize_activations(x2, input_scale, per_tensor_dynamic)  # [M, K] fp8, [M, 1]
-    if x.is_cuda and k % SCALED_MM_ALIGN == 0 and n % SCALED_MM_ALIGN == 0 and x2.shape[0] > 0:
+    return fp8_matmul(xq, xs, weight, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_matmul(
+    xq: torch.Tensor,  # [M, K] fp8
+    xs: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[M, N] in dtype: cuBLASLt's row-wise scaled FP8 GEMM where its shape rules allow, else the dequantized
+    operands through F.linear."""
+    n, k = weight.shape
+    if xq.is_cuda and k % SCALED_MM_ALIGN == 0 and n % SCALED_MM_ALIGN == 0 and xq.shape[0] > 0:
         out = torch._scaled_mm(
             xq, weight.t(), scale_a=xs, scale_b=weight_scale.float().reshape(1, n), out_dtype=torch.bfloat16
-        ).to(x.dtype)  # row-wise scaling writes bfloat16
+        ).to(dtype)  # row-wise scaling writes bfloat16
     else:
-        out = F.linear((xq.float() * xs).to(x.dtype), dequantize_weight(weight, weight_scale, x.dtype))
+        out = F.linear((xq.float() * xs).to(dtype), dequantize_weight(weight, weight_scale, dtype))
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], n)
+    return out
