@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
     # Triton reads TRITON_INTERPRET when a kernel is decorated: set before any test module imports a kernel module
     # (some imports reach Triton early: transformers' model classes import it), so tests/kernels run them interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`-n N`) the workers share the machine's cores: torch's threads split among them (an engine's
+# CPU ranks take their share of the process's threads), so N processes do not run N threads a core.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _XDIST_WORKERS))
 # tests never reach the internet: a repo id that is not cached fails at once (tests of downloads unset it)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,8 +52,48 @@ def vectorize_interpreted_xor_reductions() -> None:
     ops.generic_reduce = reduce
 
 
+def patch_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language for a kernel's launch (inspect.getmembers over tl, tl.math,
+    tl.tensor, ...) and restores it when the launch returns, and patches it again, the same way, at every call of a
+    @triton.jit helper inside the kernel: half of an interpreted sampling kernel's time. A helper whose language
+    modules the running launch has patched already skips that; anything else patches as before."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = interpreter._patch_lang
+    patched: set[int] = set()  # the language modules patched now (ids)
+
+    langs: dict = {}  # function -> the language modules its globals hold (ids)
+
+    def langs_of(fn) -> set[int]:
+        if fn not in langs:
+            langs[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        return langs[fn]
+
+    def patch_lang_once(fn):
+        needed = langs_of(fn)
+        if needed <= patched:
+            return interpreter._LangPatchScope()  # (nothing to restore)
+        scope = patch_lang(fn)
+        added = needed - patched
+        patched.update(added)
+        restore = scope.restore
+
+        def restore_and_forget():  # (a launch's scope; a helper's is never restored, as in Triton)
+            restore()
+            patched.difference_update(added)
+
+        scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = patch_lang_once
+
+
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
     vectorize_interpreted_xor_reductions()
+    patch_language_once_per_launch()
 
 # The slow tier (`pytest -m "not slow"` leaves it out; CI runs it): tests of the bundled real models end to end
 # (their fixtures), the OpenAI server (a real server process each), and the Triton kernels run in Triton's CPU
