@@ -15,7 +15,7 @@ stream).
 
 The activations come in their float dtype and are quantized inside the kernel (no separate launch): every program
 first reads its rows' whole K (a few KB, in L2) for their amax, then rounds each [BLOCK_K, 16] tile to fp8 in
-registers with the per-token kernel's own helpers (fp8_ops.fp8_scale_of, fp8_quantize), so the fp8 activations, and
+registers with the per-token kernel's own helpers (fused_ops.fp8_scale_of, fp8_quantize), so the fp8 activations, and
 the result, are bit-identical to quantizing first. Batches over FUSE_MAX_M rows, and fp8_gemv, take pre-quantized
 activations."""
 
@@ -48,8 +48,7 @@ if triton is not None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from pagedllm.kernels.fused_ops import wait_previous_kernel
-    from pagedllm.layers.quantization.fp8_ops import fp8_quantize, fp8_scale_of
+    from pagedllm.kernels.fused_ops import fp8_quantize, fp8_scale_of, wait_previous_kernel
 
     @triton.jit
     def activation_scales(
