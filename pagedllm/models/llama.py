@@ -109,7 +109,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, quant_config, join_prefix(prefix, "mlp"))
         self.input_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, norm_eps_of(config))
-        self.link_fp8_inputs()
+        if quant_config is not None:  # (unquantized layers never take fp8 input: no check a step)
+            self.link_fp8_inputs()
 
     def link_fp8_inputs(self) -> None:
         """Where Llama's own forwards run, each norm and the SiLU-and-mul feed one linear layer: an FP8 layer with

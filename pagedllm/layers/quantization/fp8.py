@@ -4,8 +4,9 @@
 activations per token on the fly).
 
 On CUDA the weights stay fp8 and each matmul runs through the scaled FP8 GEMM with the activations quantized first
-(fp8_ops.fp8_linear; batches of up to 16 rows: the skinny Triton GEMM of fp8_gemv.py, which quantizes the activations
-itself; the batch sizes fp8_gemm.TABLE holds: its Triton GEMM; block-wise weights: the Triton GEMM of fp8_block.py).
+(fp8_ops.fp8_matmul; batches of up to 16 rows: the skinny Triton GEMM of fp8_gemv.py, which quantizes one-row
+activations itself; the batch sizes fp8_gemm.TABLE holds: its Triton GEMM; block-wise weights: the Triton GEMM of
+fp8_block.py). Activations a norm or SiLU-and-mul quantized already come as fp8_ops.QuantizedActivations.
 Elsewhere the fp8 weights are dequantized to the compute dtype once, at load, and take the dense path, with the
 activations rounded to their fp8 values first: the same numbers the GEMM computes with (and that transformers
 computes with on a compressed-tensors checkpoint)."""
@@ -23,13 +24,12 @@ from pagedllm.layers.linear import DENSE, LinearBase, new_param, pack_dense
 from pagedllm.layers.quantization.base import LinearMethod, LinearMethodVariant, QuantizationConfig
 from pagedllm.layers.quantization.fp8_block import block_fp8_linear, block_gemm_supported
 from pagedllm.layers.quantization.fp8_gemm import fp8_rowwise_mm, gemm_applies
-from pagedllm.layers.quantization.fp8_gemv import FUSE_MAX_M, fp8_gemv, fp8_gemv_linear, gemv_applies
+from pagedllm.layers.quantization.fp8_gemv import FUSE_MAX_M, fp8_gemv, fp8_gemv_fused, gemv_applies
 from pagedllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     QuantizedActivations,
     dequantize_weight,
     fake_quantize_activations,
-    fp8_linear,
     fp8_matmul,
     quantize_activations,
     quantize_weight_per_channel,
@@ -229,27 +229,27 @@ class Fp8ScaledMMMethod(LinearMethodVariant):
         return x.dim() == 2 and x.shape[0] > FUSE_MAX_M
 
     def apply(self, layer: LinearBase, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
-        n, k = layer.weight.shape
         if isinstance(x, QuantizedActivations):  # quantized per token by the kernel that made it
-            if gemv_applies(x.q, layer.weight):
-                return fp8_gemv(x.q, x.scale, layer.weight, layer.weight_scale.float(), layer.bias, x.dtype)
-            if gemm_applies(x.q, layer.weight):
-                out = fp8_rowwise_mm(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype)
-                return out if layer.bias is None else out.add_(layer.bias)
-            return fp8_matmul(x.q, x.scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+            return self.apply_quantized(layer, x)
+        n, k = layer.weight.shape
         x2 = x.reshape(-1, k)  # [M, K]
-        if gemv_applies(x2, layer.weight):  # decode-sized batches: the bandwidth-bound skinny kernel
-            out = fp8_gemv_linear(
-                x2, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic
-            )
-            return out.reshape(*x.shape[:-1], n)
-        if gemm_applies(x2, layer.weight):  # mid-sized batches: the Triton GEMM where it measured faster
-            xq, xs = quantize_activations(x2, layer.input_scale, self.per_tensor_dynamic)
-            out = fp8_rowwise_mm(xq, xs, layer.weight, layer.weight_scale, x.dtype)
-            if layer.bias is not None:
-                out += layer.bias
-            return out.reshape(*x.shape[:-1], n)
-        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias, self.per_tensor_dynamic)
+        if gemv_applies(x2, layer.weight) and x2.shape[0] <= FUSE_MAX_M and not self.per_tensor_dynamic:
+            out = fp8_gemv_fused(x2, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)  # quantizes too
+        else:
+            xq, xs = quantize_activations(x2, layer.input_scale, self.per_tensor_dynamic)  # [M, K] fp8, [M, 1]
+            out = self.apply_quantized(layer, QuantizedActivations(xq, xs, x.dtype))
+        return out.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def apply_quantized(layer: LinearBase, x: QuantizedActivations) -> torch.Tensor:
+        """[M, N] from fp8 rows: decode-sized batches on the bandwidth-bound skinny kernel, mid-sized ones on the
+        Triton GEMM where it measured faster, the rest on cuBLASLt's (or the dequantized matmul)."""
+        if gemv_applies(x.q, layer.weight):
+            return fp8_gemv(x.q, x.scale, layer.weight, layer.weight_scale.float(), layer.bias, x.dtype)
+        if gemm_applies(x.q, layer.weight):
+            out = fp8_rowwise_mm(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype)
+            return out if layer.bias is None else out.add_(layer.bias)
+        return fp8_matmul(x.q, x.scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
 
 
 class Fp8BlockGemmMethod(LinearMethodVariant):
