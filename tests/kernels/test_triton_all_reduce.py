@@ -7,10 +7,12 @@ tests/distributed/test_collectives.py."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +66,45 @@ class Ranks:
         return all(bool((b.view(torch.int16) == ar.EMPTY_16.value).all()) for b in self.buffers)
 
 
+def _one_access_an_element() -> None:
+    """Interpreted loads and stores that read and write each element with one access of its width, as a GPU's do.
+    The interpreter copies an element with memcpy, which glibc does for two bytes as a byte and a word: a load may
+    take its low byte before a peer's store and its high byte after (an EMPTY slot read as a half-arrived value), and
+    a store writes its low byte twice (once more after the reader may have refilled the slot)."""
+    from triton.runtime import interpreter
+
+    def elements(addrs: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+        base = int(addrs.min())
+        offsets = addrs - np.uint64(base)
+        assert base % itemsize == 0 and not (offsets % np.uint64(itemsize)).any()
+        span = int(offsets.max()) + itemsize
+        memory = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base)).view(f"u{itemsize}")
+        return memory, (offsets // np.uint64(itemsize)).astype(np.intp)
+
+    def load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile):
+        dtype = ptrs.get_element_ty()
+        np_dtype = interpreter._get_np_dtype(dtype)
+        shape = ptrs.data.shape
+        out = np.zeros(shape, np_dtype) if other is None else np.array(np.broadcast_to(other.data, shape), np_dtype)
+        m = np.broadcast_to(mask.data, shape).astype(bool)
+        if m.any():
+            itemsize = out.itemsize
+            memory, idx = elements(ptrs.data[m], itemsize)
+            out.view(f"u{itemsize}")[m] = memory[idx]
+        return interpreter.TensorHandle(out, dtype)
+
+    def store(self, ptrs, value, mask, cache_modifier, eviction_policy):
+        shape = ptrs.data.shape
+        m = np.broadcast_to(mask.data, shape).astype(bool)
+        if m.any():
+            values = np.ascontiguousarray(np.broadcast_to(value.data, shape)[m])
+            memory, idx = elements(ptrs.data[m], values.itemsize)
+            memory[idx] = values.view(f"u{values.itemsize}")
+
+    interpreter.InterpreterBuilder.create_masked_load = load
+    interpreter.InterpreterBuilder.create_masked_store = store
+
+
 def _tensor(dtype: torch.dtype, shape: torch.Size, data: bytes) -> torch.Tensor:
     if not data:
         return torch.empty(shape, dtype=dtype)
@@ -72,6 +113,7 @@ def _tensor(dtype: torch.dtype, shape: torch.Size, data: bytes) -> torch.Tensor:
 
 def _rank_main(ranks: Ranks, fn, rank: int, queue) -> None:
     try:
+        _one_access_an_element()
         ptrs = torch.tensor([b.data_ptr() for b in ranks.buffers], dtype=torch.int64)
         out = fn(rank, ptrs, ranks.calls[rank])
         queue.put((rank, [(t.dtype, t.shape, t.contiguous().view(torch.uint8).numpy().tobytes()) for t in out]))
