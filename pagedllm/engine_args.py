@@ -348,11 +348,6 @@ class EngineArgs(CompatArgs):
 
         if model.model_impl != "pagedllm":
             raise ValueError(f"enable_lora=True: model_impl={model.model_impl!r} has no LoRA layers (use 'pagedllm')")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"enable_lora=True: pipeline_parallel_size={self.pipeline_parallel_size}: LoRA with "
-                "pipeline_parallel_size > 1 is not supported yet (tensor_parallel_size is)"
-            )
         if self.fully_sharded_loras and self.tensor_parallel_size == 1:
             logger.info("fully_sharded_loras has no effect with tensor_parallel_size=1")
         return LoRAConfig(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -16,17 +17,25 @@ from pagedllm.lora.peft_adapter import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 
 
-def make_lora_manager(config, model: nn.Module, device: torch.device) -> LoRAManager | None:
-    """The runner's LoRAManager for an EngineConfig (None: LoRA is off)."""
+def make_lora_manager(config, model: nn.Module, device: torch.device, context=None) -> LoRAManager | None:
+    """The runner's LoRAManager for an EngineConfig (None: LoRA is off); context: the BuildContext the model was
+    built with (with pipeline stages, adapters are checked against every stage's layers: a meta-device copy)."""
     if config.lora is None:
         return None
-    return LoRAManager(model, config.lora, config.lora.lora_dtype or config.model.dtype, device)
+    whole = None
+    if context is not None and context.pp_size > 1:
+        from pagedllm.model_loader.loader import build_model
+
+        whole = build_model(config.model, torch.device("meta"), replace(context, pp_rank=0, pp_size=1))
+    return LoRAManager(model, config.lora, config.lora.lora_dtype or config.model.dtype, device, whole)
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device, whole=None
+    ) -> None:
         self.config, self.device = config, device
-        self.lora_model = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device)
+        self.lora_model = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, whole)
         self.requests: dict[int, LoRARequest] = {}  # lora_int_id -> its request (the adapter's folder)
         self.host: OrderedDict[int, SlotWeights] = OrderedDict()  # host copies, least recently used first
         self.slot_ids: list[int | None] = [None] * config.max_loras  # slot -> the adapter id it holds

@@ -15,7 +15,13 @@ SlotWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoRAModel:
-    def __init__(self, model: nn.Module, max_loras: int, rank: int, dtype: torch.dtype, device) -> None:
+    """model: this rank's; whole: the same model with every pipeline stage's layers, on the meta device (None: one
+    stage), against which adapters are checked, so that every stage refuses an adapter that does not fit any stage
+    (the driver checks it when it is added; the others load only their own layers' parts)."""
+
+    def __init__(
+        self, model: nn.Module, max_loras: int, rank: int, dtype: torch.dtype, device, whole: nn.Module | None = None
+    ) -> None:
         self.rank, self.dtype = rank, dtype
         self.architecture = type(model).__name__
         self.stacked = getattr(model, "stacked", STACKED_PARAMS)
@@ -29,8 +35,16 @@ class LoRAModel:
             if isinstance(module, LinearBase) and not name.startswith(skip):
                 module.lora = self.layers[name] = LoRALayerWeights(module, max_loras, rank, dtype, device)
                 module.quant_method = LoRALinearMethod(module.quant_method, side)
+        # every stage's layers (their shapes on the meta device), which adapters are checked against
+        self.checked = self.layers
+        if whole is not None:
+            self.checked = {
+                name: LoRALayerWeights(module, 1, rank, dtype, "meta")
+                for name, module in whole.named_modules()
+                if isinstance(module, LinearBase) and not name.startswith(skip)
+            }
         # the module names an adapter may target (the checkpoint's: q_proj ... as well as ours)
-        self.target_names = {name.rsplit(".", 1)[-1] for name in self.layers}
+        self.target_names = {name.rsplit(".", 1)[-1] for name in self.checked}
         self.target_names |= {
             theirs.strip(".") for ours, theirs, _ in self.stacked if ours.strip(".") in self.target_names
         }
@@ -43,7 +57,7 @@ class LoRAModel:
             name = self.rename(name) if self.rename is not None else name
             name, shard_id = stacked_name(f".{name}", self.stacked)  # (the entries match ".q_proj." with its dots)
             name = name[1:].removesuffix(".weight")
-            layer = self.layers.get(name)
+            layer = self.checked.get(name)
             if layer is not None and shard_id in layer.shard_ids:
                 return name, layer.shard_ids.index(shard_id)
         return None
@@ -71,7 +85,7 @@ class LoRAModel:
                     f"{self.architecture} (LoRA applies to {sorted(self.target_names)})"
                 )
             name, index = located
-            layer = self.layers[name]
+            layer = self.checked[name]
             start, rows = layer.slices[index]
             part = layer.rank_part(index, a, b)  # (this rank's, with tensor parallelism)
             if part is None:
@@ -80,6 +94,8 @@ class LoRAModel:
                     f"the base model's layer takes [r, {layer.full_input}] and [{layer.full_rows[index]}, r] "
                     "(another base model?)"
                 )
+            if name not in self.layers:  # another pipeline stage's layer (checked above)
+                continue
             a, b = part
             if name not in out:
                 num_slices = len(layer.slices)

@@ -119,13 +119,7 @@ def get_model(model_config: ModelConfig, device: torch.device, context: BuildCon
             "parallelism in pagedllm yet"
         )
     quant_config = quant_config_of(model_config)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        with torch.device(device), building(context):
-            model = cls(model_config.hf_config, quant_config, max_position=model_config.max_model_len)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_model(model_config, device, context, quant_config)
     if model_config.load_format == "dummy":
         W.dummy_init(model, model_config.seed)
     else:
@@ -140,6 +134,21 @@ def get_model(model_config: ModelConfig, device: torch.device, context: BuildCon
             module.process_weights_after_loading()
     logger.info("%s", weights_summary(model))
     return model.eval()
+
+
+def build_model(model_config: ModelConfig, device: torch.device, context: BuildContext, quant_config=None) -> nn.Module:
+    """The model's modules for `context`'s shard on `device`, weights not loaded (on the meta device: the layers'
+    names and shapes alone, as LoRA checks an adapter against the stages other ranks hold). quant_config: the one
+    the weights will be loaded with (default: the model's own)."""
+    cls = get_model_class(model_config.architecture, model_config.model_impl)
+    quant_config = quant_config if quant_config is not None else quant_config_of(model_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device), building(context):
+            return cls(model_config.hf_config, quant_config, max_position=model_config.max_model_len)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def weights_summary(model: nn.Module) -> str:

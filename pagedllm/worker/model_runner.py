@@ -102,8 +102,9 @@ class ModelRunner:
     def _build_model(self, max_blocks: int) -> None:
         config = self.config
         with self.startup.phase("weights"):
-            self.model = get_model(config.model, self.device, self.groups.build_context())
-        self.lora = make_lora_manager(config, self.model, self.device)  # None: LoRA is off
+            context = self.groups.build_context()
+            self.model = get_model(config.model, self.device, context)
+        self.lora = make_lora_manager(config, self.model, self.device, context)  # None: LoRA is off
         with self.startup.phase("compile"):
             self.backend = get_backend(config.device.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

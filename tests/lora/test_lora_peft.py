@@ -186,10 +186,13 @@ def test_graph_path_matches_peft(lora_family, lora_llm, monkeypatch):
         assert logprobs == pytest.approx(ref_logprobs, abs=1e-4), (name, prompt)
 
 
-def test_tensor_parallel_matches_one_rank_and_peft(lora_family, lora_llm):
-    """TP=2 over two CPU processes (gloo): B cut by output rows in column-parallel layers (q/k/v, gate/up), A by
-    input features in row-parallel ones (o, down): the same tokens as PEFT and the logprobs of one rank."""
-    _, base_path, _, _ = lora_family
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=str)
+def test_parallel_ranks_match_one_rank_and_peft(lora_family, lora_llm, parallel, tmp_path):
+    """Over two CPU processes (gloo). TP=2: B cut by output rows in column-parallel layers (q/k/v, gate/up), A by
+    input features in row-parallel ones (o, down). PP=2: each stage loads its own layers' parts; an adapter whose
+    module does not fit a layer of the second stage is refused when it is added (the driver holds the first stage),
+    and the engine keeps serving. The same tokens as PEFT and the logprobs of one rank."""
+    _, base_path, _, adapters = lora_family
     reqs = lora_requests(lora_family)
     rows = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate([*reqs, None])]
     prompts = [{"prompt_token_ids": p} for _, p in rows]
@@ -197,9 +200,13 @@ def test_tensor_parallel_matches_one_rank_and_peft(lora_family, lora_llm):
     one = lora_llm.generate(prompts, SP, use_tqdm=False, lora_request=loras)
     llm = LLM(
         base_path, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22,
-        enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=8, tensor_parallel_size=2,
+        enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=8, **parallel,
     )  # fmt: skip
     try:
+        if "pipeline_parallel_size" in parallel:
+            bad = LoRARequest("bad", 99, _last_layer_widened(adapters["all"][0], tmp_path / "bad"))
+            with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.q_proj.*another base model"):
+                llm.generate(prompts[:1], SP, use_tqdm=False, lora_request=bad)
         two = llm.generate(prompts, SP, use_tqdm=False, lora_request=loras)
     finally:
         llm.llm_engine.shutdown()
@@ -208,6 +215,15 @@ def test_tensor_parallel_matches_one_rank_and_peft(lora_family, lora_llm):
         assert tokens_and_logprobs(b)[1] == pytest.approx(tokens_and_logprobs(a)[1], abs=1e-4), (name, prompt)
 
 
-def test_pipeline_parallel_is_refused(lora_family):
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
-        LLM(lora_family[1], device="cpu", skip_tokenizer_init=True, enable_lora=True, pipeline_parallel_size=2)
+def _last_layer_widened(path: str, out) -> str:
+    """A copy of the adapter at `path` whose last layer's q_proj A takes twice the base model's input features."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "layers.1.self_attn.q_proj.lora_A" in k)
+    tensors[key] = torch.cat([tensors[key], tensors[key]], dim=1)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return str(out)
