@@ -1,6 +1,6 @@
 """LoRA on the GPU: a batch mixing 4 adapters and base rows decodes through the CUDA graphs (captured with the LoRA
-path on) and gives PEFT's merged-model tokens and the eager engine's logprobs; with TP=2 too (on 2 GPUs). Skipped
-without CUDA."""
+path on) and gives PEFT's merged-model tokens and the eager engine's logprobs; with TP=2 and PP=2 too (on 2
+GPUs). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ def test_mixed_adapters_replay_graphs_and_match_peft(lora_family):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tensor_parallel_graphs_match_peft(lora_family):
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=str)
+def test_parallel_graphs_match_peft(lora_family, parallel):
     rows, reqs = _rows(lora_family)
-    outs, replays = _generate(lora_family[1], rows, reqs, tensor_parallel_size=2)
+    outs, replays = _generate(lora_family[1], rows, reqs, **parallel)
     assert replays > 0
     _assert_peft_tokens(lora_family, rows, outs)
 
