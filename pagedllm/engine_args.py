@@ -259,6 +259,12 @@ class EngineArgs(CompatArgs):
         elif speculative is not None and speculative.method in ("eagle", "eagle3"):
             from pagedllm.spec_decode.eagle import eagle_model_config
 
+            if parallel.world_size > 1:  # (the head shares the target's vocabulary-parallel embedding and LM head)
+                raise ValueError(
+                    f"speculative_config method {speculative.method!r} runs on one rank: use tensor_parallel_size=1 "
+                    "and pipeline_parallel_size=1 with it (the draft_model and ngram methods work with tensor and "
+                    "pipeline parallelism)"
+                )
             speculative.draft_model_config = eagle_model_config(speculative, model)
         if device.type == "cpu":
             bind_cpu_threads()  # VLLM_CPU_OMP_THREADS_BIND, before the model loads

@@ -69,6 +69,16 @@ class RanksExecutor:
         request with it reaches them. False if it was known."""
         return self.driver.runner.add_lora(lora_request)
 
+    def propose(self, token_ids: dict[str, list[int]]):
+        """Drafts from the driver's draft model; its first-stage peers take them in a broadcast after the request ids
+        reach them (spec_decode/shared_drafts.py)."""
+        self._post("propose", list(token_ids))
+        return self.driver.runner.drafter.propose(token_ids)
+
+    def _post(self, method: str, *args) -> None:
+        """Calls `method` on every other rank without an answer."""
+        raise NotImplementedError
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call("initialize_kv_cache", num_blocks)
 
@@ -189,6 +199,15 @@ class MultiprocExecutor(RanksExecutor):
     def _check(self) -> None:
         if self.failure is not None:
             raise WorkerFailed(f"a tensor/pipeline-parallel worker failed: {self.failure}")
+
+    def _post(self, method: str, *args) -> None:
+        self._check()
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(message)
+        except BaseException as e:
+            raise self._error(e) from e
 
     def launch(self, scheduler_output: SchedulerOutput) -> GuardedFuture:
         self._check()

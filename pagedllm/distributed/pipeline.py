@@ -139,7 +139,7 @@ def pipeline_step(runner, so: SchedulerOutput):
         runner._run_model(runner._prepare_inputs(so), None)
         return Finished(ModelRunnerOutput({}))
     plan = runner.plan_step(so)
-    final = runner._run_model(plan.flat, None if plan.spec else runner._late_inputs(plan.flat))
+    final = runner._run_model(plan.flat, plan.late if plan.spec else runner._late_inputs(plan.flat))
     return PendingStep(runner, plan, final)
 
 

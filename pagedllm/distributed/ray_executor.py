@@ -247,6 +247,10 @@ class RayExecutor(RanksExecutor):
         except BaseException as e:
             raise self._error(e) from e
 
+    def _post(self, method: str, *args) -> None:
+        self.poll()
+        self.inflight.extend(a.call.remote(method, *args) for a in self.actors)
+
     def launch(self, scheduler_output: SchedulerOutput) -> RayStepFuture:
         self.poll()
         try:

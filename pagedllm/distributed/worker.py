@@ -105,6 +105,12 @@ class Worker:
             self.pending = future
         return future
 
+    def propose(self, req_ids: list[str]) -> None:
+        """A follower's part of a proposal: the driver's drafts for these requests, received after this rank's last
+        step (whose collectives come first), kept for the verify step (spec_decode/shared_drafts.py)."""
+        self.commit_pending()
+        self.runner.drafter.propose(dict.fromkeys(req_ids))
+
     def apply(self, fn, *args):
         """fn(runner, *args) on this rank's runner, its result (a tool or test adjusting or reading every rank)."""
         return fn(self.runner, *args)
@@ -158,8 +164,8 @@ def die_with_parent() -> None:
 def serve(conn: Connection) -> None:
     """A follower's loop: the first message builds the worker (answered twice: once started, so that the ranks
     meet in the groups' rendezvous at about the same time, once built); then each message is (method, args);
-    "launch" and "finish" get no answer, the others get ("ok", result) or ("error", traceback). Ends when the
-    engine hangs up."""
+    "launch", "finish" and "propose" get no answer, the others get ("ok", result) or ("error", traceback). Ends when
+    the engine hangs up."""
     try:
         config, spec = conn.recv()
         warm_cpu_kernels(config.device.device)
@@ -178,7 +184,7 @@ def serve(conn: Connection) -> None:
             break
         try:
             result = getattr(worker, method)(*args)
-            if method not in ("launch", "finish"):
+            if method not in ("launch", "finish", "propose"):
                 conn.send(("ok", result))
         except BaseException:
             conn.send(("error", f"rank {spec.info.rank}: {traceback.format_exc()}"))

@@ -29,6 +29,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     max_model_len: int | None = None  # no drafts for a request whose tokens and drafts would pass this length
     model: str | None = None  # the draft model or EAGLE head (methods in MODEL_METHODS): a local folder or hub name
+    # ranks the draft model is split over: 1 only (the driver runs it whole; spec_decode/shared_drafts.py)
+    draft_tensor_parallel_size: int | None = None
     # the draft's resolved ModelConfig, built with the target's (EngineArgs); not a user field
     draft_model_config: Any = field(default=None, init=False, repr=False)
 
@@ -67,6 +69,15 @@ class SpeculativeConfig:
             _positive("disable_by_batch_size", self.disable_by_batch_size)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                f"speculative_config draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: the draft model "
+                "runs whole on the first rank (allowed: 1), its drafts shared with the other ranks"
+            )
+        if self.draft_tensor_parallel_size is not None and self.method != "draft_model":
+            raise ValueError(
+                f"speculative_config draft_tensor_parallel_size applies to method='draft_model', not {self.method!r}"
+            )
 
     @classmethod
     def from_user(

@@ -43,6 +43,7 @@ from pagedllm.model_loader.resolve import resolve_model
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from pagedllm.spec_decode.device_drafts import DeviceDrafts
+from pagedllm.spec_decode.shared_drafts import ReceivedDrafts, drafts_peers, share_drafts
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.verify_graphs import pick_graph
 
@@ -82,11 +83,8 @@ def make_drafter(config: EngineConfig, runner) -> DraftModelProposer | None:
     spec = config.speculative_config
     if spec is None or spec.method not in MODEL_METHODS:
         return None
-    if config.parallel.world_size > 1:
-        raise ValueError(
-            f"speculative_config method {spec.method!r} runs on one rank: use tensor_parallel_size=1 and "
-            "pipeline_parallel_size=1 with it (the n-gram method works with tensor parallelism)"
-        )
+    if not runner.is_driver:  # the driver's drafts, received (spec_decode/shared_drafts.py)
+        return ReceivedDrafts(runner, spec.num_speculative_tokens)
     if spec.method != "draft_model":
         from pagedllm.spec_decode.eagle import EagleProposer
 
@@ -147,7 +145,8 @@ class DraftModelProposer:
         self.max_model_len = config.model.max_model_len
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.model_config = spec.draft_model_config
-        self.model = get_model(self.model_config, self.device)
+        self.model = get_model(self.model_config, self.device)  # on the driver alone, whole (shared_drafts.py)
+        self.peers = drafts_peers(runner)  # the ranks the drafts are broadcast to (None: one rank a stage)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         max_rows = len(runner.batch.generation)
         self.valid = np.zeros(max_rows, dtype=np.int64)  # [rows] leading positions whose draft KV is cached
@@ -216,6 +215,8 @@ class DraftModelProposer:
             self.pending = DeviceDrafts(ids, drafts)
             self._record_fed(rows[sel][keep], num_tokens[sel][keep])
             out = self.pending
+        if self.peers is not None:
+            share_drafts(self.peers, list(token_ids), out, self.k, self.device)
         self.seconds += time.perf_counter() - start_time
         return out
 

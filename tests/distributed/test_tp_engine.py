@@ -1,6 +1,6 @@
 """The engine's features under tensor and pipeline parallelism: TP=2, PP=2 and TP=2 x PP=2 over CPU processes
 (gloo, float32) give the same tokens and logprobs as one process, with prefix caching, chunked prefill, preemption,
-n > 1, logprobs, prompt logprobs, seeded sampling, async scheduling and n-gram speculation."""
+n > 1, logprobs, prompt logprobs, seeded sampling, async scheduling and n-gram and draft-model speculation."""
 
 from __future__ import annotations
 
@@ -119,6 +119,30 @@ def test_prompt_logprobs_and_tp2_pp2(layout, llama_path):
             np.testing.assert_allclose([v.logprob for v in pa.values()], [v.logprob for v in pb.values()], atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2), pytest.param((2, 2), marks=pytest.mark.slow)], ids=str)
+def test_draft_model_over_parallel_ranks(layout, llama_path):
+    """The driver's draft model (the target itself: its drafts are the target's tokens) with TP=2, PP=2 and
+    TP=2 x PP=2: the tokens and logprobs of one process without speculation, the greedy drafts all accepted. With
+    presence penalties the ranks read the broadcast drafts on the host (a penalized request's penalties count them;
+    the draft's greedy tokens then miss the penalized target's more often)."""
+    spec = {"method": "draft_model", "model": llama_path, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, *_prompts(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5, logprobs=1)
+    tp, pp = layout
+    llm = LLM(llama_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, speculative_config=spec, **ENGINE)
+    try:
+        for params in (greedy, penalized):
+            sched = llm.llm_engine.core.scheduler
+            before = sched.num_draft_tokens, sched.num_accepted_tokens
+            got = llm.generate(prompts, params, use_tqdm=False)
+            drafts, accepted = sched.num_draft_tokens - before[0], sched.num_accepted_tokens - before[1]
+            assert 0 < accepted and (accepted == drafts or params is penalized), (drafts, accepted)
+            _assert_same(_run(llama_path, (1, 1), params, prompts)[0], got)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_tp_size_checks(llama_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         LLM(llama_path, tensor_parallel_size=0, **ENGINE)
@@ -128,6 +152,9 @@ def test_tp_size_checks(llama_path):
         LLM(llama_path, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds num_hidden_layers=3"):
         LLM(llama_path, pipeline_parallel_size=4, **ENGINE)
+    eagle = {"method": "eagle", "model": "some/EAGLE-head", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="method 'eagle' runs on one rank"):
+        LLM(llama_path, tensor_parallel_size=2, speculative_config=eagle, **ENGINE)
 
 
 def test_stage_layers_split():

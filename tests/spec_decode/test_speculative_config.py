@@ -46,6 +46,14 @@ def test_lookup_bounds_default_from_each_other():
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 must"),
         ({"num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size=-1"),
         ({"num_speculative_tokens": 2, "lookup": 3}, r"unknown field\(s\) \['lookup'\]"),
+        (
+            {"method": "draft_model", "model": "a/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            r"draft_tensor_parallel_size=2: the draft model runs whole on the first rank \(allowed: 1\)",
+        ),
+        (
+            {"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "applies to method='draft_model', not 'ngram'",
+        ),
         ("ngram", "must be a dict"),
     ],
 )
