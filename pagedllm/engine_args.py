@@ -259,11 +259,11 @@ class EngineArgs(CompatArgs):
         elif speculative is not None and speculative.method in ("eagle", "eagle3"):
             from pagedllm.spec_decode.eagle import eagle_model_config
 
-            if parallel.world_size > 1:  # (the head shares the target's vocabulary-parallel embedding and LM head)
+            if parallel.pipeline_parallel_size > 1:  # (it reads the target's hidden states on the first stage)
                 raise ValueError(
-                    f"speculative_config method {speculative.method!r} runs on one rank: use tensor_parallel_size=1 "
-                    "and pipeline_parallel_size=1 with it (the draft_model and ngram methods work with tensor and "
-                    "pipeline parallelism)"
+                    f"speculative_config method {speculative.method!r} runs with one pipeline stage: use "
+                    "pipeline_parallel_size=1 with it (tensor parallelism works; the draft_model and ngram methods "
+                    "take pipeline parallelism too)"
                 )
             speculative.draft_model_config = eagle_model_config(speculative, model)
         if device.type == "cpu":

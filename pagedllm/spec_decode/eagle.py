@@ -14,7 +14,12 @@ blocks after the shared ones; the next step's record rewrites them from the targ
 
 A row that missed a step's record (none for the positions before its newest token) does not propose; positions the
 draft never saw (a prefix-cache hit on blocks another request filled) keep what that request wrote there: drafts are
-only proposals, so this changes the acceptance, never the output."""
+only proposals, so this changes the acceptance, never the output.
+
+With tensor parallelism the driver alone runs the head, on whole copies of the target's embedding and LM head (their
+rank shards gathered once, at start; the other ranks take part in the gathers and mirror EAGLE-3's layer hooks, so
+that every rank's target runs the same collectives), and shares its drafts as a draft model does
+(spec_decode/shared_drafts.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.device import to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_loader import weights as W
 from pagedllm.model_loader.loader import load_hf_config
 from pagedllm.model_loader.resolve import resolve_model
@@ -44,6 +50,7 @@ from pagedllm.spec_decode.draft_model import (
     scratch_block_tables,
 )
 from pagedllm.spec_decode.eagle_model import EagleHead, aux_layer_ids
+from pagedllm.spec_decode.shared_drafts import drafts_peers, share_drafts
 from pagedllm.worker.verify_graphs import pick_graph
 
 
@@ -67,8 +74,9 @@ def eagle_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     )  # fmt: skip
 
 
-def load_head(model_config: ModelConfig, target: torch.nn.Module, device: torch.device) -> EagleHead:
-    """The head with its checkpoint's weights (or dummy ones), sharing the target's embedding / LM head."""
+def load_head(model_config: ModelConfig, target: torch.nn.Module, device: torch.device, peers=None) -> EagleHead:
+    """The head with its checkpoint's weights (or dummy ones), sharing the target's embedding / LM head (whole
+    copies of them where `peers`, the target's tensor-parallel group, splits them)."""
     eagle3 = model_config.architecture == "eagle3"
     if not hasattr(target, "model_attr") or not hasattr(target, "head_attr"):
         raise ValueError(f"speculative_config method {model_config.architecture!r} needs a decoder-only target model")
@@ -94,8 +102,59 @@ def load_head(model_config: ModelConfig, target: torch.nn.Module, device: torch.
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     decoder = getattr(target, target.model_attr)
-    head.share(decoder.get_submodule(target.embedding_attr), getattr(target, target.head_attr))
+    embedding, lm_head = decoder.get_submodule(target.embedding_attr), getattr(target, target.head_attr)
+    if peers is not None:
+        embedding, lm_head = whole_vocab_tables(target, peers, device)
+    head.share(embedding, lm_head)
     return head.eval()
+
+
+def whole_vocab_tables(target: torch.nn.Module, peers, device: torch.device):
+    """(embedding, LM head) of one rank holding the whole vocabulary, from the target's shards gathered over `peers`
+    (every rank of the group calls this, in the same order)."""
+    decoder = getattr(target, target.model_attr)
+    shards, head = decoder.get_submodule(target.embedding_attr), getattr(target, target.head_attr)
+    with torch.device(device):  # (outside a build context: one rank's modules)
+        embedding = VocabParallelEmbedding(shards.vocab_size, shards.weight.shape[1])
+        lm_head = ParallelLMHead(head.vocab_size, shards.weight.shape[1])
+    embedding.weight.data.copy_(_gathered(shards, peers))
+    if head.tied:
+        lm_head.tie(embedding)
+    else:
+        lm_head.weight.data.copy_(_gathered(head, peers))
+    lm_head.process_weights_after_loading()
+    return embedding, lm_head
+
+
+def _gathered(table: VocabParallelEmbedding, peers) -> torch.Tensor:
+    """The whole [vocab, hidden] table from each rank's rows."""
+    whole = peers.all_gather(table.weight.t().contiguous())  # [hidden, ranks * rows_per_rank]
+    return whole.t()[: table.vocab_size]
+
+
+def follow_head(config: EngineConfig, runner) -> None:
+    """A follower rank's part of the driver's EAGLE head: the vocabulary gathers, and EAGLE-3's layer hooks."""
+    spec = config.speculative_config
+    whole_vocab_tables(runner.model, drafts_peers(runner), runner.device)
+    if spec.draft_model_config.architecture == "eagle3":
+        hook_aux_layers(spec.draft_model_config, runner.model, config, runner.device)
+
+
+def hook_aux_layers(model_config: ModelConfig, target: torch.nn.Module, config: EngineConfig, device) -> None:
+    """EAGLE-3 reads three of the target's layers: its decoder copies them into a buffer each forward."""
+    decoder = getattr(target, target.model_attr)
+    if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
+        raise ValueError(
+            f"speculative_config method 'eagle3' needs a Llama-family target; {config.model.architecture} "
+            "does not expose its layers' hidden states"
+        )
+    ids = aux_layer_ids(model_config.hf_config, len(decoder.layers))
+    rows = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    decoder.aux_hidden_state_layers = ids
+    decoder.defer_reductions()  # the copied layers' inputs must be whole sums
+    decoder.aux_hidden_states = torch.zeros(  # [max tokens, 3 * target H]
+        rows, 3 * target.config.hidden_size, dtype=config.model.dtype, device=device
+    )
 
 
 @dataclass
@@ -120,10 +179,11 @@ class EagleProposer:
         self.device, self.backend = runner.device, runner.backend
         self.block_size, self.max_model_len = config.cache.block_size, config.model.max_model_len
         self.model_config = spec.draft_model_config
-        self.model = load_head(self.model_config, runner.model, self.device)
+        self.peers = drafts_peers(runner)  # the ranks the drafts are broadcast to (None: one rank)
+        self.model = load_head(self.model_config, runner.model, self.device, self.peers)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if self.model.eagle3:
-            self._hook_aux_layers(runner.model, config)
+            hook_aux_layers(self.model_config, runner.model, config, self.device)
         max_rows, h = len(runner.batch.generation), self.model_config.hf_config.hidden_size
         dtype = self.model_config.dtype
         # per row: the draft's outputs at the last position it computed (for the logits, for the next step)
@@ -140,22 +200,6 @@ class EagleProposer:
         self.seconds = 0.0  # time spent in the head (for the benchmark's step split)
         self.graphs = self.first_graphs = None  # CudaGraphRunners of its passes (CUDA only)
         self.pending: DeviceDrafts | None = None  # the last proposal (its drafts stay on the device)
-
-    def _hook_aux_layers(self, target: torch.nn.Module, config: EngineConfig) -> None:
-        """EAGLE-3 reads three of the target's layers: its decoder copies them into a buffer each forward."""
-        decoder = getattr(target, target.model_attr)
-        if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
-            raise ValueError(
-                f"speculative_config method 'eagle3' needs a Llama-family target; {config.model.architecture} "
-                "does not expose its layers' hidden states"
-            )
-        ids = aux_layer_ids(self.model_config.hf_config, len(decoder.layers))
-        rows = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-        decoder.aux_hidden_state_layers = ids
-        decoder.defer_reductions()  # the copied layers' inputs must be whole sums
-        decoder.aux_hidden_states = torch.zeros(  # [max tokens, 3 * target H]
-            rows, 3 * target.config.hidden_size, dtype=config.model.dtype, device=self.device
-        )
 
     def kv_bytes_per_block(self) -> int:
         return draft_kv_bytes_per_block(self)
@@ -260,6 +304,8 @@ class EagleProposer:
             if self.force_drafts is not None:
                 forced = self._to_device(self.force_drafts([token_ids[r] for r in ids]))  # [m, K], -1: the head's
             out = self.pending = DeviceDrafts(ids, self._chain(rows[keep], num_tokens[keep], forced))
+        if self.peers is not None:
+            share_drafts(self.peers, list(token_ids), out, self.k, self.device)
         self.seconds += time.perf_counter() - start_time
         return out
 
