@@ -2,7 +2,7 @@
 stage replaying its own layers): TP=2, PP=2, TP=4, TP=2 x PP=2 and PP=4 give the greedy tokens of one GPU, float32
 compute, on a tiny Llama whose 2 KV heads are split at TP=2 and replicated at TP=4; every rank replays decode graphs
 (5 requests: padded batches, 3 rows in the graph of 4 with two stages). Layouts needing more GPUs than the machine
-has are skipped."""
+has are skipped. The draft-model proposer over TP=2 and PP=2 too."""
 
 from __future__ import annotations
 
@@ -104,3 +104,22 @@ def test_plain_sampling_over_vocabulary_slices_equals_one_gpu(tp, reference):
         pytest.skip(f"needs {tp} GPUs")
     path, prompts, _ = reference
     assert _sample_plain(path, tp, prompts) == _sample_plain(path, 1, prompts)
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda t: f"tp{t[0]}-pp{t[1]}")
+def test_draft_model_over_ranks_equals_one_gpu(layout, reference):
+    """The driver's draft model (the target itself) replays its graphs and broadcasts its drafts (NCCL) to its
+    tensor-parallel peers: the greedy tokens of one GPU without speculation, the drafts all accepted."""
+    if torch.cuda.device_count() < layout[0] * layout[1]:
+        pytest.skip(f"needs {layout[0] * layout[1]} GPUs")
+    path, prompts, want = reference
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    llm = LLM(path, tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1], speculative_config=spec, **ENGINE)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        sched = llm.llm_engine.core.scheduler
+        assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
+        assert llm.llm_engine.core.executor.runner.drafter.graphs.num_replays > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert [c.token_ids for o in outs for c in o.outputs] == [tokens for tokens, _ in want]
