@@ -85,12 +85,15 @@ class PipelineStage:
         the first stage (it takes token ids)."""
         return None if self.pp.is_first else (self.hidden_size, self.dtype)
 
-    def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> Received | None:
+    def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> Received | None:
         """This stage's layers over the step's tokens (inside its forward context), sent on. Returns on the first
-        stage the posted receive of the final hidden states [num_tokens, hidden_size], None on the others."""
+        stage the posted receive of the final hidden states [num_tokens, hidden_size], None on the others. mm: the
+        step's image embeddings (a vision-language model's first stage)."""
 
         def forward(pair: torch.Tensor | None):
-            return model(input_ids, positions) if pair is None else model(None, positions, (pair[0], pair[1]))
+            if pair is not None:
+                return model(None, positions, (pair[0], pair[1]))
+            return model(input_ids, positions) if mm is None else model(input_ids, positions, mm_embeds=mm)
 
         return self._run(forward, positions.shape[-1], positions.device)
 

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from pagedllm.layers.build_context import sharded_if_divisible
+from pagedllm.layers.build_context import current_build_context, sharded_if_divisible
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.clip import CLIP_STACKED, CLIPVisionTower
 from pagedllm.models.registry import get_model_class
-from pagedllm.models.utils import forward_with_mm_embeds, join_prefix, load_with_language_model
+from pagedllm.models.utils import MissingLayer, forward_with_mm_embeds, join_prefix, load_with_language_model
 
 _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # checkpoint prefixes (transformers' newer layout, and CLIPVisionModel's) -> ours
@@ -63,6 +63,7 @@ class LlavaForConditionalGeneration(nn.Module):
     `vision_language_config`."""
 
     supports_tensor_parallel = True
+    supports_pipeline_parallel = True  # (the tower and projector on the first stage, which embeds the tokens)
     lora_skip_prefixes = ("vision_tower.", "multi_modal_projector.")  # LoRA adapts the language model only
 
     def __init__(
@@ -77,7 +78,9 @@ class LlavaForConditionalGeneration(nn.Module):
         # limit_mm_per_prompt={"image": 0}: a text model (no vision weights built, loaded or profiled)
         self.supports_multimodal = not getattr(config, "mm_text_only", False)
         self.vision_tower = self.multi_modal_projector = None
-        if self.supports_multimodal:
+        if self.supports_multimodal and current_build_context().pp_rank > 0:  # another stage's parts
+            self.vision_tower, self.multi_modal_projector = MissingLayer(), MissingLayer()
+        elif self.supports_multimodal:
             self.vision_tower = CLIPVisionTower(vision, max(self.layers))
             bias = getattr(full, "multimodal_projector_bias", True)
             in_size = vision.hidden_size * len(self.layers)
@@ -106,11 +109,15 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
+        intermediate: tuple | None = None,
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """mm_embeds: (rows of the flat batch [n], their embeddings [n, hidden]) of image placeholder tokens."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """mm_embeds: (rows of the flat batch [n], their embeddings [n, hidden]) of image placeholder tokens;
+        intermediate: the previous pipeline stage's (hidden, residual) (see LlamaModel.forward)."""
+        if intermediate is not None:
+            return self.language_model.model(None, positions, intermediate)
         return forward_with_mm_embeds(self.language_model.model, input_ids, positions, mm_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

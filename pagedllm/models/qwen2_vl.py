@@ -13,11 +13,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.layers.build_context import current_build_context
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rope_config import rope_parameters
 from pagedllm.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from pagedllm.models.qwen2_vl_vision import Qwen2VisionTransformer
-from pagedllm.models.utils import forward_with_mm_embeds, head_dim_of, join_prefix, load_with_language_model
+from pagedllm.models.utils import (
+    MissingLayer,
+    forward_with_mm_embeds,
+    head_dim_of,
+    join_prefix,
+    load_with_language_model,
+)
 
 # checkpoint prefixes (transformers 5's layout, then the original one) -> ours
 _RENAMES = (
@@ -67,7 +74,6 @@ class Qwen2VLTextModel(Qwen2Model):
 
 class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
     model_cls = Qwen2VLTextModel
-    supports_pipeline_parallel = False
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
@@ -77,6 +83,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     uses_mrope = True
     supports_tensor_parallel = True
+    supports_pipeline_parallel = True  # (the vision transformer on the first stage, which embeds the tokens)
     lora_skip_prefixes = ("visual.",)  # LoRA adapts the language model only
 
     def __init__(
@@ -90,7 +97,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.merge = vision.spatial_merge_size
         # limit_mm_per_prompt of 0 for every modality: a text model (no vision weights built, loaded or profiled)
         self.supports_multimodal = not getattr(config, "mm_text_only", False)
-        self.visual = Qwen2VisionTransformer(vision, config.hidden_size) if self.supports_multimodal else None
+        self.visual = None
+        if self.supports_multimodal and current_build_context().pp_rank > 0:
+            self.visual = MissingLayer()  # another stage's part (the first embeds the tokens)
+        elif self.supports_multimodal:
+            self.visual = Qwen2VisionTransformer(vision, config.hidden_size)
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.language_model = Qwen2VLTextForCausalLM(
             config, quant_config, join_prefix(prefix, "language_model"), max_position=max_position
@@ -114,12 +125,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
+        intermediate: tuple | None = None,
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] or M-RoPE's [3, num_tokens]; mm_embeds: (rows of the flat batch [n], their
-        embeddings [n, hidden]) of image / video placeholder tokens."""
+        embeddings [n, hidden]) of image / video placeholder tokens; intermediate: the previous pipeline stage's
+        (hidden, residual) (see LlamaModel.forward)."""
+        if intermediate is not None:
+            return self.language_model.model(None, positions, intermediate)
         return forward_with_mm_embeds(self.language_model.model, input_ids, positions, mm_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

@@ -140,7 +140,9 @@ def available_kv_cache_bytes(runner) -> int:
     weights = torch.cuda.memory_allocated(dev)  # weights, rotary tables, the runner's static buffers
     peak, graph_peak = profile_peak_memory(runner)
     encoder_reserve = 0
-    if runner.mm is not None:  # a vision encoder's peak (not at the same time as the LM's) and its output cache
+    # a vision encoder's peak (not at the same time as the LM's) and its output cache, where the encoder is (the
+    # first pipeline stage)
+    if runner.mm is not None and (runner.stage is None or runner.stage.is_first):
         peak = max(peak, _peak_of(runner.mm.profile_encoder))
         encoder_reserve = runner.mm.cache.capacity_bytes
     free, total = torch.cuda.mem_get_info(dev)

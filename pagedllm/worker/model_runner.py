@@ -338,7 +338,7 @@ class ModelRunner:
         flat batch, the previous step's sampled ids) of input tokens that are still on the device."""
         num_tokens = len(flat.input_ids)
         mm = None
-        if self.mm is not None:
+        if self.mm is not None and (self.stage is None or self.stage.is_first):  # (the first stage embeds tokens)
             mm = self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens, flat.block_table)
         # M-RoPE positions of a step with multimodal requests (Qwen2-VL): [3, num_tokens] or [num_tokens], else None
         mrope = None if self.mm is None else self.mm.step_positions(flat.req_ids, flat.query_start_loc, flat.positions)
@@ -373,7 +373,7 @@ class ModelRunner:
         lora = self.lora.mapping(self.batch.lora_id[flat.token_rows]) if self.lora is not None else None
         with forward_context(meta, lora):
             if self.stage is not None:  # this stage's layers, sent on (the first stage: the final hidden's receive)
-                return self.stage.run(self.model, input_ids, self._to_device(positions))
+                return self.stage.run(self.model, input_ids, self._to_device(positions), mm)
             return self.forward(input_ids, self._to_device(positions), mm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> torch.Tensor | None:
@@ -383,7 +383,7 @@ class ModelRunner:
         model's)."""
         if self.stage is None:
             return self.model(input_ids, positions) if mm is None else self.model(input_ids, positions, mm_embeds=mm)
-        final = self.stage.run(self.model, input_ids, positions)
+        final = self.stage.run(self.model, input_ids, positions, mm)
         return None if final is None else final.wait()
 
     def _late_inputs(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

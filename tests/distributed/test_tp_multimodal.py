@@ -1,7 +1,8 @@
-"""Vision-language models under tensor parallelism: LLaVA, Qwen2-VL and Qwen2.5-VL split over two CPU processes
-(gloo, float32, async scheduling) give the greedy tokens and logprobs of one process, and HF's tokens, with images
-(and a Qwen video) batched with text-only requests, chunked prefill cutting through an image, and a repeated image
-(encoder cache and prefix cache). The vision towers shard by heads; ones whose sizes do not split are replicated."""
+"""Vision-language models under tensor and pipeline parallelism: LLaVA, Qwen2-VL and Qwen2.5-VL split over two CPU
+processes (gloo, float32, async scheduling; TP=2 or PP=2) give the greedy tokens and logprobs of one process, and HF's
+tokens, with images (and a Qwen video) batched with text-only requests, chunked prefill cutting through an image, and
+a repeated image (encoder cache and prefix cache). The vision towers shard by heads; ones whose sizes do not split
+are replicated; with pipeline stages the first stage holds the tower."""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def _prompt(text: str, images: list, video=None) -> dict:
     return {"prompt": text, "multi_modal_data": data} if data else {"prompt": text}
 
 
-def _run(path: str, tp: int, prompts: list[dict], **engine):
+def _run(path: str, tp: int, prompts: list[dict], pp: int = 1, **engine):
     """(each output's (tokens, logprobs), the repeated prompt's cached tokens, the driver's encoder runs)."""
-    llm = LLM(path, tensor_parallel_size=tp, **{**ENGINE, **engine})
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**ENGINE, **engine})
     try:
         outs = llm.generate(prompts, PARAMS, use_tqdm=False)
         outs += llm.generate(prompts[:1], PARAMS, use_tqdm=False)  # the same image again
@@ -63,15 +64,21 @@ def _run(path: str, tp: int, prompts: list[dict], **engine):
         llm.llm_engine.shutdown()
 
 
-def test_two_ranks_match_one_and_hf(vlm):
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda t: f"tp{t[0]}-pp{t[1]}")
+def test_two_ranks_match_one_and_hf(vlm, layout):
+    """PP=2: the first stage holds the vision tower and embeds the tokens, the second takes hidden states (and, for
+    Qwen's M-RoPE, each step's 3D positions, from the items it keeps too)."""
     name, hf, processor, path, cases = vlm
     prompts = [_prompt(text, images) for text, images in cases]
     num_items = sum(len(images) for _, images in cases)
     if name != "llava":  # a video too (HF's side takes videos as patches: compared with one rank only)
         prompts.append(_prompt(f"Clip {VIDEO} then {IMAGE}.", [tiny_qwen2_vl.image(1)], tiny_qwen2_vl.video(5)))
         num_items += 2
-    one, cached_one, runs_one = _run(path, 1, prompts)
-    two, cached_two, runs_two = _run(path, 2, prompts, async_scheduling=True)  # (one step in flight)
+    if (name, "one") not in ONE_RANK:
+        ONE_RANK[name, "one"] = _run(path, 1, prompts)
+    one, cached_one, runs_one = ONE_RANK[name, "one"]
+    tp, pp = layout
+    two, cached_two, runs_two = _run(path, tp, prompts, pp, async_scheduling=True)  # (one step in flight)
     gen = tiny_llava.hf_generate if name == "llava" else tiny_qwen2_vl.hf_generate
     expected = [gen(hf, processor, text, images, PARAMS.max_tokens) for text, images in cases]
     assert [tokens for tokens, _ in two[: len(cases)]] == expected
@@ -81,6 +88,9 @@ def test_two_ranks_match_one_and_hf(vlm):
     assert two[-1][0] == two[0][0]
     assert cached_two == cached_one > 0
     assert runs_two == runs_one == num_items  # the repeated image came from the encoder cache
+
+
+ONE_RANK: dict = {}  # (model, "one") -> its one-process run (both layouts compare with it)
 
 
 def _checkpoint_tensor(path: str, name: str) -> torch.Tensor:
