@@ -1,7 +1,8 @@
-"""A draft model's drafts on several ranks (tensor and pipeline parallelism).
+"""A draft model's or EAGLE head's drafts on several ranks (tensor and pipeline parallelism).
 
-The driver (rank 0) alone holds the draft model, its KV cache and its graphs (the draft is small: one copy, on one
-GPU, with no collectives in its passes). A verify step embeds its input ids, the drafts among them, on every rank
+The driver (rank 0) alone holds the draft model or head, its KV cache and its graphs (the draft is small: one copy,
+on one GPU, with no collectives in its passes; an EAGLE head there uses whole copies of the target's vocabulary
+tables, spec_decode/eagle.py). A verify step embeds its input ids, the drafts among them, on every rank
 of the first pipeline stage, so those ranks get the drafts: the engine sends them the request ids of each proposal,
 and after the draft passes the driver broadcasts the drafts over its tensor-parallel group as one [n, K] tensor,
 a row per request asked for (UNKNOWN where a request got none), queued on the device behind the passes. Each peer
