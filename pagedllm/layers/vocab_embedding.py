@@ -67,8 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.q8_weight = cpu_quant.pack_q8(*q8)  # batches of decode size read the 8-bit rows
             del self.weight.gguf_q8
         self.cpu_weight = pack_for_cpu(self.weight)
-        if self.cpu_weight is not None and not self.tied and self.tp_group is None:  # (a rank's shard is kept: an
-            self.weight = None  # EAGLE head gathers the whole table from the shards)
+        if self.cpu_weight is not None and not self.tied:
+            self.weight = None
 
     def shards_logits(self) -> bool:
         """Whether shard_logits gives this rank's slice of the logits as they are (a GPU weight, no bias)."""

@@ -36,6 +36,7 @@ from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.device import to_device
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import packed_linear
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_loader import weights as W
 from pagedllm.model_loader.loader import load_hf_config
@@ -114,21 +115,26 @@ def whole_vocab_tables(target: torch.nn.Module, peers, device: torch.device):
     (every rank of the group calls this, in the same order)."""
     decoder = getattr(target, target.model_attr)
     shards, head = decoder.get_submodule(target.embedding_attr), getattr(target, target.head_attr)
+    hidden, dtype = shards.weight.shape[1], shards.weight.dtype
     with torch.device(device):  # (outside a build context: one rank's modules)
-        embedding = VocabParallelEmbedding(shards.vocab_size, shards.weight.shape[1])
-        lm_head = ParallelLMHead(head.vocab_size, shards.weight.shape[1])
-    embedding.weight.data.copy_(_gathered(shards, peers))
+        embedding = VocabParallelEmbedding(shards.vocab_size, hidden)
+        lm_head = ParallelLMHead(head.vocab_size, hidden)
+    embedding.weight.data.copy_(_gathered(shards, peers, hidden, dtype))
     if head.tied:
         lm_head.tie(embedding)
     else:
-        lm_head.weight.data.copy_(_gathered(head, peers))
+        lm_head.weight.data.copy_(_gathered(head, peers, hidden, dtype))
     lm_head.process_weights_after_loading()
     return embedding, lm_head
 
 
-def _gathered(table: VocabParallelEmbedding, peers) -> torch.Tensor:
+def _gathered(table: VocabParallelEmbedding, peers, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     """The whole [vocab, hidden] table from each rank's rows."""
-    whole = peers.all_gather(table.weight.t().contiguous())  # [hidden, ranks * rows_per_rank]
+    if table.weight is not None:
+        rows_t = table.weight.t()
+    else:  # a CPU LM head packed for oneDNN: its rows back through an identity matmul (each product x 1: exact)
+        rows_t = packed_linear(torch.eye(hidden, dtype=dtype), table.cpu_weight, None)  # [hidden, rows]
+    whole = peers.all_gather(rows_t.contiguous())  # [hidden, ranks * rows_per_rank]
     return whole.t()[: table.vocab_size]
 
 
