@@ -6,6 +6,7 @@ tokens and logprobs of one process, with decode batches that need padding (3 row
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -15,8 +16,9 @@ from static_graphs import make_static_ranks, recorded_replays
 from tiny_models import TINY_DECODER, save_tiny_decoder
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, engine_args
 from pagedllm.attention import triton_backend
+from pagedllm.config import ParallelConfig
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 
 pytest.importorskip("triton")
@@ -25,6 +27,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's inte
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the workers import static_graphs from here
 ENGINE = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=64)
 MAX_TOKENS = [7, 5, 6, 3, 7, 4, 6]  # 7 requests: decode batches of 4 and 3 rows, fewer as they finish
+
+
+@pytest.fixture(autouse=True)
+def patient_peers(monkeypatch):
+    """Every rank runs the attention kernels in Triton's interpreter: a step takes seconds, more beside other tests
+    on two cores, so a peer waits up to a minute for it (the default 10 s is for hung peers: test_tp_faults.py)."""
+    monkeypatch.setattr(engine_args, "ParallelConfig", functools.partial(ParallelConfig, distributed_timeout_s=60.0))
 
 
 @pytest.fixture(scope="module")

@@ -123,9 +123,9 @@ def test_prompt_logprobs_and_tp2_pp2(layout, llama_path):
 def test_draft_model_over_parallel_ranks(layout, llama_path):
     """The driver's draft model (the target itself: its drafts are the target's tokens) with TP=2 and PP=2 (TP=2 x
     PP=2 passes too, left out: four processes on CI's two cores): the tokens and logprobs of one process without
-    speculation, the greedy drafts all accepted. With
-    presence penalties the ranks read the broadcast drafts on the host (a penalized request's penalties count them;
-    the draft's greedy tokens then miss the penalized target's more often)."""
+    speculation, the greedy drafts all accepted. With presence penalties the ranks read the broadcast drafts on the
+    host (a penalized request's penalties count them; the draft's greedy tokens then miss the penalized target's more
+    often)."""
     spec = {"method": "draft_model", "model": llama_path, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
     prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, *_prompts(3)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
