@@ -186,11 +186,8 @@ class MultiprocExecutor(RanksExecutor):
 
     def _call(self, method: str, *args):
         """Calls `method` on every rank (the workers' answers and the driver's); returns [driver's, workers'...]."""
-        self._check()
-        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        self._post(method, *args)
         try:
-            for conn in self.conns:
-                conn.send_bytes(message)
             mine = getattr(self.driver, method)(*args)
             return [mine, *self._answers()]
         except BaseException as e:
@@ -210,12 +207,8 @@ class MultiprocExecutor(RanksExecutor):
             raise self._error(e) from e
 
     def launch(self, scheduler_output: SchedulerOutput) -> GuardedFuture:
-        self._check()
-        follower_so = replace(scheduler_output, grammar_bitmask={})  # the driver alone samples
-        message = pickle.dumps(("launch", (follower_so,)), protocol=pickle.HIGHEST_PROTOCOL)
+        self._post("launch", replace(scheduler_output, grammar_bitmask={}))  # the driver alone samples
         try:
-            for conn in self.conns:
-                conn.send_bytes(message)
             return GuardedFuture(self.driver.launch(scheduler_output), self, self._finishers())
         except BaseException as e:
             raise self._error(e) from e
