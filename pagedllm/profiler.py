@@ -63,7 +63,7 @@ class RanksProfiler:
 
 def engine_profiler(engine, trace_dir: str) -> EngineProfiler | RanksProfiler:
     """The profiler of `engine` (an LLMEngine or a pooling engine): every rank's when it has several."""
-    executor = getattr(getattr(engine, "core", None), "executor", None)
+    executor = getattr(getattr(engine, "core", engine), "executor", None)  # (a pooling engine holds its own)
     if hasattr(executor, "_call"):  # a RanksExecutor (distributed/mp_executor.py, ray_executor.py)
         return RanksProfiler(executor, trace_dir)
     return EngineProfiler(trace_dir)

@@ -82,6 +82,12 @@ class RanksExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call("initialize_kv_cache", num_blocks)
 
+    def pool(self, reqs: list) -> list:
+        """A pooling model's batch on every rank (PoolingRunner.execute); the results of the last stage's first
+        rank (global rank (pp_size - 1) * tp_size), which alone returns them."""
+        info = self.driver.info
+        return [torch.from_numpy(x) for x in self._call("pool", reqs)[(info.pp_size - 1) * info.tp_size]]
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(scheduler_output).result()
 

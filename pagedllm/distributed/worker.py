@@ -25,6 +25,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import ParallelGroups, RankInfo
 from pagedllm.profiler import EngineProfiler
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.pooling_runner import PoolingRequest, PoolingRunner
 from pagedllm.worker.scheduler_output import SchedulerOutput
 
 # a collective waiting this much longer on NCCL than on gloo: a GPU rank's first steps compile kernels and capture
@@ -70,7 +71,9 @@ class Worker:
             ) from e
         # groups left at interpreter exit are shut down first (an NCCL group torn down with the interpreter aborts it)
         self._end_groups = weakref.finalize(self, self.groups.shutdown)
-        self.runner = ModelRunner(config, self.groups)
+        # a pooling model's ranks run whole sequences (worker/pooling_runner.py): no KV cache, no steps
+        pooling = config.model.runner == "pooling"
+        self.runner = PoolingRunner(config, self.groups) if pooling else ModelRunner(config, self.groups)
         self.pending = None  # the launched step whose tokens this rank has not put in its batch yet
         self.unfinished: deque = deque()  # pipeline stages, first-stage followers: steps launched, not finished
         self.profiler: EngineProfiler | None = None  # LLM.start_profile's, on this rank (profiler.RanksProfiler)
@@ -110,6 +113,13 @@ class Worker:
         step (whose collectives come first), kept for the verify step (spec_decode/shared_drafts.py)."""
         self.commit_pending()
         self.runner.drafter.propose(dict.fromkeys(req_ids))
+
+    def pool(self, reqs: list[PoolingRequest]):
+        """A pooling model's batch on this rank (PoolingRunner.execute): its results as numpy arrays (plain data for
+        the socket: torch's own pickling of a tensor would hand over shared memory), or None on the ranks that do
+        not return them."""
+        out = self.runner.execute(reqs)
+        return None if out is None else [t.numpy() for t in out]
 
     def apply(self, fn, *args):
         """fn(runner, *args) on this rank's runner, its result (a tool or test adjusting or reading every rank)."""

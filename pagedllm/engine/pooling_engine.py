@@ -10,24 +10,27 @@ import itertools
 from pagedllm.config import EngineConfig
 from pagedllm.pooling.outputs import EmbeddingPoolingOutput, PoolingOutput, PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.worker.executor import ranks_executor
 from pagedllm.worker.pooling_runner import PoolingRequest, PoolingRunner
 
 
 class PoolingEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
-        if config.parallel.world_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.parallel.tensor_parallel_size}, pipeline_parallel_size="
-                f"{config.parallel.pipeline_parallel_size}: pooling models (embed, classify, score) run on one GPU "
-                "(allowed: 1 and 1); data_parallel_size splits their prompts over replicas"
-            )
         self.config = config
         self.tokenizer = tokenizer
         self.spec = config.model.pooler  # PoolingSpec: tasks, pooling type, normalization, Matryoshka sizes
-        self.runner = PoolingRunner(config)
+        # several ranks: every rank runs each batch on its shard (the multiprocess or Ray executor); the runner here
+        # is the engine's own rank's (rank 0), which reads and checks requests and adapters
+        self.executor = ranks_executor(config) if config.parallel.world_size > 1 else None
+        self.runner = self.executor.runner if self.executor is not None else PoolingRunner(config)
         self.hidden_size = int(config.model.hf_config.hidden_size)
         self.num_labels = getattr(self.runner.model, "num_labels", None)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Ends the other ranks' workers (several ranks)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -127,7 +130,8 @@ class PoolingEngine:
             bar = tqdm(total=len(reqs), desc="Processed prompts", dynamic_ncols=True)
         try:
             for batch in self.batches(reqs):
-                data = self.runner.execute([reqs[i] for i in batch])
+                part = [reqs[i] for i in batch]
+                data = self.executor.pool(part) if self.executor is not None else self.runner.execute(part)
                 for i, tensor in zip(batch, data):
                     r = reqs[i]
                     out = EmbeddingPoolingOutput(tensor) if r.params.task == "embed" else PoolingOutput(tensor)

@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.build_context import current_build_context, divide
 from pagedllm.layers.linear import (
     ONEDNN,
     ColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from pagedllm.layers.quantization import QuantizationConfig
@@ -95,7 +97,7 @@ class BertSelfOutput(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         dense = self.dense
-        if dense.quant_method is ONEDNN:  # the residual add fused into oneDNN's matmul
+        if dense.quant_method is ONEDNN and dense.tp_size == 1:  # the residual add fused into oneDNN's matmul
             out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, dense.cpu_weight, dense.bias, "add")
             return self.LayerNorm(out)
         return self.LayerNorm(dense(x) + residual)
@@ -104,22 +106,17 @@ class BertSelfOutput(nn.Module):
 class BertAttention(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // heads
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            self.num_heads,
-            self.num_heads,
-            True,
-            quant_config,
-            join_prefix(prefix, "qkv_proj"),
+            config.hidden_size, self.head_dim, heads, heads, True, quant_config, join_prefix(prefix, "qkv_proj")
         )
+        self.num_heads = divide(heads, current_build_context().tp_size, "num_attention_heads")  # this rank's heads
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
         self.output = BertSelfOutput(config, config.hidden_size, quant_config, join_prefix(prefix, "output"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each [num_tokens, hidden]
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each [num_tokens, this rank's heads * head_dim]
         return self.output(self.attn(q, k, v), x)
 
 
@@ -151,7 +148,7 @@ class BertPooler(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.dense = ColumnParallelLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
+        self.dense = ReplicatedLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
 
     def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
         return torch.tanh(self.dense(cls_hidden))
@@ -159,9 +156,12 @@ class BertPooler(nn.Module):
 
 class BertModel(nn.Module):
     """The encoder; the pooling runner pools its token states (mean / CLS / last, from the model's
-    sentence-transformers config). BERT's own pooler weights are only read by the classifier."""
+    sentence-transformers config). BERT's own pooler weights are only read by the classifier. With tensor
+    parallelism each rank holds its heads and its share of the MLP (one all-reduce after each); the heads after the
+    encoder are small and whole on every rank."""
 
     is_causal = False
+    supports_tensor_parallel = True
     uses_token_type_ids = True
     embeddings_cls = BertEmbeddings
 
@@ -209,6 +209,7 @@ class BertForSequenceClassification(nn.Module):
     """A cross-encoder: CLS state -> BERT pooler (dense + tanh) -> classifier [num_labels]."""
 
     is_causal = False
+    supports_tensor_parallel = True
     uses_token_type_ids = True
 
     def __init__(
@@ -225,9 +226,7 @@ class BertForSequenceClassification(nn.Module):
         bert_prefix = join_prefix(prefix, "bert")
         self.bert = BertModel(config, quant_config, bert_prefix, max_position=max_position, add_pooler=True)
         classifier_prefix = join_prefix(prefix, "classifier")
-        self.classifier = ColumnParallelLinear(
-            config.hidden_size, self.num_labels, True, quant_config, classifier_prefix
-        )
+        self.classifier = ReplicatedLinear(config.hidden_size, self.num_labels, True, quant_config, classifier_prefix)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None

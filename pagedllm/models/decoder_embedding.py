@@ -21,7 +21,11 @@ def _strip_model_prefix(hf_name: str) -> str:
 class _BareDecoder:
     """Mixin over a decoder stack: the HF config kept, weights loaded without the task model's prefix. Causal
     attention unless the config says `is_causal: false` (vLLM's switch for bidirectional embedders such as
-    gte-Qwen2-1.5B, e.g. through hf_overrides)."""
+    gte-Qwen2-1.5B, e.g. through hf_overrides). Split over ranks as the decoder is (tensor and pipeline
+    parallelism: the pooling runner passes the stages' hidden states on)."""
+
+    supports_tensor_parallel = True
+    supports_pipeline_parallel = True
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int

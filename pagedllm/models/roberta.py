@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.bert import BertEmbeddings, BertModel, load_bert_weights
 from pagedllm.models.utils import join_prefix
@@ -45,8 +45,8 @@ class RobertaClassificationHead(nn.Module):
     def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden, num_labels = config.hidden_size, int(config.num_labels)
-        self.dense = ColumnParallelLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
-        self.out_proj = ColumnParallelLinear(hidden, num_labels, True, quant_config, join_prefix(prefix, "out_proj"))
+        self.dense = ReplicatedLinear(hidden, hidden, True, quant_config, join_prefix(prefix, "dense"))
+        self.out_proj = ReplicatedLinear(hidden, num_labels, True, quant_config, join_prefix(prefix, "out_proj"))
 
     def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, num_labels]
         return self.out_proj(torch.tanh(self.dense(cls_hidden)))
@@ -56,6 +56,7 @@ class RobertaForSequenceClassification(nn.Module):
     """A cross-encoder (bge-reranker): CLS state -> classification head [num_labels]."""
 
     is_causal = False
+    supports_tensor_parallel = True
     uses_token_type_ids = False
 
     def __init__(

@@ -13,9 +13,14 @@ from pagedllm.worker.step_future import StepFuture
 
 def make_executor(config: EngineConfig):
     """The executor for the config's ranks and distributed_executor_backend."""
-    p = config.parallel
-    if p.world_size == 1:  # one rank runs in the engine's process whatever the backend
+    if config.parallel.world_size == 1:  # one rank runs in the engine's process whatever the backend
         return UniProcExecutor(config)
+    return ranks_executor(config)
+
+
+def ranks_executor(config: EngineConfig):
+    """The executor of several ranks (a RanksExecutor): Ray's or the multiprocess one."""
+    p = config.parallel
     from pagedllm.distributed.ray_executor import RayExecutor, default_backend
 
     backend = p.distributed_executor_backend or default_backend(config)

@@ -37,3 +37,20 @@ def test_embeddings_with_adapters_match_merged_models(lora_family, tmp_path):
         torch.testing.assert_close(torch.tensor(vector), torch.tensor(expected[name][i]), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="max_lora_rank=8"):
         embed(llm, PROMPTS[:1], LoRARequest("big", 9, adapters["mlp-r16"][0]))
+
+
+def test_adapters_over_two_ranks_equal_one_rank(lora_family):
+    """Llama over two tensor-parallel ranks, Qwen2 over two pipeline stages: the other rank reads each adapter when
+    a batch first brings it; every embedding equals one rank's (adapters and base rows mixed, two batches)."""
+    arch, base_path, _, adapters = lora_family
+    layout = {"tensor_parallel_size": 2} if arch == "llama" else {"pipeline_parallel_size": 2}
+    reqs = [LoRARequest(name, i + 1, adapters[name][0]) for i, name in enumerate(["all", "qv-rslora"])]
+    loras = [reqs[0], None, reqs[1], reqs[0]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_batched_tokens=32)
+    one = embed(embedder(base_path, **options), prompts, loras)
+    llm = embedder(base_path, **options, **layout)
+    got = embed(llm, prompts, loras)
+    for vector, ref in zip(got, one):
+        torch.testing.assert_close(torch.tensor(vector), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+    llm.llm_engine.shutdown()
