@@ -259,11 +259,11 @@ class EngineArgs(CompatArgs):
         elif speculative is not None and speculative.method in ("eagle", "eagle3"):
             from pagedllm.spec_decode.eagle import eagle_model_config
 
-            if parallel.pipeline_parallel_size > 1:  # (it reads the target's hidden states on the first stage)
+            if parallel.pipeline_parallel_size > 1 and speculative.method == "eagle3":  # (layers of every stage)
                 raise ValueError(
-                    f"speculative_config method {speculative.method!r} runs with one pipeline stage: use "
-                    "pipeline_parallel_size=1 with it (tensor parallelism works; the draft_model and ngram methods "
-                    "take pipeline parallelism too)"
+                    "speculative_config method 'eagle3' runs with one pipeline stage: use pipeline_parallel_size=1 "
+                    "with it (tensor parallelism works; the eagle, draft_model and ngram methods take pipeline "
+                    "parallelism too)"
                 )
             speculative.draft_model_config = eagle_model_config(speculative, model)
         if device.type == "cpu":

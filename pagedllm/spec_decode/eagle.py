@@ -19,7 +19,9 @@ only proposals, so this changes the acceptance, never the output.
 With tensor parallelism the driver alone runs the head, on whole copies of the target's embedding and LM head (their
 rank shards gathered once, at start; the other ranks take part in the gathers and mirror EAGLE-3's layer hooks, so
 that every rank's target runs the same collectives), and shares its drafts as a draft model does
-(spec_decode/shared_drafts.py)."""
+(spec_decode/shared_drafts.py). With pipeline stages (EAGLE; not EAGLE-3, whose layers span the stages) the driver
+is on the first stage, which holds the embedding and the LM head and receives the final hidden states of each step
+from the last stage: the head runs there as on one stage; the later stages' ranks take no part."""
 
 from __future__ import annotations
 

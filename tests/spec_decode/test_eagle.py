@@ -422,3 +422,29 @@ def test_tensor_parallel_driver_head_equals_the_oracle(method, target, forced, t
     w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     for tokens, drafts in calls:
         assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
+
+
+def test_pipeline_stages_driver_head_equals_the_oracle(target, forced, tmp_path):
+    """EAGLE over two pipeline stages: the first stage's driver runs the head on the final hidden states the last
+    stage sends back; its proposals equal the oracle's and the outputs equal those without speculation."""
+    path = str(tmp_path / "head")
+    weights = save_head(path, False)
+    spec = {"method": "eagle", "model": path, "num_speculative_tokens": K}
+    llm = LLM(
+        target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22,
+        speculative_config=spec, pipeline_parallel_size=2,
+    )  # fmt: skip
+    try:
+        drafter = llm.llm_engine.core.executor.runner.drafter
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+        reference, _ = run(llm, PROMPTS[:3], params, speculate=False)
+        calls = record_proposals(drafter)
+        drafter.force_drafts = forced
+        outputs, (num_drafts, num_accepted) = run(llm, PROMPTS[:3], params, speculate=True)
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(calls) >= 12 and 0 < num_accepted < num_drafts
+    assert exact(outputs) == exact(reference)
+    w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    for tokens, drafts in calls:
+        assert drafts == oracle_drafts(target[0], w, False, tokens, forced.drafts(tokens)), tokens
