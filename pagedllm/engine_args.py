@@ -259,12 +259,6 @@ class EngineArgs(CompatArgs):
         elif speculative is not None and speculative.method in ("eagle", "eagle3"):
             from pagedllm.spec_decode.eagle import eagle_model_config
 
-            if parallel.pipeline_parallel_size > 1 and speculative.method == "eagle3":  # (layers of every stage)
-                raise ValueError(
-                    "speculative_config method 'eagle3' runs with one pipeline stage: use pipeline_parallel_size=1 "
-                    "with it (tensor parallelism works; the eagle, draft_model and ngram methods take pipeline "
-                    "parallelism too)"
-                )
             speculative.draft_model_config = eagle_model_config(speculative, model)
         if device.type == "cpu":
             bind_cpu_threads()  # VLLM_CPU_OMP_THREADS_BIND, before the model loads

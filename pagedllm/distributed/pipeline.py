@@ -44,10 +44,11 @@ from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class Received:
-    """A posted receive: its tensor is valid after wait()."""
+    """A posted receive: its tensor is valid after wait(). aux: EAGLE-3's layer copies from the later stages, each
+    (its receive, its columns of the buffer, the buffer's rows), put into the first stage's buffer by wait()."""
 
-    def __init__(self, work, tensor: torch.Tensor) -> None:
-        self.work, self.tensor = work, tensor
+    def __init__(self, work, tensor: torch.Tensor, aux: list | None = None) -> None:
+        self.work, self.tensor, self.aux = work, tensor, aux
 
     def done(self) -> bool:
         """Whether wait() would not block; always on the CPU (a gloo receive completes only in its wait, which
@@ -58,6 +59,9 @@ class Received:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        for received, columns, rows in self.aux or ():
+            rows[:, columns] = received.wait()[:, columns]
+        self.aux = None
         return self.tensor
 
 
@@ -68,6 +72,7 @@ class PipelineStage:
         self.pp, self.back = groups.pp, groups.pp_back
         self.hidden_size, self.dtype = hidden_size, dtype
         self.sends: deque = deque()  # (work, tensor) of the sends not waited for yet, oldest first
+        self.aux: AuxLayers | None = None  # EAGLE-3's layer copies, when its head reads the target (hook_aux_layers)
 
     @classmethod
     def of(cls, groups: ParallelGroups, model_config) -> PipelineStage | None:
@@ -95,7 +100,7 @@ class PipelineStage:
                 return model(None, positions, (pair[0], pair[1]))
             return model(input_ids, positions) if mm is None else model(input_ids, positions, mm_embeds=mm)
 
-        return self._run(forward, positions.shape[-1], positions.device)
+        return self._run(forward, positions.shape[-1], positions.device, positions.shape[-1])
 
     def run_graph(self, graphs, bs: int, num_tokens: int) -> Received | None:
         """As run, the layers replayed from the CUDA graph of size bs (worker/cuda_graphs.py, its inputs loaded):
@@ -108,11 +113,13 @@ class PipelineStage:
             out = graphs.replay(bs, num_tokens)  # [num_tokens, hidden], or (hidden, residual) before the last stage
             return out.clone() if self.pp.is_last else out
 
-        return self._run(forward, num_tokens, graphs.device)
+        return self._run(forward, num_tokens, graphs.device, bs * graphs.q_len)
 
-    def _run(self, forward, n: int, device: torch.device) -> Received | None:
+    def _run(self, forward, n: int, device: torch.device, rows: int) -> Received | None:
         """Receives the previous stage's (hidden, residual) [2, n, hidden_size] (None on the first stage), runs
-        forward on them and sends its result on; the first stage posts the receive of the final hidden states."""
+        forward on them and sends its result on; the first stage posts the receive of the final hidden states. With
+        EAGLE-3 the stages after the first also send the first `rows` rows of their layer copies to the first stage
+        (the rows the forward wrote: a verify graph's padded ones)."""
         pair = None
         if not self.pp.is_first:
             pair = torch.empty((2, n, self.hidden_size), dtype=self.dtype, device=device)
@@ -120,17 +127,46 @@ class PipelineStage:
         out = forward(pair)
         if self.pp.is_last:
             self._send(self.back, out.contiguous(), 0)
-            return None
-        self._send(self.pp, torch.stack(out), self.pp.rank + 1)
+        else:
+            self._send(self.pp, torch.stack(out), self.pp.rank + 1)
+        if self.aux is not None and self.pp.rank in self.aux.later_columns:
+            self._send(self.back, self.aux.buffer[:rows].clone(), 0)
         if not self.pp.is_first:
             return None
         final = torch.empty((n, self.hidden_size), dtype=self.dtype, device=device)
-        return Received(self.back.irecv(final, self.back.size - 1), final)
+        received = Received(self.back.irecv(final, self.back.size - 1), final)
+        if self.aux is not None:
+            received.aux = [(self._recv_aux(stage, rows), columns, self.aux.buffer[:rows])
+                            for stage, columns in self.aux.later_columns.items()]  # fmt: skip
+        return received
+
+    def _recv_aux(self, stage: int, rows: int) -> Received:
+        buffer = self.aux.buffer
+        tensor = torch.empty((rows, buffer.shape[1]), dtype=buffer.dtype, device=buffer.device)
+        return Received(self.back.irecv(tensor, stage), tensor)
 
     def _send(self, comm, x: torch.Tensor, dst: int) -> None:
         self.sends.append((comm.isend(x, dst), x))
         while len(self.sends) > self.pp.size:  # the send of pp_size steps ago: received by now (see the docstring)
             self.sends.popleft()[0].wait()
+
+
+class AuxLayers:
+    """EAGLE-3's copies of the target's layers with pipeline stages: each stage's decoder writes the columns of
+    its own layers into its buffer [max tokens, 3 * hidden]; the first stage takes the later stages' columns."""
+
+    def __init__(self, buffer: torch.Tensor, layer_ids: tuple[int, ...], num_layers: int, pp_size: int) -> None:
+        from pagedllm.layers.build_context import stage_layers
+
+        self.buffer = buffer
+        h = buffer.shape[1] // len(layer_ids)
+        self.later_columns: dict[int, torch.Tensor] = {}  # later stage -> the buffer's columns it fills
+        for stage in range(1, pp_size):
+            first, last = stage_layers(num_layers, pp_size, stage)
+            slots = [j for j, i in enumerate(layer_ids) if first <= i < last]
+            if slots:
+                cols = torch.cat([torch.arange(j * h, (j + 1) * h) for j in slots]).to(buffer.device)
+                self.later_columns[stage] = cols
 
 
 def pipeline_step(runner, so: SchedulerOutput):

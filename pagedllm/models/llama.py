@@ -254,13 +254,11 @@ class LlamaModel(nn.Module):
             x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [num_tokens, hidden]
             residual = None
         rope = self.rotary_emb(positions, x.dtype)
-        aux = []
         for i in range(self.first, self.last):
-            if i in self.aux_hidden_state_layers:
-                aux.append(x.clone() if residual is None else x + residual)
+            if i in self.aux_hidden_state_layers:  # (its slot of the buffer: a stage holds some of the layers)
+                j, h = self.aux_hidden_state_layers.index(i), x.shape[-1]
+                self.aux_hidden_states[: x.shape[0], j * h : (j + 1) * h].copy_(x if residual is None else x + residual)
             x, residual = self.layers[i](rope, x, residual)
-        if aux:
-            self.aux_hidden_states[: x.shape[0]].copy_(torch.cat(aux, dim=-1))
         if not self.is_last_stage:
             return x, torch.zeros_like(x) if residual is None else residual
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -84,7 +84,7 @@ def make_drafter(config: EngineConfig, runner) -> DraftModelProposer | None:
     if spec is None or spec.method not in MODEL_METHODS:
         return None
     if not runner.is_driver:  # the driver's drafts, received (spec_decode/shared_drafts.py)
-        if spec.method != "draft_model" and (runner.stage is None or runner.stage.is_first):
+        if spec.method != "draft_model":
             from pagedllm.spec_decode.eagle import follow_head
 
             follow_head(config, runner)

@@ -19,9 +19,10 @@ only proposals, so this changes the acceptance, never the output.
 With tensor parallelism the driver alone runs the head, on whole copies of the target's embedding and LM head (their
 rank shards gathered once, at start; the other ranks take part in the gathers and mirror EAGLE-3's layer hooks, so
 that every rank's target runs the same collectives), and shares its drafts as a draft model does
-(spec_decode/shared_drafts.py). With pipeline stages (EAGLE; not EAGLE-3, whose layers span the stages) the driver
-is on the first stage, which holds the embedding and the LM head and receives the final hidden states of each step
-from the last stage: the head runs there as on one stage; the later stages' ranks take no part."""
+(spec_decode/shared_drafts.py). With pipeline stages the driver is on the first stage, which holds the embedding
+and the LM head and receives the final hidden states of each step from the last stage: the head runs there as on
+one stage. EAGLE-3's layers may lie on any stage: each stage's decoder copies its own, and the later stages send
+their columns of the buffer back with the step (distributed/pipeline.py, AuxLayers)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 from pagedllm.attention.common import BatchLayout
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.device import to_device
+from pagedllm.distributed.pipeline import AuxLayers
 from pagedllm.forward_context import forward_context
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import packed_linear
@@ -141,15 +143,19 @@ def _gathered(table: VocabParallelEmbedding, peers, hidden: int, dtype: torch.dt
 
 
 def follow_head(config: EngineConfig, runner) -> None:
-    """A follower rank's part of the driver's EAGLE head: the vocabulary gathers, and EAGLE-3's layer hooks."""
+    """A follower rank's part of the driver's EAGLE head: the vocabulary gathers (the first stage's ranks), and
+    EAGLE-3's layer hooks (every rank)."""
     spec = config.speculative_config
-    whole_vocab_tables(runner.model, drafts_peers(runner), runner.device)
+    if runner.stage is None or runner.stage.is_first:
+        whole_vocab_tables(runner.model, drafts_peers(runner), runner.device)
     if spec.draft_model_config.architecture == "eagle3":
-        hook_aux_layers(spec.draft_model_config, runner.model, config, runner.device)
+        hook_aux_layers(spec.draft_model_config, runner, config)
 
 
-def hook_aux_layers(model_config: ModelConfig, target: torch.nn.Module, config: EngineConfig, device) -> None:
-    """EAGLE-3 reads three of the target's layers: its decoder copies them into a buffer each forward."""
+def hook_aux_layers(model_config: ModelConfig, runner, config: EngineConfig) -> None:
+    """EAGLE-3 reads three of the target's layers: its decoder copies them into a buffer each forward (with pipeline
+    stages, each stage its own layers; the first stage receives the others' columns: distributed/pipeline.py)."""
+    target, device = runner.model, runner.device
     decoder = getattr(target, target.model_attr)
     if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
         raise ValueError(
@@ -163,6 +169,8 @@ def hook_aux_layers(model_config: ModelConfig, target: torch.nn.Module, config: 
     decoder.aux_hidden_states = torch.zeros(  # [max tokens, 3 * target H]
         rows, 3 * target.config.hidden_size, dtype=config.model.dtype, device=device
     )
+    if runner.stage is not None:
+        runner.stage.aux = AuxLayers(decoder.aux_hidden_states, ids, len(decoder.layers), runner.groups.info.pp_size)
 
 
 @dataclass
@@ -191,7 +199,7 @@ class EagleProposer:
         self.model = load_head(self.model_config, runner.model, self.device, self.peers)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if self.model.eagle3:
-            hook_aux_layers(self.model_config, runner.model, config, self.device)
+            hook_aux_layers(self.model_config, runner, config)
         max_rows, h = len(runner.batch.generation), self.model_config.hf_config.hidden_size
         dtype = self.model_config.dtype
         # per row: the draft's outputs at the last position it computed (for the logits, for the next step)

@@ -153,9 +153,6 @@ def test_tp_size_checks(llama_path):
         LLM(llama_path, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds num_hidden_layers=3"):
         LLM(llama_path, pipeline_parallel_size=4, **ENGINE)
-    eagle3 = {"method": "eagle3", "model": "some/EAGLE3-head", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="method 'eagle3' runs with one pipeline stage"):
-        LLM(llama_path, pipeline_parallel_size=2, speculative_config=eagle3, **ENGINE)
 
 
 def test_stage_layers_split():

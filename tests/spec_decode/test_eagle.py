@@ -424,12 +424,13 @@ def test_tensor_parallel_driver_head_equals_the_oracle(method, target, forced, t
         assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
 
 
-def test_pipeline_stages_driver_head_equals_the_oracle(target, forced, tmp_path):
-    """EAGLE over two pipeline stages: the first stage's driver runs the head on the final hidden states the last
-    stage sends back; its proposals equal the oracle's and the outputs equal those without speculation."""
+def test_pipeline_stages_driver_head_equals_the_oracle(method, target, forced, tmp_path):
+    """Two pipeline stages: the first stage's driver runs the head on the final hidden states the last stage sends
+    back (EAGLE-3: on the layers each stage copies, the later stage's sent back too); its proposals equal the
+    oracle's and the outputs equal those without speculation."""
     path = str(tmp_path / "head")
-    weights = save_head(path, False)
-    spec = {"method": "eagle", "model": path, "num_speculative_tokens": K}
+    weights = save_head(path, method == "eagle3")
+    spec = {"method": method, "model": path, "num_speculative_tokens": K}
     llm = LLM(
         target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22,
         speculative_config=spec, pipeline_parallel_size=2,
@@ -447,4 +448,4 @@ def test_pipeline_stages_driver_head_equals_the_oracle(target, forced, tmp_path)
     assert exact(outputs) == exact(reference)
     w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     for tokens, drafts in calls:
-        assert drafts == oracle_drafts(target[0], w, False, tokens, forced.drafts(tokens)), tokens
+        assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
