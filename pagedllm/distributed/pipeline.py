@@ -26,7 +26,9 @@ So no rank ever waits for a peer that waits for it, on gloo (blocking host calls
 stream per group), and the two directions never share a channel.
 
 Every stage knows the step's token count from the scheduler output, so the tensors' shapes need no message of their
-own: (hidden, residual) [2, num_tokens, hidden_size] between stages, hidden [num_tokens, hidden_size] back.
+own: (hidden, residual) [2, num_tokens, hidden_size] between stages (models/stages.py), the final hidden states
+[num_tokens, head_size] back (the LM head's input: hidden_size, or OPT's word_embed_proj_dim after its last stage's
+project_out).
 
 Decode steps replay each stage's CUDA graphs (run_graph; worker/cuda_graphs.py): a stage after the first takes the
 received (hidden, residual) as the graph's static input, the sends and receives stay outside the graphs. Prefill and
@@ -68,9 +70,10 @@ class Received:
 class PipelineStage:
     """One rank's place in the pipeline: runs its layers on what the previous stage sent and sends the result on."""
 
-    def __init__(self, groups: ParallelGroups, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, groups: ParallelGroups, hidden_size: int, dtype: torch.dtype, head_size: int | None = None):
         self.pp, self.back = groups.pp, groups.pp_back
         self.hidden_size, self.dtype = hidden_size, dtype
+        self.head_size = hidden_size if head_size is None else head_size  # the final hidden states' width
         self.sends: deque = deque()  # (work, tensor) of the sends not waited for yet, oldest first
         self.aux: AuxLayers | None = None  # EAGLE-3's layer copies, when its head reads the target (hook_aux_layers)
 
@@ -79,7 +82,11 @@ class PipelineStage:
         """The rank's stage, None with one stage."""
         if groups.info.pp_size == 1:
             return None
-        return cls(groups, model_config.hf_config.hidden_size, model_config.dtype)
+        from pagedllm.models.registry import get_model_class
+
+        hf_config = model_config.hf_config
+        head_size = getattr(get_model_class(model_config.architecture, model_config.model_impl), "head_size", None)
+        return cls(groups, hf_config.hidden_size, model_config.dtype, head_size(hf_config) if head_size else None)
 
     @property
     def is_first(self) -> bool:
@@ -92,7 +99,7 @@ class PipelineStage:
 
     def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> Received | None:
         """This stage's layers over the step's tokens (inside its forward context), sent on. Returns on the first
-        stage the posted receive of the final hidden states [num_tokens, hidden_size], None on the others. mm: the
+        stage the posted receive of the final hidden states [num_tokens, head_size], None on the others. mm: the
         step's image embeddings (a vision-language model's first stage)."""
 
         def forward(pair: torch.Tensor | None):
@@ -133,7 +140,7 @@ class PipelineStage:
             self._send(self.back, self.aux.buffer[:rows].clone(), 0)
         if not self.pp.is_first:
             return None
-        final = torch.empty((n, self.hidden_size), dtype=self.dtype, device=device)
+        final = torch.empty((n, self.head_size), dtype=self.dtype, device=device)
         received = Received(self.back.irecv(final, self.back.size - 1), final)
         if self.aux is not None:
             received.aux = [(self._recv_aux(stage, rows), columns, self.aux.buffer[:rows])

@@ -14,6 +14,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, stream_of, to_next_stage
 from pagedllm.models.utils import join_prefix, rank_alibi_slopes, regroup_per_head_qkv
 
 
@@ -59,23 +60,30 @@ class BloomModel(nn.Module):
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden)
         self.word_embeddings_layernorm = LayerNorm(hidden, eps)
-        self.h = nn.ModuleList(
-            BloomBlock(config, quant_config, join_prefix(prefix, f"h.{i}")) for i in range(config.num_hidden_layers)
+        self.h = build_stage(
+            self, config.num_hidden_layers, lambda i: BloomBlock(config, quant_config, join_prefix(prefix, f"h.{i}"))
         )
         self.ln_f = LayerNorm(hidden, eps)
+        drop_other_stages(self, first=("word_embeddings", "word_embeddings_layernorm"), last=("ln_f",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # [num_tokens, hidden]
-        for block in self.h:
-            x = block(x)
-        return self.ln_f(x)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (stream, zeros) (models/stages.py)."""
+        if intermediate is None:
+            x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # [num_tokens, hidden]
+        else:
+            x = stream_of(intermediate)
+        for i in range(self.first, self.last):
+            x = self.h[i](x)
+        return self.ln_f(x) if self.is_last_stage else to_next_stage(x)
 
 
 class BloomForCausalLM(CausalLM):
     model_cls = BloomModel
     model_attr, embedding_attr = "transformer", "word_embeddings"
     tie_default, model_takes_max_position = True, False
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True
 
     @staticmethod
     def rename(name: str) -> str:

@@ -15,6 +15,7 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_rotary, rope_parameters
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, stream_of, to_next_stage
 from pagedllm.models.utils import join_prefix, num_kv_heads_of, rank_alibi_slopes, regroup_per_head_qkv
 
 
@@ -85,29 +86,33 @@ class FalconModel(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden)
-        self.h = nn.ModuleList(
-            FalconDecoderLayer(config, quant_config, join_prefix(prefix, f"h.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
+        self.h = build_stage(
+            self, config.num_hidden_layers,
+            lambda i: FalconDecoderLayer(config, quant_config, join_prefix(prefix, f"h.{i}")),
+        )  # fmt: skip
         self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon)
         self.rotary_emb = None
         if not config.alibi:
             head_dim = hidden // config.num_attention_heads
             self.rotary_emb = RotaryEmbedding(head_dim, max_position, *rope_parameters(config))
+        drop_other_stages(self, first=("word_embeddings",), last=("ln_f",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(input_ids)  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (stream, zeros) (models/stages.py)."""
+        x = self.word_embeddings(input_ids) if intermediate is None else stream_of(intermediate)  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype) if self.rotary_emb is not None else None
-        for layer in self.h:
-            x = layer(rope, x)
-        return self.ln_f(x)
+        for i in range(self.first, self.last):
+            x = self.h[i](rope, x)
+        return self.ln_f(x) if self.is_last_stage else to_next_stage(x)
 
 
 class FalconForCausalLM(CausalLM):
     model_cls = FalconModel
     model_attr, embedding_attr = "transformer", "word_embeddings"
     tie_default = True
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Regroups the fused q/k/v rows to [q, k, v] (multi-query checkpoints have them so already)."""

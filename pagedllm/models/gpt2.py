@@ -13,6 +13,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, to_next_stage
 from pagedllm.models.utils import join_prefix
 
 CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # stored transposed
@@ -67,25 +68,34 @@ class GPT2Model(nn.Module):
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(
-            self.block_cls(config, i, quant_config, join_prefix(prefix, f"h.{i}"))
-            for i in range(config.num_hidden_layers)
+        self.h = build_stage(
+            self,
+            config.num_hidden_layers,
+            lambda i: self.block_cls(config, i, quant_config, join_prefix(prefix, f"h.{i}")),
         )
         self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_epsilon)
+        drop_other_stages(self, first=("wte", "wpe"), last=("ln_f",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.wte(input_ids) + self.wpe(positions), None  # [num_tokens, hidden]
-        for block in self.h:
-            x, residual = block(x, residual)
-        x, _ = self.ln_f(x, residual)
-        return x
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (x, residual) (models/stages.py)."""
+        if intermediate is None:
+            x, residual = self.wte(input_ids) + self.wpe(positions), None  # [num_tokens, hidden]
+        else:
+            x, residual = intermediate
+        for i in range(self.first, self.last):
+            x, residual = self.h[i](x, residual)
+        if not self.is_last_stage:
+            return to_next_stage(x, residual)
+        return self.ln_f(x, residual)[0]
 
 
 class GPT2LMHeadModel(CausalLM):
     model_cls = GPT2Model
     model_attr, embedding_attr = "transformer", "wte"
     tie_default, model_takes_max_position, learned_positions = True, False, True
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True
     extra_ignore = (".attn.bias", ".attn.masked_bias")  # old checkpoints' mask buffers
 
     @staticmethod

@@ -20,6 +20,7 @@ from pagedllm.layers.rotary_embedding import (
 )
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, stream_of, to_next_stage
 from pagedllm.models.utils import join_prefix, regroup_per_head_qkv
 
 
@@ -74,25 +75,29 @@ class GPTNeoXModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            GPTNeoXLayer(config, quant_config, join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = build_stage(
+            self, config.num_hidden_layers,
+            lambda i: GPTNeoXLayer(config, quant_config, join_prefix(prefix, f"layers.{i}")),
+        )  # fmt: skip
         self.final_layer_norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         rot_dim = partial_rotary_dim(config, config.hidden_size // config.num_attention_heads)
         self.rotary_emb = RotaryEmbedding(rot_dim, max_position, *rope_parameters(config))
+        drop_other_stages(self, first=("embed_in",), last=("final_layer_norm",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_in(input_ids)  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (stream, zeros) (models/stages.py)."""
+        x = self.embed_in(input_ids) if intermediate is None else stream_of(intermediate)  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(rope, x)
-        return self.final_layer_norm(x)
+        for i in range(self.first, self.last):
+            x = self.layers[i](rope, x)
+        return self.final_layer_norm(x) if self.is_last_stage else to_next_stage(x)
 
 
 class GPTNeoXForCausalLM(CausalLM):
     model_cls = GPTNeoXModel
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True
     model_attr, embedding_attr, head_attr = "gpt_neox", "embed_in", "embed_out"
     extra_ignore = (".attention.bias", ".attention.masked_bias")  # mask buffers
 

@@ -15,6 +15,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_partial_rota
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.phi import BiasedLMHead
+from pagedllm.models.stages import build_stage, drop_other_stages, stream_of, to_next_stage
 from pagedllm.models.utils import join_prefix
 
 
@@ -64,18 +65,22 @@ class GPTJModel(nn.Module):
     ) -> None:
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.h = nn.ModuleList(
-            GPTJBlock(config, quant_config, join_prefix(prefix, f"h.{i}")) for i in range(config.num_hidden_layers)
+        self.h = build_stage(
+            self, config.num_hidden_layers, lambda i: GPTJBlock(config, quant_config, join_prefix(prefix, f"h.{i}"))
         )
         self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_epsilon)
         self.rotary_emb = RotaryEmbedding(rotary_dim_of(config), max_position, 10000.0, None)
+        drop_other_stages(self, first=("wte",), last=("ln_f",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.wte(input_ids)  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (stream, zeros) (models/stages.py)."""
+        x = self.wte(input_ids) if intermediate is None else stream_of(intermediate)  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
-        for block in self.h:
-            x = block(rope, x)
-        return self.ln_f(x)
+        for i in range(self.first, self.last):
+            x = self.h[i](rope, x)
+        return self.ln_f(x) if self.is_last_stage else to_next_stage(x)
 
 
 class GPTJForCausalLM(CausalLM):
@@ -83,4 +88,4 @@ class GPTJForCausalLM(CausalLM):
     model_attr, embedding_attr = "transformer", "wte"
     head_cls, tied_head_ignore = BiasedLMHead, "lm_head.weight"
     extra_ignore = (".attn.bias", ".attn.masked_bias")  # mask buffers
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True

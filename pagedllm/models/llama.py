@@ -7,15 +7,15 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul, gated_activation
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.build_context import current_build_context, stage_layers
+from pagedllm.layers.build_context import current_build_context
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, to_next_stage
 from pagedllm.models.utils import (
-    MissingLayer,
     head_dim_of,
     join_prefix,
     norm_eps_of,
@@ -187,21 +187,14 @@ class LlamaModel(nn.Module):
         context = current_build_context()
         if context.pp_size > 1 and type(self).forward is not LlamaModel.forward:
             raise ValueError(f"{type(self).__name__} does not support pipeline parallelism in pagedllm yet")
-        self.first, self.last = stage_layers(config.num_hidden_layers, context.pp_size, context.pp_rank)
-        self.is_first_stage, self.is_last_stage = context.pp_rank == 0, context.pp_rank == context.pp_size - 1
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            self.layer_cls(config, i, quant_config, join_prefix(prefix, f"layers.{i}"))
-            if self.first <= i < self.last
-            else MissingLayer()
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = build_stage(
+            self, config.num_hidden_layers,
+            lambda i: self.layer_cls(config, i, quant_config, join_prefix(prefix, f"layers.{i}")),
+        )  # fmt: skip
         self.rotary_emb = self.make_rotary(config, max_position)
         self.norm = self.norm_cls(config.hidden_size, norm_eps_of(config))
-        if not self.is_first_stage and context.pp_size > 1:  # (a tied LM head on the first stage shares it)
-            self.embed_tokens = MissingLayer()
-        if not self.is_last_stage:
-            self.norm = MissingLayer()
+        drop_other_stages(self, first=("embed_tokens",), last=("norm",))
         self.defer_reductions()
 
     def defer_reductions(self) -> None:
@@ -260,7 +253,7 @@ class LlamaModel(nn.Module):
                 self.aux_hidden_states[: x.shape[0], j * h : (j + 1) * h].copy_(x if residual is None else x + residual)
             x, residual = self.layers[i](rope, x, residual)
         if not self.is_last_stage:
-            return x, torch.zeros_like(x) if residual is None else residual
+            return to_next_stage(x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 

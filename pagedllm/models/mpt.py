@@ -15,6 +15,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, to_next_stage
 from pagedllm.models.utils import join_prefix, rank_alibi_slopes
 
 
@@ -75,21 +76,26 @@ class MPTModel(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.wte = VocabParallelEmbedding(config.vocab_size, hidden)
-        self.blocks = nn.ModuleList(
-            MPTBlock(config, quant_config, join_prefix(prefix, f"blocks.{i}")) for i in range(config.num_hidden_layers)
-        )
+        self.blocks = build_stage(
+            self, config.num_hidden_layers,
+            lambda i: MPTBlock(config, quant_config, join_prefix(prefix, f"blocks.{i}")),
+        )  # fmt: skip
         self.norm_f = LayerNorm(hidden, config.layer_norm_epsilon, bias=not config.no_bias)
+        drop_other_stages(self, first=("wte",), last=("norm_f",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.wte(input_ids), None  # [num_tokens, hidden]
-        for block in self.blocks:
-            x, residual = block(x, residual)
-        return self.norm_f(x, residual)[0]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (x, residual) (models/stages.py)."""
+        x, residual = (self.wte(input_ids), None) if intermediate is None else intermediate  # [num_tokens, hidden]
+        for i in range(self.first, self.last):
+            x, residual = self.blocks[i](x, residual)
+        return self.norm_f(x, residual)[0] if self.is_last_stage else to_next_stage(x, residual)
 
 
 class MPTForCausalLM(CausalLM):
     model_cls = MPTModel
     model_attr, embedding_attr = "transformer", "wte"
     tie_default, model_takes_max_position = True, False
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True
     stacked = []  # ffn.up_proj is no shard

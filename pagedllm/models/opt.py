@@ -13,6 +13,7 @@ from pagedllm.layers.mlp import PlainMLP
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.vocab_embedding import LearnedPositionEmbedding, VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, stream_of, to_next_stage
 from pagedllm.models.utils import join_prefix
 
 
@@ -71,18 +72,29 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             self.final_layer_norm = LayerNorm(hidden, affine=getattr(config, "layer_norm_elementwise_affine", True))
-        self.layers = nn.ModuleList(
-            OPTDecoderLayer(config, quant_config, join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = build_stage(
+            self, config.num_hidden_layers,
+            lambda i: OPTDecoderLayer(config, quant_config, join_prefix(prefix, f"layers.{i}")),
+        )  # fmt: skip
+        first, last = ("embed_tokens", "embed_positions", "project_in"), ("final_layer_norm", "project_out")
+        drop_other_stages(self, first, last)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, word_embed_proj_dim]
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions)  # [num_tokens, hidden]
-        for layer in self.layers:
-            x = layer(x)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, word_embed_proj_dim]; a stage before the last returns (stream, zeros) [num_tokens,
+        hidden] (models/stages.py)."""
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)  # [num_tokens, word_embed_proj_dim]
+            if self.project_in is not None:
+                x = self.project_in(x)
+            x = x + self.embed_positions(positions)  # [num_tokens, hidden]
+        else:
+            x = stream_of(intermediate)
+        for i in range(self.first, self.last):
+            x = self.layers[i](x)
+        if not self.is_last_stage:
+            return to_next_stage(x)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         return self.project_out(x) if self.project_out is not None else x
@@ -93,15 +105,17 @@ class OPTModel(nn.Module):
         super().__init__()
         self.decoder = OPTDecoder(config, quant_config, join_prefix(prefix, "decoder"))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.decoder(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder(input_ids, positions, intermediate)
 
 
 class OPTForCausalLM(CausalLM):
     model_cls = OPTModel
     embedding_attr = "decoder.embed_tokens"
     tie_default, model_takes_max_position, learned_positions = True, False, True
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True
 
     @staticmethod
     def head_size(config) -> int:

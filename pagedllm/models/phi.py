@@ -15,6 +15,7 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, apply_partial_rotary, partial_rotary_dim, rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.stages import build_stage, drop_other_stages, stream_of, to_next_stage
 from pagedllm.models.utils import head_dim_of, join_prefix, num_kv_heads_of
 
 
@@ -70,20 +71,24 @@ class PhiModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            PhiDecoderLayer(config, quant_config, join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = build_stage(
+            self, config.num_hidden_layers,
+            lambda i: PhiDecoderLayer(config, quant_config, join_prefix(prefix, f"layers.{i}")),
+        )  # fmt: skip
         self.final_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         rot_dim = partial_rotary_dim(config, head_dim_of(config))
         self.rotary_emb = RotaryEmbedding(rot_dim, max_position, *rope_parameters(config))
+        drop_other_stages(self, first=("embed_tokens",), last=("final_layernorm",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden]; a stage before the last returns (stream, zeros) (models/stages.py)."""
+        x = self.embed_tokens(input_ids) if intermediate is None else stream_of(intermediate)  # [num_tokens, hidden]
         rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(rope, x)
-        return self.final_layernorm(x)
+        for i in range(self.first, self.last):
+            x = self.layers[i](rope, x)
+        return self.final_layernorm(x) if self.is_last_stage else to_next_stage(x)
 
 
 class BiasedLMHead(ParallelLMHead):
@@ -101,4 +106,4 @@ class BiasedLMHead(ParallelLMHead):
 class PhiForCausalLM(CausalLM):
     model_cls = PhiModel
     head_cls, tied_head_ignore = BiasedLMHead, "lm_head.weight"
-    supports_tensor_parallel = True
+    supports_tensor_parallel = supports_pipeline_parallel = True

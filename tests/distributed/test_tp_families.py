@@ -17,8 +17,9 @@ from pagedllm.layers.build_context import BuildContext
 from pagedllm.model_loader.loader import get_model
 from pagedllm.models.registry import get_model_class
 
-QUICK = {("llama", "tp"), ("qwen2-bias", "tp"), ("llama3-rope-tied", "pp")}  # the rest run in the slow tier
-# pipeline stages share one forward (LlamaModel's): a few families whose layers differ most stand for the rest
+# the quick tier's cases (the rest run in the slow tier): OPT's with its projections in and out
+QUICK = {("llama", "tp"), ("qwen2-bias", "tp"), ("llama3-rope-tied", "pp"), ("opt-proj-postnorm", "pp")}
+# the Llama-like families' stages share one forward (LlamaModel's): a few whose layers differ most stand for the rest
 PP_FAMILIES = {
     "llama3-rope-tied",
     "gemma2-softcap-sliding",
@@ -26,6 +27,19 @@ PP_FAMILIES = {
     "mixtral-8-experts",
     "deepseek-v3-noaux-tc",
     "phi3-longrope",
+}
+# the families with a forward of their own, one case each (GPTBigCode's stages are GPT-2's: its model subclasses it):
+# learned positions on the first stage, tied heads, ALiBi, parallel blocks that send (stream, zeros), OPT's
+# projections in and out (project_out on the last stage: a narrower final hidden state goes back)
+PP_FAMILIES |= {
+    "gpt2",
+    "gptj",
+    "gpt-neox-sequential",
+    "opt-proj-postnorm",
+    "phi",
+    "bloom-alibi",
+    "falcon-mqa-parallel",
+    "mpt-alibi-clip",
 }
 FLAGS = {"tp": "supports_tensor_parallel", "pp": "supports_pipeline_parallel"}
 # variants of another case's family that differ only in their RoPE scaling: the rotation runs on each rank's own
@@ -90,7 +104,8 @@ def test_two_ranks_greedy_matches_hf(name, kind, tmp_path_factory):
 
 def test_unsupported_family_is_refused(tmp_path_factory, monkeypatch):
     """A model class without supports_tensor_parallel (every decoder family here has it: one is switched off) is
-    refused by the loader, naming the architecture; GPT-2 has no pipeline-parallel support yet."""
+    refused by the loader, naming the architecture; so is one without supports_pipeline_parallel (the transformers
+    fallback has neither)."""
     config_cls, model_cls, kwargs = CASES["gpt2"]
     _, path = save_tiny_decoder("gpt2-tp", config_cls, model_cls, kwargs, tmp_path_factory)
     monkeypatch.setattr(get_model_class("GPT2LMHeadModel", "pagedllm"), "supports_tensor_parallel", False)
@@ -98,4 +113,4 @@ def test_unsupported_family_is_refused(tmp_path_factory, monkeypatch):
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not support tensor parallelism"):
         get_model(config.model, torch.device("cpu"), BuildContext(tp_rank=0, tp_size=2))
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not support pipeline parallelism"):
-        tp_llm(path, 1, 2)
+        tp_llm(path, 1, 2, model_impl="transformers")
