@@ -23,6 +23,7 @@ QUICK = {("llama", "tp"), ("qwen2-bias", "tp"), ("llama3-rope-tied", "pp"), ("op
 PP_FAMILIES = {
     "llama3-rope-tied",
     "gemma2-softcap-sliding",
+    "gemma3-text",  # (a rope table per layer type: each stage's layers take theirs)
     "olmo2",
     "mixtral-8-experts",
     "deepseek-v3-noaux-tc",
