@@ -1,5 +1,5 @@
 """A tiny random Gemma3ForConditionalGeneration (a SigLIP tower of 2 layers at 56x56 pixels, 4x4 patches pooled to
-2x2 = 4 tokens an image; a Gemma 3 LM of 2 layers, one sliding-window and one global) and its real processor:
+2x2 = 4 tokens an image; a Gemma 3 LM of 2 layers by default, sliding-window and global in turn) and its real processor:
 Gemma3Processor with the PIL Gemma3 image processor and the character-level test tokenizer with Gemma 3's
 <start_of_image>, <end_of_image> and <image_soft_token>."""
 
@@ -72,11 +72,14 @@ def hf_generate(hf, processor, prompt: str, images: list, max_tokens: int) -> li
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def save_tiny_gemma3(tmp_path_factory, name: str = "gemma3-vl"):
-    """(HF model, its processor, the checkpoint folder with both saved)."""
+def save_tiny_gemma3(tmp_path_factory, name: str = "gemma3-vl", num_layers: int = 2):
+    """(HF model, its processor, the checkpoint folder with both saved). num_layers: the LM's, sliding-window and
+    global in turn (the last layer's image mask changes only the image rows' final states, never a sampled token:
+    a test of the mask in a later pipeline stage needs a layer there before the last)."""
     torch.manual_seed(34)
+    layer_types = ["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"] * (num_layers % 2)
     config = T.Gemma3Config(
-        text_config=T.Gemma3TextConfig(**TEXT),
+        text_config=T.Gemma3TextConfig(**dict(TEXT, num_hidden_layers=num_layers, layer_types=layer_types)),
         vision_config=T.SiglipVisionConfig(**VISION),
         mm_tokens_per_image=NUM_IMAGE_TOKENS,
         boi_token_index=BOI_ID,

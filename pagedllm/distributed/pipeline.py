@@ -100,11 +100,13 @@ class PipelineStage:
     def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> Received | None:
         """This stage's layers over the step's tokens (inside its forward context), sent on. Returns on the first
         stage the posted receive of the final hidden states [num_tokens, head_size], None on the others. mm: the
-        step's image embeddings (a vision-language model's first stage)."""
+        step's image embeddings (a vision-language model's first stage), or on a later stage the spans of images
+        whose tokens attend both ways (Gemma 3; multimodal/encoder_runner.py)."""
 
         def forward(pair: torch.Tensor | None):
             if pair is not None:
-                return model(None, positions, (pair[0], pair[1]))
+                intermediate = (pair[0], pair[1])
+                return model(None, positions, intermediate) if mm is None else model(None, positions, intermediate, mm)
             return model(input_ids, positions) if mm is None else model(input_ids, positions, mm_embeds=mm)
 
         return self._run(forward, positions.shape[-1], positions.device, positions.shape[-1])

@@ -4,7 +4,11 @@ tokens replace the embeddings of its image_token_index placeholders (the process
 "\\n\\n<start_of_image>" + mm_tokens_per_image placeholders + "<end_of_image>\\n\\n" for each <start_of_image>).
 
 In prefill the placeholders of one image attend to each other both ways, as transformers' token_type_ids mask has it
-(multimodal/bidirectional.py: the attention layers recompute those rows over the cache with an explicit mask)."""
+(multimodal/bidirectional.py: the attention layers recompute those rows over the cache with an explicit mask).
+
+Pipeline parallelism: the first stage holds the vision tower and the projector and embeds the tokens; every stage
+gets the step's ImageSpans (a later one computes them from the items it keeps, with no embeddings: the runner's
+MultiModalRunner.step_spans), so that the image rows of each stage's layers attend both ways."""
 
 from __future__ import annotations
 
@@ -15,12 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.build_context import current_build_context
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.clip import CLIP_STACKED
 from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3Model
 from pagedllm.models.siglip import SiglipVisionTower
 from pagedllm.models.utils import (
+    MissingLayer,
     forward_with_mm_embeds,
     join_prefix,
     load_with_language_model,
@@ -91,6 +97,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
 
     bidirectional_images = True  # the runner hands each step's ImageSpans with the image embeddings
     supports_tensor_parallel = True  # the language model is split; each rank runs the whole vision tower
+    supports_pipeline_parallel = True  # (the tower and projector on the first stage; every stage gets the spans)
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int
@@ -102,7 +109,9 @@ class Gemma3ForConditionalGeneration(nn.Module):
         # limit_mm_per_prompt={"image": 0}: a text model (no vision weights built, loaded or profiled)
         self.supports_multimodal = not getattr(config, "mm_text_only", False)
         self.vision_tower = self.multi_modal_projector = None
-        if self.supports_multimodal:
+        if self.supports_multimodal and current_build_context().pp_rank > 0:  # another stage's parts
+            self.vision_tower, self.multi_modal_projector = MissingLayer(), MissingLayer()
+        elif self.supports_multimodal:
             self.vision_tower = SiglipVisionTower(full.vision_config)
             self.multi_modal_projector = Gemma3MultiModalProjector(full)
         self.language_model = Gemma3VLForCausalLM(
@@ -119,11 +128,20 @@ class Gemma3ForConditionalGeneration(nn.Module):
         side = self.vision_tower.embeddings.image_size
         return {"pixel_values": torch.zeros(1, 3, side, side)}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm_embeds=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate: tuple | None = None,
+        mm_embeds=None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """mm_embeds: (rows of the flat batch [n], their embeddings [n, hidden]) of image placeholder tokens, with
-        the step's ImageSpans as `mm_embeds.spans`."""
+        the step's ImageSpans as `mm_embeds.spans`; on a pipeline stage after the first, which takes the previous
+        stage's (hidden, residual) as `intermediate` (see LlamaModel.forward), only its spans are used."""
         set_spans(self.image_attention, getattr(mm_embeds, "spans", None))
         try:
+            if intermediate is not None:
+                return self.language_model.model(None, positions, intermediate)
             return forward_with_mm_embeds(self.language_model.model, input_ids, positions, mm_embeds)
         finally:
             set_spans(self.image_attention, None)

@@ -5,7 +5,8 @@ Chunked prefill may cut through an item's placeholder span: the encoder runs on 
 whose chunk reaches into the span, its output stays in the cache, and each chunk takes the rows of its own positions.
 An output evicted before its last chunk ran is computed again (same result, more work), so any chunking is correct;
 the same item in other requests (same hash) is not encoded again while its output is cached. A model whose image
-tokens attend bidirectionally (Gemma 3) also gets each step's ImageSpans (multimodal/bidirectional.py)."""
+tokens attend bidirectionally (Gemma 3) also gets each step's ImageSpans (multimodal/bidirectional.py); a pipeline
+stage after the first gets only those (step_spans: no encoder there, its inputs are hidden states)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ class EncoderCache:
 
 class MultiModalEmbeds(tuple):
     """(rows of the flat batch [n], their embeddings [n, hidden]) of a step's placeholder tokens, carrying `spans`:
-    the ImageSpans of the step's bidirectional items (None: it has none)."""
+    the ImageSpans of the step's bidirectional items (None: it has none). On a pipeline stage after the first
+    (None, None) with the spans only."""
 
-    def __new__(cls, rows: torch.Tensor, embeds: torch.Tensor, spans: list[ImageSpan] | None) -> MultiModalEmbeds:
+    def __new__(cls, rows, embeds, spans: list[ImageSpan] | None) -> MultiModalEmbeds:
         out = super().__new__(cls, (rows, embeds))
         out.spans = spans
         return out
@@ -123,16 +125,12 @@ class MultiModalRunner:
         """(rows of the flat batch [n], their embeddings [n, hidden]) for the step's placeholder tokens; None when
         the step has none. Request i computes positions [seq_lens[i] - its token count, seq_lens[i]).
         block_table [num_reqs, max_blocks]: the requests' blocks (the key slots of bidirectional items)."""
-        rows, embeds, spans = [], [], []
+        rows, embeds = [], []
         for i, req_id in enumerate(req_ids):
             features = self.features.get(req_id)
             if not features:
                 continue
-            end = int(seq_lens[i])
-            first_row = int(query_start_loc[i])
-            start = end - (int(query_start_loc[i + 1]) - first_row)
-            if block_table is not None and getattr(self.model, "bidirectional_images", False):
-                spans += step_spans(features, first_row, start, end, block_table[i], self.block_size)
+            first_row, start, end = _request_span(query_start_loc, seq_lens, i)
             for f in features:
                 lo, hi = max(start, f.offset), min(end, f.end)
                 if lo >= hi:
@@ -142,9 +140,37 @@ class MultiModalRunner:
         if not rows:
             return None
         index = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        spans = None if block_table is None else self._spans(req_ids, query_start_loc, seq_lens, block_table)
+        return MultiModalEmbeds(index, torch.cat(embeds), spans)
+
+    def step_spans(
+        self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray
+    ) -> MultiModalEmbeds | None:
+        """What a pipeline stage after the first needs of the step's items: (None, None) carrying the ImageSpans of
+        its bidirectional items (Gemma 3); None when it has none (or the model's images attend causally)."""
+        spans = self._spans(req_ids, query_start_loc, seq_lens, block_table)
+        return None if spans is None else MultiModalEmbeds(None, None, spans)
+
+    def _spans(
+        self, req_ids: list[str], query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray
+    ) -> list[ImageSpan] | None:
+        """The ImageSpans of the step's bidirectional items, None if none (or the model has none)."""
+        if not getattr(self.model, "bidirectional_images", False):
+            return None
+        spans = []
+        for i, req_id in enumerate(req_ids):
+            features = self.features.get(req_id)
+            if features:
+                first_row, start, end = _request_span(query_start_loc, seq_lens, i)
+                spans += step_spans(features, first_row, start, end, block_table[i], self.block_size)
         dev = self.device
-        spans = [ImageSpan(r, torch.from_numpy(p).to(dev), torch.from_numpy(k).to(dev)) for r, p, k in spans]
-        return MultiModalEmbeds(index, torch.cat(embeds), spans or None)
+        return [ImageSpan(r, torch.from_numpy(p).to(dev), torch.from_numpy(k).to(dev)) for r, p, k in spans] or None
+
+
+def _request_span(query_start_loc: np.ndarray, seq_lens: np.ndarray, i: int) -> tuple[int, int, int]:
+    """(its first row in the flat batch, first position, end position) of request i's tokens in the step."""
+    first_row, end = int(query_start_loc[i]), int(seq_lens[i])
+    return first_row, end - (int(query_start_loc[i + 1]) - first_row), end
 
 
 def make_multimodal_runner(model: torch.nn.Module, config) -> MultiModalRunner | None:

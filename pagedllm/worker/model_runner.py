@@ -340,10 +340,12 @@ class ModelRunner:
         mm = None
         if self.mm is not None and (self.stage is None or self.stage.is_first):  # (the first stage embeds tokens)
             mm = self.mm.step_embeddings(flat.req_ids, flat.query_start_loc, flat.seq_lens, flat.block_table)
+        elif self.mm is not None:  # a later stage: only where image tokens attend both ways (Gemma 3), their spans
+            mm = self.mm.step_spans(flat.req_ids, flat.query_start_loc, flat.seq_lens, flat.block_table)
         # M-RoPE positions of a step with multimodal requests (Qwen2-VL): [3, num_tokens] or [num_tokens], else None
         mrope = None if self.mm is None else self.mm.step_positions(flat.req_ids, flat.query_start_loc, flat.positions)
         positions = flat.positions if mrope is None else mrope
-        picked = None  # a step with image tokens or 3D positions runs eagerly (the graphs take 1D positions)
+        picked = None  # a step with image tokens (spans) or 3D positions runs eagerly (graphs take 1D positions)
         if mm is None and positions.ndim == 1:
             picked = pick_graph(self.graphs, self.verify_graphs, np.diff(flat.query_start_loc))
         if picked is not None:  # decodes, or verify rows of at most K + 1 tokens: a graph of the padded size

@@ -2,7 +2,8 @@
 processes (gloo, float32, async scheduling; TP=2 or PP=2) give the greedy tokens and logprobs of one process, and HF's
 tokens, with images (and a Qwen video) batched with text-only requests, chunked prefill cutting through an image, and
 a repeated image (encoder cache and prefix cache). The vision towers shard by heads; ones whose sizes do not split
-are replicated; with pipeline stages the first stage holds the tower."""
+are replicated; with pipeline stages the first stage holds the tower. Gemma 3 (bidirectional image attention) runs
+PP=2 here, TP=2 in tests/multimodal/test_gemma3.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 import tiny_llava
 import tiny_qwen2_vl
 import torch
+from tiny_gemma3 import hf_generate as gemma3_generate
+from tiny_gemma3 import image as gemma3_image
+from tiny_gemma3 import save_tiny_gemma3
 from tiny_qwen2_vl import IMAGE, VIDEO
 
 from pagedllm import LLM, SamplingParams
@@ -76,18 +80,44 @@ def test_two_ranks_match_one_and_hf(vlm, layout):
         num_items += 2
     if (name, "one") not in ONE_RANK:
         ONE_RANK[name, "one"] = _run(path, 1, prompts)
-    one, cached_one, runs_one = ONE_RANK[name, "one"]
     tp, pp = layout
-    two, cached_two, runs_two = _run(path, tp, prompts, pp, async_scheduling=True)  # (one step in flight)
+    two = _run(path, tp, prompts, pp, async_scheduling=True)  # (one step in flight)
     gen = tiny_llava.hf_generate if name == "llava" else tiny_qwen2_vl.hf_generate
     expected = [gen(hf, processor, text, images, PARAMS.max_tokens) for text, images in cases]
-    assert [tokens for tokens, _ in two[: len(cases)]] == expected
+    _check(expected, ONE_RANK[name, "one"], two, num_items)
+
+
+def _check(expected: list, one: tuple, two: tuple, num_items: int) -> None:
+    """Two ranks' run gives HF's tokens (`expected`, one per case), and one rank's tokens and logprobs; the repeated
+    prompt (the last) hits the prefix cache and the encoder cache as on one rank."""
+    (one, cached_one, runs_one), (two, cached_two, runs_two) = one, two
+    assert [tokens for tokens, _ in two[: len(expected)]] == expected
     for (tokens_1, lps_1), (tokens_2, lps_2) in zip(one, two, strict=True):
         assert tokens_2 == tokens_1
         np.testing.assert_allclose(lps_2, lps_1, atol=1e-4, rtol=0)
     assert two[-1][0] == two[0][0]
     assert cached_two == cached_one > 0
     assert runs_two == runs_one == num_items  # the repeated image came from the encoder cache
+
+
+GEMMA3_PROMPTS = [
+    ("Say: <start_of_image> what?", [gemma3_image(0)]),
+    ("No picture here.", []),
+    ("Two <start_of_image> and <start_of_image>!", [gemma3_image(2), gemma3_image(3, (60, 30))]),
+]
+
+
+def test_gemma3_two_stages_match_one_and_hf(tmp_path_factory):
+    """Gemma 3 with PP=2 (4 layers, sliding-window and global in turn: two a stage): the first stage holds the vision
+    tower and embeds the tokens; the second, without it, computes each step's image spans from the items it keeps,
+    so that an image's tokens attend both ways in its layers too (its first layer's mask shows in the tokens)."""
+    hf, processor, path = save_tiny_gemma3(tmp_path_factory, "gemma3-vl-4", num_layers=4)
+    prompts = [_prompt(text, images) for text, images in GEMMA3_PROMPTS]
+    engine = dict(limit_mm_per_prompt={"image": 2})
+    one = _run(path, 1, prompts, **engine)
+    two = _run(path, 1, prompts, 2, async_scheduling=True, **engine)
+    expected = [gemma3_generate(hf, processor, t, i, PARAMS.max_tokens) for t, i in GEMMA3_PROMPTS]
+    _check(expected, one, two, num_items=3)
 
 
 ONE_RANK: dict = {}  # (model, "one") -> its one-process run (both layouts compare with it)
