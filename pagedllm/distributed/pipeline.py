@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelGroups
+from pagedllm.layers.build_context import stage_layers
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -165,8 +166,6 @@ class AuxLayers:
     its own layers into its buffer [max tokens, 3 * hidden]; the first stage takes the later stages' columns."""
 
     def __init__(self, buffer: torch.Tensor, layer_ids: tuple[int, ...], num_layers: int, pp_size: int) -> None:
-        from pagedllm.layers.build_context import stage_layers
-
         self.buffer = buffer
         h = buffer.shape[1] // len(layer_ids)
         self.later_columns: dict[int, torch.Tensor] = {}  # later stage -> the buffer's columns it fills

@@ -397,43 +397,19 @@ def test_proposals_through_static_buffers_equal_the_oracle(method, target, force
         assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
 
 
-def test_tensor_parallel_driver_head_equals_the_oracle(method, target, forced, tmp_path):
-    """TP=2 over two CPU processes (gloo): the driver runs the head on whole copies of the target's embedding and LM
-    head (gathered from the ranks' shards) and broadcasts its drafts, forced ones included; its proposals equal the
-    oracle's and the outputs equal those without speculation, logprobs included."""
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["TP=2", "PP=2"])
+def test_parallel_driver_head_equals_the_oracle(method, target, forced, layout, tmp_path):
+    """Two CPU processes (gloo). TP=2: the driver runs the head on whole copies of the target's embedding and LM
+    head (gathered from the ranks' shards) and broadcasts its drafts, forced ones included. PP=2: the first stage's
+    driver runs it on the final hidden states the last stage sends back (EAGLE-3: on the layers each stage copies,
+    the later stage's sent back too). Its proposals equal the oracle's and the outputs equal those without
+    speculation, logprobs included."""
     path = str(tmp_path / "head")
     weights = save_head(path, method == "eagle3")
     spec = {"method": method, "model": path, "num_speculative_tokens": K}
     llm = LLM(
         target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22,
-        speculative_config=spec, tensor_parallel_size=2,
-    )  # fmt: skip
-    try:
-        drafter = llm.llm_engine.core.executor.runner.drafter
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-        reference, _ = run(llm, PROMPTS[:3], params, speculate=False)
-        calls = record_proposals(drafter)
-        drafter.force_drafts = forced
-        outputs, (num_drafts, num_accepted) = run(llm, PROMPTS[:3], params, speculate=True)
-    finally:
-        llm.llm_engine.shutdown()
-    assert len(calls) >= 12 and 0 < num_accepted < num_drafts
-    assert exact(outputs) == exact(reference)
-    w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
-    for tokens, drafts in calls:
-        assert drafts == oracle_drafts(target[0], w, method == "eagle3", tokens, forced.drafts(tokens)), tokens
-
-
-def test_pipeline_stages_driver_head_equals_the_oracle(method, target, forced, tmp_path):
-    """Two pipeline stages: the first stage's driver runs the head on the final hidden states the last stage sends
-    back (EAGLE-3: on the layers each stage copies, the later stage's sent back too); its proposals equal the
-    oracle's and the outputs equal those without speculation."""
-    path = str(tmp_path / "head")
-    weights = save_head(path, method == "eagle3")
-    spec = {"method": method, "model": path, "num_speculative_tokens": K}
-    llm = LLM(
-        target[1], dtype="float32", skip_tokenizer_init=True, block_size=4, kv_cache_memory_bytes=1 << 22,
-        speculative_config=spec, pipeline_parallel_size=2,
+        speculative_config=spec, **layout,
     )  # fmt: skip
     try:
         drafter = llm.llm_engine.core.executor.runner.drafter
