@@ -1,10 +1,10 @@
 """FP8 decode linears on the GPU at Llama-3.1-8B shapes, in one run: the skinny Triton kernel quantizing its activations
 itself (fused; fused_1launch: its split K summed in the kernel, not by a second launch; fused_1launch_tma: also its
 weight tiles read by the TMA unit), the same kernel after the separate per-token quantization launch (unfused), the
-kernel alone on pre-quantized activations, torch._scaled_mm plus the quantization launch, and the bf16 F.linear. Each
-op is captured 20 times into a CUDA graph (no launch overhead, and a check that the op is capturable) cycling over
-enough weight copies to miss the L2 cache; printed: the median time per call over CUDA events and GB/s = (weight +
-activation + output bytes) / time.
+kernel alone on pre-quantized activations, torch._scaled_mm plus the quantization launch, the bf16 F.linear and the
+kernel on bf16 weights (dense_gemv: what bf16 decode runs at one row). Each op is captured 20 times into a CUDA graph
+(no launch overhead, and a check that the op is capturable) cycling over enough weight copies to miss the L2 cache;
+printed: the median time per call over CUDA events and GB/s = (weight + activation + output bytes) / time.
 
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py             # the table
     PYTHONPATH=. python benchmarks/fp8_gemv_bench.py --sweep     # the per-shape tile sweep at M=1 instead
@@ -134,10 +134,12 @@ def ops_for(m: int, n: int, k: int) -> dict:
         "gemv_kernel_only": ([gemv_only(w) for w in w8], n * k + io),
         "scaled_mm+quant": ([scaled_mm(w) for w in w8], n * k + io),
         "bf16_linear": ([(lambda w=w: F.linear(x, w)) for w in w16], 2 * n * k + io),
+        "bf16_dense_gemv": ([(lambda w=w: fp8_gemv.dense_gemv(x, w, None)) for w in w16], 2 * n * k + io),
     }
 
 
 NAMES = ["fused", "fused_1launch", "fused_1launch_tma", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
+NAMES.append("bf16_dense_gemv")  # the same kernel on bf16 weights (M = 1: what bf16 decode runs)
 
 
 def table(shapes, batches) -> dict:
