@@ -10,8 +10,8 @@ Workloads, each one JSON line on stdout (appended to benchmarks/results.jsonl un
   nanovllm-bench-vs-hf    the same prompts through HF `generate` (bf16, static left-padded batches); only each
                           sequence's own max_tokens count. --hf-prompts limits HF to the first N prompts (per-token
                           throughput; the record says how many)
-  decode-bs1-llama-3.1-8b one request, 128-token prompt, 512 output tokens; mbu = bytes of weights + KV read per
-                          step / step time / copy bandwidth
+  decode-bs1-llama-3.1-8b one request, 128-token prompt, 512 output tokens, timed after an untimed run of the same
+                          shape; mbu = bytes of weights + KV read per step / step time / copy bandwidth
   prefill-llama-3.1-8b    32 prompts x 4096 tokens, 1 output token; mfu = 2 * params * tokens / time / 989e12
                           (params without the input embedding); HF's SDPA forward on the same prompts too
   cold-start              a fresh interpreter: LLM() to the first token, Qwen3-0.6B dummy (graph capture included)
