@@ -417,8 +417,11 @@ def test_tokenizer_second_call_loads_from_cache(cached_tokenizer, hf_tokenizer, 
     t0 = time.perf_counter()
     tok = gguf_tokenizer(smollm2_path(), cache_dir=cache)
     seconds = time.perf_counter() - t0
-    print(f"gguf_tokenizer warm: {seconds:.2f} s")
-    assert seconds < 1.0
+    cold = cached_tokenizer[2]
+    print(f"gguf_tokenizer warm: {seconds:.2f} s, cold: {cold:.2f} s")
+    # against the conversion timed in the same process (one machine's load slows both): 2 cores idle 0.4 s vs 8.7 s;
+    # a fixed 1 s bound failed once at 1.11 s under a parallel test run
+    assert seconds < cold / 4
     assert_same_tokenizer(tok, hf_tokenizer)
     assert tok.chat_template == hf_tokenizer.chat_template
 
