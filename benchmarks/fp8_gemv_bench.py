@@ -138,8 +138,10 @@ def ops_for(m: int, n: int, k: int) -> dict:
     }
 
 
-NAMES = ["fused", "fused_1launch", "fused_1launch_tma", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear"]
-NAMES.append("bf16_dense_gemv")  # the same kernel on bf16 weights (M = 1: what bf16 decode runs)
+NAMES = [
+    "fused", "fused_1launch", "fused_1launch_tma", "unfused", "gemv_kernel_only", "scaled_mm+quant", "bf16_linear",
+    "bf16_dense_gemv",
+]  # fmt: skip
 
 
 def table(shapes, batches) -> dict:
