@@ -1,7 +1,8 @@
 """Where a decode step's device time goes: per-kernel time of the decode steps of `--batch` requests (one by default)
 on Llama-3.1-8B shapes (dummy weights), kernels inside the CUDA graphs included (torch profiler), plus the step time
 measured without the profiler. With -tp N the first rank (the engine's process) is profiled. The prompts are in the
-prefix cache after the warm-up, so the profiled steps are decode steps but the first.
+prefix cache after the warm-up, so the profiled steps are decode steps but the first (their last, uncached block:
+a prefill of batch x block rows), which the per-kernel table leaves out: the kernels up to its sampling kernel.
 
     python benchmarks/decode_profile.py [--quantization fp8] [--kv-cache-dtype fp8] [-tp 2] [--steps 64]
         [--batch 256 --prompt-len 512]
@@ -18,6 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagedllm import LLM, SamplingParams
+
+STEP_END = {"race_kernel", "sample_kernel", "row_argmax_kernel"}  # one a step: the kernel that draws its tokens
 
 try:
     from benchmarks.common import BENCH_DIR
@@ -55,6 +58,10 @@ def main() -> None:
     kernels = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
+    n = args.steps
+    ends = [i for i, e in enumerate(kernels) if e.name in STEP_END]
+    if len(ends) > 1:  # leave out the first step (the prompts' uncached last block: batch x block rows of prefill)
+        kernels, n = kernels[ends[0] + 1 :], len(ends) - 1
     total, count = collections.defaultdict(float), collections.Counter()
     busy, span_start, span_end = 0.0, None, None
     for e in kernels:
@@ -67,7 +74,6 @@ def main() -> None:
         else:
             span_end = max(span_end, t)
     busy += 0.0 if span_end is None else span_end - span_start
-    n = args.steps
     print(f"{len(kernels) / n:.1f} kernels a step, device busy {busy / n:.1f} us a step (profiled)")
     for name, t in sorted(total.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{t / n:9.1f} us/step {count[name] / n:6.1f}/step {t / count[name]:7.2f} us/call  {name[:100]}")

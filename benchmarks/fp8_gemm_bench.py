@@ -2,8 +2,9 @@
 of fp8_gemm.py (every SWEEP tile, with 1, 2 and 4 programs wanted per SM before K stops being split) against
 cuBLASLt's (torch._scaled_mm) and the bf16 F.linear, on the same pre-quantized activations. Each op is captured
 CALLS times into a CUDA graph cycling over enough weight copies to miss the L2 cache (fp8_gemv_bench's timing);
-printed per batch: the four shapes' summed time of each, the best tile, and the winners (at least 3% faster than
-cuBLASLt) as a TABLE literal for fp8_gemm.py. Every tile is checked against torch._scaled_mm first.
+printed per batch and shape, then per batch the four shapes' summed time of each, the best tile, and the winners
+(at least 3% faster than cuBLASLt) as TABLE literals for fp8_gemm.py, for the layer and per shape. Every tile is
+checked against torch._scaled_mm first.
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py [--batches 32 64 128 256 512 1024]
 """
@@ -56,22 +57,33 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
     args = p.parse_args()
     print(torch.cuda.get_device_name())
-    table = {}
+    table, shape_table = {}, {}
     for m in args.batches:
         totals = {"cublas": 0.0, "bf16": 0.0}
+        best_sum = 0.0  # each shape on its fastest op (cuBLASLt or a tile)
         for n, k in SHAPES:
-            for name, fns in shape_ops(m, n, k).items():
-                totals[name] = totals.get(name, 0.0) + sweep_us(fns)
+            times = {name: sweep_us(fns) for name, fns in shape_ops(m, n, k).items()}
             torch.cuda.empty_cache()
+            for name, t in times.items():
+                totals[name] = totals.get(name, 0.0) + t
+            tile = min((c for c in times if isinstance(c, tuple)), key=times.get)
+            print(
+                f"  M={m:5d} N={n:5d} K={k:5d}: cublas {times['cublas']:7.1f} us  bf16 {times['bf16']:7.1f}  "
+                f"triton best {times[tile]:7.1f} {tile} = {times[tile] / times['cublas']:.3f} of cublas"
+            )
+            best_sum += min(times[tile], times["cublas"])
+            if times[tile] < WIN * times["cublas"]:
+                shape_table[(fp8_gemm.bucket(m), n, k)] = tile
         best = min((c for c in totals if isinstance(c, tuple)), key=totals.get)
         ratio = totals[best] / totals["cublas"]
         print(
             f"M={m:5d}: cublas {totals['cublas']:8.1f} us  bf16 {totals['bf16']:8.1f} us  "
-            f"triton best {totals[best]:8.1f} us {best}  = {ratio:.3f} of cublas"
+            f"triton best {totals[best]:8.1f} us {best}  = {ratio:.3f} of cublas; each shape's best {best_sum:8.1f} us"
         )
         if ratio < WIN:
             table[fp8_gemm.bucket(m)] = best
     print("TABLE =", table)
+    print("SHAPE_TABLE =", shape_table)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ combines them, and the splits past the keys exit at once; without a counter buff
 none) and `reduce_splits_kernel` combines them in a second launch (the same arithmetic, so the same bits).
 
 FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales, written by `write_kv_kernel`).
-The attention kernel widens each loaded tile to the query's dtype (on compute capability 8.9+ to float16 in inline
-PTX, the query cast to float16 once: `_widen`); k_scale is folded into the score scale by the caller and v_scale
+The attention kernel widens each loaded tile to the query's dtype (on compute capability 8.9+ to float16, the query
+cast to float16 once; V in inline PTX: `_widen`); k_scale is folded into the score scale by the caller and v_scale
 multiplies the output (both are linear, so the tiles need no per-element multiply)."""
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _widen(x, dtype: tl.constexpr, FP8_PTX: tl.constexpr):
-    """A loaded K or V tile in the compute dtype. FP8_PTX (an FP8 cache on compute capability 8.9+, float16 compute):
+    """A loaded V tile in the compute dtype. FP8_PTX (an FP8 cache on compute capability 8.9+, float16 compute):
     four FP8 values a register widen to float16 with one `cvt` per pair, in inline PTX that the compiler keeps where
-    it stands, right after the load (a plain cast sank past tl.dot's shared-memory staging, where each byte was read
-    and widened apart: about twice the instructions a tile of a bfloat16 cache takes). 1: e4m3, 2: e5m2."""
+    it stands, right after the load. A plain cast sinks past tl.dot's shared-memory staging and widens in the dot
+    operand's registers: right for K (its operand pairs lie along the head dim, adjacent bytes: one packed `cvt` a
+    pair, no second trip through shared memory), wrong for V, whose pairs lie along the keys, so that each byte is
+    read from shared memory apart (offline sm_90 SASS: 128 byte loads a thread and tile). 1: e4m3, 2: e5m2."""
     if FP8_PTX == 1:
         y = tl.inline_asm_elementwise(
             asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
@@ -122,10 +124,10 @@ def _attend(
             v_mask = (kv_pos >= 0)[:, None] & d_ok[None, :]
         slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
         k_ptr = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
-        if MASK or HEAD_DIM != HEAD_DIM_PAD:
-            k = _widen(tl.load(k_ptr, mask=k_mask, other=0.0), q.dtype, FP8_PTX)  # an FP8 cache widens here
+        if MASK or HEAD_DIM != HEAD_DIM_PAD:  # an FP8 cache's K widens in the dot's operand layout (see _widen)
+            k = tl.load(k_ptr, mask=k_mask, other=0.0).to(q.dtype)
         else:
-            k = _widen(tl.load(k_ptr), q.dtype, FP8_PTX)
+            k = tl.load(k_ptr).to(q.dtype)
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:

@@ -64,6 +64,20 @@ def test_applies_only_to_table_buckets(monkeypatch):
     assert not gemm.gemm_applies(torch.empty(40, 192, device=DEVICE), w[:, :192])  # K not a multiple of 128
 
 
+def test_shape_entries_come_before_the_bucket_entry(monkeypatch):
+    """SHAPE_TABLE's entry for (bucket, N, K) wins; a shape without one takes TABLE's entry for its bucket, and a
+    bucket in neither keeps torch._scaled_mm."""
+    shaped, bucketed = (64, 64, 128, 4, 4, 2), (64, 128, 128, 4, 4, 1)
+    monkeypatch.setattr(gemm, "SHAPE_TABLE", {(128, 64, 256): shaped, (64, 64, 256): shaped})
+    monkeypatch.setattr(gemm, "TABLE", {64: bucketed})
+    assert gemm.table_config(100, 64, 256) == shaped and gemm.table_config(40, 64, 256) == shaped
+    assert gemm.table_config(40, 96, 256) == bucketed and gemm.table_config(40, 64, 512) == bucketed
+    assert gemm.table_config(100, 96, 256) is None and gemm.table_config(300, 64, 256) is None
+    w = torch.empty(64, 256, dtype=FP8, device=DEVICE)
+    assert gemm.gemm_applies(torch.empty(100, 256, device=DEVICE), w) == (DEVICE.type == "cuda")
+    assert not gemm.gemm_applies(torch.empty(100, 256, device=DEVICE), torch.empty(96, 256, dtype=FP8, device=DEVICE))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FP8 tensor-core tiles need CUDA")
 @pytest.mark.parametrize("m", [33, 256])

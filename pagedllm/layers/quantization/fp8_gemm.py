@@ -1,12 +1,14 @@
 """Row-wise scaled FP8 GEMM in Triton for mid-sized batches: c [M, N] = (a [M, K] fp8 @ b [N, K].T fp8) * as [M]
 * bs [N], float32 sums, written in c's dtype. cuBLASLt's row-wise scaled kernel (torch._scaled_mm) tiles a batch
 of a few hundred rows 128 x 128 with no split of K, so a 4096-column linear at 256 rows runs on 64 of an H100's 132
-SMs; here the tiles come per batch bucket from TABLE (BLOCK_M 64 for up to 64 rows a tile, more column tiles), and
-where they still leave SMs idle K is split over programs whose float32 partials are summed in a fixed order by
-the last program of each output tile (an arrival counter, re-zeroed by that program): one launch, reproducible.
+SMs; here the tiles come per batch bucket and shape from the tables (BLOCK_M 64 for up to 64 rows a tile, more
+column tiles), and where they still leave SMs idle K is split over programs whose float32 partials are summed in a
+fixed order by the last program of each output tile (an arrival counter, re-zeroed by that program): one launch,
+reproducible.
 
 Which batches take it is measured, not guessed: `benchmarks/fp8_gemm_bench.py` times both on Llama-3.1-8B's
-shapes and prints TABLE (an M bucket with no entry keeps torch._scaled_mm)."""
+shapes and prints SHAPE_TABLE (per batch bucket and shape) and TABLE (per bucket, a layer's four linears on one
+tile, for other shapes); a bucket with no entry keeps torch._scaled_mm."""
 
 from __future__ import annotations
 
@@ -16,9 +18,25 @@ from pagedllm.kernels import SplitCounters, interpreting
 from pagedllm.layers.quantization.fp8_gemv import sm_count
 from pagedllm.layers.quantization.fp8_ops import triton
 
-# BLOCK_M bucket (the batch rounded up to a power of two, at least 16) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
-# programs wanted per SM before K stops being split). A bucket not here runs torch._scaled_mm. From the bench on an
-# H100 80GB HBM3 (a layer's four linears: 33-64 rows 0.88 of cuBLASLt's time, 17-32 rows 0.97; 65+ rows slower).
+# (BLOCK_M bucket, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs wanted per SM before K stops being
+# split), the bucket being the batch rounded up to a power of two, at least 16. From the bench on an H200
+# (Llama-3.1-8B's layer shapes; each shape's best against cuBLASLt: 64 rows 0.63-0.87 of its time, 128 rows
+# 0.71-0.92, 256 rows 0.88-0.90 for the two 4096-column linears, 512 rows 0.95 for qkv; cuBLASLt as fast or faster
+# for the rest, which TABLE leaves to it). A shape and bucket not here take TABLE's entry for the bucket.
+SHAPE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int]] = {
+    (64, 6144, 4096): (64, 64, 128, 4, 4, 1),
+    (64, 4096, 4096): (64, 64, 128, 4, 4, 1),
+    (64, 28672, 4096): (64, 128, 128, 4, 4, 1),
+    (64, 4096, 14336): (64, 64, 128, 4, 4, 1),
+    (128, 6144, 4096): (64, 64, 128, 4, 4, 1),
+    (128, 4096, 4096): (64, 64, 128, 4, 4, 1),
+    (128, 4096, 14336): (64, 64, 128, 4, 4, 2),
+    (256, 4096, 4096): (64, 64, 128, 4, 4, 1),
+    (256, 4096, 14336): (128, 64, 128, 4, 4, 1),
+    (512, 6144, 4096): (128, 128, 128, 4, 3, 1),
+}
+# BLOCK_M bucket -> the same, for any other shape. From the bench on an H100 80GB HBM3 (a layer's four
+# linears on one tile: 33-64 rows 0.88 of cuBLASLt's time, 17-32 rows 0.97; 65+ rows slower).
 TABLE: dict[int, tuple[int, int, int, int, int, int]] = {32: (64, 128, 128, 4, 4, 1), 64: (64, 64, 128, 4, 4, 1)}
 SWEEP = (
     (64, 64, 128, 4, 4),
@@ -27,6 +45,8 @@ SWEEP = (
     (128, 64, 128, 4, 4),
     (128, 128, 128, 8, 4),
     (64, 256, 128, 8, 3),
+    (128, 256, 128, 8, 3),
+    (128, 128, 128, 4, 3),
 )  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the bench tries, each with 1, 2 and 4 programs per SM
 MIN_SPLIT_STEPS = 4  # BLOCK_K steps a K split runs at least
 _split = SplitCounters()  # the arrival counters of split launches, per device
@@ -83,14 +103,22 @@ if triton is not None:
 
 
 def bucket(m: int) -> int:
-    """The batch's TABLE key: m rounded up to a power of two, at least 16."""
+    """The batch's table key: m rounded up to a power of two, at least 16."""
     return max(16, 1 << (m - 1).bit_length())
 
 
+def table_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int] | None:
+    """The Triton GEMM's config for x [m, k] @ W [n, k].T, None where torch._scaled_mm runs: SHAPE_TABLE's entry
+    for the shape and the batch's bucket, else TABLE's for the bucket."""
+    return SHAPE_TABLE.get((bucket(m), n, k)) or TABLE.get(bucket(m))
+
+
 def gemm_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the Triton GEMM takes the batch x2 [M, K]: CUDA, a TABLE entry for its bucket, K a multiple of the
-    entry's BLOCK_K, a contiguous [N, K] weight."""
-    entry = TABLE.get(bucket(x2.shape[0])) if x2.is_cuda and triton is not None and x2.shape[0] > 0 else None
+    """Whether the Triton GEMM takes the batch x2 [M, K]: CUDA, a table entry for its shape (table_config), K a
+    multiple of the entry's BLOCK_K, a contiguous [N, K] weight."""
+    if not x2.is_cuda or triton is None or x2.shape[0] == 0:
+        return False
+    entry = table_config(x2.shape[0], weight.shape[0], x2.shape[1])
     return entry is not None and x2.shape[1] % entry[2] == 0 and weight.stride(1) == 1
 
 
@@ -106,10 +134,10 @@ def plan(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, per_s
 
 def fp8_rowwise_mm(xq, xs, weight, weight_scale, out_dtype, config=None) -> torch.Tensor:
     """xq [M, K] fp8, xs [M, 1] or [M] float32, weight [N, K] fp8, weight_scale [N] float32 -> [M, N] out_dtype.
-    config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM), TABLE's entry for the batch if None."""
+    config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM), the table's entry (table_config) if None."""
     m, k = xq.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages, per_sm = config or TABLE[bucket(m)]
+    block_m, block_n, block_k, warps, stages, per_sm = config or table_config(m, n, k)
     if k % block_k:
         raise ValueError(f"fp8_rowwise_mm: K={k} is not a multiple of BLOCK_K={block_k}")
     splits, k_split = plan(m, n, k, block_m, block_n, block_k, per_sm, sm_count(xq.device))
