@@ -11,7 +11,7 @@ from pagedllm.kernels import cpu_kernels, use_triton
 
 class SiluAndMul(nn.Module):
     """fp8_output_for: as RMSNorm's (set by a model: the down projection's takes_fp8_input); the rows it says so
-    for come out quantized to fp8 per token (rows of up to fused_ops.QUANT_ROW_MAX values)."""
+    for come out quantized to fp8 per token."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -19,9 +19,9 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
         if use_triton(x):  # CUDA: one fused Triton kernel
-            from pagedllm.kernels.fused_ops import QUANT_ROW_MAX, silu_and_mul
+            from pagedllm.kernels.fused_ops import silu_and_mul
 
-            if self.fp8_output_for is not None and x.shape[-1] // 2 <= QUANT_ROW_MAX and self.fp8_output_for(x):
+            if self.fp8_output_for is not None and self.fp8_output_for(x):
                 from pagedllm.layers.quantization.fp8_ops import as_quantized
 
                 return as_quantized(silu_and_mul(x, quantize=True), x.dtype)
