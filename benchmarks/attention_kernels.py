@@ -177,8 +177,8 @@ def run_workload(name: str, reqs, args, num_splits: int | None = None) -> dict:
     q, k, v, kv_cache, layout = make_step(reqs, args)
     ref_cache = kv_cache
     if args.kv_cache_dtype == "fp8":  # (scales 1.0: randn values lie well inside E4M3's range)
-        kv_cache = kv_cache.to(torch.float8_e4m3fn)
-        ref_cache = kv_cache.to(q.dtype)
+        ref_cache = kv_cache.to(torch.float8_e4m3fn).to(q.dtype)
+        kv_cache = triton_backend.slot_major_to_cache(kv_cache.to(torch.float8_e4m3fn))  # (V transposed per block)
     scale = args.head_dim**-0.5
     t_meta = triton_backend.build_metadata(layout)
     t_meta.num_splits = num_splits

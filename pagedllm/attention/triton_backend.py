@@ -8,7 +8,8 @@ attends for all prefill chunks and decodes of the batch; with split-K its last p
 launch only while a CUDA graph is captured and the counter buffer would have to grow).
 
 An FP8 cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) holds K / k_scale and V / v_scale with per-tensor scales
-(`forward(..., k_scale=, v_scale=)`): the write quantizes, the attention kernel dequantizes as it loads."""
+(`forward(..., k_scale=, v_scale=)`): the write quantizes, the attention kernel dequantizes as it loads. It keeps V
+transposed within each block (kernels/kv_write.py); `cache_to_slot_major` / `slot_major_to_cache` convert."""
 
 from __future__ import annotations
 
@@ -22,12 +23,8 @@ import torch
 from pagedllm.attention.common import BatchLayout
 from pagedllm.device import to_device
 from pagedllm.kernels import SplitCounters, interpreting, pdl
-from pagedllm.kernels.paged_attention import (
-    reduce_splits_kernel,
-    rotary_write_kv_kernel,
-    unified_attention_kernel,
-    write_kv_kernel,
-)
+from pagedllm.kernels.kv_write import rotary_write_kv_kernel, write_kv_kernel
+from pagedllm.kernels.paged_attention import reduce_splits_kernel, unified_attention_kernel
 
 SUPPORTS_CUDA_GRAPHS = True  # its metadata can live in static buffers; nothing reads them on the host
 SUPPORTS_FUSED_ROTARY = True  # forward(..., rope=) rotates q and k while writing the cache (one launch)
@@ -57,14 +54,47 @@ def allocate_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[2, num_blocks, block_size, num_kv_heads, head_dim], contiguous (a token's heads side by side, written in one
-    store). Never read before written (the kernels mask slots past each length), so empty is enough."""
-    return torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    store). The kernels mask K past each length, and V too in a slot-major cache, so empty is enough there; an FP8
+    cache's V is read in whole blocks (slots past a length weighted 0), so it starts zeroed, finite everywhere."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    if dtype in FP8_MAX:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def v_transposed(kv_cache: torch.Tensor) -> bool:
+    """Whether the cache keeps V transposed within each block: [num_kv_heads, head_dim, block_size] (FP8 caches)."""
+    return kv_cache.dtype in FP8_MAX
+
+
+def _slot_major_v(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The V half as [num_blocks, block_size, num_kv_heads, head_dim] (a view; strided where V is transposed)."""
+    v = kv_cache[1]
+    if not v_transposed(kv_cache):
+        return v
+    num_blocks, block_size, heads, head_dim = v.shape
+    return v.view(num_blocks, heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
+def cache_to_slot_major(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[2, num_blocks, block_size, num_kv_heads, head_dim] in slot-major order (a copy where V is transposed)."""
+    return torch.stack([kv_cache[0], _slot_major_v(kv_cache)]) if v_transposed(kv_cache) else kv_cache
+
+
+def slot_major_to_cache(kv: torch.Tensor) -> torch.Tensor:
+    """A slot-major [2, num_blocks, block_size, num_kv_heads, head_dim] in this backend's cache layout (a copy where
+    V is transposed)."""
+    if not v_transposed(kv):
+        return kv
+    v = kv[1].permute(0, 2, 3, 1).contiguous().view(kv.shape[1:])  # the bytes of [blocks, heads, dim, block_size]
+    return torch.stack([kv[0], v])
 
 
 def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached K and V of `slots` [n], each [n, num_kv_heads, head_dim] (copies; an FP8 cache's stored values)."""
-    kv = kv_cache.flatten(1, 2).index_select(1, slots)  # [2, n, num_kv_heads, head_dim]
-    return kv[0], kv[1]
+    k = kv_cache[0].flatten(0, 1).index_select(0, slots)
+    v = _slot_major_v(kv_cache).flatten(0, 1).index_select(0, slots)  # (a copy of the strided view where needed)
+    return k, v
 
 
 def build_metadata(layout: BatchLayout) -> TritonAttentionMetadata:
@@ -193,6 +223,7 @@ def write_kv(
         float(v_scale),
         ROW=row,
         ROW_PAD=triton_next_pow2(row),
+        HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
         FP8_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
     )
@@ -298,14 +329,12 @@ def forward(
     return out
 
 
-def fp8_ptx(cache_dtype: torch.dtype, q: torch.Tensor) -> int:
-    """The attention kernel's FP8_PTX: an FP8 cache read by half-precision queries on a GPU with the FP8 -> float16
-    pair conversion (compute capability 8.9+), compiled (not under Triton's interpreter): 1 e4m3, 2 e5m2; else 0."""
+def fp8_in_float16(cache_dtype: torch.dtype, q: torch.Tensor) -> bool:
+    """The attention kernel's Q_F16: an FP8 cache read by half-precision queries on a GPU with the FP8 -> float16
+    pair conversion (compute capability 8.9+), compiled (not under Triton's interpreter)."""
     if cache_dtype not in FP8_MAX or q.dtype == torch.float32 or not q.is_cuda or interpreting():
-        return 0
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
-        return 0
-    return 1 if cache_dtype == torch.float8_e4m3fn else 2
+        return False
+    return torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
 def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[int, int, int], split: int) -> None:
@@ -359,7 +388,8 @@ def _launch_unified(outs, q, kv_cache, meta, scale, extras, tiles, grid: tuple[i
         USE_SOFTCAP=bool(logits_soft_cap),
         USE_ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32,
-        FP8_PTX=fp8_ptx(kv_cache.dtype, q),
+        Q_F16=fp8_in_float16(kv_cache.dtype, q),
+        V_T=v_transposed(kv_cache),
         num_warps=num_warps,
         **pdl(q),
         num_stages=num_stages,

@@ -1,6 +1,5 @@
-"""Paged attention in Triton: one kernel for varlen prefill chunks and decodes over the paged KV cache, its
-split-K (flash-decoding) reduce, and the KV-cache write (`write_kv_kernel`, or `rotary_write_kv_kernel`, which first
-applies the rotary, and Qwen3's per-head q/k norm, to q and k: one launch instead of two).
+"""Paged attention in Triton: one kernel for varlen prefill chunks and decodes over the paged KV cache, and its
+split-K (flash-decoding) reduce. The cache write (and its layout) is in kv_write.py.
 
 Tiling. A program owns BLOCK_Q query tokens of one request and all GROUP query heads that share one KV head, so its
 tile has BLOCK_M = next_pow2(BLOCK_Q * GROUP) rows (row r: token r // GROUP, head r % GROUP); each K/V tile of
@@ -21,17 +20,22 @@ split holding keys of a (program, KV head) to finish (an atomic counter per pair
 combines them, and the splits past the keys exit at once; without a counter buffer every split writes (-inf for
 none) and `reduce_splits_kernel` combines them in a second launch (the same arithmetic, so the same bits).
 
-FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales, written by `write_kv_kernel`).
-The attention kernel widens each loaded tile to the query's dtype (on compute capability 8.9+ to float16, the query
-cast to float16 once; V in inline PTX: `_widen`); k_scale is folded into the score scale by the caller and v_scale
-multiplies the output (both are linear, so the tiles need no per-element multiply)."""
+FP8 KV cache: the cache holds K / k_scale and V / v_scale in FP8 (per-tensor scales), V transposed within each block
+(kv_write.py). The attention kernel widens each loaded tile to the query's dtype (on compute capability 8.9+ to
+float16, the query cast to float16 once) by a plain cast, which Triton places after its shared-memory load, in the
+dot operand's registers: the operand's pairs lie along the head dim for K and along the keys for V, adjacent bytes
+in both layouts, so one packed `cvt` widens a pair and no tile goes through shared memory twice (V in the
+slot-major layout, widened in PTX where loaded and stored again: 8-19% slower decodes on an H200). V is read in
+whole blocks: slots past a sequence in its last block weigh 0, and hold finite values (kv_write.py), so they add 0.
+k_scale is folded into the score scale by the caller and v_scale multiplies the output (both linear, so
+the tiles need no per-element multiply)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.fused_ops import rotate_heads, wait_previous_kernel
+from pagedllm.kernels.fused_ops import wait_previous_kernel
 
 
 @triton.jit
@@ -55,29 +59,6 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _widen(x, dtype: tl.constexpr, FP8_PTX: tl.constexpr):
-    """A loaded V tile in the compute dtype. FP8_PTX (an FP8 cache on compute capability 8.9+, float16 compute):
-    four FP8 values a register widen to float16 with one `cvt` per pair, in inline PTX that the compiler keeps where
-    it stands, right after the load. A plain cast sinks past tl.dot's shared-memory staging and widens in the dot
-    operand's registers: right for K (its operand pairs lie along the head dim, adjacent bytes: one packed `cvt` a
-    pair, no second trip through shared memory), wrong for V, whose pairs lie along the keys, so that each byte is
-    read from shared memory apart (offline sm_90 SASS: 128 byte loads a thread and tile). 1: e4m3, 2: e5m2."""
-    if FP8_PTX == 1:
-        y = tl.inline_asm_elementwise(
-            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
-        )  # fmt: skip
-    elif FP8_PTX == 2:
-        y = tl.inline_asm_elementwise(
-            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
-            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
-        )  # fmt: skip
-    else:
-        y = x.to(dtype)
-    return y
-
-
-@triton.jit
 def _attend(
     acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32
     l_i,  # [BLOCK_M] fp32
@@ -86,6 +67,7 @@ def _attend(
     q_pos,  # [BLOCK_M]
     slopes_log2,  # [BLOCK_M] (USE_ALIBI only)
     k_base,
+    v_base,  # V of this KV head: the cache's V half + the head's offset (within a block: V_T's or slot-major's)
     bt_row,
     offs_d,
     d_ok,
@@ -108,7 +90,7 @@ def _attend(
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     IEEE: tl.constexpr,
-    FP8_PTX: tl.constexpr,
+    V_T: tl.constexpr,  # V transposed within each block (an FP8 cache: kv_write.py)
 ):
     """The online softmax over the key tiles starting at tile_lo, tile_lo + BLOCK_N, ... below tile_hi."""
     for kv_start in range(tile_lo, tile_hi, BLOCK_N):
@@ -124,7 +106,7 @@ def _attend(
             v_mask = (kv_pos >= 0)[:, None] & d_ok[None, :]
         slot_off = blk * stride_blk + (kv_pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
         k_ptr = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
-        if MASK or HEAD_DIM != HEAD_DIM_PAD:  # an FP8 cache's K widens in the dot's operand layout (see _widen)
+        if MASK or HEAD_DIM != HEAD_DIM_PAD:  # (an FP8 cache widens in the dot operand's registers)
             k = tl.load(k_ptr, mask=k_mask, other=0.0).to(q.dtype)
         else:
             k = tl.load(k_ptr).to(q.dtype)
@@ -148,11 +130,31 @@ def _attend(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptr = k_base + stride_kv + slot_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        if MASK or HEAD_DIM != HEAD_DIM_PAD:
-            v = _widen(tl.load(v_ptr, mask=v_mask, other=0.0), q.dtype, FP8_PTX)
-        else:
-            v = _widen(tl.load(v_ptr), q.dtype, FP8_PTX)
+        if V_T and BLOCK_N % BLOCK_SIZE == 0:  # whole blocks: each one's [HEAD_DIM, BLOCK_SIZE] run loaded whole
+            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            offs_b = tl.arange(0, NB)
+            offs_c = tl.arange(0, HEAD_DIM_PAD * BLOCK_SIZE)  # d * BLOCK_SIZE + slot
+            c_ok = (offs_c < HEAD_DIM * BLOCK_SIZE)[None, :]
+            if MASK:
+                b_ok = kv_start + offs_b * BLOCK_SIZE < hi
+                blk_b = tl.load(bt_row + kv_start // BLOCK_SIZE + offs_b, mask=b_ok, other=0).to(tl.int64)
+                vt_ptr = v_base + blk_b[:, None] * stride_blk + offs_c[None, :]  # [NB, HEAD_DIM_PAD * BLOCK_SIZE]
+                vt = tl.load(vt_ptr, mask=b_ok[:, None] & c_ok, other=0.0)
+            else:
+                blk_b = tl.load(bt_row + kv_start // BLOCK_SIZE + offs_b).to(tl.int64)
+                vt_ptr = v_base + blk_b[:, None] * stride_blk + offs_c[None, :]
+                vt = tl.load(vt_ptr, mask=c_ok, other=0.0) if HEAD_DIM != HEAD_DIM_PAD else tl.load(vt_ptr)
+            vt = tl.permute(tl.reshape(vt, (NB, HEAD_DIM_PAD, BLOCK_SIZE)), (0, 2, 1))
+            v = tl.reshape(vt, (BLOCK_N, HEAD_DIM_PAD)).to(q.dtype)
+        else:  # slot-major, or V_T with a tile inside one block
+            if V_T:
+                v_off = (blk * stride_blk + kv_pos % BLOCK_SIZE)[:, None] + offs_d[None, :] * BLOCK_SIZE
+            else:
+                v_off = slot_off[:, None] + offs_d[None, :]
+            if MASK or HEAD_DIM != HEAD_DIM_PAD:  # [BLOCK_N, HEAD_DIM_PAD]
+                v = tl.load(v_base + v_off, mask=v_mask, other=0.0).to(q.dtype)
+            else:
+                v = tl.load(v_base + v_off).to(q.dtype)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -207,7 +209,8 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr,  # scores become cap * tanh(scores / cap)
     USE_ALIBI: tl.constexpr,  # scores gain slope[head] * (key_pos - q_pos)
     IEEE: tl.constexpr,
-    FP8_PTX: tl.constexpr,  # 0, or an FP8 cache widened in PTX to float16 (1: e4m3, 2: e5m2); see _widen
+    Q_F16: tl.constexpr,  # an FP8 cache read in float16 (compute capability 8.9+): the query cast to float16 once
+    V_T: tl.constexpr,  # V transposed within each block (an FP8 cache: kv_write.py)
     USE_PDL: tl.constexpr,  # (kernels/__init__.py: pdl)
 ):
     wait_previous_kernel(USE_PDL)
@@ -232,7 +235,7 @@ def unified_attention_kernel(
     tok = (q_start + q_idx).to(tl.int64)
     q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
-    if FP8_PTX:  # the products run in float16 (float32 sums): a bfloat16 query clamped to its range once
+    if Q_F16:  # the products run in float16 (float32 sums): a bfloat16 query clamped to its range once
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     q_pos = context + q_idx  # [BLOCK_M] absolute position of each row's query
     if USE_ALIBI:
@@ -258,13 +261,26 @@ def unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     bt_row = block_table_ptr + req * stride_bt
     k_base = kv_cache_ptr + kv_head * stride_kv_head
+    v_base = kv_cache_ptr + stride_kv + kv_head * stride_kv_head * (BLOCK_SIZE if V_T else 1)
     if not USE_ALIBI:
         slopes_log2 = q_pos.to(tl.float32)  # unused placeholder
-    if BLOCK_Q == 1:  # decodes: one masked run, as their programs hold a tile or a few
+    if BLOCK_Q == 1 and V_T and not USE_WINDOW:  # decodes over an FP8 cache: whole tiles unmasked, then the rest
+        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, lo, hi, hi,
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, v_base, bt_row, offs_d, d_ok, lo, full, hi,
             stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
+            False, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, V_T,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, v_base, bt_row, offs_d, d_ok, full, hi, hi,
+            stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, V_T,
+        )  # fmt: skip
+    elif BLOCK_Q == 1:  # decodes: one masked run, as their programs hold a tile or a few
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, v_base, bt_row, offs_d, d_ok, lo, hi, hi,
+            stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, V_T,
         )  # fmt: skip
     else:
         # tiles [mid_lo, mid_hi) hold keys that every row sees (none before a row's window, none after the tile's
@@ -278,19 +294,19 @@ def unified_attention_kernel(
         mid_hi = lo + tl.maximum(full_end, full_start) * BLOCK_N
         if USE_WINDOW:
             acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, lo, mid_lo, hi,
+                acc, l_i, m_i, q, q_pos, slopes_log2, k_base, v_base, bt_row, offs_d, d_ok, lo, mid_lo, hi,
                 stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-                True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
+                True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, V_T,
             )  # fmt: skip
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, mid_lo, mid_hi, hi,
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, v_base, bt_row, offs_d, d_ok, mid_lo, mid_hi, hi,
             stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-            False, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
+            False, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, V_T,
         )  # fmt: skip
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, bt_row, offs_d, d_ok, mid_hi, hi, hi,
+            acc, l_i, m_i, q, q_pos, slopes_log2, k_base, v_base, bt_row, offs_d, d_ok, mid_hi, hi, hi,
             stride_kv, stride_blk, stride_slot, scale_log2, softcap_scale, softcap_log2, sliding_window,
-            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, FP8_PTX,
+            True, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, V_T,
         )  # fmt: skip
 
     out = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
@@ -374,112 +390,3 @@ def reduce_splits_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, r * num_splits, o_off, row_ok, num_splits, offs_d, offs_d < HEAD_DIM,
         BLOCK_R, HEAD_DIM_PAD, SPLITS_PAD,
     )  # fmt: skip
-
-
-@triton.jit
-def write_kv_kernel(
-    k_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous within a token
-    v_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous within a token
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping_ptr,  # [num_tokens] int64, -1: padding, skipped
-    stride_k_tok,
-    stride_v_tok,
-    stride_kv,
-    stride_blk,
-    stride_slot,
-    k_scale,  # FP8 cache only: it stores k / k_scale
-    v_scale,  # FP8 cache only: it stores v / v_scale
-    ROW: tl.constexpr,  # num_kv_heads * head_dim
-    ROW_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    FP8_MAX: tl.constexpr,  # 0.0: the cache has the dtype of k/v; else the largest finite value of its FP8 format
-):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    offs = tl.arange(0, ROW_PAD)
-    ok = (offs < ROW) & (slot >= 0)
-    dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_slot + offs
-    k = tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok)  # [ROW_PAD]
-    v = tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok)  # [ROW_PAD]
-    if FP8_MAX > 0.0:  # saturate, then round to nearest (as torch's float -> float8 conversion)
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-    tl.store(kv_cache_ptr + dst, k.to(kv_cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(kv_cache_ptr + stride_kv + dst, v.to(kv_cache_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def rotary_write_kv_kernel(
-    q_ptr,  # [num_tokens, NUM_Q, head_dim] (any token and head strides)
-    k_ptr,  # [num_tokens, NUM_K, head_dim]
-    v_ptr,  # [num_tokens, NUM_K, head_dim]
-    cos_ptr,  # [num_tokens, 1, HALF]
-    sin_ptr,  # [num_tokens, 1, HALF]
-    q_w_ptr,  # [head_dim] (HAS_NORM)
-    k_w_ptr,  # [head_dim] (HAS_NORM)
-    q_out_ptr,  # [num_tokens, NUM_Q, head_dim] contiguous
-    kv_cache_ptr,  # [2, num_blocks, block_size, NUM_K, head_dim], rows contiguous
-    slot_mapping_ptr,  # [num_tokens] int64, -1: padding, k/v not written
-    eps,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_cos,
-    stride_sin,
-    stride_kv,
-    stride_blk,
-    stride_slot,
-    k_scale,  # FP8 cache only: it stores k / k_scale
-    v_scale,  # FP8 cache only: it stores v / v_scale
-    NUM_Q: tl.constexpr,
-    NUM_Q_PAD: tl.constexpr,
-    NUM_K: tl.constexpr,
-    NUM_K_PAD: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    FP8_MAX: tl.constexpr,  # 0.0: the cache has the dtype of k/v; else the largest finite value of its FP8 format
-    USE_PDL: tl.constexpr,  # (kernels/__init__.py: pdl)
-):
-    """One token per program: rotary (after the per-head norm) of its q heads into q_out, and of its k heads, which
-    go with its v heads straight into the cache slot (qk_rotary then write_kv_kernel in one launch)."""
-    wait_previous_kernel(USE_PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, HALF_PAD)
-    d_ok = offs < HALF
-    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    q_heads = tl.arange(0, NUM_Q_PAD)
-    q_ok = (q_heads < NUM_Q)[:, None] & d_ok[None, :]
-    q1, q2 = rotate_heads(
-        q_ptr + tok * stride_q_tok, stride_q_head, q_w_ptr, cos, sin, eps, NUM_Q_PAD, HALF, HALF_PAD, HAS_NORM, q_ok
-    )  # fmt: skip
-    q_off = tok * NUM_Q * 2 * HALF + q_heads[:, None] * 2 * HALF + offs[None, :]
-    tl.store(q_out_ptr + q_off, q1, mask=q_ok)
-    tl.store(q_out_ptr + q_off + HALF, q2, mask=q_ok)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot >= 0:
-        k_heads = tl.arange(0, NUM_K_PAD)
-        ok = (k_heads < NUM_K)[:, None] & d_ok[None, :]
-        k1, k2 = rotate_heads(
-            k_ptr + tok * stride_k_tok, stride_k_head, k_w_ptr, cos, sin, eps, NUM_K_PAD, HALF, HALF_PAD, HAS_NORM, ok
-        )  # fmt: skip
-        v_off = tok * stride_v_tok + k_heads[:, None] * stride_v_head + offs[None, :]
-        v1 = tl.load(v_ptr + v_off, mask=ok)
-        v2 = tl.load(v_ptr + v_off + HALF, mask=ok)
-        if FP8_MAX > 0.0:  # saturate, then round to nearest (as write_kv_kernel)
-            k1 = tl.minimum(tl.maximum(k1.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
-            k2 = tl.minimum(tl.maximum(k2.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
-            v1 = tl.minimum(tl.maximum(v1.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-            v2 = tl.minimum(tl.maximum(v2.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-        dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_slot
-        dst = dst + k_heads[:, None] * 2 * HALF + offs[None, :]  # [NUM_K_PAD, HALF_PAD]
-        ty = kv_cache_ptr.dtype.element_ty
-        tl.store(kv_cache_ptr + dst, k1.to(ty), mask=ok)
-        tl.store(kv_cache_ptr + dst + HALF, k2.to(ty), mask=ok)
-        tl.store(kv_cache_ptr + stride_kv + dst, v1.to(ty), mask=ok)
-        tl.store(kv_cache_ptr + stride_kv + dst + HALF, v2.to(ty), mask=ok)

@@ -24,6 +24,7 @@ triton_backend, torch_backend = base.triton_backend, base.torch_backend
 FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 CLOSE_TO_FLOAT = {torch.float8_e4m3fn: 0.1, torch.float8_e5m2: 0.2}  # relative to the largest output
 K_SCALE, V_SCALE = 0.05, 0.02  # K / 0.05 and V / 0.02 span most of E4M3's range for randn values
+FP8_E4M3 = torch.float8_e4m3fn
 
 
 def quantize(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
@@ -42,8 +43,9 @@ def run_fp8(reqs, heads, head_dim, block_size, dtype, fp8, seed=0, **meta_kw):
     for key, value in meta_kw.items():
         setattr(meta, key, value)
     scale = head_dim**-0.5
+    cache8 = triton_backend.slot_major_to_cache(cache8)  # (V transposed within each block)
     out = triton_backend.forward(q, k, v, cache8, meta, scale, k_scale=K_SCALE, v_scale=V_SCALE).float().cpu()
-    cache8 = cache8.cpu()
+    cache8 = triton_backend.cache_to_slot_major(cache8.cpu())
     flat = cache8.view(2, -1, *cache8.shape[3:])  # [2, num_slots, num_kv_heads, head_dim]
     written = flat[:, slots]
     expected = torch.stack([quantize(k, K_SCALE, fp8).cpu(), quantize(v, V_SCALE, fp8).cpu()])
@@ -80,6 +82,73 @@ def test_mixed_batch_fp8_cache(fp8, dtype, num_splits):
     check(base.MIXED, (4, 2), 32, 4, dtype, fp8, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])  # a tile of whole blocks; a tile inside one block
+def test_fp8_cache_tiles_and_blocks(block_size):
+    check(base.MIXED, (4, 2), 32, block_size, torch.bfloat16, torch.float8_e4m3fn, block_n=16)
+
+
+@pytest.mark.parametrize("block_size,block_n", [(4, 16), (16, None), (32, 16)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_slots_past_the_sequences_do_not_reach_the_output(block_size, block_n, num_splits):
+    """V is read in whole blocks: slots past every sequence hold whatever a block held before (here E4M3's largest
+    values, +-448, in K and V): the output is bit-identical to the one with other values there. Decodes and prefill
+    chunks whose last blocks are partly filled, split or not."""
+    reqs = [(70, 1), (3, 1), (33, 1), (5, 9), (17, 30)]
+    q, k, v, cache, layout = base.make_batch(reqs, 4, 2, 32, block_size, torch.bfloat16, seed=7)
+    clean = torch.stack([quantize(cache[0], K_SCALE, FP8_E4M3), quantize(cache[1], V_SCALE, FP8_E4M3)])
+    seen = torch.zeros(clean.shape[1] * block_size, dtype=torch.bool)
+    for i, n in enumerate(layout.seq_lens):
+        pos = torch.arange(int(n))
+        seen[torch.from_numpy(layout.block_table[i])[pos // block_size] * block_size + pos % block_size] = True
+    stale = clean.clone()
+    flat = stale.view(2, -1, *clean.shape[3:]).view(torch.uint8)  # (fp8 tensors take no masked writes)
+    flat[:, ~seen] = 0x7E  # E4M3's 448
+    flat[1, ~seen, :, ::2] = 0xFE  # -448
+    meta = triton_backend.build_metadata(
+        BatchLayout(layout.query_start_loc, layout.seq_lens, layout.block_table, layout.slot_mapping.to(DEVICE),
+                    block_size, DEVICE)
+    )  # fmt: skip
+    meta.num_splits, meta.block_n = num_splits, block_n
+    outs = []
+    for cache8 in (clean, stale):
+        cache8 = triton_backend.slot_major_to_cache(cache8).to(DEVICE)
+        args = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache8, meta, 32**-0.5)
+        outs.append(triton_backend.forward(*args, k_scale=K_SCALE, v_scale=V_SCALE).cpu())
+    assert outs[0].isfinite().all()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_cache_holds_no_nan_or_inf(fp8):
+    """An FP8 cache starts zeroed, and both writes store NaN as 0 and inf as the format's largest value: V's whole
+    blocks are read, so every byte must be a finite value."""
+    cache = triton_backend.allocate_kv_cache(2, 4, 2, 64, fp8, DEVICE)
+    assert torch.equal(cache.view(torch.uint8), torch.zeros_like(cache.view(torch.uint8)))
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0]).repeat(2 * 64 // 4).view(1, 2, 64)
+    slots = torch.tensor([5], device=DEVICE)
+    triton_backend.write_kv(bad.to(DEVICE), bad.to(DEVICE), cache, slots, 1.0, 1.0)
+    rows = triton_backend.read_kv(cache, slots, 64)
+    rope = (torch.ones(1, 1, 32, device=DEVICE), torch.zeros(1, 1, 32, device=DEVICE))  # the identity rotation
+    q = torch.zeros(1, 2, 64, device=DEVICE)
+    triton_backend.rotary_write_kv(q, bad.to(DEVICE), bad.to(DEVICE), cache, slots + 1, rope, None, 1.0, 1.0)
+    rotated_k, rotary_v = triton_backend.read_kv(cache, slots + 1, 64)
+    assert rotated_k.float().isfinite().all()  # (the rotation makes NaN of inf * 0: stored as 0)
+    for row in (*rows, rotary_v):
+        assert row.float()[0, 0, :4].tolist() == [0.0, FP8[fp8], -FP8[fp8], 1.0]
+
+
+def test_read_kv_gives_the_written_rows():
+    """read_kv in the FP8 layout (V transposed within each block) gives back the rows the write stored."""
+    k = torch.randn(5, 2, 32)
+    v = torch.randn(5, 2, 32)
+    cache = torch.zeros(2, 3, 4, 2, 32, dtype=torch.float8_e4m3fn, device=DEVICE)
+    slots = torch.tensor([9, 0, 3, 4, 11])
+    triton_backend.write_kv(k.to(DEVICE), v.to(DEVICE), cache, slots.to(DEVICE), K_SCALE, V_SCALE)
+    got_k, got_v = triton_backend.read_kv(cache, slots.to(DEVICE), 32)
+    assert torch.equal(got_k.cpu().view(torch.uint8), quantize(k, K_SCALE, FP8_E4M3).view(torch.uint8))
+    assert torch.equal(got_v.cpu().view(torch.uint8), quantize(v, V_SCALE, FP8_E4M3).view(torch.uint8))
+
+
 def test_decode_only_fp8_cache_default_tiles():
     check([(70, 1), (3, 1), (33, 1)], (8, 2), 32, 16, torch.bfloat16, torch.float8_e4m3fn, seed=3)
 
@@ -91,7 +160,7 @@ def test_write_saturates_and_skips_padding():
     cache = torch.zeros(2, 2, 2, 1, 4, dtype=torch.float8_e4m3fn)  # [2, num_blocks, block_size, heads, dim]
     slots = torch.tensor([3, -1])
     triton_backend.write_kv(k.to(DEVICE), v.to(DEVICE), cache_d := cache.to(DEVICE), slots.to(DEVICE), 1.0, 2.0)
-    got = cache_d.cpu().float()
+    got = triton_backend.cache_to_slot_major(cache_d.cpu()).float()
     assert got[0, 1, 1, 0].tolist() == [448.0, -448.0, 0.3125, 448.0]  # 447 rounds to 448 (E4M3's step is 32)
     assert got[1, 1, 1, 0].tolist() == [-448.0, 448.0, -0.15625, -224.0]  # v / 2
     assert got.abs().sum() == got[:, 1, 1].abs().sum()  # nothing else written
@@ -103,18 +172,17 @@ def test_write_saturates_and_skips_padding():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_realistic_shapes_fp8_cache(fp8, dtype):
     """Llama-3.1-8B's attention shapes (32 / 8 heads of 128), prefill chunks and long decodes (split-K chosen).
-    On compute capability 8.9+ the tiles widen in inline PTX to float16 (asserted, so the PTX path is what ran)."""
+    On compute capability 8.9+ the tiles widen to float16 (asserted, so that path is what ran)."""
     q = torch.empty(1, dtype=dtype, device="cuda")
-    if torch.cuda.get_device_capability() >= (8, 9):
-        assert triton_backend.fp8_ptx(fp8, q) == (1 if fp8 == torch.float8_e4m3fn else 2)
+    assert triton_backend.fp8_in_float16(fp8, q) == (torch.cuda.get_device_capability() >= (8, 9))
     check([(0, 300), (1000, 1), (2047, 1), (37, 64)], (32, 8), 128, 16, dtype, fp8, seed=5)
 
 
-def test_fp8_ptx_only_where_it_compiles():
-    """The PTX widening is for half-precision queries over an FP8 cache on CUDA: never for float32 queries, a
-    bfloat16 cache, or CPU tensors (Triton's interpreter cannot run inline PTX)."""
+def test_float16_reads_only_where_they_compile():
+    """Float16 reads of an FP8 cache are for half-precision queries on CUDA: never for float32 queries, a bfloat16
+    cache, or CPU tensors (Triton's interpreter widens to the query's dtype)."""
     cpu = torch.empty(1, dtype=torch.bfloat16)
-    assert triton_backend.fp8_ptx(torch.float8_e4m3fn, cpu) == 0
+    assert not triton_backend.fp8_in_float16(torch.float8_e4m3fn, cpu)
     if torch.cuda.is_available():
-        assert triton_backend.fp8_ptx(torch.float8_e4m3fn, torch.empty(1, device="cuda")) == 0  # float32
-        assert triton_backend.fp8_ptx(torch.bfloat16, torch.empty(1, dtype=torch.bfloat16, device="cuda")) == 0
+        assert not triton_backend.fp8_in_float16(torch.float8_e4m3fn, torch.empty(1, device="cuda"))  # float32
+        assert not triton_backend.fp8_in_float16(torch.bfloat16, torch.empty(1, dtype=torch.bfloat16, device="cuda"))

@@ -91,7 +91,8 @@ def check_rotary_write(q, k, v, cos, sin, norm, cache, slots, k_scale=1.0, v_sca
     assert torch.equal(as_bits(cache), as_bits(ref_cache))
     # every written slot changed nothing else; padding rows wrote nothing
     row_bytes = k.shape[1] * k.shape[2] * cache.element_size()
-    flat, flat_before = as_bits(cache).view(2, -1, row_bytes), as_bits(before).view(2, -1, row_bytes)
+    slot_major = triton_backend.cache_to_slot_major  # (an FP8 cache keeps V transposed within each block)
+    flat, flat_before = (as_bits(slot_major(c)).view(2, -1, row_bytes) for c in (cache, before))
     written = slots[slots >= 0].cpu()
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[written] = False
