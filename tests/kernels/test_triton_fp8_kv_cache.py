@@ -82,9 +82,10 @@ def test_mixed_batch_fp8_cache(fp8, dtype, num_splits):
     check(base.MIXED, (4, 2), 32, 4, dtype, fp8, num_splits=num_splits, block_n=16)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])  # a tile of whole blocks; a tile inside one block
-def test_fp8_cache_tiles_and_blocks(block_size):
-    check(base.MIXED, (4, 2), 32, block_size, torch.bfloat16, torch.float8_e4m3fn, block_n=16)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 32), (32, 32), (16, 80)])
+def test_fp8_cache_tiles_and_blocks(block_size, head_dim):
+    """Tiles of whole blocks (16), a tile inside one block (32), a head dim padded to 128 (80)."""
+    check(base.MIXED, (4, 2), head_dim, block_size, torch.bfloat16, torch.float8_e4m3fn, block_n=16)
 
 
 @pytest.mark.parametrize("block_size,block_n", [(4, 16), (16, None), (32, 16)])
@@ -149,8 +150,9 @@ def test_read_kv_gives_the_written_rows():
     assert torch.equal(got_v.cpu().view(torch.uint8), quantize(v, V_SCALE, FP8_E4M3).view(torch.uint8))
 
 
-def test_decode_only_fp8_cache_default_tiles():
-    check([(70, 1), (3, 1), (33, 1)], (8, 2), 32, 16, torch.bfloat16, torch.float8_e4m3fn, seed=3)
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_decode_only_fp8_cache_default_tiles(head_dim):
+    check([(70, 1), (3, 1), (33, 1)], (8, 2), head_dim, 16, torch.bfloat16, torch.float8_e4m3fn, seed=3)
 
 
 def test_write_saturates_and_skips_padding():
