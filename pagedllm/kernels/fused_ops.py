@@ -174,36 +174,54 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
+def silu_and_mul_amax_kernel(
+    x_ptr,  # [num_rows, 2 * D]
+    amax_ptr,  # [num_rows, NUM_CHUNKS] float32: each chunk's amax
+    stride_x,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The first pass of quantizing silu_and_mul's rows per token: the amax of each CHUNK values of a row (grid:
+    chunks, rows; a program a chunk, so that a batch's rows spread over every SM)."""
+    wait_previous_kernel(USE_PDL)
+    chunk, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < D
+    h = _silu_mul(x_ptr + row * stride_x, offs, ok, D)
+    tl.store(amax_ptr + row * NUM_CHUNKS + chunk, tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0))
+
+
+@triton.jit
 def silu_and_mul_quant_kernel(
     x_ptr,  # [num_rows, 2 * D]
+    amax_ptr,  # [num_rows, NUM_CHUNKS] float32 (silu_and_mul_amax_kernel)
     out_ptr,  # [num_rows, D] fp8
     scale_ptr,  # [num_rows] float32: each row's fp8 scale
     stride_x,
     D: tl.constexpr,
     CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """silu_and_mul_kernel's rows quantized per token (store_row's arithmetic): one pass over the row for its amax,
-    a second (the row again, mostly from L2) storing fp8 with its scale. Chunks of CHUNK values keep the registers
-    few, so that many rows' programs share an SM (one program holding a 14336-value row ran one to an SM: 2.2x the
-    plain kernel's time at 256 rows on an H200)."""
+    """The second pass: each chunk again (mostly from L2), stored as fp8 with its row's scale (store_row's
+    arithmetic), from the row's chunk amaxes; the first chunk's program stores the scale."""
     wait_previous_kernel(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in tl.range(0, D, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ok = offs < D
-        amax = tl.maximum(amax, tl.where(ok, tl.abs(_silu_mul(x_row, offs, ok, D)), 0.0))
-    scale = fp8_scale_of(tl.max(amax, axis=0))
-    tl.store(scale_ptr + row, scale)
-    for start in tl.range(0, D, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ok = offs < D
-        tl.store(out_ptr + row * D + offs, fp8_quantize(_silu_mul(x_row, offs, ok, D), scale), mask=ok)
+    chunk, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, CHUNKS_PAD)
+    amax = tl.max(tl.load(amax_ptr + row * NUM_CHUNKS + cols, mask=cols < NUM_CHUNKS, other=0.0), axis=0)
+    scale = fp8_scale_of(amax)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < D
+    h = _silu_mul(x_ptr + row * stride_x, offs, ok, D)
+    tl.store(out_ptr + row * D + offs, fp8_quantize(h, scale), mask=ok)
 
 
-QUANT_CHUNK = 2048  # quantize=True: values of a row a program holds at once
+QUANT_CHUNK = 1024  # quantize=True: values of a row a program takes
 
 
 def silu_and_mul(x: torch.Tensor, quantize: bool = False):  # [..., 2 * d] -> [..., d]
@@ -217,10 +235,17 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):  # [..., 2 * d] -> [.
         x2 = x2.contiguous()
     out = torch.empty((*x.shape[:-1], d), dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
     scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)  # [M, 1] (quantize)
-    if x2.shape[0] and quantize:
+    if x2.shape[0] and quantize:  # two passes: each chunk's amax, then the fp8 values by the row's scale
         chunk = min(QUANT_CHUNK, triton.next_power_of_2(d))
-        silu_and_mul_quant_kernel[(x2.shape[0],)](
-            x2, out, scale, x2.stride(0), D=d, CHUNK=chunk, num_warps=4, **pdl(x2)
+        num_chunks = triton.cdiv(d, chunk)
+        amax = torch.empty((x2.shape[0], num_chunks), dtype=torch.float32, device=x.device)  # [M, chunks]
+        grid = (num_chunks, x2.shape[0])
+        silu_and_mul_amax_kernel[grid](
+            x2, amax, x2.stride(0), D=d, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=4, **pdl(x2)
+        )  # fmt: skip
+        silu_and_mul_quant_kernel[grid](
+            x2, amax, out, scale, x2.stride(0), D=d, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+            CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4, **pdl(x2),
         )  # fmt: skip
     elif x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))

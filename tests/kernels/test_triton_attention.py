@@ -238,7 +238,7 @@ def test_mask_free_interior_tiles(monkeypatch, extras):
     from pagedllm.layers.attention import alibi_slopes
 
     monkeypatch.setitem(triton_backend.PREFILL_TILES, 32, (16, 16, 4, 2))
-    assert triton_backend._tiles(2, 30, 32) == (8, 16, 16, 4, 2)
+    assert triton_backend._tiles(2, 30, 32, False) == (8, 16, 16, 4, 2)
     kw = dict(extras)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = alibi_slopes(4) * 4
@@ -253,9 +253,10 @@ def test_prefill_tiles_override(monkeypatch, tiles):
     rows, block_n, warps, stages = tiles
     monkeypatch.setitem(triton_backend.PREFILL_TILES, 128, tiles)
     block_q, block_m = rows // 4, max(16, rows)
-    assert triton_backend._tiles(4, 100, 128) == (block_q, block_m, block_n, warps, stages)
-    assert triton_backend._tiles(4, 1, 128) == (1, 16, 128, 4, 3)
-    assert triton_backend._tiles(4, 100, 64) == (16, 64, 64, 4, 2)  # another head dim keeps the rule
+    assert triton_backend._tiles(4, 100, 128, False) == (block_q, block_m, block_n, warps, stages)
+    assert triton_backend._tiles(4, 1, 128, False) == (1, 16, 128, 4, 3)
+    assert triton_backend._tiles(4, 1, 128, True) == (1, 16, 128, 2, 2)  # an FP8 cache: its own decode tiles
+    assert triton_backend._tiles(4, 100, 64, False) == (16, 64, 64, 4, 2)  # another head dim keeps the rule
     q, k, v, cache, layout = make_batch([(0, 40), (21, 19), (33, 1)], 8, 2, 80, 4, torch.bfloat16, seed=10)
     monkeypatch.setitem(triton_backend.PREFILL_TILES, 128, (rows // 2, block_n, warps, stages))  # group 4 -> 2
     check(q, k, v, cache, layout, torch.bfloat16)

@@ -142,7 +142,7 @@ def test_rms_norm_quantizes_as_the_per_token_kernel(dtype, n, residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [48, 1500, 5000])  # 5000: three chunks of the row, the last one ragged
+@pytest.mark.parametrize("d", [48, 1500, 5000])  # 5000: five chunks of the row, the last one ragged
 def test_silu_and_mul_quantizes_as_the_per_token_kernel(dtype, d):
     g = torch.Generator().manual_seed(d)
     x = (3 * torch.randn(4, 2 * d, generator=g)).to(dtype).to(DEVICE)
