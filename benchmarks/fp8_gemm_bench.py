@@ -3,8 +3,9 @@ of fp8_gemm.py (every SWEEP tile, with 1, 2 and 4 programs wanted per SM before 
 cuBLASLt's (torch._scaled_mm) and the bf16 F.linear, on the same pre-quantized activations. Each op is captured
 CALLS times into a CUDA graph cycling over enough weight copies to miss the L2 cache (fp8_gemv_bench's timing);
 printed per batch and shape, then per batch the four shapes' summed time of each, the best tile, and the winners
-(at least 3% faster than cuBLASLt) as TABLE literals for fp8_gemm.py, for the layer and per shape. Every tile is
-checked against torch._scaled_mm first.
+(at least 3% faster than cuBLASLt) as literals for fp8_gemm.py: TABLE (a layer's four on one tile, power-of-two
+batches) and SHAPE_TABLE (per rows key and shape, None where cuBLASLt stays). Every tile is checked against
+torch._scaled_mm first. The default batches are the CUDA graphs' sizes from 32 to 256 rows, then 512 and 1024.
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py [--batches 32 64 128 256 512 1024]
 """
@@ -54,7 +55,7 @@ def shape_ops(m: int, n: int, k: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
+    p.add_argument("--batches", type=int, nargs="+", default=[*range(32, 257, 16), 512, 1024])
     args = p.parse_args()
     print(torch.cuda.get_device_name())
     table, shape_table = {}, {}
@@ -72,18 +73,20 @@ def main() -> None:
                 f"triton best {times[tile]:7.1f} {tile} = {times[tile] / times['cublas']:.3f} of cublas"
             )
             best_sum += min(times[tile], times["cublas"])
-            if times[tile] < WIN * times["cublas"]:
-                shape_table[(fp8_gemm.bucket(m), n, k)] = tile
+            shape_table[(fp8_gemm.rows_key(m), n, k)] = tile if times[tile] < WIN * times["cublas"] else None
         best = min((c for c in totals if isinstance(c, tuple)), key=totals.get)
         ratio = totals[best] / totals["cublas"]
         print(
             f"M={m:5d}: cublas {totals['cublas']:8.1f} us  bf16 {totals['bf16']:8.1f} us  "
             f"triton best {totals[best]:8.1f} us {best}  = {ratio:.3f} of cublas; each shape's best {best_sum:8.1f} us"
         )
-        if ratio < WIN:
-            table[fp8_gemm.bucket(m)] = best
+        if ratio < WIN and fp8_gemm.bucket(m) == m:
+            table[m] = best
     print("TABLE =", table)
-    print("SHAPE_TABLE =", shape_table)
+    print("SHAPE_TABLE = {")
+    for key, tile in shape_table.items():
+        print(f"    {key}: {tile},")
+    print("}")
 
 
 if __name__ == "__main__":

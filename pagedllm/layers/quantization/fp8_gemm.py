@@ -18,35 +18,101 @@ from pagedllm.kernels import SplitCounters, interpreting
 from pagedllm.layers.quantization.fp8_gemv import sm_count
 from pagedllm.layers.quantization.fp8_ops import triton
 
-# (BLOCK_M bucket, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs wanted per SM before K stops being
-# split), the bucket being the batch rounded up to a power of two, at least 16. From the bench on an H200
-# (Llama-3.1-8B's layer shapes; each shape's best against cuBLASLt: 64 rows 0.63-0.87 of its time, 128 rows
-# 0.71-0.92, 256 rows 0.88-0.90 for the two 4096-column linears, 512 rows 0.95 for qkv; cuBLASLt as fast or faster
-# for the rest, which TABLE leaves to it). A shape and bucket not here take TABLE's entry for the bucket.
-SHAPE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int]] = {
-    (64, 6144, 4096): (64, 64, 128, 4, 4, 1),
-    (64, 4096, 4096): (64, 64, 128, 4, 4, 1),
+# (rows key, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs wanted per SM before K stops being
+# split), or None for torch._scaled_mm (cuBLASLt); the rows key is the batch rounded up to a multiple of 16 up to
+# 256 rows (the CUDA graphs' sizes step by 8 and 16 there), a power of two above (rows_key). From
+# `benchmarks/fp8_gemm_bench.py` on an H200 (Llama-3.1-8B's layer shapes): each key's fastest, a tile only where it
+# beat cuBLASLt by 3%. A shape and key not here take TABLE's entry for the batch's power-of-two bucket.
+SHAPE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int] | None] = {
+    (32, 6144, 4096): None,
+    (32, 4096, 4096): (64, 64, 128, 4, 6, 1),
+    (32, 28672, 4096): None,
+    (32, 4096, 14336): (64, 128, 128, 4, 4, 1),
+    (48, 6144, 4096): (64, 64, 128, 4, 6, 1),
+    (48, 4096, 4096): (64, 64, 128, 4, 6, 1),
+    (48, 28672, 4096): (64, 128, 128, 4, 4, 1),
+    (48, 4096, 14336): (64, 64, 128, 4, 4, 2),
+    (64, 6144, 4096): (64, 32, 256, 4, 4, 1),
+    (64, 4096, 4096): (64, 32, 256, 4, 4, 1),
     (64, 28672, 4096): (64, 128, 128, 4, 4, 1),
-    (64, 4096, 14336): (64, 64, 128, 4, 4, 1),
-    (128, 6144, 4096): (64, 64, 128, 4, 4, 1),
-    (128, 4096, 4096): (64, 64, 128, 4, 4, 1),
-    (128, 4096, 14336): (64, 64, 128, 4, 4, 2),
-    (256, 4096, 4096): (64, 64, 128, 4, 4, 1),
-    (256, 4096, 14336): (128, 64, 128, 4, 4, 1),
+    (64, 4096, 14336): (64, 32, 256, 4, 4, 1),
+    (80, 6144, 4096): None,
+    (80, 4096, 4096): None,
+    (80, 28672, 4096): None,
+    (80, 4096, 14336): None,
+    (96, 6144, 4096): None,
+    (96, 4096, 4096): None,
+    (96, 28672, 4096): None,
+    (96, 4096, 14336): (64, 128, 128, 4, 4, 1),
+    (112, 6144, 4096): None,
+    (112, 4096, 4096): (64, 64, 128, 4, 6, 1),
+    (112, 28672, 4096): None,
+    (112, 4096, 14336): (64, 128, 128, 4, 4, 1),
+    (128, 6144, 4096): (64, 64, 128, 4, 6, 1),
+    (128, 4096, 4096): (64, 32, 256, 4, 4, 1),
+    (128, 28672, 4096): None,
+    (128, 4096, 14336): (64, 64, 128, 4, 6, 1),
+    (144, 6144, 4096): None,
+    (144, 4096, 4096): None,
+    (144, 28672, 4096): None,
+    (144, 4096, 14336): (64, 128, 128, 4, 4, 1),
+    (160, 6144, 4096): None,
+    (160, 4096, 4096): None,
+    (160, 28672, 4096): (64, 128, 128, 4, 4, 4),
+    (160, 4096, 14336): (64, 128, 128, 4, 4, 1),
+    (176, 6144, 4096): (64, 128, 128, 4, 4, 1),
+    (176, 4096, 4096): None,
+    (176, 28672, 4096): (64, 128, 128, 4, 4, 4),
+    (176, 4096, 14336): (64, 128, 128, 4, 4, 1),
+    (192, 6144, 4096): (64, 64, 128, 4, 4, 1),
+    (192, 4096, 4096): (64, 64, 128, 4, 6, 1),
+    (192, 28672, 4096): (64, 128, 128, 4, 4, 2),
+    (192, 4096, 14336): (64, 64, 128, 4, 4, 2),
+    (208, 6144, 4096): None,
+    (208, 4096, 4096): None,
+    (208, 28672, 4096): None,
+    (208, 4096, 14336): None,
+    (224, 6144, 4096): None,
+    (224, 4096, 4096): None,
+    (224, 28672, 4096): None,
+    (224, 4096, 14336): None,
+    (240, 6144, 4096): None,
+    (240, 4096, 4096): None,
+    (240, 28672, 4096): None,
+    (240, 4096, 14336): (64, 128, 128, 8, 4, 1),
+    (256, 6144, 4096): None,
+    (256, 4096, 4096): (64, 64, 128, 4, 6, 1),
+    (256, 28672, 4096): None,
+    (256, 4096, 14336): (64, 64, 128, 4, 6, 1),
     (512, 6144, 4096): (128, 128, 128, 4, 3, 1),
+    (512, 4096, 4096): None,
+    (512, 28672, 4096): None,
+    (512, 4096, 14336): None,
+    (1024, 6144, 4096): None,
+    (1024, 4096, 4096): None,
+    (1024, 28672, 4096): None,
+    (1024, 4096, 14336): None,
 }
-# BLOCK_M bucket -> the same, for any other shape. From the bench on an H100 80GB HBM3 (a layer's four
-# linears on one tile: 33-64 rows 0.88 of cuBLASLt's time, 17-32 rows 0.97; 65+ rows slower).
+# power-of-two bucket (at least 16) -> the same, for any other shape. From the bench on an H100 80GB HBM3 (a
+# layer's four linears on one tile: 33-64 rows 0.88 of cuBLASLt's time, 17-32 rows 0.97; 65+ rows slower).
 TABLE: dict[int, tuple[int, int, int, int, int, int]] = {32: (64, 128, 128, 4, 4, 1), 64: (64, 64, 128, 4, 4, 1)}
 SWEEP = (
+    (64, 32, 128, 4, 6),
+    (64, 32, 256, 4, 4),
     (64, 64, 128, 4, 4),
+    (64, 64, 128, 4, 6),
+    (64, 64, 256, 4, 3),
     (64, 128, 128, 4, 4),
     (64, 128, 128, 8, 4),
-    (128, 64, 128, 4, 4),
-    (128, 128, 128, 8, 4),
     (64, 256, 128, 8, 3),
-    (128, 256, 128, 8, 3),
+    (128, 32, 128, 4, 5),
+    (128, 64, 128, 4, 4),
+    (128, 64, 128, 8, 4),
     (128, 128, 128, 4, 3),
+    (128, 128, 128, 8, 4),
+    (128, 256, 128, 8, 3),
+    (256, 64, 128, 8, 3),
+    (256, 128, 128, 8, 3),
 )  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the bench tries, each with 1, 2 and 4 programs per SM
 MIN_SPLIT_STEPS = 4  # BLOCK_K steps a K split runs at least
 _split = SplitCounters()  # the arrival counters of split launches, per device
@@ -103,14 +169,20 @@ if triton is not None:
 
 
 def bucket(m: int) -> int:
-    """The batch's table key: m rounded up to a power of two, at least 16."""
+    """TABLE's key: m rounded up to a power of two, at least 16."""
     return max(16, 1 << (m - 1).bit_length())
+
+
+def rows_key(m: int) -> int:
+    """SHAPE_TABLE's key: m rounded up to a multiple of 16 up to 256 rows, bucket(m) above."""
+    return -(-m // 16) * 16 if m <= 256 else bucket(m)
 
 
 def table_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int] | None:
     """The Triton GEMM's config for x [m, k] @ W [n, k].T, None where torch._scaled_mm runs: SHAPE_TABLE's entry
-    for the shape and the batch's bucket, else TABLE's for the bucket."""
-    return SHAPE_TABLE.get((bucket(m), n, k)) or TABLE.get(bucket(m))
+    for the shape and rows key where it has one (None included), else TABLE's for the batch's bucket."""
+    key = (rows_key(m), n, k)
+    return SHAPE_TABLE[key] if key in SHAPE_TABLE else TABLE.get(bucket(m))
 
 
 def gemm_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
