@@ -184,9 +184,9 @@ def silu_and_mul_amax_kernel(
     USE_PDL: tl.constexpr,
 ):
     """The first pass of quantizing silu_and_mul's rows per token: the amax of each CHUNK values of a row (grid:
-    chunks, rows; a program a chunk, so that a batch's rows spread over every SM)."""
+    rows, chunks; a program a chunk, so that a batch's rows spread over every SM)."""
     wait_previous_kernel(USE_PDL)
-    chunk, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = offs < D
     h = _silu_mul(x_ptr + row * stride_x, offs, ok, D)
@@ -209,7 +209,7 @@ def silu_and_mul_quant_kernel(
     """The second pass: each chunk again (mostly from L2), stored as fp8 with its row's scale (store_row's
     arithmetic), from the row's chunk amaxes; the first chunk's program stores the scale."""
     wait_previous_kernel(USE_PDL)
-    chunk, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = tl.arange(0, CHUNKS_PAD)
     amax = tl.max(tl.load(amax_ptr + row * NUM_CHUNKS + cols, mask=cols < NUM_CHUNKS, other=0.0), axis=0)
     scale = fp8_scale_of(amax)
@@ -239,7 +239,7 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):  # [..., 2 * d] -> [.
         chunk = min(QUANT_CHUNK, triton.next_power_of_2(d))
         num_chunks = triton.cdiv(d, chunk)
         amax = torch.empty((x2.shape[0], num_chunks), dtype=torch.float32, device=x.device)  # [M, chunks]
-        grid = (num_chunks, x2.shape[0])
+        grid = (x2.shape[0], num_chunks)  # rows on the grid's first axis: past 65535 of them
         silu_and_mul_amax_kernel[grid](
             x2, amax, x2.stride(0), D=d, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=4, **pdl(x2)
         )  # fmt: skip
