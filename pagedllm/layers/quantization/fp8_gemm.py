@@ -1,14 +1,14 @@
 """Row-wise scaled FP8 GEMM in Triton for mid-sized batches: c [M, N] = (a [M, K] fp8 @ b [N, K].T fp8) * as [M]
 * bs [N], float32 sums, written in c's dtype. cuBLASLt's row-wise scaled kernel (torch._scaled_mm) tiles a batch
 of a few hundred rows 128 x 128 with no split of K, so a 4096-column linear at 256 rows runs on 64 of an H100's 132
-SMs; here the tiles come per batch bucket and shape from the tables (BLOCK_M 64 for up to 64 rows a tile, more
-column tiles), and where they still leave SMs idle K is split over programs whose float32 partials are summed in a
+SMs; here the tiles come per batch size (16-row steps) and shape from the tables (BLOCK_M 64 for up to 64 rows a
+tile, more column tiles), and where they still leave SMs idle K is split over programs whose float32 partials are summed in a
 fixed order by the last program of each output tile (an arrival counter, re-zeroed by that program): one launch,
 reproducible.
 
 Which batches take it is measured, not guessed: `benchmarks/fp8_gemm_bench.py` times both on Llama-3.1-8B's
-shapes and prints SHAPE_TABLE (per batch bucket and shape) and TABLE (per bucket, a layer's four linears on one
-tile, for other shapes); a bucket with no entry keeps torch._scaled_mm."""
+shapes and prints SHAPE_TABLE (per rows key and shape, naming cuBLASLt where it stays) and TABLE (per power-of-two
+bucket, a layer's four linears on one tile, for other shapes); a batch with no entry keeps torch._scaled_mm."""
 
 from __future__ import annotations
 
