@@ -4,7 +4,7 @@ cuBLASLt's (torch._scaled_mm) and the bf16 F.linear, on the same pre-quantized a
 CALLS times into a CUDA graph cycling over enough weight copies to miss the L2 cache (fp8_gemv_bench's timing);
 printed per batch and shape, then per batch the four shapes' summed time of each, the best tile, and the winners
 (at least 3% faster than cuBLASLt) as literals for fp8_gemm.py: TABLE (a layer's four on one tile, power-of-two
-batches) and SHAPE_TABLE (per rows key and shape, None where cuBLASLt stays). Every tile is checked against
+batches) and SHAPE_TABLE (per rows key and shape; a key left out keeps cuBLASLt). Every tile is checked against
 torch._scaled_mm first. The default batches are the CUDA graphs' sizes from 32 to 256 rows, then 512 and 1024.
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py [--batches 32 64 128 256 512 1024]
@@ -20,7 +20,7 @@ from fp8_gemv_bench import L2_MISS_BYTES, sweep_us
 
 from pagedllm.layers.quantization import fp8_gemm
 
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate_up, down
+SHAPES = fp8_gemm.MEASURED_SHAPES  # (N, K): qkv, o, gate_up, down
 WIN = 0.97
 
 
@@ -73,7 +73,8 @@ def main() -> None:
                 f"triton best {times[tile]:7.1f} {tile} = {times[tile] / times['cublas']:.3f} of cublas"
             )
             best_sum += min(times[tile], times["cublas"])
-            shape_table[(fp8_gemm.rows_key(m), n, k)] = tile if times[tile] < WIN * times["cublas"] else None
+            if times[tile] < WIN * times["cublas"]:
+                shape_table[(fp8_gemm.rows_key(m), n, k)] = tile
         best = min((c for c in totals if isinstance(c, tuple)), key=totals.get)
         ratio = totals[best] / totals["cublas"]
         print(

@@ -174,6 +174,15 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
+def _silu_mul_chunk(x_ptr, stride_x, D: tl.constexpr, CHUNK: tl.constexpr):
+    """The program's (row, chunk) of silu_and_mul's rows (grid: rows, chunks): (row, offs, ok, values)."""
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < D
+    return row, offs, ok, _silu_mul(x_ptr + row * stride_x, offs, ok, D)
+
+
+@triton.jit
 def silu_and_mul_amax_kernel(
     x_ptr,  # [num_rows, 2 * D]
     amax_ptr,  # [num_rows, NUM_CHUNKS] float32: each chunk's amax
@@ -186,11 +195,8 @@ def silu_and_mul_amax_kernel(
     """The first pass of quantizing silu_and_mul's rows per token: the amax of each CHUNK values of a row (grid:
     rows, chunks; a program a chunk, so that a batch's rows spread over every SM)."""
     wait_previous_kernel(USE_PDL)
-    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < D
-    h = _silu_mul(x_ptr + row * stride_x, offs, ok, D)
-    tl.store(amax_ptr + row * NUM_CHUNKS + chunk, tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0))
+    row, offs, ok, h = _silu_mul_chunk(x_ptr, stride_x, D, CHUNK)
+    tl.store(amax_ptr + row * NUM_CHUNKS + tl.program_id(1), tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0))
 
 
 @triton.jit
@@ -209,15 +215,12 @@ def silu_and_mul_quant_kernel(
     """The second pass: each chunk again (mostly from L2), stored as fp8 with its row's scale (store_row's
     arithmetic), from the row's chunk amaxes; the first chunk's program stores the scale."""
     wait_previous_kernel(USE_PDL)
-    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    row, offs, ok, h = _silu_mul_chunk(x_ptr, stride_x, D, CHUNK)
     cols = tl.arange(0, CHUNKS_PAD)
     amax = tl.max(tl.load(amax_ptr + row * NUM_CHUNKS + cols, mask=cols < NUM_CHUNKS, other=0.0), axis=0)
     scale = fp8_scale_of(amax)
-    if chunk == 0:
+    if tl.program_id(1) == 0:
         tl.store(scale_ptr + row, scale)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < D
-    h = _silu_mul(x_ptr + row * stride_x, offs, ok, D)
     tl.store(out_ptr + row * D + offs, fp8_quantize(h, scale), mask=ok)
 
 
@@ -234,7 +237,8 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):  # [..., 2 * d] -> [.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((*x.shape[:-1], d), dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
-    scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)  # [M, 1] (quantize)
+    if quantize:
+        scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)  # [M, 1]
     if x2.shape[0] and quantize:  # two passes: each chunk's amax, then the fp8 values by the row's scale
         chunk = min(QUANT_CHUNK, triton.next_power_of_2(d))
         num_chunks = triton.cdiv(d, chunk)

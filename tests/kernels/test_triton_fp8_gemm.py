@@ -65,14 +65,15 @@ def test_applies_only_to_table_buckets(monkeypatch):
 
 
 def test_shape_entries_come_before_the_bucket_entry(monkeypatch):
-    """SHAPE_TABLE's entry for (rows key, N, K) wins, None keeping torch._scaled_mm; a shape and key without one
+    """A measured shape takes SHAPE_TABLE's entry for (rows key, N, K), torch._scaled_mm without one; other shapes
     take TABLE's entry for the batch's power-of-two bucket, and a bucket in neither keeps torch._scaled_mm."""
     shaped, bucketed = (64, 64, 128, 4, 4, 2), (64, 128, 128, 4, 4, 1)
     assert [gemm.rows_key(m) for m in (1, 16, 17, 40, 100, 256, 257, 600)] == [16, 16, 32, 48, 112, 256, 512, 1024]
-    monkeypatch.setattr(gemm, "SHAPE_TABLE", {(112, 64, 256): shaped, (48, 64, 256): shaped, (64, 64, 256): None})
+    monkeypatch.setattr(gemm, "MEASURED_SHAPES", ((64, 256),))
+    monkeypatch.setattr(gemm, "SHAPE_TABLE", {(112, 64, 256): shaped, (48, 64, 256): shaped})
     monkeypatch.setattr(gemm, "TABLE", {64: bucketed})
     assert gemm.table_config(100, 64, 256) == shaped and gemm.table_config(40, 64, 256) == shaped
-    assert gemm.table_config(60, 64, 256) is None  # cuBLASLt by its shape entry, though TABLE has the bucket
+    assert gemm.table_config(60, 64, 256) is None  # a measured shape: cuBLASLt, though TABLE has the bucket
     assert gemm.table_config(40, 96, 256) == bucketed and gemm.table_config(40, 64, 512) == bucketed
     assert gemm.table_config(120, 64, 256) is None and gemm.table_config(300, 64, 256) is None
     w = torch.empty(64, 256, dtype=FP8, device=DEVICE)

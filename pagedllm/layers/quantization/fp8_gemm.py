@@ -2,13 +2,14 @@
 * bs [N], float32 sums, written in c's dtype. cuBLASLt's row-wise scaled kernel (torch._scaled_mm) tiles a batch
 of a few hundred rows 128 x 128 with no split of K, so a 4096-column linear at 256 rows runs on 64 of an H100's 132
 SMs; here the tiles come per batch size (16-row steps) and shape from the tables (BLOCK_M 64 for up to 64 rows a
-tile, more column tiles), and where they still leave SMs idle K is split over programs whose float32 partials are summed in a
-fixed order by the last program of each output tile (an arrival counter, re-zeroed by that program): one launch,
-reproducible.
+tile, more column tiles), and where they still leave SMs idle K is split over programs whose float32 partials are
+summed in a fixed order by the last program of each output tile (an arrival counter, re-zeroed by that program): one
+launch, reproducible.
 
 Which batches take it is measured, not guessed: `benchmarks/fp8_gemm_bench.py` times both on Llama-3.1-8B's
-shapes and prints SHAPE_TABLE (per rows key and shape, naming cuBLASLt where it stays) and TABLE (per power-of-two
-bucket, a layer's four linears on one tile, for other shapes); a batch with no entry keeps torch._scaled_mm."""
+shapes (MEASURED_SHAPES) and prints SHAPE_TABLE (per rows key and shape, the tiles that beat cuBLASLt) and TABLE
+(per power-of-two bucket, a layer's four linears on one tile, for other shapes); a batch with no entry keeps
+torch._scaled_mm."""
 
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ from pagedllm.kernels import SplitCounters, interpreting
 from pagedllm.layers.quantization.fp8_gemv import sm_count
 from pagedllm.layers.quantization.fp8_ops import triton
 
+# (N, K) the bench measures, Llama-3.1-8B's qkv, o, gate_up, down: their batches take SHAPE_TABLE's entry or,
+# without one, torch._scaled_mm (cuBLASLt); other shapes take TABLE's entry for the batch's power-of-two bucket.
+MEASURED_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 # (rows key, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs wanted per SM before K stops being
-# split), or None for torch._scaled_mm (cuBLASLt); the rows key is the batch rounded up to a multiple of 16 up to
-# 256 rows (the CUDA graphs' sizes step by 8 and 16 there), a power of two above (rows_key). From
-# `benchmarks/fp8_gemm_bench.py` on an H200 (Llama-3.1-8B's layer shapes): each key's fastest, a tile only where it
-# beat cuBLASLt by 3%. A shape and key not here take TABLE's entry for the batch's power-of-two bucket.
-SHAPE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int] | None] = {
-    (32, 6144, 4096): None,
+# split); the rows key is the batch rounded up to a multiple of 16 up to 256 rows (the CUDA graphs' sizes step by 8
+# and 16 there), a power of two above (rows_key). From `benchmarks/fp8_gemm_bench.py` on an H200 (32..256 rows by
+# 16, 512, 1024): the tiles that beat cuBLASLt by 3%; the measured keys not here were cuBLASLt's.
+SHAPE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int]] = {
     (32, 4096, 4096): (64, 64, 128, 4, 6, 1),
-    (32, 28672, 4096): None,
     (32, 4096, 14336): (64, 128, 128, 4, 4, 1),
     (48, 6144, 4096): (64, 64, 128, 4, 6, 1),
     (48, 4096, 4096): (64, 64, 128, 4, 6, 1),
@@ -36,62 +37,26 @@ SHAPE_TABLE: dict[tuple[int, int, int], tuple[int, int, int, int, int, int] | No
     (64, 4096, 4096): (64, 32, 256, 4, 4, 1),
     (64, 28672, 4096): (64, 128, 128, 4, 4, 1),
     (64, 4096, 14336): (64, 32, 256, 4, 4, 1),
-    (80, 6144, 4096): None,
-    (80, 4096, 4096): None,
-    (80, 28672, 4096): None,
-    (80, 4096, 14336): None,
-    (96, 6144, 4096): None,
-    (96, 4096, 4096): None,
-    (96, 28672, 4096): None,
     (96, 4096, 14336): (64, 128, 128, 4, 4, 1),
-    (112, 6144, 4096): None,
     (112, 4096, 4096): (64, 64, 128, 4, 6, 1),
-    (112, 28672, 4096): None,
     (112, 4096, 14336): (64, 128, 128, 4, 4, 1),
     (128, 6144, 4096): (64, 64, 128, 4, 6, 1),
     (128, 4096, 4096): (64, 32, 256, 4, 4, 1),
-    (128, 28672, 4096): None,
     (128, 4096, 14336): (64, 64, 128, 4, 6, 1),
-    (144, 6144, 4096): None,
-    (144, 4096, 4096): None,
-    (144, 28672, 4096): None,
     (144, 4096, 14336): (64, 128, 128, 4, 4, 1),
-    (160, 6144, 4096): None,
-    (160, 4096, 4096): None,
     (160, 28672, 4096): (64, 128, 128, 4, 4, 4),
     (160, 4096, 14336): (64, 128, 128, 4, 4, 1),
     (176, 6144, 4096): (64, 128, 128, 4, 4, 1),
-    (176, 4096, 4096): None,
     (176, 28672, 4096): (64, 128, 128, 4, 4, 4),
     (176, 4096, 14336): (64, 128, 128, 4, 4, 1),
     (192, 6144, 4096): (64, 64, 128, 4, 4, 1),
     (192, 4096, 4096): (64, 64, 128, 4, 6, 1),
     (192, 28672, 4096): (64, 128, 128, 4, 4, 2),
     (192, 4096, 14336): (64, 64, 128, 4, 4, 2),
-    (208, 6144, 4096): None,
-    (208, 4096, 4096): None,
-    (208, 28672, 4096): None,
-    (208, 4096, 14336): None,
-    (224, 6144, 4096): None,
-    (224, 4096, 4096): None,
-    (224, 28672, 4096): None,
-    (224, 4096, 14336): None,
-    (240, 6144, 4096): None,
-    (240, 4096, 4096): None,
-    (240, 28672, 4096): None,
     (240, 4096, 14336): (64, 128, 128, 8, 4, 1),
-    (256, 6144, 4096): None,
     (256, 4096, 4096): (64, 64, 128, 4, 6, 1),
-    (256, 28672, 4096): None,
     (256, 4096, 14336): (64, 64, 128, 4, 6, 1),
     (512, 6144, 4096): (128, 128, 128, 4, 3, 1),
-    (512, 4096, 4096): None,
-    (512, 28672, 4096): None,
-    (512, 4096, 14336): None,
-    (1024, 6144, 4096): None,
-    (1024, 4096, 4096): None,
-    (1024, 28672, 4096): None,
-    (1024, 4096, 14336): None,
 }
 # power-of-two bucket (at least 16) -> the same, for any other shape. From the bench on an H100 80GB HBM3 (a
 # layer's four linears on one tile: 33-64 rows 0.88 of cuBLASLt's time, 17-32 rows 0.97; 65+ rows slower).
@@ -179,10 +144,11 @@ def rows_key(m: int) -> int:
 
 
 def table_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int] | None:
-    """The Triton GEMM's config for x [m, k] @ W [n, k].T, None where torch._scaled_mm runs: SHAPE_TABLE's entry
-    for the shape and rows key where it has one (None included), else TABLE's for the batch's bucket."""
-    key = (rows_key(m), n, k)
-    return SHAPE_TABLE[key] if key in SHAPE_TABLE else TABLE.get(bucket(m))
+    """The Triton GEMM's config for x [m, k] @ W [n, k].T, None where torch._scaled_mm runs: for MEASURED_SHAPES
+    SHAPE_TABLE's entry for the rows key, else TABLE's for the batch's bucket."""
+    if (n, k) in MEASURED_SHAPES:
+        return SHAPE_TABLE.get((rows_key(m), n, k))
+    return TABLE.get(bucket(m))
 
 
 def gemm_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
