@@ -137,7 +137,10 @@ class MultiprocExecutor(RanksExecutor):
         theirs.close()
         self.procs.append(proc)
         self.conns.append(ours)
-        ours.send((config, spec))
+        try:
+            ours.send((config, spec))
+        except OSError:  # the worker is gone already (a broken pipe); _answers() reports how it ended
+            pass
 
     def _monitor(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -162,10 +165,17 @@ class MultiprocExecutor(RanksExecutor):
         """Each worker's answer to the last call, in rank order (an error answer or a dead worker raises)."""
         results = []
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
-            while not conn.poll(0.05):
-                if proc.poll() is not None and not conn.poll():
-                    raise WorkerFailed(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
-            status, value = conn.recv()
+            try:
+                while not conn.poll(0.05):
+                    if proc.poll() is not None and not conn.poll():
+                        raise EOFError
+                status, value = conn.recv()
+            except (EOFError, OSError):  # the worker is gone, its last answer read
+                try:
+                    code = proc.wait(_SHUTDOWN_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise WorkerFailed(f"worker rank {rank} (pid {proc.pid}) exited with code {code}") from None
             if status != "ok":
                 raise WorkerFailed(value)
             results.append(value)

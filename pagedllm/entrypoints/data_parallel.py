@@ -161,10 +161,16 @@ class ProcessReplica:
         theirs.close()
         self.conn = ours
         self._finalizer = weakref.finalize(self, _end_process, self.proc, self.conn)
-        _send(self.conn, (llm_kwargs, threads))
+        self._post((llm_kwargs, threads))
 
     def submit(self, method: str, items: list, args: tuple, kwargs: dict) -> None:
-        _send(self.conn, (method, items, args, kwargs))
+        self._post((method, items, args, kwargs))
+
+    def _post(self, message: Any) -> None:
+        try:
+            _send(self.conn, message)
+        except OSError:  # the process is gone (a broken pipe); result() reports how it ended
+            pass
 
     def result(self) -> tuple:
         try:

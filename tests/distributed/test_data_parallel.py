@@ -6,6 +6,7 @@ more than one replica."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 
 import numpy as np
 import pytest
@@ -113,7 +114,17 @@ def test_dp2_embed_matches_one_replica(tiny_llama):
     np.testing.assert_allclose([o.outputs.embedding for o in got], expected, atol=1e-5, rtol=0)
 
 
-def test_a_replica_that_cannot_start_fails_the_llm(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("gone_before_first_message", [False, True])
+def test_a_replica_that_cannot_start_fails_the_llm(tiny_llama, monkeypatch, gone_before_first_message):
     monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # the replica's interpreter cannot start; this one runs on
+    if gone_before_first_message:  # the replica exits before its arguments are sent: the send meets a broken pipe
+        real_popen = subprocess.Popen
+
+        def popen_and_wait(*args, **kwargs):
+            proc = real_popen(*args, **kwargs)
+            proc.wait()
+            return proc
+
+        monkeypatch.setattr(subprocess, "Popen", popen_and_wait)
     with pytest.raises(RuntimeError, match=r"data-parallel replica \(pid \d+\) exited with code 1"):
         LLM(tiny_llama, data_parallel_size=2, **BASE)

@@ -114,3 +114,21 @@ def test_group_init_failure_names_rank_and_address(llama_path):
     with pytest.raises(RuntimeError, match=rf"rank 1 could not join the gloo groups at 127\.0\.0\.1:{port}"):
         Worker(config, spec)
     assert time.monotonic() - start < 10.0
+
+
+@pytest.mark.parametrize("gone_before_first_message", [False, True])
+def test_a_worker_that_cannot_start_fails_the_llm(llama_path, monkeypatch, gone_before_first_message):
+    """A worker whose interpreter cannot start fails LLM() with its rank and exit code, also when it is gone before
+    its first message is sent (a broken pipe)."""
+    monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # the worker's interpreter cannot start; this one runs on
+    if gone_before_first_message:
+        real_popen = subprocess.Popen
+
+        def popen_and_wait(*args, **kwargs):
+            proc = real_popen(*args, **kwargs)
+            proc.wait()
+            return proc
+
+        monkeypatch.setattr(subprocess, "Popen", popen_and_wait)
+    with pytest.raises(WorkerFailed, match=r"worker rank 1 \(pid \d+\) exited with code 1"):
+        LLM(llama_path, tensor_parallel_size=2, **ENGINE)
