@@ -211,6 +211,7 @@ class SchedulerConfig:
     max_loras: int | None = None  # distinct LoRA adapters among the running requests (None: LoRA is off)
     # a prompt chunk longer than this is cut to it (0: off), so steps with long prefills stay short for the decodes
     long_prefill_token_threshold: int = 0
+    chunked_prefill: bool = True  # False: a prompt waits for a step with budget for all of it
 
     def __post_init__(self) -> None:
         _require_number("max_num_seqs", self.max_num_seqs, int)
@@ -226,6 +227,17 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be >= 1")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len={self.max_model_len} "
+                "with enable_chunked_prefill=False (a prompt must fit in one step): raise max_num_batched_tokens "
+                "or lower max_model_len"
+            )
+        if not self.chunked_prefill and self.long_prefill_token_threshold:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} cuts prompts into chunks, "
+                "which enable_chunked_prefill=False turns off: give one of them"
+            )
 
 
 EXECUTOR_BACKENDS = (None, "mp", "ray", "uni")

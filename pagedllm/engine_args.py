@@ -39,6 +39,7 @@ from pagedllm.worker.cpu_threads import bind_cpu_threads
 from pagedllm.worker.cuda_graphs import capture_sizes
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
 _SHORT_FLAGS = {
     "tensor_parallel_size": ("-tp",),
     "pipeline_parallel_size": ("-pp",),
@@ -64,9 +65,10 @@ class EngineArgs(CompatArgs):
     dtype: str | torch.dtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: 256
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0  # prompt chunks cut to this many tokens a step (0: off)
+    enable_chunked_prefill: bool | None = None  # False: a prompt is computed in one step (None: chunked)
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -273,10 +275,12 @@ class EngineArgs(CompatArgs):
         attention = attention_backend(self.attention_backend, device)
         _check_kv_cache_dtype(cache.cache_dtype, device, attention, model.runner)
         scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len if self.enable_chunked_prefill is False else 0),
             max_model_len=model.max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            chunked_prefill=self.enable_chunked_prefill is not False,
             # with speculation: asynchronous steps (no drafts) only above disable_by_batch_size (engine/core.py)
             async_scheduling=device.type == "cuda"
             and (speculative is None or speculative.disable_by_batch_size is not None)
@@ -323,7 +327,8 @@ class EngineArgs(CompatArgs):
         if sizes is not None:
             compilation = replace(compilation, cudagraph_capture_sizes=list(sizes))
         if cap is not None:
-            chosen = compilation.cudagraph_capture_sizes or capture_sizes(self.max_num_seqs, None)
+            seqs = DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs
+            chosen = compilation.cudagraph_capture_sizes or capture_sizes(seqs, None)
             compilation = replace(compilation, cudagraph_capture_sizes=[s for s in chosen if s <= cap] or [cap])
         return compilation
 

@@ -87,7 +87,6 @@ class CompatArgs:
     served_model_name: str | None = _noop(None, "the server's --served-model-name names the model; offline: none")
     reasoning_parser: str | None = _noop(None, "the server's --reasoning-parser splits replies; offline: none")
     # supported at one value only
-    enable_chunked_prefill: bool | None = _only(None, "always on: long prompts are cut into chunks", True)
     preemption_mode: str | None = _only(None, "preemption recomputes; no swapping", "recompute")
     tokenizer_mode: str = _only("auto", "Hugging Face tokenizers only ('auto')", "hf")
     config_format: str = _only("auto", "configs in Hugging Face format only ('auto')", "hf")

@@ -83,7 +83,7 @@ def test_compat_options_no_ops_and_refusals(tmp_path_factory):
     ids = {"prompt_token_ids": [1, 2, 3, 4]}
     got = llm.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == reference.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids  # no effect
-    for name, value in (("enable_chunked_prefill", False), ("preemption_mode", "swap"), ("cpu_offload_gb", 4),
+    for name, value in (("preemption_mode", "swap"), ("cpu_offload_gb", 4),
                         ("scheduling_policy", "priority"), ("tokenizer_mode", "mistral"),
                         ("enable_expert_parallel", True), ("kv_transfer_config", {"kv_role": "kv_both"}),
                         ("worker_cls", "my.Worker")):  # fmt: skip

@@ -14,6 +14,7 @@ import pytest
 from pagedllm.cli import build_parser, main
 from pagedllm.engine_args import EngineArgs
 from pagedllm.engine_compat import COMPAT_ARGS, CompatArgs, check_compat_args
+from pagedllm.entrypoints.cli_config import bool_values
 from pagedllm.entrypoints.openai.serve_compat import SERVE_COMPAT, check_serve_compat
 
 SEED_ENGINE_ARGS = """
@@ -132,9 +133,12 @@ def test_serve_compat_flags():
 
 
 def test_older_boolean_form_and_a_refused_value(capsys):
-    """`--enable-chunked-prefill=false` (vLLM's older form) parses; the value is refused with the reason."""
-    assert main(["serve", "/nonexistent", "--enable-prefix-caching=false", "--enable-chunked-prefill=false"]) == 2
-    assert "enable_chunked_prefill=False is not supported: always on" in capsys.readouterr().err
+    """`--enable-chunked-prefill=false` (vLLM's older form) parses; a refused value names the reason."""
+    argv = bool_values(["--enable-prefix-caching=false", "--enable-chunked-prefill=false"])
+    args = EngineArgs.from_cli_args(_serve_args(*argv))
+    assert args.enable_prefix_caching is False and args.enable_chunked_prefill is False
+    assert main(["serve", "/nonexistent", "--enable-prefix-caching=false", "--enable-sleep-mode=true"]) == 2
+    assert "enable_sleep_mode=True is not supported: no sleep mode" in capsys.readouterr().err
 
 
 def test_cuda_graph_sizes_reach_the_compilation_config():

@@ -85,6 +85,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold  # 0: off
+        self.chunked_prefill = config.chunked_prefill
         self.max_loras = config.max_loras  # distinct LoRA adapters among the running requests; None: no limit
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -265,9 +266,12 @@ class Scheduler:
         return self.running.pop(i)
 
     def _chunk(self, req: Request, start: int, left: int, budget: int) -> int:
-        """Tokens to compute from `start`: the `left` still to compute within the budget, cut to
-        long_prefill_token_threshold (as vLLM) unless that would split an item that must stay whole."""
+        """Tokens to compute from `start`: the `left` still to compute within the budget (all or none of them
+        without chunked prefill), cut to long_prefill_token_threshold (as vLLM) unless that would split an item that
+        must stay whole."""
         n = keep_items_whole(req, start, min(left, budget))
+        if not self.chunked_prefill and n < left:  # the prompt waits for a step with budget for all of it
+            return 0
         if 0 < self.long_prefill_token_threshold < n:
             n = keep_items_whole(req, start, self.long_prefill_token_threshold) or n
         return n

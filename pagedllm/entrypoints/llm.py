@@ -38,7 +38,7 @@ class LLM(PoolingAPI):
         dtype: str | torch.dtype = "auto",
         seed: int = 0,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
