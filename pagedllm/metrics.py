@@ -1,7 +1,7 @@
-"""Engine metrics as `LLM.get_metrics()` returns them (vLLM's Counter / Gauge / Histogram objects), and the
-request-level statistics the output processor gathers for them. Names are vLLM's, with its `vllm:` prefix and the
-Prometheus suffixes (`_total` for counters), so the server exposes them as they are and vLLM's Grafana dashboard
-finds them."""
+"""Engine metrics as `LLM.get_metrics()` returns them (vLLM's Counter / Vector / Gauge / Histogram objects), and the
+request-level statistics the output processor gathers for them. Names are vLLM's, with its `vllm:` prefix; a counter
+is named as its family, without the `_total` its Prometheus samples carry (as vLLM's offline reader names it: e.g.
+`vllm:prompt_tokens`), and the server's text format adds the suffix, so vLLM's Grafana dashboard finds them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ class Metric:
 @dataclass
 class Counter(Metric):
     value: int
+
+
+@dataclass
+class Vector(Metric):
+    """Counters by position, in order: vLLM's vllm:spec_decode_num_accepted_tokens_per_pos (a `position` label on
+    the server)."""
+
+    values: list[int]
 
 
 @dataclass
@@ -126,30 +134,28 @@ def engine_metrics(sched, stats: RequestStats, labels: dict[str, str], speculati
         Gauge(p + "gpu_cache_usage_perc", labels, usage),
         Gauge(p + "cpu_cache_usage_perc", labels, 0.0),
         Gauge(p + "gpu_prefix_cache_hit_rate", labels, hits / queries if queries else 0.0),
-        Counter(p + "prefix_cache_queries_total", labels, queries),
-        Counter(p + "prefix_cache_hits_total", labels, hits),
-        Counter(p + "num_preemptions_total", labels, sched.num_preemptions),
-        Counter(p + "prompt_tokens_total", labels, stats.prompt_tokens),
-        Counter(p + "generation_tokens_total", labels, stats.generation_tokens),
+        Counter(p + "prefix_cache_queries", labels, queries),
+        Counter(p + "prefix_cache_hits", labels, hits),
+        Counter(p + "num_preemptions", labels, sched.num_preemptions),
+        Counter(p + "prompt_tokens", labels, stats.prompt_tokens),
+        Counter(p + "generation_tokens", labels, stats.generation_tokens),
     ]
     if speculative:
         metrics += _spec_decode_metrics(sched, labels)
     for reason, count in stats.success_by_reason.items():
-        metrics.append(Counter(p + "request_success_total", {**labels, "finished_reason": reason}, count))
+        metrics.append(Counter(p + "request_success", {**labels, "finished_reason": reason}, count))
     metrics += [hist.to_metric(p + name, labels) for name, hist in stats.histograms().items()]
     return metrics
 
 
 def _spec_decode_metrics(sched, labels: dict[str, str]) -> list[Metric]:
     """vLLM's speculative-decoding counters: draft sequences, draft tokens, accepted tokens, and accepted tokens
-    per position in the draft sequence (label `position`)."""
+    per position in the draft sequence (a Vector)."""
     p = PREFIX
     metrics: list[Metric] = [
-        Counter(p + "spec_decode_num_drafts_total", labels, sched.num_drafts),
-        Counter(p + "spec_decode_num_draft_tokens_total", labels, sched.num_draft_tokens),
-        Counter(p + "spec_decode_num_accepted_tokens_total", labels, sched.num_accepted_tokens),
+        Counter(p + "spec_decode_num_drafts", labels, sched.num_drafts),
+        Counter(p + "spec_decode_num_draft_tokens", labels, sched.num_draft_tokens),
+        Counter(p + "spec_decode_num_accepted_tokens", labels, sched.num_accepted_tokens),
     ]
-    for pos, count in enumerate(sched.num_accepted_per_pos):
-        name = p + "spec_decode_num_accepted_tokens_per_pos_total"
-        metrics.append(Counter(name, {**labels, "position": str(pos)}, count))
+    metrics.append(Vector(p + "spec_decode_num_accepted_tokens_per_pos", labels, list(sched.num_accepted_per_pos)))
     return metrics

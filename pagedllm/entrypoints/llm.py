@@ -183,7 +183,7 @@ class LLM(PoolingAPI):
         self._profiler.stop()
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's LLM.get_metrics(): Counter / Gauge / Histogram objects (e.g. vllm:prefix_cache_hits_total)."""
+        """vLLM's LLM.get_metrics(): Counter / Vector / Gauge / Histogram objects (e.g. vllm:prefix_cache_hits)."""
         return self.llm_engine.get_metrics()
 
     # -- generate -----------------------------------------------------------------------------------------------

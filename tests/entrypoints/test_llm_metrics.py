@@ -8,7 +8,7 @@ from pagedllm import LLM, SamplingParams
 def by_name(llm: LLM) -> dict:
     out: dict = {}
     for m in llm.get_metrics():
-        key = m.name if m.name != "vllm:request_success_total" else (m.name, m.labels["finished_reason"])
+        key = m.name if m.name != "vllm:request_success" else (m.name, m.labels["finished_reason"])
         out[key] = m
     return out
 
@@ -21,10 +21,10 @@ def test_counters_and_histograms_follow_the_outputs(smollm2):
                        use_tqdm=False)[0]  # fmt: skip
     outs.append(two)
     m = by_name(llm)
-    assert m["vllm:prompt_tokens_total"].value == sum(len(o.prompt_token_ids) for o in outs)
-    assert m["vllm:generation_tokens_total"].value == sum(len(c.token_ids) for o in outs for c in o.outputs)
-    assert m[("vllm:request_success_total", "length")].value == 4
-    assert m[("vllm:request_success_total", "stop")].value == 0
+    assert m["vllm:prompt_tokens"].value == sum(len(o.prompt_token_ids) for o in outs)
+    assert m["vllm:generation_tokens"].value == sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert m[("vllm:request_success", "length")].value == 4
+    assert m[("vllm:request_success", "stop")].value == 0
     assert m["vllm:time_to_first_token_seconds"].count == 4
     assert m["vllm:e2e_request_latency_seconds"].count == 4
     # one interval per step after the first token: 4 per 5-token request, 3 for the n=2 request (sequences share steps)

@@ -47,7 +47,7 @@ def reference(smollm2):
     outs = llm.generate([PREFIX + s for s in SUFFIXES], GREEDY, use_tqdm=False)
     logprob_params = SamplingParams(max_tokens=1, prompt_logprobs=3)
     prompt_lps = llm.generate([PREFIX + SUFFIXES[0]], logprob_params, use_tqdm=False)[0].prompt_logprobs
-    assert counter(llm, "vllm:prefix_cache_queries_total") == 0  # caching off looks nothing up
+    assert counter(llm, "vllm:prefix_cache_queries") == 0  # caching off looks nothing up
     return [o.outputs[0].token_ids for o in outs], prompt_lps
 
 
@@ -59,8 +59,8 @@ def llm(smollm2):
 def test_caching_on_gives_the_same_tokens_and_hits_the_shared_prefix(llm, reference):
     ref_tokens, _ = reference
     tok = llm.get_tokenizer()
-    queries0 = counter(llm, "vllm:prefix_cache_queries_total")
-    hits0 = counter(llm, "vllm:prefix_cache_hits_total")
+    queries0 = counter(llm, "vllm:prefix_cache_queries")
+    hits0 = counter(llm, "vllm:prefix_cache_hits")
     first = llm.generate(PREFIX + SUFFIXES[0], GREEDY, use_tqdm=False)[0]
     rest = llm.generate([PREFIX + s for s in SUFFIXES[1:]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in [first, *rest]] == ref_tokens
@@ -69,8 +69,8 @@ def test_caching_on_gives_the_same_tokens_and_hits_the_shared_prefix(llm, refere
     assert min(expected) >= 6 * BS  # the prefix covers many blocks
     assert [o.num_cached_tokens for o in rest] == expected
     lengths = [len(tok.encode(PREFIX + s)) for s in SUFFIXES]
-    assert counter(llm, "vllm:prefix_cache_queries_total") - queries0 == sum(lengths)
-    assert counter(llm, "vllm:prefix_cache_hits_total") - hits0 == first.num_cached_tokens + sum(expected)
+    assert counter(llm, "vllm:prefix_cache_queries") - queries0 == sum(lengths)
+    assert counter(llm, "vllm:prefix_cache_hits") - hits0 == first.num_cached_tokens + sum(expected)
 
 
 def test_preemption_and_chunked_prefill_with_caching_give_the_same_tokens(smollm2, reference):
@@ -80,8 +80,8 @@ def test_preemption_and_chunked_prefill_with_caching_give_the_same_tokens(smollm
     llm = LLM(smollm2, dtype="float32", num_gpu_blocks_override=18, max_num_batched_tokens=64, max_num_seqs=6)
     outs = llm.generate([PREFIX + s for s in SUFFIXES], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref_tokens
-    assert counter(llm, "vllm:num_preemptions_total") > 0
-    assert counter(llm, "vllm:prefix_cache_hits_total") > 0
+    assert counter(llm, "vllm:num_preemptions") > 0
+    assert counter(llm, "vllm:prefix_cache_hits") > 0
 
 
 def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(llm, reference):
@@ -120,11 +120,11 @@ def test_n_children_share_the_prompt_blocks(llm):
     tok = llm.get_tokenizer()
     prompt = "A story about a lighthouse keeper who finds a message in a bottle. " * 4
     n = len(tok.encode(prompt))
-    hits0 = counter(llm, "vllm:prefix_cache_hits_total")
+    hits0 = counter(llm, "vllm:prefix_cache_hits")
     out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)[0]
     assert len(out.outputs) == 3
     # the first child computes the prompt; the other two find all its full blocks but the last token's
-    assert counter(llm, "vllm:prefix_cache_hits_total") - hits0 == 2 * ((n - 1) // BS) * BS
+    assert counter(llm, "vllm:prefix_cache_hits") - hits0 == 2 * ((n - 1) // BS) * BS
 
 
 def test_reset_prefix_cache_forgets_the_prefix(llm):

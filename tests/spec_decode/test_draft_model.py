@@ -129,14 +129,14 @@ def test_other_draft_is_exact_with_low_acceptance_and_backs_off(other, batch):
 
 def test_metrics_per_position(same):
     run(same, PROMPTS[:2], GREEDY, speculate=True)
-    metrics = {(m.name, m.labels.get("position")): m.value for m in same.get_metrics() if "spec_decode" in m.name}
+    metrics = {m.name: getattr(m, "values", None) or m.value for m in same.get_metrics() if "spec_decode" in m.name}
     sched = same.llm_engine.core.scheduler
-    drafts = metrics[("vllm:spec_decode_num_draft_tokens_total", None)]
-    accepted = metrics[("vllm:spec_decode_num_accepted_tokens_total", None)]
+    drafts = metrics["vllm:spec_decode_num_draft_tokens"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
     assert drafts == sched.num_draft_tokens and accepted == sched.num_accepted_tokens
     assert accepted >= 0.95 * drafts > 0
-    num_seqs = metrics[("vllm:spec_decode_num_drafts_total", None)]
-    per_pos = [metrics[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(K)]
+    num_seqs = metrics["vllm:spec_decode_num_drafts"]
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert min(per_pos) >= 0.95 * num_seqs  # every position accepted (almost) every time
 
 

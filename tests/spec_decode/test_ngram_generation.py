@@ -151,12 +151,12 @@ def test_preemption_and_chunked_prefill(path):
 
 def test_metrics(llm):
     _, (num_drafts, num_accepted) = run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=30), True)
-    metrics = {(m.name, m.labels.get("position")): m.value for m in llm.get_metrics() if "spec_decode" in m.name}
+    metrics = {m.name: getattr(m, "values", None) or m.value for m in llm.get_metrics() if "spec_decode" in m.name}
     sched = llm.llm_engine.core.scheduler
-    assert metrics[("vllm:spec_decode_num_draft_tokens_total", None)] == sched.num_draft_tokens > 0
-    assert metrics[("vllm:spec_decode_num_accepted_tokens_total", None)] == sched.num_accepted_tokens > 0
-    assert metrics[("vllm:spec_decode_num_drafts_total", None)] == sched.num_drafts > 0
-    per_pos = [metrics[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == sched.num_draft_tokens > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == sched.num_accepted_tokens > 0
+    assert metrics["vllm:spec_decode_num_drafts"] == sched.num_drafts > 0
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_pos) == sched.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
 
 

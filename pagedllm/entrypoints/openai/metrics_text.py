@@ -1,11 +1,12 @@
-"""The engine's metrics (LLMEngine.get_metrics(): Counter / Gauge / Histogram objects already named
-`vllm:...`) in Prometheus' text exposition format, version 0.0.4."""
+"""The engine's metrics (LLMEngine.get_metrics(): Counter / Vector / Gauge / Histogram objects named `vllm:...`) in
+Prometheus' text exposition format, version 0.0.4: a counter's samples carry `_total`, a Vector is a counter with
+one sample per `position`."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from pagedllm.metrics import Counter, Gauge, Histogram, Metric
+from pagedllm.metrics import Counter, Gauge, Histogram, Metric, Vector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,8 +59,8 @@ def _family(metric: Metric) -> tuple[str, str]:
     """(family name, type). A counter's HELP and TYPE lines name it with the `_total` its samples carry, as
     prometheus-client writes the text format and as its parser reads it (a TYPE without `_total` leaves the family
     empty and the samples untyped)."""
-    if isinstance(metric, Counter):
-        return metric.name, "counter"
+    if isinstance(metric, (Counter, Vector)):
+        return metric.name + "_total", "counter"
     if isinstance(metric, Histogram):
         return metric.name, "histogram"
     return metric.name, "gauge"
@@ -72,7 +73,12 @@ def _samples(metric: Metric) -> list[str]:
         lines.append(f"{metric.name}_count{_labels(labels)} {_number(metric.count)}")
         lines.append(f"{metric.name}_sum{_labels(labels)} {_number(metric.sum)}")
         return lines
-    if isinstance(metric, (Counter, Gauge)):
+    if isinstance(metric, Vector):
+        name = metric.name + "_total"
+        return [f"{name}{_labels(labels, {'position': str(i)})} {_number(v)}" for i, v in enumerate(metric.values)]
+    if isinstance(metric, Counter):
+        return [f"{metric.name}_total{_labels(labels)} {_number(metric.value)}"]
+    if isinstance(metric, Gauge):
         return [f"{metric.name}{_labels(labels)} {_number(metric.value)}"]
     return []
 

@@ -75,9 +75,22 @@ def test_metrics_prefix_adds_families():
 
     hist = HistogramData()
     hist.observe(0.3)
-    found = [Counter("vllm:prompt_tokens_total", {"model_name": "m"}, 5), hist.to_metric("vllm:e2e_seconds", {})]
+    found = [Counter("vllm:prompt_tokens", {"model_name": "m"}, 5), hist.to_metric("vllm:e2e_seconds", {})]
     text = metrics_text.render(found + metrics_text.renamed(found, ("pagedllm",)))
     assert 'vllm:prompt_tokens_total{model_name="m"} 5.0' in text
     assert 'pagedllm:prompt_tokens_total{model_name="m"} 5.0' in text
     assert "# TYPE pagedllm:e2e_seconds histogram" in text and 'pagedllm:e2e_seconds_bucket{le="0.5"} 1.0' in text
-    assert found[0].name == "vllm:prompt_tokens_total"  # the originals are not renamed
+    assert found[0].name == "vllm:prompt_tokens"  # the originals are not renamed
+
+
+def test_a_vector_renders_as_a_counter_by_position():
+    from pagedllm.entrypoints.openai import metrics_text
+    from pagedllm.v1.metrics.reader import Counter, Vector  # vLLM's import path
+
+    found = [Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {"model_name": "m"}, [4, 2]),
+             Counter("vllm:request_success", {"finished_reason": "stop"}, 3)]  # fmt: skip
+    text = metrics_text.render(found)
+    assert "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter" in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+    assert 'vllm:request_success_total{finished_reason="stop"} 3.0' in text

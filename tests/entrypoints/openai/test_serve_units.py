@@ -96,7 +96,7 @@ class _Engine:
         raise ValueError(f"prompt length {len(token_ids)} is refused by this fake engine")
 
     def get_metrics(self):
-        return [Counter("vllm:prompt_tokens_total", {"model_name": "fake"}, 7)]
+        return [Counter("vllm:prompt_tokens", {"model_name": "fake"}, 7)]
 
 
 async def _asgi(app, method: str, path: str, body: dict | None = None) -> tuple[int, str]:
