@@ -18,6 +18,9 @@ from pagedllm.metrics import PREFIX, Gauge, Metric, engine_metrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+_MM_KEYS = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", *_MM_KEYS}
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
@@ -68,15 +71,18 @@ class LLMEngine:
             )
         return self._structured
 
+    def takes_multimodal(self) -> bool:
+        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
+
+        return self.config.model.architecture in MULTIMODAL_ARCHITECTURES
+
     def process_multimodal(
         self, prompt, mm_data, mm_processor_kwargs=None, add_special_tokens: bool = True, where: str = "prompt"
     ) -> tuple[list[int], list]:
         """A prompt with multi_modal_data -> (prompt token ids with placeholders expanded, MultiModalFeatures).
         ValueError for a text-only model, a modality it does not take, too many items or a bad item."""
-        from pagedllm.multimodal.config import MULTIMODAL_ARCHITECTURES
-
         model = self.config.model
-        if model.architecture not in MULTIMODAL_ARCHITECTURES:
+        if not self.takes_multimodal():
             raise ValueError(f"{where}.multi_modal_data: {model.architecture} is a text-only model; it takes no images")
         return self.multimodal_processor().process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, where)
 
@@ -241,14 +247,54 @@ class LLMEngine:
         self.output_processor.add_request(state)
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams | None = None, prompt_text: str | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict | None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        prompt_text: str | None = None,
     ) -> None:
-        """vLLM's add_request: `prompt` is a text, {"prompt": text}, {"prompt_token_ids": [...]} or a token-id list
-        (then `prompt_text`, if given, is its text)."""
-        text, token_ids = self.parse_prompt(prompt, prompt_text)
-        self.add(*self.make_request(text, token_ids, params if params is not None else SamplingParams(), request_id))
+        """vLLM's add_request: `prompt` is a text, a prompt dict ({"prompt": text} or {"prompt_token_ids": [...]},
+        with "cache_salt" and, for a multimodal model, "multi_modal_data") or a token-id list (then `prompt_text`,
+        if given, is its text). arrival_time is on the wall clock (time.time()); tokenization_kwargs go to the
+        tokenizer's encode of a text prompt."""
+        if priority:
+            raise ValueError(f"priority={priority!r}: only first-come-first-served order is supported (priority 0)")
+        if trace_headers:
+            raise ValueError("trace_headers: pagedllm has no OpenTelemetry tracing")
+        features, salt = [], None
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompt.{unknown[0]}: not supported; a prompt dict takes {sorted(_PROMPT_KEYS)}")
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError(f"prompt.cache_salt={salt!r}: must be a non-empty string")
+            data = prompt.get("multi_modal_data")
+            given = [k for k in _MM_KEYS if prompt.get(k) is not None]
+            if given and not self.takes_multimodal():
+                arch = self.config.model.architecture
+                raise ValueError(f"prompt.{given[0]}: {arch} is a text-only model; multimodal inputs are not supported")
+            if data is not None:
+                from pagedllm.multimodal.hashing import apply_uuids
 
-    def parse_prompt(self, prompt: Any, prompt_text: str | None = None) -> tuple[str | None, list[int]]:
+                ids, features = self.process_multimodal(prompt.get("prompt"), data, prompt.get("mm_processor_kwargs"))
+                apply_uuids(features, data, prompt.get("multi_modal_uuids"), "prompt")
+                prompt = {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}
+        text, token_ids = self.parse_prompt(prompt, prompt_text, tokenization_kwargs)
+        params = params if params is not None else SamplingParams()
+        requests, state = self.make_request(text, token_ids, params, request_id, salt, lora_request, features)
+        if arrival_time is not None:
+            state.arrival_time = arrival_time - (time.time() - time.monotonic())  # kept on the monotonic clock
+        self.add(requests, state)
+
+    def parse_prompt(
+        self, prompt: Any, prompt_text: str | None = None, tokenization_kwargs: dict | None = None
+    ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -256,7 +302,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None or self.config.model.skip_tokenizer_init:
                 raise ValueError("a text prompt needs a tokenizer (skip_tokenizer_init=True gives none)")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, **(tokenization_kwargs or {}))
         if isinstance(prompt, (list, tuple)):
             return prompt_text, list(prompt)
         raise TypeError(f"prompt has type {type(prompt).__name__}; expected str, a prompt dict or list[int]")
@@ -296,18 +342,18 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it."""
+        """vLLM's step(): runs one engine step; returns the requests that finished in it and, with finished=False,
+        the output so far of the running requests that got tokens in it (cumulative text; a stop string is never
+        shown in part)."""
+        finished = self.step_finished()
+        return finished + self.output_processor.unfinished_outputs()
+
+    def step_finished(self) -> list[RequestOutput]:
+        """Runs one engine step; returns only the requests that finished in it (what an offline batch waits for)."""
         finished, stop_ids = self.output_processor.process(self.core.step())
         if stop_ids:
             self.core.abort_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
         return finished
-
-    def step_stream(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it and, with finished=False, the output so
-        far of the running requests that got tokens in it (for streaming: cumulative text, stop strings never shown
-        in part)."""
-        finished = self.step()
-        return finished + self.output_processor.unfinished_outputs()
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -107,7 +107,7 @@ def stream_reply(llm, conversation: list[dict], params, out: TextIO, chat_templa
     shown, done = "", False
     try:
         while not done and engine.has_unfinished_requests():
-            for output in engine.step_stream():
+            for output in engine.step():
                 if output.request_id != state.req_id:
                     continue
                 new_text = output.outputs[0].text

@@ -352,7 +352,7 @@ class LLM(PoolingAPI):
                 engine.add(requests, state)
                 order[state.req_id] = i
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step_finished():
                     if out.request_id in order:
                         results[order[out.request_id]] = out
                         if bar:

@@ -99,3 +99,50 @@ def test_multimodal_data_for_a_text_only_model_is_an_error(llm, key):
     with pytest.raises(ValueError, match=rf"prompts\[0\]\.{key}: LlamaForCausalLM is a text-only model"):
         llm.generate(prompt, LONG, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_step_returns_every_request_that_got_tokens(llm):
+    """vLLM's step(): each request that got a token, finished=False until its last step; cumulative outputs."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([{"prompt_token_ids": [9, 8, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("s", [9, 8, 7], params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [(o.request_id, o.finished, list(o.outputs[0].token_ids)) for o in engine.step()]
+    assert [(f, t) for _, f, t in seen] == [(i == 3, expected[: i + 1]) for i in range(4)]
+
+
+def test_add_request_keywords_of_vllm(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"priority=1: only first-come-first-served"):
+        engine.add_request("p", [1, 2], LONG, priority=1)
+    with pytest.raises(ValueError, match=r"prompt\.prompt_embeds: not supported"):
+        engine.add_request("p", {"prompt_embeds": [0.0]}, LONG)
+    with pytest.raises(ValueError, match=r"prompt\.mm_processor_kwargs: LlamaForCausalLM is a text-only model"):
+        engine.add_request("p", {"prompt_token_ids": [1, 2], "mm_processor_kwargs": {}}, LONG)
+    with pytest.raises(ValueError, match=r"prompt\.cache_salt=''"):
+        engine.add_request("p", {"prompt_token_ids": [1, 2], "cache_salt": ""}, LONG)
+    assert not engine.has_unfinished_requests()
+    import time
+
+    arrival = time.time() - 100.0
+    engine.add_request("t", [1, 2, 3], LONG, arrival_time=arrival)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].metrics.arrival_time == pytest.approx(arrival, abs=0.05)
+    assert outs[-1].metrics.time_in_queue >= 100.0
+
+
+def test_a_prompt_dicts_cache_salt_is_honoured(llm):
+    """The same prompt under another salt finds no cached prefix (the salt reaches the request)."""
+    engine = llm.llm_engine
+    prompt = list(range(1, 40))
+    for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        engine.add_request(rid, {"prompt_token_ids": prompt, "cache_salt": salt}, LONG)
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+        assert done[0].request_id == rid
+        cached = done[0].num_cached_tokens
+        assert (cached > 0) == (rid == "c"), (rid, cached)

@@ -98,7 +98,7 @@ def test_lora_requests_info_metric(lora_family, lora_llm):
     reqs = list(lora_requests(lora_family).values())
     engine = lora_llm.llm_engine
     for i, lora in enumerate(reqs[:3]):
-        engine.add(*engine.make_request(None, [1, 2, 3], SP, request_id=f"m{i}", lora_request=lora))
+        engine.add_request(f"m{i}", [1, 2, 3], SP, lora_request=lora)  # vLLM's LLMEngine keyword
     engine.step()
     info = next(m for m in lora_llm.get_metrics() if m.name == "vllm:lora_requests_info")
     assert info.labels == {

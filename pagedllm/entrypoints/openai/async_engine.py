@@ -5,7 +5,7 @@ changed from two threads at once and the event loop never blocks on a forward pa
 enters (tokenizing, rendering the chat template, checking it, encoding its bad words) runs in a small pool of
 preparation threads (`prepare`), so an expensive or refused request delays only itself, not the running ones.
 
-While any request is unfinished the thread runs `LLMEngine.step_stream()` and hands each request's cumulative
+While any request is unfinished the thread runs `LLMEngine.step()` and hands each request's cumulative
 output to its RequestStream; a stream keeps only the newest output per request (outputs are cumulative), so a slow
 client costs no memory growth. Closing a stream before its requests finish aborts them, freeing their blocks."""
 
@@ -119,7 +119,7 @@ class AsyncEngine:
     def __init__(self, llm) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
-        self.generates = hasattr(self.engine, "step_stream")  # False for a pooling model
+        self.generates = hasattr(self.engine, "step")  # False for a pooling model
         self._cond = threading.Condition()
         self._calls: list[Callable[[], None]] = []
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -261,7 +261,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step_stream()
+            outputs = self.engine.step()
         except Exception as e:  # a failed forward ends the requests in flight, not the server
             logger.exception("engine step failed")
             streams = dict(self._streams)

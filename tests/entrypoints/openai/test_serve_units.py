@@ -85,7 +85,7 @@ class _Engine:
         self.default_sampling_fields: dict = {}
         self.checked_on: list[str] = []
 
-    def step_stream(self):  # makes the server treat it as generative
+    def step(self):  # makes the server treat it as generative
         raise AssertionError("nothing is ever admitted")
 
     def has_unfinished_requests(self) -> bool:
