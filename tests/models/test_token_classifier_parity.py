@@ -90,6 +90,9 @@ def test_ner_example_flow_with_a_bert_tokenizer(tmp_path):
         n = int(enc["attention_mask"][i].sum())
         assert out.prompt_token_ids == enc["input_ids"][i, :n].tolist()
         torch.testing.assert_close(out.outputs.data, ref[i, :n], atol=1e-4, rtol=1e-4)
-        id2label = llm.llm_engine.config.model.hf_config.id2label
-        ours = [id2label[int(k)] for k in out.outputs.data.argmax(-1)]
+        # ner.py's lines: the label map through vLLM's config names, the tokens' labels from the argmax
+        label_map = llm.llm_engine.vllm_config.model_config.hf_config.id2label
+        tokens = llm.get_tokenizer().convert_ids_to_tokens(out.prompt_token_ids)
+        ours = [label_map[p.item()] for p in out.outputs.data.argmax(dim=-1)]
+        assert len(tokens) == len(ours) == n
         assert ours == [labels[int(k)] for k in ref[i, :n].argmax(-1)]
