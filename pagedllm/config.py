@@ -307,6 +307,11 @@ class EngineConfig:
     multimodal: Any = None  # multimodal.MultiModalConfig (limits, processor options, encoder cache size)
     guided_decoding_backend: str = "auto"  # structured outputs' default backend: auto | xgrammar | guidance
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's name (VllmConfig.model_config) of `model`."""
+        return self.model
+
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-POOLING_TASKS = ("embed", "classify", "score", "token_embed")
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 
 # which fields each task reads; a field set for another task is a user error (as vLLM's verify)
 _TASK_FIELDS = {
@@ -13,6 +13,7 @@ _TASK_FIELDS = {
     "token_embed": ("dimensions", "normalize"),
     "classify": ("use_activation",),
     "score": ("use_activation",),
+    "token_classify": ("use_activation",),
 }
 
 
@@ -27,7 +28,8 @@ class PoolingParams:
 
     dimensions: keep the first `dimensions` features of an embedding (Matryoshka models only), then normalize.
     normalize: L2-normalize embeddings (None: the model's default, True for sentence-transformers' Normalize).
-    use_activation: softmax (several labels) or sigmoid (one label) on classifier outputs (None: True).
+    use_activation: the classifier's activation on its outputs (softmax over several labels, sigmoid for one,
+        unless the config's problem_type / cross-encoder activation says otherwise); False: raw logits (None: True).
     truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len); None: too long is an error.
     """
 

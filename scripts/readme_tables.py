@@ -62,6 +62,16 @@ NOTES = {
     "MistralModel": "Mistral without LM head, e5-mistral: embedder (last-token pooling)",
     "Qwen2Model": "Qwen2 without LM head, gte-Qwen2: embedder (last-token pooling)",
     "Qwen3Model": "Qwen3 without LM head, Qwen3-Embedding: embedder (last-token pooling)",
+    "LlamaForSequenceClassification": "Llama classifier: score head on the last token (classify, score)",
+    "MistralForSequenceClassification": "Mistral classifier: score head on the last token (classify, score)",
+    "Qwen2ForSequenceClassification": "Qwen2, Qwen2.5 classifier: score head on the last token (classify, score)",
+    "Qwen3ForSequenceClassification": "Qwen3 classifier: score head on the last token (classify, score)",
+    "GemmaForSequenceClassification": "Gemma classifier: score head on the last token (classify, score)",
+    "Phi3ForSequenceClassification": "Phi-3 classifier: score head on the last token (classify, score)",
+    "Starcoder2ForSequenceClassification": "StarCoder2 classifier: score head on the last token (classify, score)",
+    "BertForTokenClassification": "BERT token classifier, NER (token_classify)",
+    "RobertaForTokenClassification": "RoBERTa token classifier, NER (token_classify)",
+    "XLMRobertaForTokenClassification": "XLM-RoBERTa token classifier, NER (token_classify)",
 }
 
 

@@ -326,6 +326,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
+    @property
+    def vllm_config(self):
+        """vLLM's name of the engine's config (EngineConfig: `.model_config.hf_config`, as vLLM's examples read it)."""
+        return self.config
+
     def get_model_config(self):
         return self.config.model
 

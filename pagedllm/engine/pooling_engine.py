@@ -27,6 +27,11 @@ class PoolingEngine:
         self.num_labels = getattr(self.runner.model, "num_labels", None)
         self._ids = itertools.count()
 
+    @property
+    def vllm_config(self) -> EngineConfig:
+        """vLLM's name of the engine's config, as vLLM's examples read it (`.model_config.hf_config.id2label`)."""
+        return self.config
+
     def shutdown(self) -> None:
         """Ends the other ranks' workers (several ranks)."""
         if self.executor is not None:

@@ -57,7 +57,7 @@ class PoolingAPI:
         lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """The pooled tensor of each prompt (`.outputs.data`) for `pooling_task` (default: the model's own task;
-        "token_embed" gives one vector per token)."""
+        "token_embed" gives one vector per token, "token_classify" a token classifier's [num_tokens, num_labels])."""
         engine = self._pooling_engine("encode")
         task = pooling_task or engine.spec.default_task
         return self._pool(prompts, pooling_params, task, "encode", use_tqdm, truncate_prompt_tokens, lora_request)

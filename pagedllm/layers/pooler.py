@@ -1,5 +1,5 @@
 """Pooling a flat batch of token states into one vector per sequence, and the heads applied after it
-(Matryoshka truncation + normalization for embeddings, softmax / sigmoid for classifiers)."""
+(Matryoshka truncation + normalization for embeddings, softmax / sigmoid / identity for classifiers)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,20 @@ def embed_head(pooled: torch.Tensor, dimensions: int | None, normalize: bool) ->
     return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
 
 
-def classify_head(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:
-    """[n, num_labels] -> probabilities: softmax over several labels, sigmoid for a single one."""
-    if not use_activation:
+ACTIVATIONS = ("auto", "softmax", "sigmoid", "identity", "tanh")
+
+
+def classify_head(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """[..., num_labels] logits -> scores: "auto" is softmax over several labels and sigmoid for a single one;
+    "identity" (or use_activation=False) keeps the logits."""
+    if activation == "auto":
+        activation = "sigmoid" if logits.shape[-1] == 1 else "softmax"
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "tanh":
+        return torch.tanh(logits)
+    if activation == "identity":
         return logits
-    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+    raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")

@@ -1,5 +1,6 @@
-"""BERT encoders: BertModel (embeddings, pooled by the pooling runner) and BertForSequenceClassification
-(cross-encoders). Bidirectional attention over a padding-free batch; no KV cache."""
+"""BERT encoders: BertModel (embeddings, pooled by the pooling runner), BertForSequenceClassification
+(cross-encoders) and BertForTokenClassification (NER: one label row per token). Bidirectional attention over a
+padding-free batch; no KV cache."""
 
 from __future__ import annotations
 
@@ -236,6 +237,41 @@ class BertForSequenceClassification(nn.Module):
     def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         """[num_seqs, hidden] first-token states -> [num_seqs, num_labels] float32 logits."""
         return self.classifier(self.bert.pooler(cls_hidden)).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_bert_weights(self, weights, prefix="bert.")
+
+
+class BertForTokenClassification(nn.Module):
+    """Per-token labels (NER): every token's final state -> classifier [num_labels] (HF's dropout is a no-op)."""
+
+    is_causal = False
+    supports_tensor_parallel = True
+    uses_token_type_ids = True
+
+    def __init__(
+        self,
+        config,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        *,
+        max_position: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.num_labels = int(config.num_labels)
+        self.bert = BertModel(config, quant_config, join_prefix(prefix, "bert"), max_position=max_position)
+        classifier_prefix = join_prefix(prefix, "classifier")
+        self.classifier = ReplicatedLinear(config.hidden_size, self.num_labels, True, quant_config, classifier_prefix)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.bert(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] token states -> [num_tokens, num_labels] float32 logits."""
+        return self.classifier(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_bert_weights(self, weights, prefix="bert.")

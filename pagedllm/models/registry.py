@@ -52,6 +52,16 @@ _NATIVE = {
     "MistralModel": ("decoder_embedding", "LlamaEmbeddingModel"),
     "Qwen2Model": ("decoder_embedding", "Qwen2EmbeddingModel"),
     "Qwen3Model": ("decoder_embedding", "Qwen3EmbeddingModel"),
+    "LlamaForSequenceClassification": ("decoder_classifier", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("decoder_classifier", "MistralForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("decoder_classifier", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("decoder_classifier", "Qwen3ForSequenceClassification"),
+    "GemmaForSequenceClassification": ("decoder_classifier", "GemmaForSequenceClassification"),
+    "Phi3ForSequenceClassification": ("decoder_classifier", "Phi3ForSequenceClassification"),
+    "Starcoder2ForSequenceClassification": ("decoder_classifier", "Starcoder2ForSequenceClassification"),
+    "BertForTokenClassification": ("bert", "BertForTokenClassification"),
+    "RobertaForTokenClassification": ("roberta", "RobertaForTokenClassification"),
+    "XLMRobertaForTokenClassification": ("roberta", "XLMRobertaForTokenClassification"),
 }
 
 

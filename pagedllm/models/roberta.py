@@ -1,5 +1,6 @@
-"""RoBERTa and XLM-RoBERTa encoders (bge-m3 style embedders, bge-reranker style cross-encoders): BERT's layers with
-positions counted from padding_idx + 1, one token type, and a dense + tanh + out_proj classification head."""
+"""RoBERTa and XLM-RoBERTa encoders (bge-m3 style embedders, bge-reranker style cross-encoders, token classifiers):
+BERT's layers with positions counted from padding_idx + 1, one token type, and a dense + tanh + out_proj
+classification head (a plain linear per token for token classification)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.models.bert import BertEmbeddings, BertModel, load_bert_weights
+from pagedllm.models.bert import BertEmbeddings, BertForTokenClassification, BertModel, load_bert_weights
 from pagedllm.models.utils import join_prefix
 
 
@@ -90,3 +91,34 @@ class XLMRobertaModel(RobertaModel):
 
 class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     """XLM-RoBERTa cross-encoder (bge-reranker)."""
+
+
+class RobertaForTokenClassification(BertForTokenClassification):
+    """Per-token labels (NER) over RoBERTa: every token's final state -> classifier [num_labels]."""
+
+    uses_token_type_ids = False
+
+    def __init__(
+        self,
+        config,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        *,
+        max_position: int | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.num_labels = int(config.num_labels)
+        self.roberta = RobertaModel(config, quant_config, join_prefix(prefix, "roberta"), max_position=max_position)
+        classifier_prefix = join_prefix(prefix, "classifier")
+        self.classifier = ReplicatedLinear(config.hidden_size, self.num_labels, True, quant_config, classifier_prefix)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.roberta(input_ids, positions)  # [num_tokens, hidden]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_bert_weights(self, weights, prefix="roberta.", base="roberta.")
+
+
+class XLMRobertaForTokenClassification(RobertaForTokenClassification):
+    """XLM-RoBERTa token classifier."""

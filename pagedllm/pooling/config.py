@@ -1,16 +1,17 @@
 """Which runner a model gets (generate or pooling), its pooling tasks, and how it pools.
 
 The rules follow vLLM: `task` (older name) or `runner` + `convert` (newer names) pick the runner; an encoder
-architecture pools by itself, a decoder (`*ForCausalLM`) is turned into an embedder with `task="embed"` /
-`convert="embed"`. A sentence-transformers folder (modules.json, 1_Pooling/config.json, sentence_bert_config.json)
-sets the pooling method, normalization and the longest input; `pooler_config` overrides both.
+architecture or a decoder with a classification head (`*ForSequenceClassification`) pools by itself, a decoder
+(`*ForCausalLM`) is turned into an embedder with `task="embed"` / `convert="embed"`. A sentence-transformers folder
+(modules.json, 1_Pooling/config.json, sentence_bert_config.json) sets the pooling method, normalization and the
+longest input; `pooler_config` overrides both.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
@@ -24,15 +25,25 @@ _ROBERTA = (
     "RobertaForSequenceClassification",
     "XLMRobertaModel",
     "XLMRobertaForSequenceClassification",
+    "RobertaForTokenClassification",
+    "XLMRobertaForTokenClassification",
 )
 _ENCODER_EMBEDDERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
 _DECODER_EMBEDDERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 _EMBEDDERS = _ENCODER_EMBEDDERS + _DECODER_EMBEDDERS
-_CLASSIFIERS = (
+_ENCODER_CLASSIFIERS = (
     "BertForSequenceClassification",
     "RobertaForSequenceClassification",
     "XLMRobertaForSequenceClassification",
 )
+# decoders with HF's `score` head over the last token (models/decoder_classifier.py)
+_DECODER_CLASSIFIERS = tuple(
+    f"{family}ForSequenceClassification"
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Phi3", "Starcoder2")
+)
+_CLASSIFIERS = _ENCODER_CLASSIFIERS + _DECODER_CLASSIFIERS
+# encoders with one label row per token (NER), through the token_classify task
+_TOKEN_CLASSIFIERS = ("BertForTokenClassification", "RobertaForTokenClassification", "XLMRobertaForTokenClassification")
 # sentence-transformers' pooling modes -> our pooling types
 _ST_MODES = {
     "pooling_mode_mean_tokens": "MEAN",
@@ -81,6 +92,8 @@ class PoolingSpec:
     pooling_type: str
     normalize: bool
     matryoshka: list[int] | bool = False  # allowed `dimensions`: a list, True for any, False for none
+    # task -> the activation of its logits (layers/pooler.py's ACTIVATIONS) where use_activation is not False
+    activations: dict[str, str] = field(default_factory=dict)
 
     @property
     def default_task(self) -> str:
@@ -96,18 +109,24 @@ def _choose(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 def resolve_runner(architecture: str, task: Any, runner: Any, convert: Any) -> tuple[str, str | None]:
-    """(runner, pooling kind) for an architecture: ("generate", None) or ("pooling", "embed" | "classify")."""
+    """(runner, pooling kind) for an architecture: ("generate", None) or ("pooling", "embed" | "classify" |
+    "token_classify")."""
     task = _choose("task", task, TASKS)
     runner, convert = _choose("runner", runner, RUNNERS), _choose("convert", convert, CONVERTS)
     task = "embed" if task == "embedding" else task
-    native = "embed" if architecture in _EMBEDDERS else "classify" if architecture in _CLASSIFIERS else None
+    native = (
+        "embed" if architecture in _EMBEDDERS
+        else "classify" if architecture in _CLASSIFIERS
+        else "token_classify" if architecture in _TOKEN_CLASSIFIERS
+        else None
+    )  # fmt: skip
     if native is not None:
         return "pooling", _check_native(architecture, native, task, runner, convert)
     return _decoder_runner(architecture, task, runner, convert)
 
 
 def _check_native(architecture: str, native: str, task: str, runner: str, convert: str) -> str:
-    """An encoder pools by itself: only its own task is allowed."""
+    """A model with its own pooling head pools by itself: only its own task is allowed."""
     if task == "generate" or runner == "generate":
         raise ValueError(
             f"task/runner='generate': {architecture} is a pooling model (it cannot generate text); "
@@ -115,10 +134,8 @@ def _check_native(architecture: str, native: str, task: str, runner: str, conver
         )
     wanted = convert if convert not in ("auto", "none") else task if task not in ("auto", "score") else native
     if wanted != native:
-        raise ValueError(
-            f"task={wanted!r}: {architecture} is {'an embedding' if native == 'embed' else 'a classification'} "
-            f"model; allowed tasks: {_tasks_of(native)}"
-        )
+        kind = {"embed": "an embedding", "classify": "a classification", "token_classify": "a token classification"}
+        raise ValueError(f"task={wanted!r}: {architecture} is {kind[native]} model; allowed tasks: {_tasks_of(native)}")
     return native
 
 
@@ -145,7 +162,38 @@ def _decoder_runner(architecture: str, task: str, runner: str, convert: str) -> 
 
 
 def _tasks_of(kind: str) -> tuple[str, ...]:
+    if kind == "token_classify":
+        return ("token_classify",)
     return ("embed", "score", "token_embed") if kind == "embed" else ("classify", "score")
+
+
+def classify_activation(hf_config: Any) -> str:
+    """The activation of classify / token_classify logits, from the config's problem_type as HF's losses read it
+    (vLLM's rule): regression -> identity, multi-label -> sigmoid per label, else "auto" (softmax over several
+    labels, sigmoid for one)."""
+    problem = getattr(hf_config, "problem_type", None)
+    return {"regression": "identity", "multi_label_classification": "sigmoid"}.get(problem, "auto")
+
+
+# sentence-transformers' CrossEncoder activation classes (torch.nn.modules.*) -> ours
+_CE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "auto", "Softmax": "auto", "Tanh": "tanh"}
+
+
+def score_activation(hf_config: Any) -> str:
+    """The activation of a cross-encoder's score: sentence-transformers' activation_fn (config.sentence_transformers
+    or sbert_ce_default_activation_function) where the config names one, else "auto" (as vLLM)."""
+    st = getattr(hf_config, "sentence_transformers", None)
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if not name:
+        return "auto"
+    short = str(name).rsplit(".", 1)[-1]
+    if not str(name).startswith("torch.nn.modules.") or short not in _CE_ACTIVATIONS:
+        raise ValueError(
+            f"cross-encoder activation {name!r} is not supported; supported: torch.nn.modules classes "
+            f"{sorted(_CE_ACTIVATIONS)}"
+        )
+    return _CE_ACTIVATIONS[short]
 
 
 def read_sentence_transformers(model_path: str) -> dict | None:
@@ -193,14 +241,14 @@ def pooling_spec(kind: str, architecture: str, model_path: str, hf_config: Any, 
     """The pooling of a model: sentence-transformers files first, then the architecture's default (CLS for BERT
     embedders, LAST for decoders, both normalized), then the user's pooler_config on top."""
     st = read_sentence_transformers(model_path) if os.path.isdir(model_path) else None
-    is_encoder = architecture in _ENCODER_EMBEDDERS + _CLASSIFIERS
+    is_encoder = architecture in _ENCODER_EMBEDDERS + _ENCODER_CLASSIFIERS + _TOKEN_CLASSIFIERS
     pooling_type = "CLS" if is_encoder else "LAST"
     normalize = kind == "embed"
     if st is not None and kind == "embed":
         pooling_type = st["pooling_type"] or pooling_type
         normalize = st["normalize"]
     if user.pooling_type is not None:
-        if kind == "classify":
+        if kind != "embed":
             raise ValueError(
                 f"pooler_config.pooling_type={user.pooling_type!r}: {architecture} pools with its own head; "
                 "allowed: None"
@@ -208,11 +256,16 @@ def pooling_spec(kind: str, architecture: str, model_path: str, hf_config: Any, 
         pooling_type = user.pooling_type
     if user.normalize is not None:
         normalize = user.normalize
+    activations = {}
+    if kind != "embed":
+        activations = {"classify": classify_activation(hf_config), "token_classify": classify_activation(hf_config)}
+        activations["score"] = score_activation(hf_config)
     return PoolingSpec(
         tasks=_tasks_of(kind),
         pooling_type=pooling_type,
         normalize=normalize,
         matryoshka=_matryoshka(hf_config),
+        activations=activations,
     )
 
 

@@ -1,5 +1,5 @@
 """PoolingRunner: one forward over a batch of whole sequences (no KV cache, no sampler), then pooling and the
-task's head. Encoders attend bidirectionally, decoders used as embedders causally.
+task's head. Encoders attend bidirectionally, decoders used as embedders or classifiers causally.
 
 With several ranks every rank runs the batch on its shard (tensor parallelism: the layers' all-reduces leave every
 rank of a stage with the whole hidden states). With pipeline stages the batch goes through the stages in turn: each
@@ -98,9 +98,13 @@ class PoolingRunner:
             return None
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)  # [num_seqs]
         task = reqs[0].params.task
-        if task in ("classify", "score"):
-            logits = self.model.classify(pool(hidden, lens_t, "CLS").to(hidden.dtype))  # [num_seqs, num_labels]
-            return [classify_head(logits[i], r.params.use_activation is not False).cpu() for i, r in enumerate(reqs)]
+        if task in ("classify", "score"):  # CLS (encoders) or last token (decoders), then the model's head
+            pooled = pool(hidden, lens_t, self.spec.pooling_type).to(hidden.dtype)  # [num_seqs, hidden]
+            logits = self.model.classify(pooled)  # [num_seqs, num_labels] float32
+            return [classify_head(logits[i], self._activation(r)).cpu() for i, r in enumerate(reqs)]
+        if task == "token_classify":
+            rows = torch.split(self.model.classify(hidden), seq_lens)  # each [seq_len, num_labels] float32
+            return [classify_head(x, self._activation(r)).cpu() for x, r in zip(rows, reqs)]
         if task == "token_embed":
             rows = torch.split(hidden.float(), seq_lens)  # each [seq_len, hidden]
             return [embed_head(x, r.params.dimensions, self._normalize(r)).cpu() for x, r in zip(rows, reqs)]
@@ -122,6 +126,12 @@ class PoolingRunner:
             return out
         pp.send(torch.stack(out), pp.rank + 1)
         return None
+
+    def _activation(self, req: PoolingRequest) -> str:
+        """The activation of a classifier request's logits: the model's for the task, none if use_activation=False."""
+        if req.params.use_activation is False:
+            return "identity"
+        return self.spec.activations.get(req.params.task, "auto")
 
     def _normalize(self, req: PoolingRequest) -> bool:
         return self.spec.normalize if req.params.normalize is None else req.params.normalize

@@ -1,6 +1,7 @@
 """Pooling models over several ranks (gloo on CPU, float32): the bundled MiniLM with TP=2 against
 sentence-transformers, tiny BERT and XLM-RoBERTa cross-encoders with TP=2 against HF transformers, a decoder
-embedder (a bare Qwen2Model) with TP=2 and PP=2 against HF's hidden states, pooled (last token) and per token."""
+embedder (a bare Qwen2Model) with TP=2 and PP=2 against HF's hidden states, pooled (last token) and per token, and a
+decoder classifier (Qwen2ForSequenceClassification) with TP=2 and PP=2 against HF's logits."""
 
 from __future__ import annotations
 
@@ -92,6 +93,29 @@ def test_decoder_embedder_over_two_ranks_matches_hf(bare_qwen2, tp, pp):
                                    atol=1e-5, rtol=1e-4)  # fmt: skip
         torch.testing.assert_close(torch.tensor(raw[i].outputs.embedding), ref[-1], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(tokens[i].outputs.data, ref, atol=1e-5, rtol=1e-4)
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["TP=2", "PP=2"])
+def test_decoder_classifier_over_two_ranks_matches_hf(tmp_path, tp, pp):
+    """Qwen2ForSequenceClassification: the decoder split over two ranks (or stages), the score head on the last
+    token of each prompt whole on each rank, against HF's logits of each prompt run alone."""
+    torch.manual_seed(9)
+    config = transformers.Qwen2Config(**TINY_DECODER, num_labels=3)
+    hf = transformers.Qwen2ForSequenceClassification(config).eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_num_batched_tokens=32,  # two batches
+    )
+    outs = llm.classify([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([ids])).logits for ids in PROMPTS]).softmax(-1)
+    torch.testing.assert_close(torch.tensor([o.outputs.probs for o in outs]), ref, atol=1e-5, rtol=1e-4)
     llm.llm_engine.shutdown()
 
 

@@ -13,6 +13,7 @@ def test_llm_engine_example_loop(smollm2):
     kwargs = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     engine = LLMEngine.from_engine_args(EngineArgs(model=smollm2, **kwargs))
     assert engine.get_model_config().max_model_len == 256 and engine.get_tokenizer() is not None
+    assert engine.vllm_config.model_config is engine.get_model_config()  # vLLM's names of the configs
     params = SamplingParams(temperature=0.0, max_tokens=8)
     queue = [(PROMPTS[0], params), ({"prompt": PROMPTS[1]}, params)]
     queue.append(({"prompt_token_ids": engine.get_tokenizer().encode(PROMPTS[2])}, params))

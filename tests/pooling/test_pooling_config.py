@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.pooling.config import PoolerConfig, resolve_runner
+from pagedllm.pooling.config import PoolerConfig, classify_activation, resolve_runner, score_activation
 
 
 @pytest.mark.parametrize(
@@ -32,6 +32,10 @@ from pagedllm.pooling.config import PoolerConfig, resolve_runner
         ("Qwen3ForCausalLM", {"task": "score"}, ("pooling", "embed")),
         ("Qwen2ForCausalLM", {"runner": "pooling"}, ("pooling", "embed")),
         ("MistralForCausalLM", {"convert": "embed"}, ("pooling", "embed")),
+        ("Qwen2ForSequenceClassification", {}, ("pooling", "classify")),
+        ("LlamaForSequenceClassification", {"task": "score"}, ("pooling", "classify")),
+        ("BertForTokenClassification", {"runner": "pooling"}, ("pooling", "token_classify")),
+        ("XLMRobertaForTokenClassification", {}, ("pooling", "token_classify")),
     ],
 )
 def test_runner_of_each_request(arch, kwargs, expected):
@@ -51,6 +55,8 @@ def test_runner_of_each_request(arch, kwargs, expected):
         ("Qwen2Model", {"task": "classify"}, r"Qwen2Model is an embedding model"),
         ("MistralModel", {"runner": "generate"}, r"MistralModel is a pooling model"),
         ("LlamaForCausalLM", {"task": "classify"}, r"LlamaForCausalLM has no classification head"),
+        ("Qwen3ForSequenceClassification", {"task": "embed"}, r"is a classification model"),
+        ("BertForTokenClassification", {"task": "classify"}, r"is a token classification model"),
         ("LlamaForCausalLM", {"runner": "generate", "convert": "embed"}, r"contradict each other"),
         ("LlamaForCausalLM", {"runner": "pooling", "convert": "none"}, r"convert='none': LlamaForCausalLM"),
         ("LlamaForCausalLM", {"task": "reward"}, r"task='reward' must be one of"),
@@ -73,3 +79,31 @@ def test_pooler_config():
         PoolerConfig.from_user({"softmax": True})
     with pytest.raises(ValueError, match=r"pooler_config.normalize=1 must be None, True or False"):
         PoolerConfig(normalize=1)
+
+
+@pytest.mark.parametrize(
+    "fields, classify, score",
+    [
+        ({}, "auto", "auto"),
+        ({"problem_type": "regression"}, "identity", "auto"),
+        ({"problem_type": "multi_label_classification"}, "sigmoid", "auto"),
+        ({"problem_type": "single_label_classification"}, "auto", "auto"),
+        ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, "auto", "identity"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, "auto", "auto"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}, "auto", "tanh"),
+    ],
+)
+def test_classifier_activations_follow_the_config(fields, classify, score):
+    """vLLM's rules: classify by HF's problem_type, score by sentence-transformers' cross-encoder activation."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(**fields)
+    assert (classify_activation(config), score_activation(config)) == (classify, score)
+
+
+def test_unknown_cross_encoder_activation_is_refused():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(sbert_ce_default_activation_function="os.system")
+    with pytest.raises(ValueError, match=r"cross-encoder activation 'os.system' is not supported"):
+        score_activation(config)
