@@ -63,7 +63,7 @@ class EngineArgs(CompatArgs):
     hf_token: str | bool | None = None  # the Hub token of downloads (unset: HF_TOKEN; True: the saved login)
     ignore_patterns: str | list[str] | None = None  # files a download skips (besides original/*)
     dtype: str | torch.dtype = "auto"
-    seed: int = 0
+    seed: int | None = 0  # None: a random engine seed, and the global generators are left alone
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: 256
     max_num_batched_tokens: int | None = None

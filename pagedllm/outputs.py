@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # the pooling outputs, importable from here as from vllm.outputs
 from pagedllm.pooling.outputs import (  # noqa: F401
@@ -35,6 +36,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS / length
+    lora_request: Any = field(default=None, compare=False)  # the LoRARequest that served it (None: the base model)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -63,3 +65,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, compare=False)  # timings differ between equal outputs
+    lora_request: Any = field(default=None, compare=False)  # the LoRARequest that served it (None: the base model)

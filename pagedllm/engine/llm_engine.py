@@ -190,6 +190,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.structured_output_manager().grammar(params.structured_outputs)
         requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        state.lora_request = lora_request
         for req in requests:
             req.lora_request = lora_request
             req.mm_features = list(mm_features or [])

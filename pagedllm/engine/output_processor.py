@@ -127,6 +127,7 @@ class RequestState:
         self.sequences = sequences  # core request id -> sequence
         self.num_cached_tokens = 0
         self.arrival_time = time.monotonic()
+        self.lora_request = None  # the request's LoRARequest (None: the base model), shown on its outputs
         self.last_token_time: float | None = None  # None until the first token
         self.core_requests = core_requests or []  # the engine's Requests (first scheduled time, max_tokens)
         self.scheduled_time: float | None = None  # first admission of any of its sequences
@@ -150,15 +151,19 @@ class RequestState:
         seqs = sorted(self.sequences.values(), key=lambda s: s.index)
         if len(seqs) > self.n:  # best_of: the n sequences with the highest cumulative logprob
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: self.n]
+        outputs = [s.to_output(i) for i, s in enumerate(seqs)]
+        for out in outputs if self.lora_request is not None else ():
+            out.lora_request = self.lora_request
         return RequestOutput(
             request_id=self.req_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.to_output(i) for i, s in enumerate(seqs)],
+            outputs=outputs,
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self._metrics(),
+            lora_request=self.lora_request,
         )
 
     def _metrics(self) -> RequestMetrics:

@@ -23,6 +23,7 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.startup import StartupTimer, log_split, startup_split
 from pagedllm.tokenizer import get_tokenizer
+from pagedllm.utils.torch_utils import set_random_seed
 
 
 class LLM(PoolingAPI):
@@ -36,7 +37,7 @@ class LLM(PoolingAPI):
         tokenizer: str | None = None,
         revision: str | None = None,
         dtype: str | torch.dtype = "auto",
-        seed: int = 0,
+        seed: int | None = 0,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -111,6 +112,8 @@ class LLM(PoolingAPI):
                 self.llm_engine = engine_cls(config, tok)
             else:
                 self.llm_engine = self.data_parallel.build_local(lambda: engine_cls(config, tok))
+        if seed is not None:  # the caller's random, numpy and torch generators, as vLLM's engine in this process
+            set_random_seed(seed)
         # seconds per start-up phase (pagedllm/startup.py), for benchmarks; logged in one line
         self.startup_seconds = startup_split(timer, self.llm_engine)
         log_split(self.startup_seconds)

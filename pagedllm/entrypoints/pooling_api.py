@@ -60,7 +60,22 @@ class PoolingAPI:
         "token_embed" gives one vector per token, "token_classify" a token classifier's [num_tokens, num_labels])."""
         engine = self._pooling_engine("encode")
         task = pooling_task or engine.spec.default_task
+        if task == "encode":  # vLLM's older name of the per-token task
+            task = next((t for t in ("token_embed", "token_classify") if t in engine.spec.tasks), "token_embed")
         return self._pool(prompts, pooling_params, task, "encode", use_tqdm, truncate_prompt_tokens, lora_request)
+
+    def reward(
+        self,
+        prompts: Any,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's reward(): the per-token scores of a token-classifying model (encode with "token_classify")."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="token_classify",
+                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)  # fmt: skip
 
     def embed(
         self,

@@ -77,6 +77,7 @@ def test_mixed_batch_gives_each_row_what_it_gives_alone(lora_family, lora_llm):
     )
     for (name, prompt), out in zip(rows, outs):
         assert out.outputs[0].token_ids == oracle(lora_family, name, prompt)[0], (name, prompt)
+        assert out.lora_request is out.outputs[0].lora_request is (None if name is None else reqs[name])  # vLLM's
 
 
 def test_adapters_never_share_prefix_cache_blocks(lora_family, lora_llm):

@@ -158,6 +158,8 @@ def test_tiny_bert_mean_pooling_and_token_states_match_hf(tiny_encoder):
         n = int(mask[i].sum())
         assert out.outputs.data.shape == (n, 48)
         torch.testing.assert_close(out.outputs.data, hidden[i, :n], atol=1e-5, rtol=1e-4)
+    older = llm.encode(texts, pooling_task="encode", use_tqdm=False)  # vLLM's older name of the per-token task
+    assert all(torch.equal(a.outputs.data, b.outputs.data) for a, b in zip(older, tokens))
 
 
 @pytest.fixture(scope="module", params=[1, 3])

@@ -46,7 +46,11 @@ def test_token_logits_match_hf(token_classifier):
     raw = llm.encode(prompts, PoolingParams(use_activation=False), pooling_task="token_classify", use_tqdm=False)
     probs = llm.encode(prompts, pooling_task="token_classify", use_tqdm=False)
     default = llm.encode(prompts, use_tqdm=False)  # the model's own task: token_classify
-    for ids, r, p, d in zip(PROMPTS, raw, probs, default):
+    older = llm.encode(prompts, pooling_task="encode", use_tqdm=False)  # vLLM's older name of the per-token task
+    reward = llm.reward(prompts, use_tqdm=False)  # vLLM's reward(): encode with "token_classify"
+    for ids, r, p, d, o, w in zip(PROMPTS, raw, probs, default, older, reward):
+        torch.testing.assert_close(o.outputs.data, p.outputs.data)
+        torch.testing.assert_close(w.outputs.data, p.outputs.data)
         ref = _hf_logits(hf, ids)
         assert r.outputs.data.shape == (len(ids), 5) and r.prompt_token_ids == ids
         torch.testing.assert_close(r.outputs.data, ref, atol=1e-4, rtol=1e-4)
