@@ -223,7 +223,7 @@ async def _collect(stream: RequestStream) -> RequestOutput:
 
 
 def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, str | None]:
-    """A choice's message and finish_reason ("tool_calls" where the reply called tools and stopped)."""
+    """A choice's message and finish_reason (see ReplyPlan.finish_reason)."""
     echo = job.echo_text()
     reply = job.plan.reply(prompt)
     if reply is None:
@@ -231,8 +231,7 @@ def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, 
     fields = reply.message(c.text)
     if echo:
         fields["content"] = echo + (fields["content"] or "")
-    finish = "tool_calls" if reply.called and c.finish_reason == "stop" else c.finish_reason
-    return {"role": job.role, "refusal": None, **fields}, finish
+    return {"role": job.role, "refusal": None, **fields}, job.plan.finish_reason(reply, c.finish_reason)
 
 
 def _response(job: _Job, out: RequestOutput) -> dict:
@@ -269,7 +268,7 @@ def _deltas(job: _Job, c: CompletionOutput, sent: list[int], reply: Reply | None
     if not deltas and not finished and not (wants_logprobs and new_ids):
         return []
     deltas = deltas or [{"content": ""}]
-    finish = "tool_calls" if reply is not None and reply.called and c.finish_reason == "stop" else c.finish_reason
+    finish = job.plan.finish_reason(reply, c.finish_reason)
     last = len(deltas) - 1
     return [
         {
