@@ -72,7 +72,8 @@ class LoadMiddleware:
 
 
 class RequestIdMiddleware:
-    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one."""
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one; the
+    request's own also names a completion's response (`cmpl-<it>`, `chatcmpl-<it>`: see response_id)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -82,6 +83,8 @@ class RequestIdMiddleware:
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
         request_id = given or uuid.uuid4().hex.encode()
+        if given:
+            scope.setdefault("state", {})["request_id_header"] = given.decode("latin-1")
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class APIError(Exception):
@@ -114,6 +114,11 @@ class _SamplingFields(_Request):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value  # "n": null is the default, as OpenAI and vLLM read it
 
 
 class CompletionRequest(_SamplingFields):

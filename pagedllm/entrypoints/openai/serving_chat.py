@@ -184,7 +184,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         check_chars=req.truncate_prompt_tokens is None,
         mm_processor_kwargs=req.mm_processor_kwargs,
     )
-    job = _Job(req, model, response_id("chatcmpl", req), now(), state.llm.get_tokenizer(), plan, state.response_role)
+    request_id = response_id("chatcmpl", req, raw)
+    job = _Job(req, model, request_id, now(), state.llm.get_tokenizer(), plan, state.response_role)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
     field = structured_outputs(req)[1] if constrained else "tools"  # a forced tool call's grammar: from the tools
     check = grammar_check(state.engine.engine, params, field, check)
