@@ -153,9 +153,24 @@ class ChatCompletionRequest(_SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None  # for the model's multimodal processor (image parts)
 
 
-class EmbeddingRequest(_Request):
+PoolingInput = list[int] | list[list[int]] | str | list[str]
+
+
+class ChatInputFields(_Request):
+    """vLLM's chat-style input of the pooling endpoints: `messages` (one conversation, rendered with the chat
+    template, then pooled as one prompt) instead of `input`, with the chat template's options."""
+
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # None: True with input (the tokenizer's), False with messages (vLLM's)
+    chat_template: str | None = None  # refused, as on chat completions: the server's --chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(ChatInputFields):
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str] = Field(examples=["A sentence to embed."])
+    input: PoolingInput | None = Field(default=None, examples=["A sentence to embed."])  # or messages
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

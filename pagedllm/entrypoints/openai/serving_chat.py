@@ -139,7 +139,8 @@ def _content_chars(message: object) -> int:
 
 def _check(state: ServerState, req: ChatCompletionRequest) -> None:
     if req.chat_template is not None:
-        raise bad("chat_template: a request may not bring its own template; start the server with --chat-template")
+        message = "chat_template: a request may not bring its own template; start the server with --chat-template"
+        raise bad(message, "chat_template")
     check_limit(req.top_logprobs, state.limits.max_logprobs, "top_logprobs")
     check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
     if req.top_logprobs and not req.logprobs:
