@@ -14,9 +14,10 @@ import logging
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagedllm.sampling_params import GuidedDecodingParams
-from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE
+from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE, is_lark
 
 logger = logging.getLogger(__name__)
 # free whitespace between JSON tokens, bounded as xgrammar's max_whitespace_cnt bounds it
@@ -85,7 +86,9 @@ def _grammar(params: GuidedDecodingParams, spec: str) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":  # one alternative per choice, each a quoted literal (json.dumps escapes it)
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
-    return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+    if is_lark(spec):  # said, not guessed: llguidance's guess takes a Lark grammar without `start:` for GBNF
+        return llguidance.LLMatcher.grammar_from_lark(spec)
+    return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec))
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> llguidance.LLTokenizer:

@@ -3,8 +3,9 @@ then a parse: a bad schema, regex or grammar is a ValueError at once), compiles 
 worker thread (cached by its backend, kind and text), and gives each request its own RequestGrammar.
 
 Backends (vLLM's names): "xgrammar", "guidance" (llguidance) and "auto": xgrammar, falling back to guidance where
-xgrammar refuses the constraint (its parse fails: e.g. a Lark grammar or a JSON schema feature it lacks) or fails to
-compile it, and guidance for a JSON `whitespace_pattern` (xgrammar has none). With both failing, xgrammar's error.
+xgrammar refuses the constraint (its parse fails: e.g. a JSON schema feature it lacks) or fails to compile it, and
+guidance for a JSON `whitespace_pattern` or a Lark grammar (vLLM's rule: one without `::=`; xgrammar reads GBNF
+only). With both failing, xgrammar's error.
 
 The scheduler keeps a request waiting until its grammar is compiled, asks each constrained request that samples in
 a step for its allowed-token bitmask, and hands it the sampled tokens; the request finishes when its grammar
@@ -36,6 +37,11 @@ MAX_JSON_WHITESPACE = 16
 BACKENDS = ("auto", "xgrammar", "guidance")
 _PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 MIN_BATCH_FILL = 4  # constrained rows of one backend from which their bitmasks are filled in parallel
+
+
+def is_lark(grammar: str) -> bool:
+    """vLLM's rule: a grammar without `::=` is Lark (`start: ...`, `?rule: ...`), one with it is GBNF / EBNF."""
+    return "::=" not in grammar
 
 
 def check_backend(value: object, field: str) -> None:
@@ -435,7 +441,7 @@ class StructuredOutputManager:
         def guidance() -> str:  # the parsed grammar; ValueError where guidance cannot read it either
             return _guidance_parse(params, text, field)
 
-        if not self.available("xgrammar"):
+        if not self.available("xgrammar") or (params.kind == "grammar" and is_lark(text)):  # xgrammar reads no Lark
             return self.pool.submit(self._compile, "guidance", guidance())
         try:
             grammar = self.get_backend("xgrammar").parse(params, text, field)

@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from pagedllm.sampling_params import GuidedDecodingParams
 from pagedllm.structured_output import bounded_strings
-from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE
+from pagedllm.structured_output.manager import MAX_JSON_WHITESPACE, is_lark
 
 MAX_FILL_THREADS = 8  # threads filling a step's masks at most
 
@@ -68,6 +68,8 @@ class XgrammarBackend:
             if kind == "choice":  # one alternative per choice, each a quoted literal (json.dumps escapes it)
                 return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
             if kind == "grammar":
+                if is_lark(spec):  # vLLM's rule; the guidance backend reads Lark
+                    raise ValueError("it is a Lark grammar (no `::=`): xgrammar reads GBNF only; use guidance")
                 return xgr.Grammar.from_ebnf(spec)
             return _structural_tag(spec)
         except Exception as e:

@@ -69,6 +69,22 @@ def test_regex_choice_and_grammars(tiny_llm):
         assert re.fullmatch(r"<[x-z]+>", text) or (out.outputs[0].finish_reason == "length" and text[0] == "<")
 
 
+def test_lark_with_inlined_rules(tiny_llm, manager):
+    """vLLM's docs' Lark grammar: `?` rules and no `start:` line. Without `::=` a grammar is Lark (vLLM's rule), so
+    neither llguidance's GBNF guess nor xgrammar's EBNF parser gets it; xgrammar, asked by name, says why."""
+    grammar = '?start: sel\n?sel: "SELECT " /[a-c]{1,3}/'
+    for backend in ("guidance", "auto"):
+        assert backend_of(manager, StructuredOutputsParams(grammar=grammar, backend=backend)) == "guidance"
+        params = constrained({"max_tokens": 16}, grammar=grammar, backend=backend)
+        for text in texts(tiny_llm.generate(PROMPTS, params, use_tqdm=False)):
+            assert re.fullmatch("SELECT [a-c]{1,3}", text), text
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar is invalid: .*Lark grammar"):
+        manager.grammar(StructuredOutputsParams(grammar=grammar, backend="xgrammar"))
+    gbnf = 'root ::= "<" [x-z] ">"'  # GBNF still reaches both backends
+    assert backend_of(manager, StructuredOutputsParams(grammar=gbnf, backend="auto")) == "xgrammar"
+    assert backend_of(manager, StructuredOutputsParams(grammar=gbnf, backend="guidance")) == "guidance"
+
+
 def test_whitespace_pattern(tiny_llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = constrained({"n": 2}, json=schema, whitespace_pattern=r"[\n]{0,1}")

@@ -32,17 +32,19 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
 )
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from pagedllm.entrypoints.openai.serving_classify import ClassificationRequest, create_classify
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_embeddings import create_embedding
 from pagedllm.entrypoints.openai.serving_generate import add_generate_route
 from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes
 from pagedllm.entrypoints.openai.serving_profile import add_profile_routes
+from pagedllm.entrypoints.openai.serving_sagemaker import add_sagemaker_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = ("/health", "/metrics")  # reachable without the API key (load balancers, Prometheus)
+PUBLIC_PATHS = ("/health", "/ping", "/metrics")  # reachable without the API key (load balancers, Prometheus)
 _DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the cap before the 400
 _INLINE_CHECK_BYTES = 1 << 16  # larger bodies are checked in a worker thread, not on the event loop
 
@@ -72,7 +74,8 @@ class LoadMiddleware:
 
 
 class RequestIdMiddleware:
-    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one."""
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one; the
+    request's own also names a completion's response (`cmpl-<it>`, `chatcmpl-<it>`: see response_id)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -82,6 +85,8 @@ class RequestIdMiddleware:
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
         request_id = given or uuid.uuid4().hex.encode()
+        if given:
+            scope.setdefault("state", {})["request_id_header"] = given.decode("latin-1")
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
@@ -227,6 +232,7 @@ def build_app(
     _add_error_handlers(app)
     _add_routes(app, state, __version__)
     add_pooling_routes(app, state)  # /v1/score, /v1/rerank, /pooling
+    add_sagemaker_routes(app, state)  # /ping, /invocations
     add_generate_route(app, state)  # the demo server's /generate
     add_profile_routes(app, state)  # /start_profile, /stop_profile with VLLM_TORCH_PROFILER_DIR
     return app
@@ -276,6 +282,10 @@ def _add_routes(app: FastAPI, state: ServerState, version: str) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):
         return await create_embedding(state, req)
+
+    @app.post("/classify")
+    async def classify(req: ClassificationRequest):
+        return await create_classify(state, req)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class APIError(Exception):
@@ -115,6 +115,11 @@ class _SamplingFields(_Request):
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value  # "n": null is the default, as OpenAI and vLLM read it
+
 
 class CompletionRequest(_SamplingFields):
     prompt: list[int] | list[list[int]] | str | list[str] = Field(examples=["The capital of France is"])
@@ -148,9 +153,24 @@ class ChatCompletionRequest(_SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None  # for the model's multimodal processor (image parts)
 
 
-class EmbeddingRequest(_Request):
+PoolingInput = list[int] | list[list[int]] | str | list[str]
+
+
+class ChatInputFields(_Request):
+    """vLLM's chat-style input of the pooling endpoints: `messages` (one conversation, rendered with the chat
+    template, then pooled as one prompt) instead of `input`, with the chat template's options."""
+
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # None: True with input (the tokenizer's), False with messages (vLLM's)
+    chat_template: str | None = None  # refused, as on chat completions: the server's --chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(ChatInputFields):
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str] = Field(examples=["A sentence to embed."])
+    input: PoolingInput | None = Field(default=None, examples=["A sentence to embed."])  # or messages
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

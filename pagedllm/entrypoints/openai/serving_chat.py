@@ -139,7 +139,8 @@ def _content_chars(message: object) -> int:
 
 def _check(state: ServerState, req: ChatCompletionRequest) -> None:
     if req.chat_template is not None:
-        raise bad("chat_template: a request may not bring its own template; start the server with --chat-template")
+        message = "chat_template: a request may not bring its own template; start the server with --chat-template"
+        raise bad(message, "chat_template")
     check_limit(req.top_logprobs, state.limits.max_logprobs, "top_logprobs")
     check_limit(req.prompt_logprobs, state.limits.max_logprobs, "prompt_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -184,7 +185,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         check_chars=req.truncate_prompt_tokens is None,
         mm_processor_kwargs=req.mm_processor_kwargs,
     )
-    job = _Job(req, model, response_id("chatcmpl", req), now(), state.llm.get_tokenizer(), plan, state.response_role)
+    request_id = response_id("chatcmpl", req, raw)
+    job = _Job(req, model, request_id, now(), state.llm.get_tokenizer(), plan, state.response_role)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
     field = structured_outputs(req)[1] if constrained else "tools"  # a forced tool call's grammar: from the tools
     check = grammar_check(state.engine.engine, params, field, check)
@@ -223,7 +225,7 @@ async def _collect(stream: RequestStream) -> RequestOutput:
 
 
 def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, str | None]:
-    """A choice's message and finish_reason ("tool_calls" where the reply called tools and stopped)."""
+    """A choice's message and finish_reason (see ReplyPlan.finish_reason)."""
     echo = job.echo_text()
     reply = job.plan.reply(prompt)
     if reply is None:
@@ -231,8 +233,7 @@ def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, 
     fields = reply.message(c.text)
     if echo:
         fields["content"] = echo + (fields["content"] or "")
-    finish = "tool_calls" if reply.called and c.finish_reason == "stop" else c.finish_reason
-    return {"role": job.role, "refusal": None, **fields}, finish
+    return {"role": job.role, "refusal": None, **fields}, job.plan.finish_reason(reply, c.finish_reason)
 
 
 def _response(job: _Job, out: RequestOutput) -> dict:
@@ -269,7 +270,7 @@ def _deltas(job: _Job, c: CompletionOutput, sent: list[int], reply: Reply | None
     if not deltas and not finished and not (wants_logprobs and new_ids):
         return []
     deltas = deltas or [{"content": ""}]
-    finish = "tool_calls" if reply is not None and reply.called and c.finish_reason == "stop" else c.finish_reason
+    finish = job.plan.finish_reason(reply, c.finish_reason)
     last = len(deltas) - 1
     return [
         {

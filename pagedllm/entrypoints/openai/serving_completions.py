@@ -107,7 +107,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     if req.stream and params.best_of is not None and params.best_of != params.n:
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
-    job = _Job(req, model, response_id("cmpl", req), now(), state.llm.get_tokenizer(), echo_only)
+    job = _Job(req, model, response_id("cmpl", req, raw), now(), state.llm.get_tokenizer(), echo_only)
     make_prompts = _tokenize(state, job.tokenizer, items, req)
     check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
     check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)

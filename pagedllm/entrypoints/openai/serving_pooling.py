@@ -11,8 +11,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from pagedllm.entrypoints.openai.protocol import _Request, from_value_error, now, random_id
-from pagedllm.entrypoints.openai.serving_embeddings import _encode, _inputs
+from pagedllm.entrypoints.openai.protocol import (
+    ChatInputFields,
+    PoolingInput,
+    _Request,
+    from_value_error,
+    now,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_embeddings import _encode, pooling_prompts
 from pagedllm.entrypoints.openai.serving_utils import ServerState, bad, check_limit
 from pagedllm.pooling_params import PoolingParams
 
@@ -46,17 +53,16 @@ class RerankRequest(_Request):
     user: str | None = None
 
 
-class PoolingRequest(_Request):
-    """vLLM's /pooling body: the model's raw pooled output of each input."""
+class PoolingRequest(ChatInputFields):
+    """vLLM's /pooling body: the model's raw pooled output of each input (or of the rendered messages)."""
 
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str] = Field(examples=["A sentence to pool."])
+    input: PoolingInput | None = Field(default=None, examples=["A sentence to pool."])
     encoding_format: Literal["float", "base64"] = "float"
     task: str | None = None  # the model's own task by default; "token_embed" gives one vector per token
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
     user: str | None = None
 
 
@@ -137,10 +143,7 @@ def _nested(data, encoding_format: str):
 async def create_pooling(state: ServerState, req: PoolingRequest) -> JSONResponse:
     model = state.check_model(req.model)
     _require_pooling(state, "/pooling")
-    prompts = _inputs(req.input)
-    check_limit(len(prompts), state.limits.max_prompts, "input")
-    if not req.add_special_tokens:
-        raise bad("add_special_tokens=false is not supported on /pooling", "add_special_tokens")
+    prompts = await pooling_prompts(state, req)
     try:
         params = PoolingParams(
             dimensions=req.dimensions, normalize=req.normalize, truncate_prompt_tokens=req.truncate_prompt_tokens

@@ -99,6 +99,13 @@ class ReplyPlan:
     tool_parser: type[ToolParser] | None = None
     tools: list | None = None
     reasoning_parser: Any = None
+    named: bool = False  # a named function was forced: its reply ends with "stop", not "tool_calls" (OpenAI's)
+
+    def finish_reason(self, reply: Reply | None, finish_reason: str | None) -> str | None:
+        """The engine's finish reason, but "tool_calls" where the reply called tools and stopped (tool_choice auto
+        or required)."""
+        called = reply is not None and reply.called and not self.named
+        return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
     def reply(self, prompt: str | None) -> Reply | None:
         if self.tool_parser is None and self.reasoning_parser is None:
@@ -151,6 +158,7 @@ def plan_tools(state: Any, req: Any, params: SamplingParams) -> ReplyPlan:
         schema, plan.tool_parser = _required_schema(functions, req.parallel_tool_calls), RequiredToolParser
     else:
         schema, plan.tool_parser = functions[choice].get("parameters") or {"type": "object"}, named_parser(choice)
+        plan.named = True
     try:
         # compact JSON (", " and ": " only): with free whitespace a small model may write newlines until max_tokens
         forced = StructuredOutputsParams(json=schema, disable_any_whitespace=True)

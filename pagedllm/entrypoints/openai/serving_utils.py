@@ -120,10 +120,19 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def response_id(prefix: str, req: Any) -> str:
-    """The id of a response (and of its engine requests): `<prefix>-<request_id>` when the request names one
-    (vLLM's field; one still running with the same id is a 400), else a random one."""
-    return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)
+MAX_REQUEST_ID_CHARS = 256
+
+
+def response_id(prefix: str, req: Any, raw: Request | None = None) -> str:
+    """The id of a response (and of its engine requests): `<prefix>-<id>` when the request names one (with
+    --enable-request-id-headers its X-Request-Id header, else vLLM's request_id field; one still running with the
+    same id is a 400), else a random one."""
+    header = raw.scope.get("state", {}).get("request_id_header") if raw is not None else None
+    if header is not None and len(header) > MAX_REQUEST_ID_CHARS:
+        message = f"the X-Request-Id header has {len(header)} characters: at most {MAX_REQUEST_ID_CHARS}"
+        raise bad(message, "X-Request-Id")
+    given = header or req.request_id
+    return f"{prefix}-{given}" if given else random_id(prefix)
 
 
 def refuse_unsupported(req: Any) -> None:

@@ -76,10 +76,14 @@ def test_completion_fields(server):
 
 @pytest.mark.parametrize("backend", ["guidance", "auto"])
 def test_completion_lark_grammar(server, backend):
-    """A Lark grammar: llguidance reads it; "auto" falls back to it (xgrammar reads only EBNF)."""
+    """A Lark grammar: llguidance reads it; "auto" falls back to it (xgrammar reads only EBNF). vLLM's docs' form
+    (`?` rules, no `start:` line) is Lark too: a grammar without `::=` is."""
     lark = 'start: "It is " TEMP "."\nTEMP: "warm" | "cool"\n'
     change = {"guided_grammar": lark, "guided_decoding_backend": backend}
     assert _completion_texts(server, change)[0] in ("It is warm.", "It is cool.")
+    inlined = '?start: sel\n?sel: "SELECT " /[a-z]{1,8}/ " FROM " /[a-z]{1,8}/'
+    change = {"structured_outputs": {"grammar": inlined}, "guided_decoding_backend": backend}
+    assert re.fullmatch("SELECT [a-z]{1,8} FROM [a-z]{1,8}", _completion_texts(server, change)[0])
     for regex in (r"(sunny|rainy), [0-9]{2} degrees", r"[a-z]{3}"):
         text = _completion_texts(server, {"guided_regex": regex, "guided_decoding_backend": backend})[0]
         assert re.fullmatch(regex, text), text

@@ -1,6 +1,7 @@
 """vLLM's server flags and request fields: several served names, --response-role, --return-tokens-as-token-ids
 (a request may turn it off), --enable-force-include-usage, --disable-fastapi-docs, and `priority` (only 0),
-`request_id` (the response's id), --enable-request-id-headers."""
+`request_id` (the response's id), --enable-request-id-headers (the X-Request-Id header names the response too),
+`"n": null` (the default, 1)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,34 @@ def test_usage_forced_docs_off_and_priority(flag_server):
     assert status == 400 and body["error"]["param"] == "request_id"
     status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 3})
     assert status == 400 and body["error"]["param"] == "priority" and "priority=3" in body["error"]["message"]
+
+
+def test_request_id_header_names_the_response(flag_server):
+    for path, body, prefix in (
+        ("/v1/chat/completions", CHAT, "chatcmpl"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "request_id": "from-body"}, "cmpl"),  # the header wins
+    ):
+        for stream in (False, True):
+            header = f"hdr-{prefix}-{stream}"
+            status, body_out = flag_server.request(
+                "POST", path, {**body, "stream": stream}, headers={"X-Request-Id": header}
+            )
+            assert status == 200, body_out
+            if stream:
+                ids = {json.loads(line[6:])["id"] for line in body_out.splitlines() if line.startswith("data: {")}
+                assert ids == {f"{prefix}-{header}"}, ids
+            else:
+                assert body_out["id"] == f"{prefix}-{header}", body_out
+    status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+    assert status == 200 and body["id"].startswith("cmpl-") and len(body["id"]) == 37  # no header: a random id
+    status, body = flag_server.request("POST", "/v1/completions", {"prompt": "Hi"}, headers={"X-Request-Id": "x" * 300})
+    assert status == 400 and body["error"]["param"] == "X-Request-Id", body
+
+
+def test_n_null_is_one(flag_server):
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})):
+        status, out = flag_server.request("POST", path, {**body, "n": None})
+        assert status == 200 and len(out["choices"]) == 1, out
 
 
 def test_default_chat_template_kwargs_under_the_request_ones():
