@@ -149,6 +149,8 @@ def refuse_unsupported(req: Any) -> None:
             if getattr(req, name) != default:
                 raise bad(f"{name} applies only with use_beam_search=true", name)
     options = req.stream_options
+    if options is not None and not req.stream:  # (vLLM's rule: the options of a stream that is not there)
+        raise bad("stream_options applies only with stream=true", "stream_options")
     if options is not None and options.continuous_usage_stats and not options.include_usage:
         raise bad("stream_options.continuous_usage_stats needs stream_options.include_usage=true", "stream_options")
 

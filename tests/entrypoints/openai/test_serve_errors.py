@@ -62,6 +62,7 @@ BAD_COMPLETIONS = [  # (body changes, expected param or None)
     ({"frobnicate": 1}, "frobnicate"),  # unknown fields are named
     ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # not streamed: vLLM's 400, never ignored
     # caps (--max-stop 64, --max-bad-words 1024, --max-word-chars 1024)
     ({"stop": ["x"] * 65}, "stop"),
     ({"stop": "y" * 1025}, "stop"),
