@@ -307,10 +307,14 @@ class EngineConfig:
     multimodal: Any = None  # multimodal.MultiModalConfig (limits, processor options, encoder cache size)
     guided_decoding_backend: str = "auto"  # structured outputs' default backend: auto | xgrammar | guidance
 
-    @property
-    def model_config(self) -> ModelConfig:
-        """vLLM's name (VllmConfig.model_config) of `model`."""
-        return self.model
+    # vLLM's names (VllmConfig.model_config, ...) of the parts, as its scripts read them
+    model_config = property(lambda self: self.model)
+    cache_config = property(lambda self: self.cache)
+    scheduler_config = property(lambda self: self.scheduler)
+    parallel_config = property(lambda self: self.parallel)
+    device_config = property(lambda self: self.device)
+    compilation_config = property(lambda self: self.compilation)
+    lora_config = property(lambda self: self.lora)
 
 
 def cpu_has_bf16() -> bool:

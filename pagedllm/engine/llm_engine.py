@@ -329,8 +329,11 @@ class LLMEngine:
 
     @property
     def vllm_config(self):
-        """vLLM's name of the engine's config (EngineConfig: `.model_config.hf_config`, as vLLM's examples read it)."""
+        """vLLM's name of the engine's config (EngineConfig: `.model_config.hf_config`, `.scheduler_config`, ..., as
+        vLLM's examples read it; `engine_config` is its older name)."""
         return self.config
+
+    engine_config = vllm_config
 
     def get_model_config(self):
         return self.config.model

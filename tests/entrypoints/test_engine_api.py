@@ -14,6 +14,8 @@ def test_llm_engine_example_loop(smollm2):
     engine = LLMEngine.from_engine_args(EngineArgs(model=smollm2, **kwargs))
     assert engine.get_model_config().max_model_len == 256 and engine.get_tokenizer() is not None
     assert engine.vllm_config.model_config is engine.get_model_config()  # vLLM's names of the configs
+    assert engine.engine_config.scheduler_config is engine.config.scheduler  # as vLLM's spec_decode example
+    assert engine.vllm_config.cache_config is engine.config.cache and engine.vllm_config.lora_config is None
     params = SamplingParams(temperature=0.0, max_tokens=8)
     queue = [(PROMPTS[0], params), ({"prompt": PROMPTS[1]}, params)]
     queue.append(({"prompt_token_ids": engine.get_tokenizer().encode(PROMPTS[2])}, params))
