@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_generate import add_generate_route
 from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes
 from pagedllm.entrypoints.openai.serving_profile import add_profile_routes
+from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 from pagedllm.entrypoints.openai.serving_sagemaker import add_sagemaker_routes
 from pagedllm.entrypoints.openai.serving_utils import ClientGone, ServerState, bad
 
@@ -231,6 +232,7 @@ def build_app(
         app.add_middleware(CORSMiddleware, **cors)
     _add_error_handlers(app)
     _add_routes(app, state, __version__)
+    add_responses_routes(app, state)  # /v1/responses, GET and DELETE /v1/responses/{id}
     add_pooling_routes(app, state)  # /v1/score, /v1/rerank, /pooling
     add_sagemaker_routes(app, state)  # /ping, /invocations
     add_generate_route(app, state)  # the demo server's /generate

@@ -38,7 +38,7 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass
-class _Job:
+class ChatJob:
     req: ChatCompletionRequest
     model: str
     request_id: str
@@ -160,7 +160,9 @@ def _template_kwargs(state: ServerState, req: ChatCompletionRequest) -> dict | N
     return kwargs or req.chat_template_kwargs
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+def prepare_chat(state: ServerState, req: ChatCompletionRequest, raw: Request, request_id: str | None = None):
+    """The checks and preparation of a chat request, shared with /v1/responses (serving_responses.py): (job,
+    sampling params, the prompt-making function for the preparation thread, the check of its prompts)."""
     model = state.check_model(req.model)
     state.require_generate()
     _check(state, req)
@@ -185,21 +187,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         check_chars=req.truncate_prompt_tokens is None,
         mm_processor_kwargs=req.mm_processor_kwargs,
     )
-    request_id = response_id("chatcmpl", req, raw)
-    job = _Job(req, model, request_id, now(), state.llm.get_tokenizer(), plan, state.response_role)
+    request_id = request_id or response_id("chatcmpl", req, raw)
+    job = ChatJob(req, model, request_id, now(), state.llm.get_tokenizer(), plan, state.response_role)
     check = context_check(state.max_model_len, max_tokens, req.truncate_prompt_tokens)
     field = structured_outputs(req)[1] if constrained else "tools"  # a forced tool call's grammar: from the tools
     check = grammar_check(state.engine.engine, params, field, check)
-    if params.use_beam_search:
-        refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
-        lora = state.lora_request(req.model)
-        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt, lora)
-        try:
-            return JSONResponse(_response(job, (await unless_disconnected(raw, work))[0]))
-        except (ValueError, TypeError) as e:
-            raise from_value_error(e, "messages") from None
+    return job, params, make_prompts, check
+
+
+async def generate_chat(state: ServerState, job: ChatJob, params, make_prompts, check) -> RequestStream:
+    """Starts the prepared request on the engine (a bad prompt is a 400)."""
+    req = job.req
     try:
-        stream = await state.engine.generate(
+        return await state.engine.generate(
             make_prompts,
             1,
             params,
@@ -210,13 +210,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         )
     except (ValueError, TypeError) as e:
         raise from_value_error(e, "messages") from None
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    job, params, make_prompts, check = prepare_chat(state, req, raw)
+    if params.use_beam_search:
+        refuse_with_beam_search(bool(req.stream), req.logprobs, req.prompt_logprobs is not None)
+        lora = state.lora_request(req.model)
+        work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt, lora)
+        try:
+            return JSONResponse(_response(job, (await unless_disconnected(raw, work))[0]))
+        except (ValueError, TypeError) as e:
+            raise from_value_error(e, "messages") from None
+    stream = await generate_chat(state, job, params, make_prompts, check)
     if req.stream:
         return StreamingResponse(sse_stream(_chunks(job, stream)), media_type="text/event-stream")
-    final = await unless_disconnected(raw, _collect(stream))
+    final = await unless_disconnected(raw, collect(stream))
     return JSONResponse(_response(job, final))
 
 
-async def _collect(stream: RequestStream) -> RequestOutput:
+async def collect(stream: RequestStream) -> RequestOutput:
     final = None
     async with stream:
         async for _, out in stream:
@@ -224,7 +237,7 @@ async def _collect(stream: RequestStream) -> RequestOutput:
     return final
 
 
-def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, str | None]:
+def _message(job: ChatJob, c: CompletionOutput, prompt: str | None) -> tuple[dict, str | None]:
     """A choice's message and finish_reason (see ReplyPlan.finish_reason)."""
     echo = job.echo_text()
     reply = job.plan.reply(prompt)
@@ -236,7 +249,7 @@ def _message(job: _Job, c: CompletionOutput, prompt: str | None) -> tuple[dict, 
     return {"role": job.role, "refusal": None, **fields}, job.plan.finish_reason(reply, c.finish_reason)
 
 
-def _response(job: _Job, out: RequestOutput) -> dict:
+def _response(job: ChatJob, out: RequestOutput) -> dict:
     choices = []
     for c in out.outputs:
         message, finish_reason = _message(job, c, out.prompt)
@@ -255,7 +268,7 @@ def _response(job: _Job, out: RequestOutput) -> dict:
     return {**body, "choices": choices, "usage": _usage(out)}
 
 
-def _deltas(job: _Job, c: CompletionOutput, sent: list[int], reply: Reply | None) -> list[dict]:
+def _deltas(job: ChatJob, c: CompletionOutput, sent: list[int], reply: Reply | None) -> list[dict]:
     """The next chunk choices of one sequence; sent = [characters, tokens] already sent (updated). With a reply
     parser, one per delta message (reasoning, content, each tool-call entry), the finish_reason on the last."""
     new_text = c.text[sent[0] :]
@@ -284,7 +297,7 @@ def _deltas(job: _Job, c: CompletionOutput, sent: list[int], reply: Reply | None
     ]
 
 
-def _opening(job: _Job, out: RequestOutput | None) -> list[dict]:
+def _opening(job: ChatJob, out: RequestOutput | None) -> list[dict]:
     """The first chunks: the role, then the echoed content (if any)."""
     n, echo = job.req.n, job.echo_text()
     role = {"role": job.role, "content": ""}
@@ -299,7 +312,7 @@ def _opening(job: _Job, out: RequestOutput | None) -> list[dict]:
     return chunks
 
 
-async def _chunks(job: _Job, stream: RequestStream) -> AsyncIterator[dict]:
+async def _chunks(job: ChatJob, stream: RequestStream) -> AsyncIterator[dict]:
     sent = {i: [0, 0] for i in range(job.req.n)}
     replies: dict[int, Reply | None] = {}
     done: set[int] = set()
