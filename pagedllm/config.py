@@ -306,6 +306,7 @@ class EngineConfig:
     lora: Any = None  # LoRAConfig (lora/config.py); None: LoRA is off
     multimodal: Any = None  # multimodal.MultiModalConfig (limits, processor options, encoder cache size)
     guided_decoding_backend: str = "auto"  # structured outputs' default backend: auto | xgrammar | guidance
+    logits_processors: tuple = ()  # engine-wide LogitsProcessor classes (sample/custom_logits.py); the driver's
 
     @property
     def model_config(self) -> ModelConfig:
