@@ -313,6 +313,12 @@ class EngineConfig:
         """vLLM's name (VllmConfig.model_config) of `model`."""
         return self.model
 
+    # vLLM's VllmConfig names of the others (logits processor classes get this config as their vllm_config)
+    scheduler_config = property(lambda self: self.scheduler)
+    cache_config = property(lambda self: self.cache)
+    parallel_config = property(lambda self: self.parallel)
+    device_config = property(lambda self: self.device)
+
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""

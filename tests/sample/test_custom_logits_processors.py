@@ -58,6 +58,7 @@ class CountUp(LogitsProcessor):
     def __init__(self, vllm_config, device, is_pin_memory):
         self.req_info: dict[int, tuple[list[int], list[int]]] = {}
         self.updates: list[BatchUpdate] = []
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs  # vLLM's VllmConfig names
 
     def is_argmax_invariant(self):
         return False
@@ -169,6 +170,7 @@ def test_class_processors_follow_the_batch_exactly(path, async_scheduling):
     scheduler = llm.llm_engine.core.scheduler
     custom = llm.llm_engine.core.executor.runner.sampler.custom
     count_up = next(p for p in custom.always if isinstance(p, CountUp))
+    assert count_up.max_num_seqs == ENGINE["max_num_seqs"]
     kinds = {d for u in count_up.updates for _, _, d in u.moved}
     assert any(u.removed for u in count_up.updates) and len({u.batch_size for u in count_up.updates}) > 1
     assert scheduler.num_preemptions > 0 and kinds and kinds <= set(MoveDirectionality), scheduler.num_preemptions
