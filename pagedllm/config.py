@@ -306,6 +306,7 @@ class EngineConfig:
     lora: Any = None  # LoRAConfig (lora/config.py); None: LoRA is off
     multimodal: Any = None  # multimodal.MultiModalConfig (limits, processor options, encoder cache size)
     guided_decoding_backend: str = "auto"  # structured outputs' default backend: auto | xgrammar | guidance
+    logits_processors: tuple = ()  # engine-wide LogitsProcessor classes (sample/custom_logits.py); the driver's
 
     # vLLM's names (VllmConfig.model_config, ...) of the parts, as its scripts read them
     model_config = property(lambda self: self.model)
@@ -315,6 +316,12 @@ class EngineConfig:
     device_config = property(lambda self: self.device)
     compilation_config = property(lambda self: self.compilation)
     lora_config = property(lambda self: self.lora)
+
+    # vLLM's VllmConfig names of the others (logits processor classes get this config as their vllm_config)
+    scheduler_config = property(lambda self: self.scheduler)
+    cache_config = property(lambda self: self.cache)
+    parallel_config = property(lambda self: self.parallel)
+    device_config = property(lambda self: self.device)
 
 
 def cpu_has_bf16() -> bool:

@@ -33,6 +33,7 @@ from pagedllm.model_loader.weights import check_load_format
 from pagedllm.models.registry import resolve_model_impl
 from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling.config import resolve_pooling, wants_pooling
+from pagedllm.sample.custom_logits import engine_processors
 from pagedllm.spec_decode import NgramProposer, SpeculativeConfig
 from pagedllm.spec_decode.draft_model import draft_model_config
 from pagedllm.worker.cpu_threads import bind_cpu_threads
@@ -125,6 +126,7 @@ class EngineArgs(CompatArgs):
     disable_custom_all_reduce: bool = False  # GPU all-reduces all through NCCL (no one-shot kernel for small ones)
     guided_decoding_backend: str = "auto"  # structured outputs: auto | xgrammar | guidance (structured_output/)
     structured_outputs_config: dict | None = None  # vLLM's current form: {"backend": ...} (overrides the above)
+    logits_processors: list[str] | None = None  # LogitsProcessor classes or "pkg.mod:Class" (sample/custom_logits)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -312,6 +314,7 @@ class EngineArgs(CompatArgs):
             lora=lora,
             multimodal=multimodal,
             guided_decoding_backend=self._guided_decoding_backend(),
+            logits_processors=engine_processors(self.logits_processors, speculative, parallel, model),
         )
 
     def _compilation_config(self) -> CompilationConfig:

@@ -134,7 +134,6 @@ class CompatArgs:
     override_attention_dtype: str | None = _only(None, "attention runs in the model's dtype")
     ray_workers_use_nsight: bool = _only(False, "no Nsight profiling of Ray workers")
     logits_processor_pattern: str | None = _only(None, "requests cannot name logits processor classes")
-    logits_processors: list[str] | None = _only(None, "no engine-wide logits processor classes")
     logprobs_mode: str = _only("raw_logprobs", "logprobs are of the model's raw distribution")
     max_logprobs: int = _only(20, "the most logprobs a request may ask for is 20 (server: --max-logprobs)")
     max_num_partial_prefills: int = _only(1, "one token budget for all prefills")

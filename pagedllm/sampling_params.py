@@ -131,6 +131,7 @@ class SamplingParams:
     # a constraint on the output (structured outputs); guided_decoding is vLLM's older name of the same field
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    extra_args: dict | None = None  # for engine-wide logits processor classes (LLM(logits_processors=)); never read
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -201,6 +202,7 @@ class SamplingParams:
         if self.logits_processors is not None:
             ok = isinstance(self.logits_processors, (list, tuple)) and all(callable(f) for f in self.logits_processors)
             _check(ok, "logits_processors", self.logits_processors, "a list of callables")
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args, "a dict")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text is what they are matched against)")
 

@@ -110,7 +110,9 @@ class MultiprocExecutor(RanksExecutor):
         self.procs: list[subprocess.Popen] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self._finalizer = weakref.finalize(self, _end_workers, self.procs, self.conns)
-        follower_config = replace(config, speculative_proposer=None)
+        # the logits processor classes run on the driver: a follower gets their names (classes may not pickle)
+        names = tuple(cls.__qualname__ for cls in config.logits_processors)
+        follower_config = replace(config, speculative_proposer=None, logits_processors=names)
         base = dict(store_host="127.0.0.1", store_port=store.port, timeout_s=p.distributed_timeout_s)
         for rank in range(1, world):
             spec = WorkerSpec(RankInfo(rank, p.tensor_parallel_size, p.pipeline_parallel_size), **base,

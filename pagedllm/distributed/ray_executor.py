@@ -177,7 +177,9 @@ class RayExecutor(RanksExecutor):
         actor_cls = ray.remote(RayWorker)
         self.actors.extend(actor_cls.options(**self._options(r, on_cuda)).remote() for r in range(1, world))
         self.owned.extend(self.actors)
-        follower_config = replace(config, speculative_proposer=None)
+        # the logits processor classes run on the driver: a follower gets their names (classes may not pickle)
+        names = tuple(cls.__qualname__ for cls in config.logits_processors)
+        follower_config = replace(config, speculative_proposer=None, logits_processors=names)
         self._get([a.warm.remote(follower_config) for a in self.actors])
         base = dict(store_host=host, store_port=store.port, timeout_s=p.distributed_timeout_s, num_threads=threads)
         starts = [

@@ -137,6 +137,8 @@ class LLMEngine:
 
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
+        for cls in self.config.logits_processors:  # engine-wide logits processor classes check extra_args
+            cls.validate_params(params)
         if mm_features and params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens: a prompt with images cannot be truncated (it would cut them)")
         if params.truncate_prompt_tokens is not None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedllm.kernels.sampling_inputs import GREEDY_BELOW
 from pagedllm.sample.adjust import adjust_logits, adjusted_rows, penalties
 from pagedllm.sample.bitmask import Bitmask, apply_bitmask, per_position, stack_bitmasks
 from pagedllm.sample.impl import TRITON, C, choose_impl
@@ -24,6 +25,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.verify import expand_rows
 
 if TYPE_CHECKING:  # the runner's persistent batch: the sampler reads its rows
+    from pagedllm.sample.custom_batch import CustomLogitsProcessors
     from pagedllm.worker.input_batch import InputBatch
 
 
@@ -46,8 +48,11 @@ class SamplerOutput:
 
 
 class StepSampler:
-    def __init__(self, batch: InputBatch, device: torch.device, seed: int) -> None:
+    def __init__(
+        self, batch: InputBatch, device: torch.device, seed: int, custom: CustomLogitsProcessors | None = None
+    ) -> None:
         self.batch = batch
+        self.custom = custom  # the engine-wide logits processor classes' instances (None: none)
         self.device = torch.device(device)
         self.impl = choose_impl(self.device)
         self.rules = Sampler(self.device, seed, self.impl)
@@ -76,6 +81,8 @@ class StepSampler:
         (sample/verify.py), each under its own mask (a masked row's is [k + 1, words]), and the step's inputs are
         built for it alone."""
         b = self.batch
+        if self.custom is not None:  # (no drafts: refused with them) their batch is these rows, in this order
+            self.custom.update(b, rows)
         if num_drafts is not None:
             if bitmasks is not None:
                 bitmasks = per_position(bitmasks, num_drafts)
@@ -125,6 +132,8 @@ class StepSampler:
             apply_bitmask(logits, step.bitmask, self.impl)
         lp_rows = logprob_rows(logits, step.num_top, step.adjusted, self.scratch, self.impl)  # before they change
         logits = adjust_logits(self.batch, step.rows, step.num_tokens, logits)
+        if self.custom is not None:  # after the requests' own adjustments, before the penalties (vLLM's order)
+            logits = self.custom.apply(logits, not (self.batch.temperature[step.rows] >= GREEDY_BELOW).any())
         sampled = self.rules(logits, step.meta, lp_rows.copied if lp_rows is not None else None)  # [n]
         logprobs = logprob_tensors(lp_rows, sampled, step.num_top, self.scratch, step.meta, self.impl)
         return SamplerOutput(sampled, logprobs)

@@ -44,6 +44,9 @@ class InputBatch:
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self._num_admitted = 0
         self.row_of: dict[str, int] = {}
+        # engine-wide logits processor classes run on every row (the driver's, sample/custom_batch.py): every row
+        # reads its outputs on the host, has its logits changed and never samples plainly
+        self.custom_logits = False
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, new: NewRequestData, logits_processors: list[Callable] | None = None) -> None:
@@ -72,15 +75,16 @@ class InputBatch:
         self.min_tokens[row] = params.min_tokens
         self.min_tokens_stop_ids[row] = new.min_tokens_stop_ids
         self.has_seed[row] = params.seed is not None
-        self.reads_outputs[row] = bool(params.bad_words_token_ids or logits_processors)
+        self.reads_outputs[row] = bool(params.bad_words_token_ids or logits_processors or self.custom_logits)
         # the request changes its logits before sampling (besides min_tokens, which depends on the step)
         by_params = bool(params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias)
-        self.adjusts_logits[row] = by_params or bool(logits_processors)
+        self.adjusts_logits[row] = by_params or bool(logits_processors) or self.custom_logits
         self.penalized[row] = params.has_penalties
         # from what every rank receives (a follower gets no logits processors and no masks): sample/vocab_race.py
         self.plain[row] = not (
-            by_params or new.has_logits_processors or params.has_penalties or params.logprobs is not None
-            or params.structured_outputs is not None or is_filtered(params.top_k_enabled, params.top_p, params.min_p)
+            by_params or new.has_logits_processors or self.custom_logits or params.has_penalties
+            or params.logprobs is not None or params.structured_outputs is not None
+            or is_filtered(params.top_k_enabled, params.top_p, params.min_p)
         )  # fmt: skip
         self.repetition_penalty[row] = params.repetition_penalty
         self.presence_penalty[row] = params.presence_penalty

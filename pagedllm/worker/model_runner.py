@@ -20,6 +20,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.lora.manager import make_lora_manager
 from pagedllm.model_loader.loader import get_model
 from pagedllm.multimodal.encoder_runner import make_multimodal_runner
+from pagedllm.sample.custom_batch import CustomLogitsProcessors
 from pagedllm.sample.impl import TRITON
 from pagedllm.sample.step_sampler import SamplerOutput, StepSampler
 from pagedllm.sample.verify import accept, logits_positions
@@ -88,8 +89,11 @@ class ModelRunner:
         self.stage = PipelineStage.of(self.groups, config.model)  # this rank's pipeline stage (None: one stage)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, max_blocks)
+        self.batch.custom_logits = bool(config.logits_processors)  # (a follower's: their names; the driver runs them)
+        procs = config.logits_processors  # engine-wide LogitsProcessor classes: the driver builds and runs them
+        custom = CustomLogitsProcessors(procs, config, self.device) if procs and self.is_driver else None
         with self.startup.phase("compile"):  # (the CPU's C kernels build here, once per machine)
-            self.sampler = StepSampler(self.batch, self.device, config.model.seed)
+            self.sampler = StepSampler(self.batch, self.device, config.model.seed, custom)
         self.race: VocabRace | None = None  # plain steps' sampling over each rank's slice of the vocabulary
         # GPU: the first steps' Triton kernels compile on a thread pool while the model is built (kernel_warmup)
         with KernelPrecompile(self, config.compilation.compile_threads) as precompile:
