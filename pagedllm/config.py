@@ -308,7 +308,7 @@ class EngineConfig:
     guided_decoding_backend: str = "auto"  # structured outputs' default backend: auto | xgrammar | guidance
     logits_processors: tuple = ()  # engine-wide LogitsProcessor classes (sample/custom_logits.py); the driver's
 
-    # vLLM's names (VllmConfig.model_config, ...) of the parts, as its scripts read them
+    # vLLM's names (VllmConfig.model_config, ...) of the parts, as its scripts and logits processors read them
     model_config = property(lambda self: self.model)
     cache_config = property(lambda self: self.cache)
     scheduler_config = property(lambda self: self.scheduler)
@@ -316,12 +316,6 @@ class EngineConfig:
     device_config = property(lambda self: self.device)
     compilation_config = property(lambda self: self.compilation)
     lora_config = property(lambda self: self.lora)
-
-    # vLLM's VllmConfig names of the others (logits processor classes get this config as their vllm_config)
-    scheduler_config = property(lambda self: self.scheduler)
-    cache_config = property(lambda self: self.cache)
-    parallel_config = property(lambda self: self.parallel)
-    device_config = property(lambda self: self.device)
 
 
 def cpu_has_bf16() -> bool:
