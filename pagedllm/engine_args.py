@@ -119,6 +119,7 @@ class EngineArgs(CompatArgs):
     mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
     allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
     enable_mm_embeds: bool = False  # multi_modal_data may carry precomputed image embeddings (torch tensors)
+    enable_prompt_embeds: bool = False  # prompts may be input embeddings ({"prompt_embeds": tensor})
     media_io_kwargs: dict | None = None  # {"image": {"rgba_background_color": [R, G, B]}}: under transparent pixels
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
@@ -234,6 +235,7 @@ class EngineArgs(CompatArgs):
             runner=runner,
             pooler=pooler,
             model_impl=model_impl,
+            enable_prompt_embeds=self.enable_prompt_embeds,
         )
 
     def create_engine_config(self) -> EngineConfig:
