@@ -9,7 +9,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.inputs import TextPrompt, TokensPrompt
+from pagedllm.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.registry import ModelRegistry
@@ -48,6 +48,7 @@ __all__ = [
     "CompletionOutput",
     "TextPrompt",
     "TokensPrompt",
+    "EmbedsPrompt",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

@@ -126,6 +126,7 @@ class ModelConfig:
     runner: str = "generate"  # "generate" | "pooling" (embeddings, classifiers: no KV cache, no sampler)
     pooler: Any = None  # pooling.config.PoolingSpec of a pooling model
     model_impl: str = "pagedllm"  # resolved: "pagedllm" (native class) | "transformers" (the fallback)
+    enable_prompt_embeds: bool = False  # prompts may be input embeddings (pagedllm/prompt_embeds.py)
 
     @property
     def vocab_size(self) -> int:

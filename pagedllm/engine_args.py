@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from pagedllm import envs
 from pagedllm.config import (
     CacheConfig,
     CompilationConfig,
@@ -23,6 +22,7 @@ from pagedllm.config import (
     parse_dtype,
     resolve_seed,
 )
+from pagedllm.engine_checks import check_kv_cache_dtype, check_max_model_len, check_not_quantized
 from pagedllm.engine_compat import SERVER_FLAGS, CompatArgs, attention_backend, check_compat_args
 from pagedllm.layers.q4_linear import q4_kernel_available
 from pagedllm.layers.quantization import bnb_load_format, resolve_quantization
@@ -120,6 +120,7 @@ class EngineArgs(CompatArgs):
     mm_processor_kwargs: dict | None = None  # passed to the model's transformers processor for every prompt
     allowed_local_media_path: str = ""  # chat image_url file:// paths are read only under this directory
     enable_mm_embeds: bool = False  # multi_modal_data may carry precomputed image embeddings (torch tensors)
+    enable_prompt_embeds: bool = False  # prompts may be input embeddings ({"prompt_embeds": tensor})
     media_io_kwargs: dict | None = None  # {"image": {"rgba_background_color": [R, G, B]}}: under transparent pixels
     disable_log_stats: bool = False  # the server's periodic stats line (offline LLM logs none)
     disable_log_requests: bool = False  # the server's per-request log lines
@@ -189,7 +190,7 @@ class EngineArgs(CompatArgs):
         if not archs:
             raise ValueError(f"model {path!r}: config.json names no `architectures`")
         model_impl = resolve_model_impl(archs[0], self.model_impl)
-        _check_not_quantized(path, hf_config)
+        check_not_quantized(path, hf_config)
         quantization = resolve_quantization(requested, hf_config, is_gguf=path.endswith(".gguf"))
         check_load_format(path, load_format)
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -206,7 +207,7 @@ class EngineArgs(CompatArgs):
         max_len = longest if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
-        _check_max_model_len(max_len, longest)
+        check_max_model_len(max_len, longest)
         is_gguf = path.endswith(".gguf")
         dtype = parse_dtype(self.dtype, config_dtype, device, quantized=is_gguf)
         keep_q4 = (
@@ -236,6 +237,7 @@ class EngineArgs(CompatArgs):
             runner=runner,
             pooler=pooler,
             model_impl=model_impl,
+            enable_prompt_embeds=self.enable_prompt_embeds,
         )
 
     def create_engine_config(self) -> EngineConfig:
@@ -275,7 +277,7 @@ class EngineArgs(CompatArgs):
             cache_dtype=self.kv_cache_dtype,
         )
         attention = attention_backend(self.attention_backend, device)
-        _check_kv_cache_dtype(cache.cache_dtype, device, attention, model.runner)
+        check_kv_cache_dtype(cache.cache_dtype, device, attention, model.runner)
         scheduler = SchedulerConfig(
             max_num_seqs=DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens
@@ -388,75 +390,6 @@ def parse_device(device: str | torch.device | None) -> torch.device:
                 f"device={device!r}: this machine has {count} CUDA GPU(s): allowed cuda:0 to cuda:{count - 1}"
             )
     return dev
-
-
-def _check_kv_cache_dtype(cache_dtype: str, device: torch.device, attention_backend: str, runner: str) -> None:
-    """An FP8 KV cache is written and read by the Triton attention kernels only: refuse it elsewhere."""
-    if cache_dtype == "auto":
-        return
-    from pagedllm.kernels import triton_available
-
-    where = None
-    if device.type != "cuda":
-        where = f"device={str(device)!r}"
-    elif attention_backend == "torch":
-        where = "attention_backend='torch'"
-    elif not triton_available():
-        where = "this install, which lacks triton"
-    elif runner == "pooling":
-        where = "a pooling model (its encoder attention keeps no cache)"
-    elif cache_dtype != "fp8_e5m2" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(
-            f"kv_cache_dtype={cache_dtype!r} (FP8 E4M3) needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-            f"this one is {torch.cuda.get_device_capability(device)}: use kv_cache_dtype='fp8_e5m2' or 'auto'"
-        )
-    if where is not None:
-        raise ValueError(
-            f"kv_cache_dtype={cache_dtype!r} is not supported on {where}: an FP8 KV cache needs a CUDA device and "
-            "the Triton attention backend; use kv_cache_dtype='auto'"
-        )
-
-
-def _check_not_quantized(path: str, hf_config) -> None:
-    """A checkpoint quantized in a format no registered QuantizationConfig reads (HQQ, ...) is
-    refused before anything loads, naming the format and the supported ones; a supported one has its
-    quantization_config read here, so that a scheme it cannot run is refused before loading too."""
-    from pagedllm.layers.quantization import (
-        checkpoint_quantization,
-        quantization_config_from_hf,
-        supported_quantizations,
-    )
-
-    method = checkpoint_quantization(hf_config)
-    if method is None:
-        return
-    supported = supported_quantizations()
-    if method in supported:
-        quantization_config_from_hf(hf_config)
-        return
-    raise ValueError(
-        f"model {path!r} is quantized (config.json quantization_config.quant_method={method!r}): this quantization "
-        f"method is not supported yet (supported: {supported}); use an unquantized checkpoint (float32, float16 or "
-        "bfloat16) or a GGUF file"
-    )
-
-
-def _check_max_model_len(max_len: int, longest: int) -> None:
-    if max_len <= longest:
-        return
-    allowed = envs.allow_long_max_model_len()
-    if allowed is not None:
-        logger.warning(
-            "max_model_len=%d is longer than the model's %d (%s is set): outputs past %d tokens may be wrong",
-            max_len, longest, allowed, longest,
-        )  # fmt: skip
-        return
-    raise ValueError(
-        f"max_model_len={max_len} is out of range: [1, {longest}] (the model's max_position_embeddings or "
-        "trained length, in its config, times its rope scaling factor); a longer one may give wrong outputs or "
-        "fail. To allow it anyway, set the environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or "
-        "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
-    )
 
 
 _HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")

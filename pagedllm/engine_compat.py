@@ -110,7 +110,6 @@ class CompatArgs:
     data_parallel_hybrid_lb: bool = _only(False, _DP)
     data_parallel_backend: str = _only("mp", _DP)
     calculate_kv_scales: bool = _only(False, "FP8 KV-cache scales are not computed at run time")
-    enable_prompt_embeds: bool = _only(False, "prompts are text or token ids, not embeddings")
     interleave_mm_strings: bool = _only(False, "chat content is text parts and media parts")
     mm_encoder_tp_mode: str = _only("weights", "the vision encoder's weights are split by tensor parallelism")
     mm_encoder_attn_backend: str | None = _only(None, "the vision encoder uses torch attention")

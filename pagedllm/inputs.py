@@ -1,8 +1,12 @@
-"""Prompt types accepted by `LLM.generate`: a str, a TextPrompt, a TokensPrompt or a list of token ids."""
+"""Prompt types accepted by `LLM.generate`: a str, a TextPrompt, a TokensPrompt, an EmbedsPrompt or a list of token
+ids."""
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TextPrompt(TypedDict):
@@ -17,4 +21,12 @@ class TokensPrompt(TypedDict):
     cache_salt: NotRequired[str]
 
 
-PromptType = str | TextPrompt | TokensPrompt | list[int]
+class EmbedsPrompt(TypedDict):
+    """The prompt as the model's input embeddings, [seq_len, hidden_size] (e.g. `get_input_embeddings()(ids)` of
+    the HF model): the engine must be built with enable_prompt_embeds=True."""
+
+    prompt_embeds: torch.Tensor
+    cache_salt: NotRequired[str]
+
+
+PromptType = str | TextPrompt | TokensPrompt | EmbedsPrompt | list[int]

@@ -59,7 +59,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None: a prompt of embeddings (EmbedsPrompt), as vLLM's
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

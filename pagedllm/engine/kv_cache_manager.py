@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagedllm.engine.request import Request
+from pagedllm.prompt_embeds import block_keys
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,6 +35,8 @@ class KVCacheManager:
             extra = first if i == 0 else ()
             if request.mm_features:  # the items whose placeholders the block holds: other images, other keys
                 extra += tuple(f.identifier for f in request.mm_features if f.offset < (i + 1) * bs and f.end > i * bs)
+            if request.prompt_embeds is not None and i * bs < len(request.prompt_embeds):  # never a token block's
+                extra += block_keys(request.prompt_embeds, i * bs, (i + 1) * bs)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
 
     def _looks_up(self, request: Request) -> bool:

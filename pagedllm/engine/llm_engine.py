@@ -16,14 +16,16 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestState, Sequ
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.metrics import PREFIX, Gauge, Metric, engine_metrics
 from pagedllm.outputs import RequestOutput
+from pagedllm.prompt_embeds import PLACEHOLDER_ID, check_embeds, check_engine, embeds_of
 from pagedllm.sampling_params import SamplingParams
 
 _MM_KEYS = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", *_MM_KEYS}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", *_MM_KEYS}
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
+        check_engine(config)  # enable_prompt_embeds on a model that cannot take them: refused before loading
         self.config = config
         self.tokenizer = tokenizer
         self.core = EngineCore(config)
@@ -127,6 +129,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request=None,
         mm_features: list | None = None,
+        prompt_embeds=None,
     ) -> tuple[list[Request], RequestState]:
         """Checks a request against the model and the cache without admitting it (raises ValueError).
 
@@ -135,10 +138,16 @@ class LLMEngine:
 
         lora_request: a LoRARequest (read and checked here the first time its id is seen), None: the base model.
 
+        prompt_embeds: a tensor [seq_len, hidden] given instead of prompt_token_ids (pagedllm/prompt_embeds.py).
+
         Returns the core requests (one per sequence: n, or best_of) and the state that gathers their output."""
         model = self.config.model
         for cls in self.config.logits_processors:  # engine-wide logits processor classes check extra_args
             cls.validate_params(params)
+        if prompt_embeds is not None:  # checked and truncated; placeholder ids stand for its positions
+            hidden = model.hf_config.hidden_size
+            prompt_embeds = check_embeds(prompt_embeds, hidden, params.truncate_prompt_tokens, model.max_model_len)
+            prompt_token_ids = [PLACEHOLDER_ID] * len(prompt_embeds)
         if mm_features and params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens: a prompt with images cannot be truncated (it would cut them)")
         if params.truncate_prompt_tokens is not None:
@@ -191,18 +200,21 @@ class LLMEngine:
         compiled = None  # the grammar's compilation (shared by the request's sequences), started now
         if params.structured_outputs is not None:
             compiled = self.structured_output_manager().grammar(params.structured_outputs)
-        requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt)
+        requests, state = self._sequences(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt,
+                                          prompt_embeds)  # fmt: skip
         state.lora_request = lora_request
         for req in requests:
             req.lora_request = lora_request
             req.mm_features = list(mm_features or [])
+            req.prompt_embeds = prompt_embeds
         for req in requests if compiled is not None else []:
             manager = self.structured_output_manager()
             req.grammar = manager.request_grammar(compiled, prompt_token_ids, self.reasoning_markers)  # a matcher each
         return requests, state
 
-    def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt):
-        """n (or best_of) sequences of one request; with a seed, sequence i draws from seed + i."""
+    def _sequences(self, request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt, embeds=None):
+        """n (or best_of) sequences of one request; with a seed, sequence i draws from seed + i. A prompt of
+        embeddings (embeds): its text starts with no prompt context, and its output has no prompt ids (as vLLM's)."""
         count = params.best_of or params.n
         tokenizer = None if self.config.model.skip_tokenizer_init else self.tokenizer
         requests, seqs = [], {}
@@ -218,8 +230,10 @@ class LLMEngine:
             requests.append(
                 Request(seq_id, prompt_token_ids, seq_params, self.eos_token_id, max_tokens, cache_salt, vocab)
             )
-            seqs[seq_id] = SequenceState(i, prompt_token_ids, seq_params, tokenizer, report)
-        return requests, RequestState(request_id, prompt, prompt_token_ids, params.n, seqs, requests)
+            seqs[seq_id] = SequenceState(i, prompt_token_ids if embeds is None else [], seq_params, tokenizer, report)
+        state = RequestState(request_id, prompt, prompt_token_ids, params.n, seqs, requests)
+        state.from_embeds = embeds is not None
+        return requests, state
 
     def add_lora(self, lora_request) -> bool:
         """Reads and checks a LoRA adapter (ValueError naming what is wrong) and keeps it ready; False if its id was
@@ -269,12 +283,13 @@ class LLMEngine:
             raise ValueError(f"priority={priority!r}: only first-come-first-served order is supported (priority 0)")
         if trace_headers:
             raise ValueError("trace_headers: pagedllm has no OpenTelemetry tracing")
-        features, salt = [], None
+        features, salt, embeds = [], None, None
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - _PROMPT_KEYS)
             if unknown:
                 raise ValueError(f"prompt.{unknown[0]}: not supported; a prompt dict takes {sorted(_PROMPT_KEYS)}")
             salt = prompt.get("cache_salt")
+            embeds = embeds_of(prompt, self.config.model.enable_prompt_embeds)
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise ValueError(f"prompt.cache_salt={salt!r}: must be a non-empty string")
             data = prompt.get("multi_modal_data")
@@ -288,9 +303,9 @@ class LLMEngine:
                 ids, features = self.process_multimodal(prompt.get("prompt"), data, prompt.get("mm_processor_kwargs"))
                 apply_uuids(features, data, prompt.get("multi_modal_uuids"), "prompt")
                 prompt = {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}
-        text, token_ids = self.parse_prompt(prompt, prompt_text, tokenization_kwargs)
+        text, token_ids = self.parse_prompt(prompt, prompt_text, tokenization_kwargs) if embeds is None else (None, [])
         params = params if params is not None else SamplingParams()
-        requests, state = self.make_request(text, token_ids, params, request_id, salt, lora_request, features)
+        requests, state = self.make_request(text, token_ids, params, request_id, salt, lora_request, features, embeds)
         if arrival_time is not None:
             state.arrival_time = arrival_time - (time.time() - time.monotonic())  # kept on the monotonic clock
         self.add(requests, state)

@@ -123,6 +123,7 @@ class RequestState:
         self.req_id = req_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.from_embeds = False  # a prompt of embeddings: placeholder ids here, None in its outputs (as vLLM's)
         self.n = n
         self.sequences = sequences  # core request id -> sequence
         self.num_cached_tokens = 0
@@ -157,7 +158,7 @@ class RequestState:
         return RequestOutput(
             request_id=self.req_id,
             prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
+            prompt_token_ids=None if self.from_embeds else self.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,

@@ -65,6 +65,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, filled by the KV manager
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)
         self.grammar = None  # its RequestGrammar (structured outputs), set by the engine; None: unconstrained
+        # [num_prompt_tokens, hidden] CPU tensor of a prompt given as embeddings (its prompt ids are placeholders)
+        self.prompt_embeds = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -96,8 +98,8 @@ class Request:
         """Whether drafts may be verified for it: bad words and logits processors read the request's output tokens
         on the host, without the drafts before each draft position (penalties count them: sample/adjust.py). A
         grammar may: its matcher is advanced over the drafts for one mask per position (structured_output/)."""
-        params = self.sampling_params
-        return not (params.bad_words_token_ids or params.logits_processors)
+        params = self.sampling_params  # (a prompt of embeddings: no drafts, proposers read its placeholder ids)
+        return not (params.bad_words_token_ids or params.logits_processors or self.prompt_embeds is not None)
 
     def min_tokens_stop_ids(self) -> list[int]:
         """The tokens that may not be sampled before min_tokens outputs: EOS (unless ignored) and stop ids."""

@@ -342,6 +342,7 @@ class Scheduler:
                     req.lora_request,
                     req.mm_features,
                     bool(req.sampling_params.logits_processors),
+                    req.prompt_embeds,
                 )
             )
             num_scheduled[req.request_id] = n

@@ -20,6 +20,7 @@ from pagedllm.metrics import Metric
 from pagedllm.multimodal.hashing import apply_uuids
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.prompt_embeds import check_engine, embeds_of
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.startup import StartupTimer, log_split, startup_split
 from pagedllm.tokenizer import get_tokenizer
@@ -106,6 +107,7 @@ class LLM(PoolingAPI):
             with timer.phase("tokenizer"):
                 tok = get_tokenizer(config.model.model_path, tokenizer, trust_remote_code,
                                     args.tokenizer_revision or revision, args.download_dir)  # fmt: skip
+        check_engine(config)  # enable_prompt_embeds where the model cannot take them (a pooling model, ...)
         engine_cls = PoolingEngine if config.model.runner == "pooling" else LLMEngine
         with timer.phase("engine"):
             if self.data_parallel is None:
@@ -208,10 +210,14 @@ class LLM(PoolingAPI):
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
         if any(kwargs.get("priority") or []):
             raise ValueError("priority: only the default first-come-first-served order is supported")
-        if isinstance(prompts, dict) and "prompt" not in prompts and "prompt_token_ids" not in prompts:
-            raise ValueError("prompts: a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompts, dict) and not {"prompt", "prompt_token_ids", "prompt_embeds"} & set(prompts):
+            raise ValueError("prompts: a prompt dict needs a 'prompt', 'prompt_token_ids' or 'prompt_embeds' key")
         prompt_list = _as_prompt_list(prompts)
-        parsed = [self._parse_prompt_mm(p, i) for i, p in enumerate(prompt_list)]
+        enabled = self.llm_engine.config.model.enable_prompt_embeds
+        embeds = [embeds_of(p, enabled, f"prompts[{i}]") if isinstance(p, dict) else None
+                  for i, p in enumerate(prompt_list)]  # fmt: skip
+        parsed = [self._parse_prompt_mm(p, i) if e is None else (None, [], []) for i, (p, e) in
+                  enumerate(zip(prompt_list, embeds))]  # fmt: skip
         if not parsed:
             raise ValueError("prompts is empty: give at least one prompt")
         if sampling_params is None:
@@ -219,6 +225,8 @@ class LLM(PoolingAPI):
         params_list = _params_list(sampling_params, len(parsed))
         loras = lora_list(kwargs.get("lora_request"), len(parsed))
         if any(p.use_beam_search for p in params_list):
+            if any(e is not None for e in embeds):
+                raise ValueError("use_beam_search: beam search takes text or token prompts (no prompt_embeds)")
             if any(features for _, _, features in parsed):
                 raise ValueError("use_beam_search: beam search takes text prompts only (no multi_modal_data)")
             pairs = zip(parsed, params_list, loras)
@@ -227,8 +235,10 @@ class LLM(PoolingAPI):
         salts = [_cache_salt(p, i) for i, p in enumerate(prompt_list)]
         # Validate every request before any enters the engine.
         pending = [
-            engine.make_request(text, ids, params, cache_salt=salt, lora_request=lora, mm_features=features)
-            for (text, ids, features), params, salt, lora in zip(parsed, params_list, salts, loras)
+            engine.make_request(
+                text, ids, params, cache_salt=salt, lora_request=lora, mm_features=features, prompt_embeds=e
+            )  # fmt: skip
+            for (text, ids, features), params, salt, lora, e in zip(parsed, params_list, salts, loras, embeds)
         ]
         return self._run(pending, use_tqdm)
 
@@ -314,6 +324,8 @@ class LLM(PoolingAPI):
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
+            if prompt.get("prompt_embeds") is not None:  # (generate handles them; beam search not)
+                raise ValueError(f"prompts[{index}].prompt_embeds: beam search takes text or token prompts")
             if self._takes_multimodal() and prompt.get("multi_modal_data"):  # (generate handles them; beam search not)
                 raise ValueError(f"prompts[{index}].multi_modal_data: beam search takes text prompts only")
             for key in _MULTIMODAL_KEYS if not self._takes_multimodal() else ():
@@ -419,7 +431,7 @@ class _ProgressBar:
         self.in_tokens = self.out_tokens = 0
 
     def update(self, out: RequestOutput) -> None:
-        self.in_tokens += len(out.prompt_token_ids)
+        self.in_tokens += len(out.prompt_token_ids or ())  # (None: a prompt of embeddings)
         self.out_tokens += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.postfix = (

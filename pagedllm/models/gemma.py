@@ -22,9 +22,8 @@ class GemmaModel(LlamaModel):
     layer_cls = GemmaDecoderLayer
     norm_cls = GemmaRMSNorm
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        return x * torch.tensor(self.embed_tokens.weight.shape[1] ** 0.5, dtype=x.dtype)  # rounded as HF rounds it
+    def embed_inputs(self, embeds: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        return embeds * torch.tensor(self.embed_tokens.weight.shape[1] ** 0.5, dtype=embeds.dtype)  # as HF rounds it
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -42,8 +42,8 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 class GraniteModel(LlamaModel):
     layer_cls = GraniteDecoderLayer
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier  # [num_tokens, hidden]
+    def embed_inputs(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds * self.embedding_multiplier  # [num_tokens, hidden]
 
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = "", *, max_position: int

@@ -229,7 +229,12 @@ class LlamaModel(nn.Module):
         return RotaryEmbedding(head_dim_of(config), max_position, *rope_parameters(config))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        return self.embed_inputs(self.embed_tokens(input_ids))  # [num_tokens, hidden]
+
+    def embed_inputs(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder's input from rows of the input-embedding table (HF's `inputs_embeds`, what
+        `get_input_embeddings()` gives): a family that scales them (Gemma, Granite) overrides this."""
+        return embeds
 
     def forward(
         self,

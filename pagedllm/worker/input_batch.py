@@ -40,6 +40,7 @@ class InputBatch:
         self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # the request's LoRA adapter id, 0: the base model
         self.params: dict[int, SamplingParams] = {}  # row -> the request's sampling parameters (plain data)
         self.logits_processors: dict[int, list[Callable]] = {}  # row -> the request's logits processors, if any
+        self.prompt_embeds: dict[int, object] = {}  # row -> [num_prompt, hidden] CPU tensor of a prompt of embeddings
         # which admission a row holds (a row given again, even to a request with the same id, gets a new one)
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self._num_admitted = 0
@@ -63,6 +64,8 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.params[row] = params
+        if new.prompt_embeds is not None:
+            self.prompt_embeds[row] = new.prompt_embeds
         if logits_processors:
             self.logits_processors[row] = list(logits_processors)
         else:
@@ -99,6 +102,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.free_rows.append(row)
+            self.prompt_embeds.pop(row, None)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]

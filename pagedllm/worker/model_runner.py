@@ -31,6 +31,7 @@ from pagedllm.startup import StartupTimer
 from pagedllm.worker.cuda_graphs import make_graph_runner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kernel_warmup import KernelPrecompile, first_steps, sampler_steps
+from pagedllm.worker.prompt_embeds import forward_with_prompt_embeds, step_embeds
 from pagedllm.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.step_future import StepFuture
 from pagedllm.worker.verify_graphs import make_verify_graphs, pick_graph
@@ -349,8 +350,11 @@ class ModelRunner:
         # M-RoPE positions of a step with multimodal requests (Qwen2-VL): [3, num_tokens] or [num_tokens], else None
         mrope = None if self.mm is None else self.mm.step_positions(flat.req_ids, flat.query_start_loc, flat.positions)
         positions = flat.positions if mrope is None else mrope
-        picked = None  # a step with image tokens (spans) or 3D positions runs eagerly (graphs take 1D positions)
-        if mm is None and positions.ndim == 1:
+        embeds = None  # (rows, embeddings) of a prompt chunk given as embeddings: worker/prompt_embeds.py
+        if self.batch.prompt_embeds:
+            embeds = step_embeds(self.batch, flat, self.device, self.config.model.dtype)
+        picked = None  # a step with image tokens (spans), prompt embeddings or 3D positions runs eagerly
+        if mm is None and embeds is None and positions.ndim == 1:
             picked = pick_graph(self.graphs, self.verify_graphs, np.diff(flat.query_start_loc))
         if picked is not None:  # decodes, or verify rows of at most K + 1 tokens: a graph of the padded size
             graphs, graph_bs, query_lens = picked
@@ -380,13 +384,15 @@ class ModelRunner:
         with forward_context(meta, lora):
             if self.stage is not None:  # this stage's layers, sent on (the first stage: the final hidden's receive)
                 return self.stage.run(self.model, input_ids, self._to_device(positions), mm)
-            return self.forward(input_ids, self._to_device(positions), mm)
+            return self.forward(input_ids, self._to_device(positions), mm, embeds)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm=None) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm=None, embeds=None) -> torch.Tensor | None:
         """The model over the step's tokens (inside its forward context): hidden [num_tokens, hidden]; with
         pipeline parallelism through every stage and back (the memory profile's forward), and None on the stages
         after the first. mm: (flat rows [n], embeddings [n, hidden]) of image placeholder tokens (a vision-language
-        model's)."""
+        model's); embeds: (flat rows [n], embeddings [n, hidden]) of prompt positions given as embeddings."""
+        if embeds is not None:
+            return forward_with_prompt_embeds(self.model, input_ids, positions, embeds)
         if self.stage is None:
             return self.model(input_ids, positions) if mm is None else self.model(input_ids, positions, mm_embeds=mm)
         final = self.stage.run(self.model, input_ids, positions, mm)

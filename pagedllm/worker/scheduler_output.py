@@ -28,6 +28,7 @@ class NewRequestData:
     lora_request: Any = None  # the request's LoRARequest (plain data: name, id, folder); None: the base model
     mm_features: list = field(default_factory=list)  # MultiModalFeature per item (tensors, hash, placeholder span)
     has_logits_processors: bool = False  # its params had logits processors (they stay in the engine's process)
+    prompt_embeds: Any = None  # [num_prompt_tokens, hidden] CPU tensor of a prompt given as embeddings
 
 
 @dataclass

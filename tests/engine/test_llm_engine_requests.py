@@ -117,7 +117,7 @@ def test_add_request_keywords_of_vllm(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match=r"priority=1: only first-come-first-served"):
         engine.add_request("p", [1, 2], LONG, priority=1)
-    with pytest.raises(ValueError, match=r"prompt\.prompt_embeds: not supported"):
+    with pytest.raises(ValueError, match=r"prompt\.prompt_embeds: .* enable_prompt_embeds=True"):
         engine.add_request("p", {"prompt_embeds": [0.0]}, LONG)
     with pytest.raises(ValueError, match=r"prompt\.mm_processor_kwargs: LlamaForCausalLM is a text-only model"):
         engine.add_request("p", {"prompt_token_ids": [1, 2], "mm_processor_kwargs": {}}, LONG)

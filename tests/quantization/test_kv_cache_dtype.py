@@ -160,11 +160,11 @@ def test_serve_flag_reaches_the_engine(tiny, capsys):
 )
 def test_e4m3_cache_needs_ada_or_newer(monkeypatch, capability, value, ok):
     """Triton converts E4M3 on compute capability 8.9+ only (E5M2 on 8.0+): an A100 is told to use fp8_e5m2."""
-    from pagedllm import engine_args, kernels
+    from pagedllm import engine_checks, kernels
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(kernels, "triton_available", lambda: True)
-    check = lambda: engine_args._check_kv_cache_dtype(value, torch.device("cuda"), "auto", "generate")  # noqa: E731
+    check = lambda: engine_checks.check_kv_cache_dtype(value, torch.device("cuda"), "auto", "generate")  # noqa: E731
     if ok:
         check()
     else:

@@ -211,6 +211,7 @@ class AsyncEngine:
                     rid,
                     cache_salt=cache_salt,
                     mm_features=getattr(prompt, "mm_features", None),
+                    prompt_embeds=getattr(prompt, "prompt_embeds", None),  # (serving_embeds.EmbedsPair)
                     **lora,
                 )
                 for rid, prompt in zip(ids, prompts)

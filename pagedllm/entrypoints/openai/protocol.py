@@ -122,7 +122,8 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: list[int] | list[list[int]] | str | list[str] = Field(examples=["The capital of France is"])
+    prompt: list[int] | list[list[int]] | str | list[str] | None = Field(None, examples=["The capital of France is"])
+    prompt_embeds: str | list[str] | None = None  # base64 torch.save'd tensors (--enable-prompt-embeds)
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None

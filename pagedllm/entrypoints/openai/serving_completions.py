@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedllm.entrypoints.openai.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, from_value_error, now
 from pagedllm.entrypoints.openai.serving_beam import beam_search, refuse_with_beam_search
+from pagedllm.entrypoints.openai.serving_embeds import decode_prompt_embeds, embeds_pairs
 from pagedllm.entrypoints.openai.serving_structured import grammar_check, structured_outputs
 from pagedllm.entrypoints.openai.serving_utils import (
     ServerState,
@@ -40,6 +41,7 @@ class _Job:
     created: int
     tokenizer: object
     echo_only: bool  # echo with max_tokens=0: the prompt alone (one token is generated and dropped)
+    embeds_lens: dict | None = None  # request id -> prompt length of a prompt of embeddings (no prompt ids)
 
     def chunk(self, choices: list[dict], finals: dict | None = None) -> dict:
         """A stream chunk; with continuous_usage_stats, the usage so far of the outputs in `finals`."""
@@ -79,14 +81,16 @@ def _tokenize(state: ServerState, tokenizer, items: list, req: CompletionRequest
     return make_prompts
 
 
-def _check(state: ServerState, req: CompletionRequest) -> list:
-    """The request's prompts, after the checks that need no tokenizer."""
+def _check(state: ServerState, req: CompletionRequest, num_embeds: int) -> list:
+    """The request's text / token prompts, after the checks that need no tokenizer."""
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
     if req.stream and req.prompt_logprobs is not None:
         raise bad("prompt_logprobs are not available when stream=true (as vLLM)", "prompt_logprobs")
-    items = _prompt_items(req.prompt)
-    if not items or any(not p for p in items):
+    if req.prompt is None and not num_embeds:
+        raise bad("prompt: give prompt or prompt_embeds", "prompt")
+    items = _prompt_items(req.prompt) if req.prompt is not None else []
+    if (not items and not num_embeds) or any(not p for p in items):
         raise bad("prompt is empty: give at least one prompt, each with at least one token", "prompt")
     check_limit(len(items), state.limits.max_prompts, "prompt")
     check_limit(req.logprobs, state.limits.max_logprobs, "logprobs")
@@ -97,7 +101,13 @@ def _check(state: ServerState, req: CompletionRequest) -> list:
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     model = state.check_model(req.model)
     state.require_generate()
-    items = _check(state, req)
+    engine_config = state.engine.engine.config
+    embeds = []  # prompts of embeddings (serving_embeds.py)
+    if req.prompt_embeds is not None:
+        embeds = decode_prompt_embeds(req.prompt_embeds, engine_config.model.enable_prompt_embeds)
+    items = _check(state, req, len(embeds))
+    if embeds and req.echo:
+        raise bad("echo: a prompt of embeddings has no text or tokens to echo", "echo")
     state.apply_defaults(req)
     echo_only = bool(req.echo) and req.max_tokens == 0
     prompt_logprobs = req.prompt_logprobs
@@ -109,9 +119,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise bad("best_of must equal n when streaming (the best sequences are known only at the end)", "best_of")
     job = _Job(req, model, response_id("cmpl", req, raw), now(), state.llm.get_tokenizer(), echo_only)
     make_prompts = _tokenize(state, job.tokenizer, items, req)
+    if embeds:  # first, as vLLM's
+        make_prompts = _with_embeds(job, embeds, engine_config, make_prompts)
     check = context_check(state.max_model_len, req.max_tokens, req.truncate_prompt_tokens)
     check = grammar_check(state.engine.engine, params, structured_outputs(req)[1], check)
     if params.use_beam_search:
+        if embeds:
+            raise bad("prompt_embeds: beam search takes text or token prompts", "prompt_embeds")
         refuse_with_beam_search(bool(req.stream), req.logprobs is not None, req.prompt_logprobs is not None)
         lora = state.lora_request(req.model)
         work = beam_search(state.engine, make_prompts, params, job.request_id, check, req.cache_salt, lora)
@@ -122,7 +136,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     try:
         stream = await state.engine.generate(
             make_prompts,
-            len(items),
+            len(embeds) + len(items),
             params,
             job.request_id,
             check=check,
@@ -188,8 +202,21 @@ def _response(job: _Job, finals: list[RequestOutput]) -> dict:
     return {**body, "choices": choices, "usage": _usage(job, finals)}
 
 
+def _with_embeds(job: _Job, embeds: list, config, make_prompts):
+    """make_prompts with the prompts of embeddings in front (checked in the preparation thread too)."""
+
+    def make() -> list:
+        model, truncate = config.model, job.req.truncate_prompt_tokens
+        pairs = embeds_pairs(embeds, model.hf_config.hidden_size, truncate, model.max_model_len)
+        job.embeds_lens = {f"{job.request_id}-{i}": len(ids) for i, (_, ids) in enumerate(pairs)}
+        return pairs + make_prompts()
+
+    return make
+
+
 def _usage(job: _Job, finals: list[RequestOutput]) -> dict:
-    num_prompt = sum(len(out.prompt_token_ids) for out in finals)
+    lens = job.embeds_lens or {}
+    num_prompt = sum(len(out.prompt_token_ids or ()) or lens.get(out.request_id, 0) for out in finals)
     num_generated = sum(len(_generated(job, c)[1]) for out in finals for c in out.outputs)
     return usage(num_prompt, num_generated, sum(out.num_cached_tokens for out in finals))
 
