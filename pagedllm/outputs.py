@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,3 +67,28 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, compare=False)  # timings differ between equal outputs
     lora_request: Any = field(default=None, compare=False)  # the LoRARequest that served it (None: the base model)
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Merges a later output of the same request into this one (vLLM's RequestOutput.add), for a reader slower
+        than the engine. aggregate=True (DELTA outputs): each sequence's text, token ids and logprobs are appended
+        to; False (cumulative outputs): each sequence is replaced by its newer output."""
+        self.finished = self.finished or next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics
+        if next_output.prompt_logprobs is not None or not aggregate:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        by_index = {c.index: i for i, c in enumerate(self.outputs)}
+        for new in next_output.outputs:
+            i = by_index.get(new.index)
+            if i is None:
+                by_index[new.index] = len(self.outputs)
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[i] = new
+            else:
+                old = self.outputs[i]
+                logprobs = old.logprobs if new.logprobs is None else [*(old.logprobs or []), *new.logprobs]
+                self.outputs[i] = dataclasses.replace(
+                    new, text=old.text + new.text, token_ids=[*old.token_ids, *new.token_ids], logprobs=logprobs
+                )
+        self.outputs.sort(key=lambda c: c.index)

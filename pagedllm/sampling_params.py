@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,17 @@ MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is out of range: {allowed}")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed RequestOutput of a request carries (vLLM's values). CUMULATIVE: everything generated so
+    far; DELTA: only what is new since the request's previous output (cumulative_logprob stays a running total,
+    prompt_logprobs come once, in the first); FINAL_ONLY: no output until the request finishes, then the whole.
+    LLM.generate returns whole final outputs whatever a request asks."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -132,6 +144,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
     extra_args: dict | None = None  # for engine-wide logits processor classes (LLM(logits_processors=)); never read
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what LLMEngine.step / AsyncLLMEngine stream
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -146,6 +159,7 @@ class SamplingParams:
         self.stop_token_ids = list(ids or [])
         self._validate()
         self._validate_structured()
+        self._validate_output_kind()
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
@@ -224,6 +238,18 @@ class SamplingParams:
         self.structured_outputs = self.guided_decoding = so or gd
         if self.structured_outputs is not None and self.use_beam_search:
             raise ValueError("structured_outputs cannot be combined with use_beam_search")
+
+    def _validate_output_kind(self) -> None:
+        kind = self.output_kind
+        allowed = ", ".join(f"RequestOutputKind.{k.name} ({k.value})" for k in RequestOutputKind)
+        ok = isinstance(kind, int) and not isinstance(kind, bool) and kind in set(RequestOutputKind)
+        _check(ok, "output_kind", kind, allowed)
+        self.output_kind = RequestOutputKind(kind)
+        if self.output_kind == RequestOutputKind.DELTA and self.best_of not in (None, self.n):
+            raise ValueError(
+                f"output_kind=RequestOutputKind.DELTA needs best_of=None or best_of=n={self.n}, not "
+                f"best_of={self.best_of}: the n best sequences are known only at the end"
+            )
 
     def _validate_token_maps(self) -> None:
         if self.logit_bias is not None:

@@ -16,3 +16,15 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))  # no merges: one token per character
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def save_char_llama(name: str, tmp_path_factory) -> str:
+    """A tiny random Llama (tests/tiny_models.py) whose vocab is MODEL_VOCAB, saved with char_tokenizer(): a
+    tokenizer-backed model for text, stop strings and streaming tests."""
+    from tiny_models import TINY_DECODER, save_tiny_decoder
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(TINY_DECODER, vocab_size=MODEL_VOCAB, eos_token_id=EOS_ID, bos_token_id=None)
+    _, path = save_tiny_decoder(name, LlamaConfig, LlamaForCausalLM, kwargs, tmp_path_factory)
+    char_tokenizer().save_pretrained(path)
+    return path

@@ -369,8 +369,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """vLLM's step(): runs one engine step; returns the requests that finished in it and, with finished=False,
-        the output so far of the running requests that got tokens in it (cumulative text; a stop string is never
-        shown in part)."""
+        the running requests that got tokens in it, each as its output_kind asks: its output so far (CUMULATIVE),
+        what is new since its last output (DELTA), or nothing until it finishes (FINAL_ONLY). A stop string is never
+        shown in part."""
         finished = self.step_finished()
         return finished + self.output_processor.unfinished_outputs()
 

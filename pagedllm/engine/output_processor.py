@@ -1,7 +1,8 @@
 """OutputProcessor: turns the core's new tokens into RequestOutputs: text, stop strings, logprobs, finish reasons.
 
 A user request with n > 1 (or best_of > n) runs as several sequences in the core; its RequestState gathers them
-and reports once all are finished."""
+and reports once all are finished. Its outputs follow its SamplingParams.output_kind: cumulative, deltas since its
+last output, or the final one only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.scheduler import EngineCoreOutput
 from pagedllm.metrics import RequestStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _logprob_dict(ids: list[int], lps: list[float], ranks: list[int], tokenizer) -> dict[int, Logprob]:
@@ -55,6 +56,9 @@ class SequenceState:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # what earlier DELTA outputs carried: token ids, characters of text, logprob entries, the finish
+        self.sent_tokens = self.sent_chars = self.sent_logprobs = 0
+        self.sent_finish = False
 
     def add_logprobs(self, entries: list[tuple[list[int], list[float], list[int]]]) -> None:
         """One dict per new token: the sampled token and the top-k, token id -> Logprob(logprob, rank, text)."""
@@ -107,6 +111,30 @@ class SequenceState:
             stop_reason=self.stop_reason,
         )
 
+    def delta_output(self, index: int) -> CompletionOutput | None:
+        """What is new since the last delta (None: nothing): the token ids, the text now visible (held-back text
+        that may begin a stop string comes once it cannot), the logprob entries; cumulative_logprob stays a total."""
+        text = self.visible_text()
+        done = self.finish_reason is not None
+        new_ids = self.token_ids[self.sent_tokens :]
+        if not new_ids and len(text) <= self.sent_chars and (not done or self.sent_finish):
+            return None
+        new_text = text[self.sent_chars :]
+        logprobs = None
+        if self.report_logprobs and self.logprobs is not None:
+            logprobs = self.logprobs[self.sent_logprobs :]
+            self.sent_logprobs = len(self.logprobs)
+        self.sent_tokens, self.sent_chars, self.sent_finish = len(self.token_ids), max(len(text), self.sent_chars), done
+        return CompletionOutput(
+            index=index,
+            text=new_text,
+            token_ids=new_ids,
+            cumulative_logprob=self.cumulative_logprob if self.report_logprobs else None,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
 
 class RequestState:
     """A user request: its prompt and the sequences generated for it (n, or best_of to pick n from)."""
@@ -136,6 +164,9 @@ class RequestState:
         self.finished_time: float | None = None
         first = next(iter(sequences.values()))
         self.tokenizer = first.tokenizer
+        # LLM.generate sets FINAL_ONLY here (it returns whole outputs whatever the params ask)
+        self.output_kind = RequestOutputKind(first.params.output_kind)
+        self.sent_prompt_logprobs = False  # a DELTA output carried them (they come once)
         wants_prompt_logprobs = first.params.prompt_logprobs is not None
         self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if wants_prompt_logprobs else None
 
@@ -148,11 +179,34 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences.values())
 
-    def to_output(self) -> RequestOutput:
+    def chosen_sequences(self) -> list[SequenceState]:
+        """The sequences an output shows, in order: all of them, or with best_of the n with the highest
+        cumulative logprob."""
         seqs = sorted(self.sequences.values(), key=lambda s: s.index)
-        if len(seqs) > self.n:  # best_of: the n sequences with the highest cumulative logprob
+        if len(seqs) > self.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: self.n]
-        outputs = [s.to_output(i) for i, s in enumerate(seqs)]
+        return seqs
+
+    def make_output(self) -> RequestOutput | None:
+        """The output its output_kind asks for now (None: none, as FINAL_ONLY before the end or a DELTA with
+        nothing new). A DELTA output holds only the sequences with something new, each under its own index."""
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        if self.output_kind != RequestOutputKind.DELTA:
+            return self.to_output()
+        outputs = [c for s in self.chosen_sequences() if (c := s.delta_output(s.index)) is not None]
+        if not outputs and not self.finished:
+            return None
+        prompt_logprobs = None if self.sent_prompt_logprobs else self.prompt_logprobs
+        self.sent_prompt_logprobs = True
+        return self._request_output(outputs, prompt_logprobs)
+
+    def to_output(self) -> RequestOutput:
+        """The cumulative output: everything generated so far."""
+        outputs = [s.to_output(i) for i, s in enumerate(self.chosen_sequences())]
+        return self._request_output(outputs, self.prompt_logprobs)
+
+    def _request_output(self, outputs: list[CompletionOutput], prompt_logprobs: list | None) -> RequestOutput:
         for out in outputs if self.lora_request is not None else ():
             out.lora_request = self.lora_request
         return RequestOutput(
@@ -161,7 +215,7 @@ class RequestState:
             prompt_token_ids=None if self.from_embeds else self.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self._metrics(),
             lora_request=self.lora_request,
@@ -210,9 +264,11 @@ class OutputProcessor:
                 self.parent_of.pop(seq_id, None)
 
     def unfinished_outputs(self) -> list[RequestOutput]:
-        """The output so far (finished=False) of each running request that got tokens in the last process(), for
-        streaming; text that could be the start of a stop string is held back."""
-        return [self.states[r].to_output() for r in self.updated if r in self.states]
+        """The output (finished=False) of each running request that got tokens in the last process(), for
+        streaming, as its output_kind asks (none for FINAL_ONLY); text that could be the start of a stop string is
+        held back."""
+        outputs = (self.states[r].make_output() for r in self.updated if r in self.states)
+        return [out for out in outputs if out is not None]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """(finished request outputs, sequence ids the core must stop because a stop string matched)."""
@@ -242,8 +298,8 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             if state.finished:
                 state.finished_time = now
-                output = state.to_output()
-                self._record_finish(state, output)
+                output = state.make_output()
+                self._record_finish(state)
                 finished.append(output)
                 self.abort([state.req_id])
         return finished, to_abort
@@ -265,8 +321,9 @@ class OutputProcessor:
             stats.inter_token_latency.observe(now - state.last_token_time)
         state.last_token_time = now
 
-    def _record_finish(self, state: RequestState, output: RequestOutput) -> None:
-        reason = output.outputs[0].finish_reason if output.outputs else None
+    def _record_finish(self, state: RequestState) -> None:
+        chosen = state.chosen_sequences()
+        reason = chosen[0].finish_reason if chosen else None
         stats, now = self.stats, time.monotonic()
         if reason in stats.success_by_reason:
             stats.success_by_reason[reason] += 1

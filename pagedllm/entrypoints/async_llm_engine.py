@@ -1,5 +1,8 @@
-"""vLLM's AsyncLLMEngine for asyncio programs: `AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=...))`,
-`generate(prompt, params, request_id)` and `encode(...)` as async generators of cumulative outputs, `abort(id)`.
+"""vLLM's AsyncLLMEngine (and v1 AsyncLLM) for asyncio programs:
+`AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=...))`, `generate(prompt, params, request_id)` and
+`encode(...)` as async generators, `abort(id)`, `shutdown()`. generate streams as the params' output_kind asks:
+cumulative outputs (the default), deltas (every one reaches the reader; those it has not yet taken come merged into
+one), or only the final output.
 
 The engine runs on its own thread (the server's AsyncEngine): steps never block the event loop, and many
 generate() calls at once are batched together."""
@@ -8,18 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.engine.arg_utils import AsyncEngineArgs
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-
-@dataclass
-class AsyncEngineArgs(EngineArgs):
-    """EngineArgs for AsyncLLMEngine (the same fields; vLLM's name)."""
+__all__ = ["AsyncEngineArgs", "AsyncLLMEngine"]
 
 
 class AsyncLLMEngine:
@@ -37,9 +37,10 @@ class AsyncLLMEngine:
         return cls(LLM(values.pop("model"), **values))
 
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str, **_: Any
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, lora_request: Any = None, **_: Any
     ) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative output after each step that gave it tokens; the last has finished=True."""
+        """The request's output after each step that gave it tokens, as sampling_params.output_kind asks
+        (cumulative, the deltas, or the final output only); the last has finished=True."""
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is already in use")
         core = self.engine.engine
@@ -47,7 +48,7 @@ class AsyncLLMEngine:
         def make_prompts() -> list[tuple[str | None, list[int]]]:
             return [core.parse_prompt(prompt)]
 
-        stream = await self.engine.generate(make_prompts, 1, sampling_params, request_id)
+        stream = await self.engine.generate(make_prompts, 1, sampling_params, request_id, lora_request=lora_request)
         self._streams[request_id] = (stream, f"{request_id}-0")
         try:
             async with stream:

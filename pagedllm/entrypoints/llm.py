@@ -21,7 +21,7 @@ from pagedllm.multimodal.hashing import apply_uuids
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.prompt_embeds import check_engine, embeds_of
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.startup import StartupTimer, log_split, startup_split
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.utils.torch_utils import set_random_seed
@@ -364,6 +364,7 @@ class LLM(PoolingAPI):
         gc.freeze()
         try:
             for i, (requests, state) in enumerate(pending):
+                state.output_kind = RequestOutputKind.FINAL_ONLY  # whole final outputs, whatever the params ask
                 engine.add(requests, state)
                 order[state.req_id] = i
             while engine.has_unfinished_requests():

@@ -5,9 +5,11 @@ changed from two threads at once and the event loop never blocks on a forward pa
 enters (tokenizing, rendering the chat template, checking it, encoding its bad words) runs in a small pool of
 preparation threads (`prepare`), so an expensive or refused request delays only itself, not the running ones.
 
-While any request is unfinished the thread runs `LLMEngine.step()` and hands each request's cumulative
-output to its RequestStream; a stream keeps only the newest output per request (outputs are cumulative), so a slow
-client costs no memory growth. Closing a stream before its requests finish aborts them, freeing their blocks."""
+While any request is unfinished the thread runs `LLMEngine.step()` and hands each request's output to its
+RequestStream; a stream keeps only the newest output per request (outputs are cumulative; a request whose
+output_kind is DELTA, as AsyncLLMEngine's callers may ask, gets the deltas a slow reader has not taken merged into
+one), so a slow client costs no growth beyond its request's text. Closing a stream before its requests finish
+aborts them, freeing their blocks."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +36,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStream:
-    """Outputs of the requests of one API call (one per prompt), as (prompt index, cumulative RequestOutput)."""
+    """Outputs of the requests of one API call (one per prompt), as (prompt index, RequestOutput): cumulative, or
+    with delta=True the deltas since the last one read (several merged when the reader is slower than the engine)."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], delta: bool = False) -> None:
         self.engine = engine
+        self.delta = delta
         self.loop = asyncio.get_running_loop()
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.unfinished = set(request_ids)
@@ -52,7 +56,11 @@ class RequestStream:
             pass
 
     def _put(self, request_id: str, output: RequestOutput | BaseException) -> None:
-        self.latest[request_id] = output
+        unread = self.latest.get(request_id)
+        if self.delta and isinstance(unread, RequestOutput) and isinstance(output, RequestOutput):
+            unread.add(output, aggregate=True)  # not yet read: no delta may be lost
+        else:
+            self.latest[request_id] = output
         self.ready.set()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -218,7 +226,7 @@ class AsyncEngine:
             ]
 
         pending = await self.prepare(make_requests)
-        stream = RequestStream(self, ids)
+        stream = RequestStream(self, ids, params.output_kind == RequestOutputKind.DELTA)
 
         def add() -> None:
             for rid, (requests, state) in zip(ids, pending):

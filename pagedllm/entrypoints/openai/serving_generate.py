@@ -33,6 +33,7 @@ _NOT_IN_BODY = {
     "length_penalty",
     "early_stopping",
     "logit_bias",
+    "output_kind",  # the stream is the server's: cumulative outputs, whatever a body would ask
 }
 BODY_FIELDS = sorted({f.name for f in fields(SamplingParams)} - _NOT_IN_BODY)
 

@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import APIError, StreamOptions, error_body, from_value_error, random_id
 from pagedllm.entrypoints.openai.serving_structured import structured_outputs
 from pagedllm.outputs import Logprob
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI clamps the same way
 
@@ -204,6 +204,7 @@ def sampling_params(state: ServerState, req: Any, **fields: Any) -> SamplingPara
         length_penalty=req.length_penalty,
         early_stopping=req.early_stopping,
         structured_outputs=constraint,
+        output_kind=RequestOutputKind.CUMULATIVE,  # the server computes its stream's deltas itself
         **{k: v for k, v in chosen.items() if v is not None},
         **fields,
     )

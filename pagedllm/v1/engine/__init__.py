@@ -1,0 +1,1 @@
+"""vLLM's `vllm.v1.engine` import paths."""
