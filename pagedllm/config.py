@@ -319,6 +319,9 @@ class EngineConfig:
     lora_config = property(lambda self: self.lora)
 
 
+VllmConfig = EngineConfig  # vLLM's name, as its logits processors' signatures import it
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""
     try:

@@ -352,6 +352,11 @@ class LLMEngine:
 
     engine_config = vllm_config
 
+    @property
+    def model_config(self):
+        """vLLM's LLMEngine.model_config."""
+        return self.config.model
+
     def get_model_config(self):
         return self.config.model
 

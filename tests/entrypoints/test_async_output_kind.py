@@ -135,3 +135,17 @@ def test_vllm_async_llm_streaming_example(char_model, monkeypatch):
     prompts = ["The future of AI is", "In a galaxy far away"]
     texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     assert out == "".join(f"{t}|done\n" for t in texts)
+
+
+def test_shutdown_leaves_no_engine_thread(char_model):
+    """shutdown() ends the engine thread and the preparation threads: a daemon thread still exiting while the
+    interpreter finalizes could abort the process at exit ("terminate called without an active exception")."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    engine = AsyncLLMEngine(LLM(char_model, dtype="float32", kv_cache_memory_bytes=8 << 20))
+    outs = asyncio.run(collect(engine, SamplingParams(temperature=0, max_tokens=4), "t"))
+    assert outs and outs[-1].finished
+    engine.shutdown()
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("pagedllm-")]
+    assert left == []

@@ -16,6 +16,9 @@ def test_llm_engine_example_loop(smollm2):
     assert engine.vllm_config.model_config is engine.get_model_config()  # vLLM's names of the configs
     assert engine.engine_config.scheduler_config is engine.config.scheduler  # as vLLM's spec_decode example
     assert engine.vllm_config.cache_config is engine.config.cache and engine.vllm_config.lora_config is None
+    from pagedllm.config import VllmConfig  # vLLM's name of the type, as its logits processor examples import it
+
+    assert isinstance(engine.vllm_config, VllmConfig) and engine.model_config is engine.get_model_config()
     params = SamplingParams(temperature=0.0, max_tokens=8)
     queue = [(PROMPTS[0], params), ({"prompt": PROMPTS[1]}, params)]
     queue.append(({"prompt_token_ids": engine.get_tokenizer().encode(PROMPTS[2])}, params))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from queue import SimpleQueue
@@ -103,9 +104,14 @@ class DaemonThreads:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Ends the idle threads and waits briefly for them (one still preparing a request is left to finish): a
+        thread that exits while the interpreter finalizes can abort the process."""
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
