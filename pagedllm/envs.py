@@ -44,6 +44,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ("0", "1: the server's /v1/load_lora_adapter and /v1/unload_lora_adapter"),
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": ("5", "seconds the server keeps an idle HTTP connection open"),
+    "VLLM_ENABLE_RESPONSES_API_STORE": (
+        "0",
+        "1: /v1/responses keeps finished responses in memory (any client with the API key may read one by its id) "
+        "for previous_response_id and GET /v1/responses/{id}",
+    ),
 }
 
 _ONE_PROCESS = "the engine runs in the server's (or LLM's) process"
@@ -240,6 +245,10 @@ def attention_backend() -> tuple[str, str] | None:
 
 def allow_runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:
     return _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False, environ)
+
+
+def responses_api_store(environ: Mapping[str, str] | None = None) -> bool:
+    return _flag("VLLM_ENABLE_RESPONSES_API_STORE", False, environ)
 
 
 def http_timeout_keep_alive(environ: Mapping[str, str] | None = None) -> float:

@@ -87,3 +87,13 @@ def block_keys(embeds: torch.Tensor, start: int, end: int) -> tuple:
     rows = embeds[start:end]
     data = rows.view(torch.uint8) if rows.dtype != torch.uint8 else rows  # (bfloat16 has no numpy dtype)
     return (("prompt_embeds", str(rows.dtype), hashlib.sha256(data.numpy().tobytes()).hexdigest()),)
+
+
+class EmbedsPair(tuple):
+    """The server's (text, token ids) pair of a prompt of embeddings: no text, placeholder ids (their count is the
+    prompt's length, which the context check reads), the tensor in `prompt_embeds`."""
+
+    def __new__(cls, embeds: torch.Tensor) -> EmbedsPair:
+        pair = super().__new__(cls, (None, [PLACEHOLDER_ID] * len(embeds)))
+        pair.prompt_embeds = embeds
+        return pair

@@ -23,6 +23,14 @@ _MM_KEYS = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", *_MM_KEYS}
 
 
+def check_request_keywords(priority: int = 0, trace_headers: Any = None) -> None:
+    """vLLM's request keywords that pagedllm supports at their defaults only."""
+    if priority:
+        raise ValueError(f"priority={priority!r}: only first-come-first-served order is supported (priority 0)")
+    if trace_headers:
+        raise ValueError("trace_headers: pagedllm has no OpenTelemetry tracing")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         check_engine(config)  # enable_prompt_embeds on a model that cannot take them: refused before loading
@@ -279,10 +287,20 @@ class LLMEngine:
         with "cache_salt" and, for a multimodal model, "multi_modal_data") or a token-id list (then `prompt_text`,
         if given, is its text). arrival_time is on the wall clock (time.time()); tokenization_kwargs go to the
         tokenizer's encode of a text prompt."""
-        if priority:
-            raise ValueError(f"priority={priority!r}: only first-come-first-served order is supported (priority 0)")
-        if trace_headers:
-            raise ValueError("trace_headers: pagedllm has no OpenTelemetry tracing")
+        check_request_keywords(priority, trace_headers)
+        text, token_ids, features, salt, embeds = self.prompt_parts(prompt, prompt_text, tokenization_kwargs)
+        params = params if params is not None else SamplingParams()
+        requests, state = self.make_request(text, token_ids, params, request_id, salt, lora_request, features, embeds)
+        if arrival_time is not None:
+            state.arrival_time = arrival_time - (time.time() - time.monotonic())  # kept on the monotonic clock
+        self.add(requests, state)
+
+    def prompt_parts(
+        self, prompt: Any, prompt_text: str | None = None, tokenization_kwargs: dict | None = None
+    ) -> tuple[str | None, list[int], list, str | None, Any]:
+        """(text, token ids, MultiModalFeatures, cache_salt, prompt embeddings) of a prompt as vLLM's engines take
+        it: a text, a token-id list, or a prompt dict (an unknown key, or a multimodal key for a text-only model, is
+        a ValueError)."""
         features, salt, embeds = [], None, None
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - _PROMPT_KEYS)
@@ -304,11 +322,7 @@ class LLMEngine:
                 apply_uuids(features, data, prompt.get("multi_modal_uuids"), "prompt")
                 prompt = {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}
         text, token_ids = self.parse_prompt(prompt, prompt_text, tokenization_kwargs) if embeds is None else (None, [])
-        params = params if params is not None else SamplingParams()
-        requests, state = self.make_request(text, token_ids, params, request_id, salt, lora_request, features, embeds)
-        if arrival_time is not None:
-            state.arrival_time = arrival_time - (time.time() - time.monotonic())  # kept on the monotonic clock
-        self.add(requests, state)
+        return text, token_ids, features, salt, embeds
 
     def parse_prompt(
         self, prompt: Any, prompt_text: str | None = None, tokenization_kwargs: dict | None = None

@@ -14,9 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.arg_utils import AsyncEngineArgs
+from pagedllm.engine.llm_engine import check_request_keywords
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine, RequestStream
+from pagedllm.multimodal.inputs import ProcessedPair
 from pagedllm.outputs import RequestOutput
+from pagedllm.prompt_embeds import EmbedsPair
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngineArgs", "AsyncLLMEngine"]
@@ -37,18 +40,32 @@ class AsyncLLMEngine:
         return cls(LLM(values.pop("model"), **values))
 
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str, lora_request: Any = None, **_: Any
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        tokenization_kwargs: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's output after each step that gave it tokens, as sampling_params.output_kind asks
-        (cumulative, the deltas, or the final output only); the last has finished=True."""
+        (cumulative, the deltas, or the final output only); the last has finished=True. `prompt` as
+        LLMEngine.add_request takes it (a prompt dict's cache_salt, multi_modal_data and prompt_embeds too)."""
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        check_request_keywords(priority, trace_headers)
         core = self.engine.engine
 
-        def make_prompts() -> list[tuple[str | None, list[int]]]:
-            return [core.parse_prompt(prompt)]
+        def make_prompts() -> list:  # (in a preparation thread; prompt_parts checks the dict, its cache_salt too)
+            text, ids, features, _, embeds = core.prompt_parts(prompt, None, tokenization_kwargs)
+            if embeds is not None:
+                return [EmbedsPair(embeds)]
+            return [ProcessedPair(text, ids, features) if features else (text, ids)]
 
-        stream = await self.engine.generate(make_prompts, 1, sampling_params, request_id, lora_request=lora_request)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        stream = await self.engine.generate(make_prompts, 1, sampling_params, request_id, cache_salt=salt,
+                                            lora_request=lora_request)  # fmt: skip
         self._streams[request_id] = (stream, f"{request_id}-0")
         try:
             async with stream:

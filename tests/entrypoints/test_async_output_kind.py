@@ -149,3 +149,26 @@ def test_shutdown_leaves_no_engine_thread(char_model):
     engine.shutdown()
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("pagedllm-")]
     assert left == []
+
+
+def test_generate_takes_prompt_dicts_as_add_request_does(char_model):
+    """A prompt dict's cache_salt reaches the request (no prefix shared across salts); an unknown key and a
+    priority other than 0 are errors, not ignored."""
+    engine = AsyncLLMEngine(LLM(char_model, dtype="float32", kv_cache_memory_bytes=8 << 20))
+    text = "the quick brown fox jumps over the lazy dog " * 2
+
+    async def last(prompt, request_id, **kwargs):
+        outs = [o async for o in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2), request_id,
+                                                 **kwargs)]  # fmt: skip
+        return outs[-1]
+
+    try:
+        cached = [asyncio.run(last({"prompt": text, "cache_salt": s}, f"r{i}")).num_cached_tokens
+                  for i, s in enumerate(["t1", "t2", "t1"])]  # fmt: skip
+        assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0, cached
+        with pytest.raises(ValueError, match=r"prompt\.bogus: not supported"):
+            asyncio.run(last({"prompt": text, "bogus": 1}, "x"))
+        with pytest.raises(ValueError, match=r"priority=1: only first-come-first-served"):
+            asyncio.run(last(text, "y", priority=1))
+    finally:
+        engine.shutdown()

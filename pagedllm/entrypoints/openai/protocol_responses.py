@@ -183,7 +183,8 @@ def input_messages(items: str | list | None, where: str = "input") -> list[dict]
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):
-                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+                texts = [p.get("text", "") for p in output if isinstance(p, dict)]
+                output = "".join(_text(t, f"{at}.output[].text") for t in texts)
             call_id = _text(item.get("call_id"), f"{at}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{at}.output")})
         elif kind != "reasoning":

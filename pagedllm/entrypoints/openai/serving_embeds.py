@@ -7,22 +7,15 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import pickle
 
 import torch
 
 from pagedllm.entrypoints.openai.serving_utils import bad
-from pagedllm.prompt_embeds import PLACEHOLDER_ID, check_embeds
+from pagedllm.prompt_embeds import EmbedsPair, check_embeds
 
-
-class EmbedsPair(tuple):
-    """The server's (text, token ids) pair of a prompt of embeddings: no text, placeholder ids (their count is the
-    prompt's length, which the context check reads), the tensor in `prompt_embeds`."""
-
-    def __new__(cls, embeds: torch.Tensor) -> EmbedsPair:
-        pair = super().__new__(cls, (None, [PLACEHOLDER_ID] * len(embeds)))
-        pair.prompt_embeds = embeds
-        return pair
+MAX_SPARSE_ELEMENTS = 1 << 26  # a sparse prompt_embeds' dense size (256 MiB of float32); any real prompt is far less
 
 
 def decode_prompt_embeds(given, enabled: bool) -> list[torch.Tensor]:
@@ -36,13 +29,17 @@ def decode_prompt_embeds(given, enabled: bool) -> list[torch.Tensor]:
         raise bad("prompt_embeds is empty: give at least one base64-encoded tensor", "prompt_embeds")
     tensors = []
     for i, item in enumerate(items):
-        try:
-            tensor = torch.load(io.BytesIO(base64.b64decode(item, validate=True)), weights_only=True,
-                                map_location="cpu")  # fmt: skip
+        try:  # a sparse tensor's indices are checked against its shape (else to_dense would write out of bounds)
+            with torch.sparse.check_sparse_tensor_invariants():
+                tensor = torch.load(io.BytesIO(base64.b64decode(item, validate=True)), weights_only=True,
+                                    map_location="cpu")  # fmt: skip
         except (binascii.Error, pickle.UnpicklingError, ValueError, RuntimeError, EOFError, TypeError) as e:
             message = f"prompt_embeds[{i}]: not a base64-encoded torch.save of a tensor ({type(e).__name__})"
             raise bad(message, "prompt_embeds") from None
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+            if tensor.dim() not in (2, 3) or math.prod(tensor.shape) > MAX_SPARSE_ELEMENTS:  # before allocating it
+                message = f"prompt_embeds[{i}]: a sparse tensor of shape {list(tensor.shape)}: at most "
+                raise bad(message + f"{MAX_SPARSE_ELEMENTS} elements in 2 or 3 dimensions", "prompt_embeds")
             tensor = tensor.to_dense()
         tensors.append(tensor)
     return tensors

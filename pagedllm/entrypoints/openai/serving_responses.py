@@ -4,19 +4,23 @@ outputs, tool parsing), and the reply is written as a `response` object: a `reas
 --reasoning-parser), a `message` item with `output_text`, `function_call` items. Streamed as OpenAI's typed events
 (responses_stream.py).
 
-store (true unless false, as OpenAI): the finished response and its conversation are kept in memory, the newest
-STORE_MAX_RESPONSES within STORE_MAX_CHARS (the oldest dropped first), for GET /v1/responses/{id}, DELETE and a
-later request's previous_response_id; they are lost when the server stops."""
+store, only on a server started with VLLM_ENABLE_RESPONSES_API_STORE=1 (off by default, as vLLM's; there store=true
+and previous_response_id are 400s): a finished response (store not false) and its conversation are kept in memory,
+the newest STORE_MAX_RESPONSES within STORE_MAX_CHARS (the oldest dropped first), for GET /v1/responses/{id}, DELETE
+and a later request's previous_response_id; lost when the server stops. A stored response's id is random; any
+client with the API key may read one by its id."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.protocol import APIError, now
 from pagedllm.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
@@ -36,13 +40,17 @@ STORE_MAX_CHARS = 64 << 20
 class ResponseStore:
     """Finished responses by id with the conversation that led to them (instructions left out), bounded."""
 
-    def __init__(self, max_responses: int = STORE_MAX_RESPONSES, max_chars: int = STORE_MAX_CHARS) -> None:
+    def __init__(
+        self, enabled: bool = True, max_responses: int = STORE_MAX_RESPONSES, max_chars: int = STORE_MAX_CHARS
+    ) -> None:
+        self.enabled = enabled  # VLLM_ENABLE_RESPONSES_API_STORE (off by default, as vLLM's)
         self.max_responses, self.max_chars = max_responses, max_chars
         self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
         self._chars = 0
 
     def put(self, body: dict, messages: list[dict]) -> None:
         size = len(json.dumps(body)) + len(json.dumps(messages))
+        self.delete(body["id"])
         self._items[body["id"]] = (body, messages, size)
         self._chars += size
         while self._items and (len(self._items) > self.max_responses or self._chars > self.max_chars):
@@ -69,9 +77,11 @@ class ResponseJob:
     top_p: float | None
     created_at: int
 
+    keeps: bool = False  # the response goes into the store (enabled, and store not false)
+
     @property
     def store(self) -> bool:
-        return self.req.store is not False
+        return self.keeps
 
     def body(self, status: str, output: list[dict], out: RequestOutput | None, finish_reason: str | None) -> dict:
         """The response object; status "in_progress" while streaming, then "completed" or "incomplete"."""
@@ -165,8 +175,22 @@ def _renamed(e: APIError) -> APIError:
     return e
 
 
+def check_store(store: ResponseStore, req: ResponsesRequest) -> bool:
+    """Whether the response is kept; 400 for store=true or previous_response_id on a server that keeps none."""
+    if not store.enabled:
+        for name, given in (("store", req.store is True), ("previous_response_id", req.previous_response_id)):
+            if given:
+                message = (
+                    f"{name}: this server keeps no responses; start it with VLLM_ENABLE_RESPONSES_API_STORE=1 "
+                    "(as vLLM's), or send store=false"
+                )
+                raise APIError(message, 400, param=name)
+    return store.enabled and req.store is not False
+
+
 async def create_response(state: ServerState, store: ResponseStore, req: ResponsesRequest, raw: Request):
     refuse_fields(req)
+    keeps = check_store(store, req)
     history: list[dict] = []
     if req.previous_response_id is not None:
         found = store.get(req.previous_response_id)
@@ -179,13 +203,14 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         body, messages = found
         history = messages + input_messages(body["output"], "output")
     chat_req = to_chat_request(req, history)
-    request_id = "resp_" + response_id("resp", req, raw)[len("resp-") :]
+    # a stored response's id is random (never the client's request_id or X-Request-Id): ids cannot be guessed
+    request_id = "resp_" + (uuid.uuid4().hex if keeps else response_id("resp", req, raw)[len("resp-") :])
     try:
         chat, params, make_prompts, check = prepare_chat(state, chat_req, raw, request_id)
         stream = await generate_chat(state, chat, params, make_prompts, check)
     except APIError as e:
         raise _renamed(e) from None
-    job = ResponseJob(req, chat, params.temperature, params.top_p, now())
+    job = ResponseJob(req, chat, params.temperature, params.top_p, now(), keeps)
     conversation = chat_req.messages[1:] if req.instructions else chat_req.messages
 
     def finished(body: dict) -> None:
@@ -206,7 +231,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    store = ResponseStore()
+    store = ResponseStore(enabled=envs.responses_api_store())
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request):

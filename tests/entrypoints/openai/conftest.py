@@ -145,6 +145,7 @@ def server_process(smollm2):
         ],
         api_key=API_KEY,
         model=MODEL_NAME,
+        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},  # /v1/responses' store (off by default)
     )
     yield server
     server.stop()

@@ -72,6 +72,11 @@ def _run(llm: LLM, bodies: list[dict]) -> list[tuple[int, dict]]:
         engine.stop()
 
 
+def _bad_sparse() -> torch.Tensor:
+    indices = torch.tensor([[0, 100000], [0, 1]])
+    return torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0]), (4, 64), check_invariants=False)
+
+
 def test_completions_take_base64_prompt_embeds(tiny):
     hf, path = tiny
     llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
@@ -88,6 +93,13 @@ def test_completions_take_base64_prompt_embeds(tiny):
         {"prompt_embeds": _b64(embeds), "echo": True, **greedy},
         {"prompt_embeds": _b64(embeds), "use_beam_search": True, "n": 2, **greedy},
         {**greedy},
+        {"prompt_embeds": _b64(_bad_sparse()), **greedy},  # an index past its shape: to_dense would write out of it
+        {
+            "prompt_embeds": _b64(
+                torch.sparse_coo_tensor(torch.zeros(2, 1, dtype=torch.long), [1.0], (1 << 20, 1 << 10))
+            ),
+            **greedy,
+        },  # a dense size of 2**30 elements: refused before it is allocated
     ]
     (ok, mixed), (_, tokens), (sparse_ok, sparse), *refused = _run(llm, bodies)
     assert ok == 200 and len(mixed["choices"]) == 3
@@ -106,6 +118,8 @@ def test_completions_take_base64_prompt_embeds(tiny):
     assert messages[2][0] == 400 and "echo: a prompt of embeddings" in messages[2][1]
     assert messages[3][0] == 400 and "beam search takes text or token prompts" in messages[3][1]
     assert messages[4][0] == 400 and "give prompt or prompt_embeds" in messages[4][1]
+    assert messages[5][0] == 400 and "prompt_embeds[0]: not a base64-encoded torch.save" in messages[5][1]
+    assert messages[6][0] == 400 and "a sparse tensor of shape [1048576, 1024]: at most" in messages[6][1]
     off = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
               kv_cache_memory_bytes=1 << 22)  # fmt: skip
     [(status, body)] = _run(off, [{"prompt_embeds": _b64(embeds), **greedy}])

@@ -216,6 +216,24 @@ def test_store_retrieve_previous_response_and_delete(client):
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    named = client.responses.create(input="Hi", max_output_tokens=2, extra_body={"request_id": "mine"}, **GREEDY)
+    assert named.store is True and named.id != "resp_mine"  # a stored response's id is random: never guessed
+
+
+def test_a_server_without_the_store_refuses_what_needs_it():
+    """VLLM_ENABLE_RESPONSES_API_STORE unset (vLLM's default): nothing is kept; store=true and
+    previous_response_id are 400s naming the field, and the default (store unset) keeps nothing."""
+    from pagedllm.entrypoints.openai.protocol import APIError
+    from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import check_store
+
+    off, on = ResponseStore(enabled=False), ResponseStore(enabled=True)
+    assert check_store(off, ResponsesRequest(input="x")) is False and check_store(on, ResponsesRequest(input="x"))
+    assert check_store(on, ResponsesRequest(input="x", store=False)) is False
+    for fields, param in (({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id")):
+        with pytest.raises(APIError, match=f"{param}: this server keeps no responses") as info:
+            check_store(off, ResponsesRequest(input="x", **fields))
+        assert info.value.param == param
 
 
 @pytest.mark.parametrize(
@@ -234,6 +252,7 @@ def test_store_retrieve_previous_response_and_delete(client):
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
         ({"input": None}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"text": 3}]}]}, "input"),  # was a 500
         ({"n": 2}, "n"),
         ({"previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text"),
