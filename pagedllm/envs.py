@@ -44,6 +44,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ("0", "1: the server's /v1/load_lora_adapter and /v1/unload_lora_adapter"),
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": ("5", "seconds the server keeps an idle HTTP connection open"),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": (
+        "1",
+        "0: `LLM(seed=S)` also seeds the caller's `random`, numpy and torch generators, as vLLM's engine does when it "
+        "runs in the caller's process (pagedllm's engine always does; the variable only chooses this)",
+    ),
     "VLLM_ENABLE_RESPONSES_API_STORE": (
         "0",
         "1: /v1/responses keeps finished responses in memory (any client with the API key may read one by its id) "
@@ -58,7 +63,6 @@ _BUILD = "pagedllm has no build step (Python, Triton and a small C kernel compil
 # The README's table is written from this.
 IGNORED_ENV_VARS: dict[str, str] = {
     "VLLM_USE_V1": "one engine (no V0 / V1 choice)",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": _ONE_PROCESS,
     "VLLM_WORKER_MULTIPROC_METHOD": "tensor-parallel workers are always spawned",
     "VLLM_HOST_IP": "no multi-node setup to address: distributed ranks run on one host (or through Ray)",
     "VLLM_PORT": "the workers' ports are picked free at start",
@@ -245,6 +249,12 @@ def attention_backend() -> tuple[str, str] | None:
 
 def allow_runtime_lora_updating(environ: Mapping[str, str] | None = None) -> bool:
     return _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False, environ)
+
+
+def seeds_caller_generators(environ: Mapping[str, str] | None = None) -> bool:
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine then runs in the caller's process and its seed reaches the
+    caller's global generators (vLLM's reproducibility example relies on it)."""
+    return not _flag("VLLM_ENABLE_V1_MULTIPROCESSING", True, environ)
 
 
 def responses_api_store(environ: Mapping[str, str] | None = None) -> bool:

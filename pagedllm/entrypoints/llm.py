@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search, token_logprobs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine
@@ -114,7 +115,7 @@ class LLM(PoolingAPI):
                 self.llm_engine = engine_cls(config, tok)
             else:
                 self.llm_engine = self.data_parallel.build_local(lambda: engine_cls(config, tok))
-        if seed is not None:  # the caller's random, numpy and torch generators, as vLLM's engine in this process
+        if seed is not None and envs.seeds_caller_generators():  # as vLLM's engine in the caller's process
             set_random_seed(seed)
         # seconds per start-up phase (pagedllm/startup.py), for benchmarks; logged in one line
         self.startup_seconds = startup_split(timer, self.llm_engine)

@@ -22,8 +22,11 @@ class GemmaModel(LlamaModel):
     layer_cls = GemmaDecoderLayer
     norm_cls = GemmaRMSNorm
 
-    def embed_inputs(self, embeds: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        return embeds * torch.tensor(self.embed_tokens.weight.shape[1] ** 0.5, dtype=embeds.dtype)  # as HF rounds it
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        """Token rows times sqrt(hidden), as HF's scaled embedding module rounds it. HF's inputs_embeds (what
+        get_input_embeddings() gives: prompt embeddings) are already scaled, so embed_inputs keeps them as they are."""
+        embeds = self.embed_tokens(input_ids)
+        return embeds * torch.tensor(self.embed_tokens.weight.shape[1] ** 0.5, dtype=embeds.dtype)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
 
     def embed_inputs(self, embeds: torch.Tensor) -> torch.Tensor:
         """The decoder's input from rows of the input-embedding table (HF's `inputs_embeds`, what
-        `get_input_embeddings()` gives): a family that scales them (Gemma, Granite) overrides this."""
+        `get_input_embeddings()` gives): a family whose HF forward scales them (Granite) overrides this."""
         return embeds
 
     def forward(

@@ -68,7 +68,7 @@ class XgrammarBackend:
             if kind == "choice":  # one alternative per choice, each a quoted literal (json.dumps escapes it)
                 return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
             if kind == "grammar":
-                if is_lark(spec):  # vLLM's rule; the guidance backend reads Lark
+                if is_lark(spec):  # vLLM converts simple Lark for xgrammar; here guidance reads it
                     raise ValueError("it is a Lark grammar (no `::=`): xgrammar reads GBNF only; use guidance")
                 return xgr.Grammar.from_ebnf(spec)
             return _structural_tag(spec)

@@ -1,5 +1,6 @@
-"""LLM(seed=S) seeds the caller's random, numpy and torch generators, as vLLM's engine does in the caller's process
-(its reproducibility example draws random.randint after LLM(seed=42)); seed=None leaves them alone."""
+"""With VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's in-process engine, which its reproducibility example sets before
+drawing random.randint after LLM(seed=42)), LLM(seed=S) seeds the caller's random, numpy and torch generators;
+without it (vLLM's default: its engine in another process) or with seed=None they are left alone."""
 
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ def draws() -> tuple:
     return random.randint(0, 10**9), int(np.random.randint(0, 10**9)), int(torch.randint(0, 10**9, ()))
 
 
-def test_the_seed_reaches_the_global_generators(tiny_llama):
+def test_the_seed_reaches_the_global_generators(tiny_llama, monkeypatch):
     base = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
+    random.seed(42), np.random.seed(42), torch.manual_seed(42)
+    LLM(tiny_llama, seed=7, **base)  # vLLM's default: the caller's generators are untouched
+    assert draws() == (random.seed(42), np.random.seed(42), torch.manual_seed(42), draws())[-1]
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     random.seed(42), np.random.seed(42), torch.manual_seed(42)
     expected = draws()
     random.seed(1), np.random.seed(1), torch.manual_seed(1)

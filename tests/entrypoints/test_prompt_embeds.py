@@ -4,6 +4,7 @@ with token prompts, with chunked prefill, preemption and prefix caching (no hit 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -158,9 +159,16 @@ def test_refusals(tiny, tmp_path_factory):
     ids=lambda f: f[0],
 )
 def test_other_decoders_match_hf_generate_from_inputs_embeds(family, tmp_path_factory):
-    """Through the shared seam (LlamaModel.embed_inputs): Gemma scales HF's inputs_embeds by sqrt(hidden) as HF does."""
+    """Through the shared seam (LlamaModel.embed_inputs): HF's inputs_embeds as get_input_embeddings() gives them
+    (Gemma's already scaled by sqrt(hidden) there) give the token prompt's tokens and logprobs."""
     name, config_cls, model_cls, kwargs = family
     hf, path = save_tiny_decoder(f"{name}-embeds", config_cls, model_cls, kwargs, tmp_path_factory)
     embeds = embeds_of(hf, PROMPTS[0])
-    out = make_llm(path).generate(EmbedsPrompt(prompt_embeds=embeds), GREEDY, use_tqdm=False)[0]
+    llm = make_llm(path)
+    out = llm.generate(EmbedsPrompt(prompt_embeds=embeds), GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_from_embeds(hf, embeds, 8)
+    tokens, logprobs = tokens_and_logprobs(out)
+    ref_tokens, ref_logprobs = tokens_and_logprobs(llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                                                                use_tqdm=False)[0])  # fmt: skip
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4, rtol=0)
