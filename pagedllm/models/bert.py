@@ -243,11 +243,17 @@ class BertForSequenceClassification(nn.Module):
 
 
 class BertForTokenClassification(nn.Module):
-    """Per-token labels (NER): every token's final state -> classifier [num_labels] (HF's dropout is a no-op)."""
+    """Per-token labels (NER): every token's final state -> classifier [num_labels] (HF's dropout is a no-op). A
+    subclass names another encoder (`encoder_name`, `make_encoder`): RoBERTa's."""
 
     is_causal = False
     supports_tensor_parallel = True
     uses_token_type_ids = True
+    encoder_name = "bert"  # the encoder's attribute, and its checkpoint prefix
+
+    @staticmethod
+    def make_encoder(config, quant_config, prefix: str, max_position: int | None) -> nn.Module:
+        return BertModel(config, quant_config, prefix, max_position=max_position)
 
     def __init__(
         self,
@@ -260,21 +266,26 @@ class BertForTokenClassification(nn.Module):
         super().__init__()
         self.config = config
         self.num_labels = int(config.num_labels)
-        self.bert = BertModel(config, quant_config, join_prefix(prefix, "bert"), max_position=max_position)
+        encoder = self.make_encoder(config, quant_config, join_prefix(prefix, self.encoder_name), max_position)
+        setattr(self, self.encoder_name, encoder)
         classifier_prefix = join_prefix(prefix, "classifier")
         self.classifier = ReplicatedLinear(config.hidden_size, self.num_labels, True, quant_config, classifier_prefix)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self.bert(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
+        encoder = getattr(self, self.encoder_name)
+        if not self.uses_token_type_ids:
+            return encoder(input_ids, positions)  # [num_tokens, hidden]
+        return encoder(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] token states -> [num_tokens, num_labels] float32 logits."""
         return self.classifier(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_bert_weights(self, weights, prefix="bert.")
+        name = self.encoder_name + "."
+        return load_bert_weights(self, weights, prefix=name, base=name)
 
 
 def _renamer(prefix: str, base: str) -> Callable[[str], str]:

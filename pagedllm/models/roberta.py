@@ -97,27 +97,11 @@ class RobertaForTokenClassification(BertForTokenClassification):
     """Per-token labels (NER) over RoBERTa: every token's final state -> classifier [num_labels]."""
 
     uses_token_type_ids = False
+    encoder_name = "roberta"
 
-    def __init__(
-        self,
-        config,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-        *,
-        max_position: int | None = None,
-    ) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.num_labels = int(config.num_labels)
-        self.roberta = RobertaModel(config, quant_config, join_prefix(prefix, "roberta"), max_position=max_position)
-        classifier_prefix = join_prefix(prefix, "classifier")
-        self.classifier = ReplicatedLinear(config.hidden_size, self.num_labels, True, quant_config, classifier_prefix)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.roberta(input_ids, positions)  # [num_tokens, hidden]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_bert_weights(self, weights, prefix="roberta.", base="roberta.")
+    @staticmethod
+    def make_encoder(config, quant_config, prefix: str, max_position: int | None) -> nn.Module:
+        return RobertaModel(config, quant_config, prefix, max_position=max_position)
 
 
 class XLMRobertaForTokenClassification(RobertaForTokenClassification):

@@ -65,27 +65,14 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+class SamplingExtras(_Request):
+    """The sampling fields that completions, chat completions and responses share (OpenAI's, then vLLM's)."""
 
-    model: str | None = None
-    n: int = 1
-    best_of: int | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    max_tokens: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -99,9 +86,27 @@ class _SamplingFields(_Request):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
-    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     priority: int = 0  # vLLM's priority scheduling; requests here are served first come, first served: only 0
     request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id is <kind>-<it>
+
+
+class _SamplingFields(SamplingExtras):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    max_tokens: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM's extra sampling fields
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     # beam search (best_of beams, the n best returned); the other two apply only with it
     use_beam_search: bool = False
     length_penalty: float = 1.0

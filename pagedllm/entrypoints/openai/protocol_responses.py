@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, _Request
+from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, SamplingExtras
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -66,7 +66,7 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(message, 400, param=param)
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(SamplingExtras):
     model: str | None = None
     input: str | list[dict[str, Any]] | None = Field(default=None, examples=["Say hello."])
     instructions: str | None = None
@@ -93,27 +93,7 @@ class ResponsesRequest(_Request):
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     prompt_cache_key: str | None = None
-    # vLLM's extra sampling fields (as on chat completions)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logit_bias: dict[str, float] | None = None
-    truncate_prompt_tokens: int | None = None
-    cache_salt: str | None = None
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
-    priority: int = 0
+    # (the sampling fields are SamplingExtras', as on chat completions) vLLM's other extras
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's constraint field (or text.format, not both)
